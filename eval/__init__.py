@@ -1,0 +1,1 @@
+"""The eval harness (importable as ``mxq.eval``): perplexity, per-layer error, speed."""
