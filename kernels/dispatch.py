@@ -1,14 +1,80 @@
-"""Pick the MX linear implementation for the device at hand."""
+"""Pick the MX linear implementation for the device at hand.
+
+- CUDA, compute capability >= 10 (Blackwell): ``tl.dot_scaled``, the native MX MMA.
+- other CUDA devices (Hopper, sm_90): the exact emulation in ``gemm.mx_gemm``; W8A8 rounds X to
+  MX along K first (``quantize.fake_quantize_mx_rows``, bf16 out, exact).
+- CPU, or Triton absent: ``mx_linear_reference`` (the function every path must compute).
+
+Nothing here syncs the host: the path depends only on the device and dtypes, tile shapes only
+on tensor shapes, so ``mx_linear`` can be captured in a CUDA graph once it has been compiled.
+"""
 
 from __future__ import annotations
 
 import torch
-
-from mxq.formats import ElemFormat, ScaleRule
 from mxq.kernels.reference import mx_linear_reference
+
+from mxq.formats import ElemFormat, ScaleRule, as_elem_format, as_scale_rule
+
+try:
+    from mxq.kernels import gemm as _gemm
+    from mxq.kernels import quantize as _quantize
+
+    HAS_TRITON = True
+except ImportError:  # no triton wheel (macOS, Windows): the reference runs everywhere
+    _gemm = _quantize = None
+    HAS_TRITON = False
+
+_CAPABILITY: dict[int, tuple[int, int]] = {}
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _CAPABILITY:
+        _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
+    return _CAPABILITY[idx]
+
+
+def pack_weight(weight: torch.Tensor, weight_scale: torch.Tensor, block_size: int = 32):
+    """The weight arranged for the kernels; ``mx_linear(x, packed, None, ...)`` accepts it."""
+    if not HAS_TRITON:
+        raise RuntimeError("pack_weight needs Triton; call mx_linear with (weight, weight_scale)")
+    return _gemm.pack_weight(weight, weight_scale, block_size)
 
 
 def mx_linear(
+    x: torch.Tensor,
+    weight,
+    weight_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    *,
+    act_elem: ElemFormat | None = None,
+    act_rule: ScaleRule = ScaleRule.RCEIL,
+    block_size: int = 32,
+) -> torch.Tensor:
+    """Y = X · Wᵀ (+ bias) for an MX weight; see ``mx_linear_reference`` for the contract.
+
+    ``weight`` is fp8 [N, K] with ``weight_scale`` uint8 [N, K/block_size], or a
+    ``pack_weight`` result with ``weight_scale=None``.
+    """
+    if HAS_TRITON and isinstance(weight, _gemm.PackedMXWeight):
+        if weight.block_size != block_size:
+            raise ValueError(f"weight packed with block_size={weight.block_size}, called with {block_size}")
+        weight, weight_scale = weight.data, weight.scales
+    if weight_scale is None:
+        raise ValueError("weight_scale is required unless weight comes from pack_weight")
+    if not (HAS_TRITON and x.is_cuda):
+        return mx_linear_reference(
+            x, weight, weight_scale, bias, act_elem=act_elem, act_rule=act_rule, block_size=block_size
+        )
+    native = _capability(x.device)[0] >= 10
+    return mx_linear_triton(
+        x, weight, weight_scale, bias, act_elem=act_elem, act_rule=act_rule,
+        block_size=block_size, native=native,
+    )  # fmt: skip
+
+
+def mx_linear_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
@@ -17,8 +83,26 @@ def mx_linear(
     act_elem: ElemFormat | None = None,
     act_rule: ScaleRule = ScaleRule.RCEIL,
     block_size: int = 32,
+    native: bool = False,
 ) -> torch.Tensor:
-    """Y = X · Wᵀ (+ bias) for an MX weight; see ``mx_linear_reference`` for the contract."""
-    return mx_linear_reference(
-        x, weight, weight_scale, bias, act_elem=act_elem, act_rule=act_rule, block_size=block_size
-    )
+    """The Triton path on any device Triton runs on (also the CPU interpreter, for tests).
+
+    ``native`` selects ``tl.dot_scaled`` (sm_100+); it falls back to the emulation where
+    dot_scaled cannot take the operands (block_size != 32, fp32 activations in W8A16).
+    """
+    k = x.shape[-1]
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if act_elem is not None:
+        act_elem, act_rule = as_elem_format(act_elem), as_scale_rule(act_rule)
+    if native and block_size == 32 and (act_elem is not None or x.dtype != torch.float32):
+        if act_elem is not None:
+            xq, xs = _quantize.quantize_mx_rows(x2, act_elem, act_rule, block_size)
+        else:
+            xq, xs = x2, None
+        y = _gemm.mx_gemm_dot_scaled(xq, xs, weight, weight_scale, bias, out_dtype=x.dtype)
+    else:
+        if act_elem is not None:
+            x2 = _quantize.fake_quantize_mx_rows(x2, act_elem, act_rule, block_size, out_dtype=torch.bfloat16)
+        y = _gemm.mx_gemm(x2, weight, weight_scale, bias, out_dtype=x.dtype, block_size=block_size)
+    return y.reshape(*lead, weight.shape[0])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mxq.formats import ElemFormat, MXTensor, ScaleRule, fake_quantize_mx
+from mxq.formats import ElemFormat, MXTensor, ScaleRule, fake_quantize_mx, quantize_mx
 
 
 def mx_linear_reference(
@@ -41,3 +41,22 @@ def _elem_of(weight: torch.Tensor) -> ElemFormat:
     if weight.dtype == torch.float8_e5m2:
         return E5M2
     raise TypeError(f"MX weight must be float8_e4m3fn or float8_e5m2, got {weight.dtype}")
+
+
+def quantize_mx_rows(
+    x: torch.Tensor, elem: ElemFormat | str, rule: ScaleRule | str = ScaleRule.RCEIL, block_size: int = 32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """X [..., K] -> (fp8 data [..., Kp], uint8 scales [..., K/bs]): what quantize.py computes."""
+    t = quantize_mx(x, -1, elem, block_size, rule)
+    return t.data, t.scales
+
+
+def fake_quantize_mx_rows(
+    x: torch.Tensor,
+    elem: ElemFormat | str,
+    rule: ScaleRule | str = ScaleRule.RCEIL,
+    block_size: int = 32,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The MX-rounded values of X (blocks along K) in ``out_dtype`` (default x.dtype)."""
+    return fake_quantize_mx(x.to(torch.float32), -1, elem, block_size, rule).to(out_dtype or x.dtype)

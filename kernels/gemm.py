@@ -1,0 +1,372 @@
+"""MX GEMM, Y = X·Wᵀ (+ bias), with W in MXFP8 ([N, K] fp8, [N, K/32] E8M0 scales).
+
+Hopper (sm_90) has no block-scaled MMA, so the kernel computes the transposed product
+Yᵀ = W·Xᵀ with the MX weight as the *left* operand: each [BLOCK_N, BLOCK_K] weight tile is
+loaded as fp8, multiplied by its power-of-two scales and converted to the dot dtype in
+registers (wgmma takes its left operand from registers, so the conversion never goes back
+through shared memory), while the activation tile, already in the dot dtype, is the right
+operand fed from shared memory. Both conversions are exact: an fp8 value times 2**e has at
+most four significant bits, so bf16 holds it, and the fp32 accumulator sums exact products.
+The result equals an fp32 product of the dequantized operands up to accumulation order.
+
+- W8A16 (bf16 X): X goes in as is. fp16/fp32 X would lose bits in bf16, so they run the same
+  kernel with fp32 operands and fp32 FMA (`input_precision="ieee"`): exact, slow.
+- W8A8: X is first rounded to MX along K by ``quantize.fake_quantize_mx_rows`` into bf16
+  (exact, see quantize.py), then multiplied as in W8A16.
+- Decode (small M): the same kernel with a narrow activation tile (16..64) is a weight
+  stream; when N / BLOCK_N programs leave SMs idle, K is split and fp32 partials are summed
+  (with the bias and the cast) by ``_splitk_reduce_kernel``.
+- sm_100+: ``_dot_scaled_kernel`` uses ``tl.dot_scaled``, the native MX MMA there. On Hopper
+  Triton emulates it by upcasting both operands (slow); it is kept as a baseline.
+
+The Triton interpreter (CPU tests) computes bf16 dots wrongly and does not run
+``tl.dot_scaled``; the dot dtype is a constexpr so the same kernel runs there with fp32.
+Reference: ``mxq.kernels.reference.mx_linear_reference``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from mxq.formats import E4M3, E5M2, ElemFormat
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int  # activation rows per program (the MMA's N side)
+    block_n: int  # weight rows per program (the MMA's M side)
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    split_k: int = 1
+    group: int = 8  # programs along M sharing one weight panel, for L2 reuse
+
+
+@triton.jit
+def _e8m0_to_f32(s):
+    """Biased E8M0 bytes -> fp32 2**(s-127); byte 0 -> 2**-127, 255 -> NaN (as mxq.formats)."""
+    si = s.to(tl.int32)
+    f = (si << 23).to(tl.float32, bitcast=True)
+    f = tl.where(si == 0, 5.877471754111438e-39, f)
+    return tl.where(si == 255, float("nan"), f)
+
+
+@triton.jit
+def _mx_gemm_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
+    M, N, K, K_SPLIT, M_BUCKET,
+    stride_xm, stride_wn, stride_sn, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BS: tl.constexpr,
+    GROUP: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    # Grouped order: GROUP consecutive programs walk M under one weight panel.
+    per_group = GROUP * num_n
+    first_m = (pid // per_group) * GROUP
+    group_m = min(num_m - first_m, GROUP)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    # Out-of-range rows/cols read row 0 instead of being masked: their results are never stored.
+    rn = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    rm = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
+    NB: tl.constexpr = BLOCK_K // BS
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_b = tl.arange(0, NB)
+
+    k_lo = pid_k * K_SPLIT
+    k_hi = min(k_lo + K_SPLIT, K)
+    w_ptrs = w_ptr + rn[:, None] * stride_wn + (k_lo + offs_k)[None, :]
+    s_ptrs = s_ptr + rn[:, None] * stride_sn + (k_lo // BS + offs_b)[None, :]
+    x_ptrs = x_ptr + rm[None, :] * stride_xm + (k_lo + offs_k)[:, None]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            sc = tl.load(s_ptrs)
+            xt = tl.load(x_ptrs)
+        else:
+            kmask = (k + offs_k) < k_hi
+            w = tl.load(w_ptrs, mask=kmask[None, :], other=0.0)
+            sc = tl.load(s_ptrs, mask=((k + offs_b * BS) < k_hi)[None, :], other=127)
+            xt = tl.load(x_ptrs, mask=kmask[:, None], other=0.0)
+        wf = tl.reshape(w.to(tl.float32), (BLOCK_N, NB, BS)) * _e8m0_to_f32(sc)[:, :, None]
+        wd = tl.reshape(wf, (BLOCK_N, BLOCK_K)).to(DOT)
+        acc = tl.dot(wd, xt.to(DOT), acc, input_precision=PRECISION)
+        w_ptrs += BLOCK_K
+        s_ptrs += NB
+        x_ptrs += BLOCK_K
+
+    out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    y_offs = offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            out += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + y_offs, out.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(y_ptr + pid_k.to(tl.int64) * M * N + y_offs, out, mask=mask)
+
+
+@triton.jit
+def _splitk_reduce_kernel(
+    p_ptr, b_ptr, y_ptr, MN, N,
+    SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in tl.static_range(SPLIT_K):
+        acc += tl.load(p_ptr + i * MN + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dot_scaled_kernel(
+    x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
+    M, N, K,
+    stride_xm, stride_xsm, stride_wn, stride_sn, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    X_FMT: tl.constexpr, W_FMT: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
+    rn = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_b = tl.arange(0, BLOCK_K // 32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        kmask = (k + offs_k) < K
+        bmask = (k + offs_b * 32) < K
+        a = tl.load(x_ptr + rm[:, None] * stride_xm + (k + offs_k)[None, :], mask=kmask[None, :], other=0.0)
+        b = tl.load(w_ptr + rn[None, :] * stride_wn + (k + offs_k)[:, None], mask=kmask[:, None], other=0.0)
+        bs = tl.load(s_ptr + rn[:, None] * stride_sn + (k // 32 + offs_b)[None, :], mask=bmask[None, :], other=127)
+        if X_FMT == "bf16" or X_FMT == "fp16":
+            acc = tl.dot_scaled(a, None, X_FMT, b, bs, W_FMT, acc)
+        else:
+            xs = tl.load(xs_ptr + rm[:, None] * stride_xsm + (k // 32 + offs_b)[None, :], mask=bmask[None, :], other=127)
+            acc = tl.dot_scaled(a, xs, X_FMT, b, bs, W_FMT, acc)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------
+# Python side
+# --------------------------------------------------------------------------------------
+
+_TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def pick_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
+    """Tile shape and split-K from the shape alone (no device sync, no timing)."""
+    if INTERPRET or device.type != "cuda":
+        split = 2 if k >= 128 else 1
+        return GemmConfig(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=1, split_k=split)
+    if m <= 64:
+        block_m = max(16, triton.next_power_of_2(m))
+        block_n, block_k = 64, 256
+        tiles = triton.cdiv(n, block_n)
+        sms = _sm_count(device)
+        split = 1
+        # Split K until every SM has at least one program, keeping >= 2 K steps per split.
+        while tiles * split < sms and k // (split * 2) >= 2 * block_k:
+            split *= 2
+        return GemmConfig(block_m, block_n, block_k, num_warps=4, num_stages=4, split_k=split)
+    if m <= 128:
+        return GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)
+    return GemmConfig(block_m=256, block_n=128, block_k=64, num_warps=8, num_stages=3)
+
+
+def mx_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    out_dtype: torch.dtype | None = None,
+    config: GemmConfig | None = None,
+    block_size: int = 32,
+) -> torch.Tensor:
+    """Y [M, N] = X [M, K] · dequant(W)ᵀ (+ bias), X used as given (bf16 / fp16 / fp32).
+
+    The emulation kernel above; W8A8 callers round X to MX first (see dispatch.mx_linear).
+    """
+    if x.dim() != 2:
+        raise ValueError(f"mx_gemm takes X as [M, K], got shape {tuple(x.shape)}")
+    if x.dtype not in _TL_DTYPE:
+        raise TypeError(f"X must be bfloat16, float16 or float32, got {x.dtype}")
+    if weight.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise TypeError(f"MX weight must be float8_e4m3fn or float8_e5m2, got {weight.dtype}")
+    if weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"weight must be [N, K={x.shape[1]}], got {tuple(weight.shape)}")
+    m, k = x.shape
+    n = weight.shape[0]
+    if k % block_size:
+        raise ValueError(f"K={k} must be a multiple of block_size={block_size}")
+    if weight_scale.dtype != torch.uint8 or tuple(weight_scale.shape) != (n, k // block_size):
+        raise ValueError(
+            f"weight_scale must be uint8 [{n}, {k // block_size}], got {weight_scale.dtype} {tuple(weight_scale.shape)}"
+        )
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    if weight_scale.stride(1) != 1:
+        weight_scale = weight_scale.contiguous()
+    out_dtype = out_dtype or x.dtype
+    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    if k == 0:
+        return y.zero_() if bias is None else y.copy_(bias.to(out_dtype).expand(m, n))
+    cfg = config or pick_config(m, n, k, x.device)
+    if cfg.block_k % block_size:
+        raise ValueError(f"block_k={cfg.block_k} must be a multiple of block_size={block_size}")
+    if INTERPRET or x.dtype != torch.bfloat16:
+        dot, precision = tl.float32, "ieee"
+        if INTERPRET and x.dtype == torch.bfloat16:
+            x = x.float()
+    else:
+        dot, precision = tl.bfloat16, "tf32"  # precision is ignored for bf16 operands
+    split = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
+    k_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(k, k_split)
+    even_k = k % cfg.block_k == 0 and k_split % cfg.block_k == 0
+    target = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
+    _mx_gemm_kernel[grid](
+        x, weight, weight_scale, bias if bias is not None else weight_scale, target,
+        m, n, k, k_split, triton.next_power_of_2(m),
+        x.stride(0), weight.stride(0), weight_scale.stride(0), n,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BS=block_size,
+        GROUP=cfg.group, DOT=dot, PRECISION=precision,
+        HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_K=even_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if split > 1:
+        block = 1024
+        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
+            target, bias if bias is not None else target, y, m * n, n,
+            SPLIT_K=split, BLOCK=block, HAS_BIAS=bias is not None, num_warps=4,
+        )  # fmt: skip
+    return y
+
+
+_FMT = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def mx_gemm_dot_scaled(
+    x: torch.Tensor,
+    x_scale: torch.Tensor | None,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    block_m: int = 128,
+    block_n: int = 128,
+    block_k: int = 128,
+    num_warps: int = 8,
+    num_stages: int = 3,
+) -> torch.Tensor:
+    """Y = X·Wᵀ through ``tl.dot_scaled``: X MXFP8 (data + [M, K/32] scales) or bf16/fp16.
+
+    Native block-scaled MMA on sm_100+; on sm_90 Triton emulates it (the baseline to beat).
+    """
+    if x.dtype not in _FMT or weight.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise TypeError(f"unsupported dtypes for dot_scaled: X {x.dtype}, W {weight.dtype}")
+    m, k = x.shape
+    n = weight.shape[0]
+    if k % 32 or weight.shape[1] != k or tuple(weight_scale.shape) != (n, k // 32):
+        raise ValueError(f"shape mismatch: X {tuple(x.shape)}, W {tuple(weight.shape)}, scales {tuple(weight_scale.shape)}")
+    is_mx = x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    if is_mx and (x_scale is None or tuple(x_scale.shape) != (m, k // 32)):
+        raise ValueError(f"MX activations need x_scale [{m}, {k // 32}]")
+    x, weight, weight_scale = x.contiguous(), weight.contiguous(), weight_scale.contiguous()
+    xs = x_scale.contiguous() if is_mx else weight_scale
+    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _dot_scaled_kernel[grid](
+        x, xs, weight, weight_scale, bias if bias is not None else weight_scale, y,
+        m, n, k,
+        x.stride(0), xs.stride(0), weight.stride(0), weight_scale.stride(0), n,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        X_FMT=_FMT[x.dtype], W_FMT=_FMT[weight.dtype], HAS_BIAS=bias is not None,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return y
+
+
+@dataclass(frozen=True)
+class PackedMXWeight:
+    """An MX weight arranged for ``mx_linear``: what ``pack_weight`` returns.
+
+    Pass it in place of ``weight`` (with ``weight_scale=None``). Today the layout is the
+    checkpoint's own ([N, K] fp8 row-major, [N, K/32] scales), made contiguous once, so
+    packing costs nothing per call; the type exists so a kernel-specific layout can be
+    introduced without touching callers.
+    """
+
+    data: torch.Tensor  # fp8 [N, K]
+    scales: torch.Tensor  # uint8 [N, K / block_size]
+    block_size: int = 32
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+
+def pack_weight(weight: torch.Tensor, weight_scale: torch.Tensor, block_size: int = 32) -> PackedMXWeight:
+    """Arrange an MX weight once for repeated ``mx_linear`` calls (checks shapes and dtypes)."""
+    elem_of(weight)
+    if weight.dim() != 2 or weight.shape[1] % block_size:
+        raise ValueError(f"weight must be [N, K] with K a multiple of {block_size}, got {tuple(weight.shape)}")
+    n, k = weight.shape
+    if weight_scale.dtype != torch.uint8 or tuple(weight_scale.shape) != (n, k // block_size):
+        raise ValueError(
+            f"weight_scale must be uint8 [{n}, {k // block_size}], got {weight_scale.dtype} {tuple(weight_scale.shape)}"
+        )
+    if weight_scale.device != weight.device:
+        raise ValueError(f"weight on {weight.device} but weight_scale on {weight_scale.device}")
+    return PackedMXWeight(weight.contiguous(), weight_scale.contiguous(), block_size)
+
+
+def elem_of(weight: torch.Tensor) -> ElemFormat:
+    if weight.dtype == torch.float8_e4m3fn:
+        return E4M3
+    if weight.dtype == torch.float8_e5m2:
+        return E5M2
+    raise TypeError(f"MX weight must be float8_e4m3fn or float8_e5m2, got {weight.dtype}")
+
+
+__all__ = ["GemmConfig", "PackedMXWeight", "mx_gemm", "mx_gemm_dot_scaled", "pack_weight", "pick_config"]

@@ -1,0 +1,245 @@
+"""Activation quantization: rows of X [M, K] -> MXFP8 with 1x32 blocks along K.
+
+One program quantizes a [BLOCK_M, BLOCK_K] tile: it loads the tile once, takes each 32-element
+block's amax, derives the E8M0 exponent with integer arithmetic on the amax's fp32 bits (so
+every scale rule is exact, no log2), and writes any of: the fp8 elements, the scale bytes,
+and the MX-rounded values (fp8 value x 2**e) in a wide dtype. The last output is what the
+Hopper GEMM feeds its right operand: for an MX value the product fp8 x 2**e has at most four
+significant bits, so bf16 holds it exactly unless the block sits at the very bottom of the
+fp32 range (amax under about 2**-120).
+
+Bit-identical to ``mxq.formats.quantize_mx(x, -1, elem, block_size, rule)`` (reference at the
+end of the file). The one caveat is ScaleRule.MSE: the per-candidate squared error is a
+float64 sum of 32 exact terms whose order differs from torch's, so two candidates whose
+errors agree to ~1e-16 relative may tie-break differently.
+
+Memory bound: 2 (bf16 in) + 1 + 1/32 (MX out) bytes per element, or 2 + 2 with the bf16
+MX-rounded output.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mxq.formats import (
+    E8M0_BIAS,
+    E8M0_NAN,
+    ElemFormat,
+    ScaleRule,
+    as_elem_format,
+    as_scale_rule,
+)
+
+_RULE_ID = {ScaleRule.FLOOR: 0, ScaleRule.RCEIL: 1, ScaleRule.EVEN: 2, ScaleRule.MSE: 3}
+
+
+@triton.jit
+def _pow2_f32(e):
+    """2**e as fp32 for integer e in [-126, 127], from bits."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_to_elem(v, e, MAXN: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr):
+    """v / 2**e rounded to the element grid (RNE, saturated), as an exact fp32 value.
+
+    v fp32 [.., nb, bs], e int32 [.., nb]. Rounds by adding and subtracting a constant whose
+    ulp is the grid step of |v|'s binade (fp32 adds round to nearest even), so no fp8
+    conversion instruction is involved: the Triton interpreter's fp32->fp8 cast is not RNE.
+    """
+    a = tl.minimum(tl.abs(v) * _pow2_f32(-e)[:, :, None], MAXN)
+    k = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, EMIN)
+    c = (((k - MBITS + 23 + 127) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    r = (a + c) - c
+    # The sign goes back by bits: -0 and values rounding to zero keep it, as in the spec.
+    sign = v.to(tl.int32, bitcast=True) & -2147483648
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _elem_bits(r, MBITS: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr):
+    """Exact fp32 value on the element grid -> its fp8 byte (as int32)."""
+    rb = r.to(tl.int32, bitcast=True)
+    a = tl.abs(r)
+    normal = (((rb >> 23) & 0xFF) - 127 + BIAS) << MBITS | ((rb >> (23 - MBITS)) & ((1 << MBITS) - 1))
+    sub = (a * (2.0 ** (MBITS - EMIN))).to(tl.int32)
+    byte = tl.where(a >= 2.0**EMIN, normal, sub)
+    return byte | ((rb >> 24) & 0x80)
+
+
+@triton.jit
+def _mx_block_quantize(
+    xf,  # fp32 [BM, NB, BS]
+    EMAX: tl.constexpr,
+    MBITS: tl.constexpr,
+    MAXN: tl.constexpr,
+    EMIN: tl.constexpr,
+    RULE: tl.constexpr,
+):
+    """Returns (elements as exact fp32 values [BM, NB, BS], exponent int32 [BM, NB], non-finite mask [BM, NB])."""
+    ax = tl.abs(xf)
+    finite = ax < float("inf")  # False for NaN and +-Inf
+    nonfinite = tl.max(tl.where(finite, 0, 1), axis=2) > 0
+    clean = tl.where(finite, xf, 0.0)
+    amax = tl.max(tl.where(finite, ax, 0.0), axis=2)
+    bits = amax.to(tl.int32, bitcast=True)
+    # floor(log2 amax) for normal amax. Subnormal amax reads as -127, which every rule then
+    # pushes below -126, where the clamp lands it anyway (as the exact floor would).
+    f = (bits >> 23) - 127
+    mant = bits & 0x7FFFFF
+    if RULE == 0:  # FLOOR
+        e = f - EMAX
+    elif RULE == 2:  # EVEN: mantissa rounded half-up to MBITS carries into the next binade
+        e = f - EMAX + (mant >= (0x800000 - (1 << (22 - MBITS)))).to(tl.int32)
+    else:  # RCEIL (and MSE's first candidate): the block max fits unless mantissa > 1.75
+        e = f - EMAX + (mant > 0x600000).to(tl.int32)
+    e = tl.where(amax > 0, e, -126)
+    e = tl.minimum(tl.maximum(e, -126), 127)
+    if RULE == 3:  # MSE: RCEIL, RCEIL-1, RCEIL-2; strict improvement wins, RCEIL first
+        c64 = clean.to(tl.float64)
+        q = _round_to_elem(clean, e, MAXN, MBITS, EMIN) * _pow2_f32(e)[:, :, None]
+        best_err = tl.sum((q.to(tl.float64) - c64) * (q.to(tl.float64) - c64), axis=2)
+        best_e = e
+        for off in tl.static_range(1, 3):
+            ec = tl.maximum(e - off, -126)
+            q = _round_to_elem(clean, ec, MAXN, MBITS, EMIN) * _pow2_f32(ec)[:, :, None]
+            err = tl.sum((q.to(tl.float64) - c64) * (q.to(tl.float64) - c64), axis=2)
+            better = err < best_err
+            best_e = tl.where(better, ec, best_e)
+            best_err = tl.where(better, err, best_err)
+        e = best_e
+    return _round_to_elem(clean, e, MAXN, MBITS, EMIN), e, nonfinite
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr, q_ptr, s_ptr, d_ptr,
+    M, K, KP, NBLK,
+    stride_xm, stride_qm, stride_sm, stride_dm,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BS: tl.constexpr,
+    EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, NAN_BYTE: tl.constexpr,
+    EMIN: tl.constexpr, EBIAS: tl.constexpr, RULE: tl.constexpr,
+    WRITE_Q: tl.constexpr, WRITE_D: tl.constexpr,
+):  # fmt: skip
+    NB: tl.constexpr = BLOCK_K // BS
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    rmask = rows < M
+    rows64 = rows.to(tl.int64)
+    x = tl.load(
+        x_ptr + rows64[:, None] * stride_xm + cols[None, :],
+        mask=rmask[:, None] & (cols < K)[None, :],
+        other=0.0,
+    )
+    xf = tl.reshape(x.to(tl.float32), (BLOCK_M, NB, BS))
+    q, e, nonfinite = _mx_block_quantize(xf, EMAX, MBITS, MAXN, EMIN, RULE)
+    if WRITE_Q:
+        qb = _elem_bits(q, MBITS, EMIN, EBIAS)
+        qb = tl.where(nonfinite[:, :, None], NAN_BYTE, qb).to(tl.uint8)
+        qb = tl.reshape(qb, (BLOCK_M, BLOCK_K))
+        tl.store(
+            q_ptr + rows64[:, None] * stride_qm + cols[None, :],
+            qb,
+            mask=rmask[:, None] & (cols < KP)[None, :],
+        )
+        blks = pid_k * NB + tl.arange(0, NB)
+        sb = tl.where(nonfinite, E8M0_NAN, e + E8M0_BIAS).to(tl.uint8)
+        tl.store(
+            s_ptr + rows64[:, None] * stride_sm + blks[None, :],
+            sb,
+            mask=rmask[:, None] & (blks < NBLK)[None, :],
+        )
+    if WRITE_D:
+        d = q * _pow2_f32(e)[:, :, None]
+        d = tl.where(nonfinite[:, :, None], float("nan"), d)
+        d = tl.reshape(d, (BLOCK_M, BLOCK_K))
+        tl.store(
+            d_ptr + rows64[:, None] * stride_dm + cols[None, :],
+            d.to(d_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
+            mask=rmask[:, None] & (cols < K)[None, :],
+        )
+
+
+def _launch(x2, elem: ElemFormat, rule: ScaleRule, block_size: int, q, s, d):
+    m, k = x2.shape
+    if block_size & (block_size - 1) or not 16 <= block_size <= 128:
+        raise ValueError(f"block_size must be a power of two in [16, 128], got {block_size}")
+    block_k = max(128, block_size)
+    block_m = 8 if rule is ScaleRule.MSE else 32
+    nblk = triton.cdiv(k, block_size)
+    kp = nblk * block_size
+    grid = (triton.cdiv(m, block_m), triton.cdiv(kp, block_k))
+    dummy = x2
+    _quantize_rows_kernel[grid](
+        x2, q if q is not None else dummy, s if s is not None else dummy,
+        d if d is not None else dummy,
+        m, k, kp, nblk,
+        x2.stride(0), q.stride(0) if q is not None else 0, s.stride(0) if s is not None else 0,
+        d.stride(0) if d is not None else 0,
+        BLOCK_M=block_m, BLOCK_K=block_k, BS=block_size,
+        EMAX=elem.emax, MBITS=elem.mbits, MAXN=elem.max_normal, NAN_BYTE=elem.nan_byte,
+        EMIN=1 - elem.bias, EBIAS=elem.bias, RULE=_RULE_ID[rule],
+        WRITE_Q=q is not None, WRITE_D=d is not None,
+        num_warps=4,
+    )  # fmt: skip
+
+
+def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"{name} takes bfloat16, float16 or float32 input, got {x.dtype}")
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError(f"{name} needs a non-empty last axis, got shape {tuple(x.shape)}")
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return x2
+
+
+def quantize_mx_rows(
+    x: torch.Tensor,
+    elem: ElemFormat | str,
+    rule: ScaleRule | str = ScaleRule.RCEIL,
+    block_size: int = 32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """X [..., K] -> (fp8 data [..., Kp], uint8 E8M0 scales [..., ceil(K/bs)]), blocks along K.
+
+    Kp is K padded to whole blocks (the padding quantizes zeros). Same bytes as
+    ``mxq.formats.quantize_mx(x, -1, elem, block_size, rule)``.
+    """
+    elem, rule = as_elem_format(elem), as_scale_rule(rule)
+    x2 = _rows(x, "quantize_mx_rows")
+    m, k = x2.shape
+    nblk = triton.cdiv(k, block_size)
+    q = torch.empty((m, nblk * block_size), dtype=torch.uint8, device=x.device)
+    s = torch.empty((m, nblk), dtype=torch.uint8, device=x.device)
+    if m:
+        _launch(x2, elem, rule, block_size, q, s, None)
+    lead = tuple(x.shape[:-1])
+    return q.view(elem.torch_dtype).reshape(*lead, -1), s.reshape(*lead, nblk)
+
+
+def fake_quantize_mx_rows(
+    x: torch.Tensor,
+    elem: ElemFormat | str,
+    rule: ScaleRule | str = ScaleRule.RCEIL,
+    block_size: int = 32,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The MX-rounded values of X [..., K] (blocks along K) in ``out_dtype`` (default x.dtype).
+
+    Same values as ``mxq.formats.fake_quantize_mx(x, -1, ...)`` cast to ``out_dtype``.
+    """
+    elem, rule = as_elem_format(elem), as_scale_rule(rule)
+    x2 = _rows(x, "fake_quantize_mx_rows")
+    out_dtype = out_dtype or x.dtype
+    d = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
+    if x2.shape[0]:
+        _launch(x2, elem, rule, block_size, None, None, d)
+    return d.reshape(x.shape)
+
+
+# Reference: mxq.kernels.reference.quantize_mx_rows / fake_quantize_mx_rows (the format core).
