@@ -17,8 +17,17 @@ from mxq.formats import (  # noqa: E402
     fake_quantize_mx,
     quantize_mx,
 )
+from mxq.hf import MXQConfig, load  # noqa: E402  (registers quant_method "mxq" with transformers)
+from mxq.linear import MXLinear, quantize_model  # noqa: E402
+from mxq.recipe import Recipe, load_recipe  # noqa: E402
 
 __all__ = [
+    "MXQConfig",
+    "MXLinear",
+    "Recipe",
+    "load",
+    "load_recipe",
+    "quantize_model",
     "__version__",
     "E4M3",
     "E5M2",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 import typer
@@ -75,6 +76,98 @@ def formats_cmd() -> None:
         f"Finite blocks get e clamped to [{F.E8M0_MIN_EXP}, {F.E8M0_MAX_EXP}] (never byte 0: Triton <= 3.8 "
         "decodes it as zero); blocks holding NaN or Inf get scale 0xFF."
     )
+
+
+@app.command("quantize")
+def quantize_cmd(
+    model: str = typer.Argument(None, help="Local HF directory, hub id, or .gguf file. Default: the embedded SmolLM2-135M-Instruct.", show_default=False),
+    out: Path = typer.Argument(None, help="Output directory. Default: ./out/<model>-<recipe>.", show_default=False),
+    recipe: str = typer.Option("mxfp8", "--recipe", "-r", help="Shipped recipe name (mxfp8, mxfp8-w8a16, mxfp8-e5m2) or a YAML path."),
+    fmt: str = typer.Option("mxq", "--format", help="Checkpoint layout: mxq (native) or compressed-tensors (vLLM)."),
+    device: str = typer.Option("cpu", "--device", help="Where to quantize: cpu or cuda."),
+    force: bool = typer.Option(False, "--force", help="Replace OUT if it exists."),
+    max_shard_size: float = typer.Option(2.0, "--max-shard-size", help="Largest shard, in GiB."),
+) -> None:
+    """Quantize a model to MXFP8 and write a safetensors checkpoint."""
+    from mxq.convert import quantize_checkpoint
+    from mxq.recipe import load_recipe
+
+    rec = load_recipe(recipe)
+    if out is None:
+        stem = Path(model).stem if model else "smollm2-135m-instruct"
+        out = Path("out") / f"{stem}-{rec.name}"
+    warn = lambda m: console.print(f"[yellow]warning:[/] {m}")
+    report = quantize_checkpoint(
+        model, out, rec, fmt=fmt, device=device, force=force,
+        max_shard_bytes=int(max_shard_size * 1024**3), warn=warn,
+    )
+    _print_report(report)
+
+
+def _print_report(r) -> None:
+    t = Table(title=f"mxq quantize: {r.source} -> {r.out}")
+    t.add_column("")
+    t.add_column("value", justify="right")
+    t.add_row("recipe / format", f"{r.recipe} / {r.format}")
+    t.add_row("layers quantized", str(len(r.quantized)))
+    t.add_row("layers kept", str(len(r.kept)) + (f" ({', '.join(list(r.kept)[:3])}{'...' if len(r.kept) > 3 else ''})" if r.kept else ""))
+    t.add_row("bytes before", _fmt_bytes(r.bytes_before))
+    t.add_row("bytes after", _fmt_bytes(r.bytes_after))
+    t.add_row("compression", f"{r.ratio:.2f}x")
+    if r.quantized:
+        s = sorted(x.sqnr_db for x in r.quantized)
+        t.add_row("weight SQNR dB (min / median / max)", f"{s[0]:.2f} / {s[len(s) // 2]:.2f} / {s[-1]:.2f}")
+    t.add_row("time", f"{r.seconds:.1f} s")
+    console.print(t)
+    if r.quantized:
+        w = Table(title="per-layer weight SQNR (worst 10; all layers in quantization_report.json)")
+        for c in ("layer", "shape", "SQNR dB"):
+            w.add_column(c, justify="right" if c != "layer" else "left")
+        for x in sorted(r.quantized, key=lambda x: x.sqnr_db)[:10]:
+            w.add_row(x.name, "x".join(map(str, x.shape)), f"{x.sqnr_db:.2f}")
+        console.print(w)
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return str(n)
+
+
+@app.command("inspect")
+def inspect_cmd(
+    path: Path = typer.Argument(..., help="An mxq (or other MXFP8) checkpoint directory."),
+    tensors: bool = typer.Option(False, "--tensors", help="List every tensor."),
+) -> None:
+    """Describe and validate a checkpoint: format, recipe, tensors, dtypes, bytes."""
+    from mxq.inspect import inspect_checkpoint
+
+    rep = inspect_checkpoint(path)
+    t = Table(title=f"mxq inspect: {path}")
+    t.add_column("")
+    t.add_column("value")
+    t.add_row("format", rep.format)
+    t.add_row("recipe", rep.recipe or "-")
+    t.add_row("architecture", rep.architecture)
+    t.add_row("tensors", str(len(rep.tensors)))
+    t.add_row("quantized layers", str(rep.n_quantized))
+    t.add_row("bytes by dtype", ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in sorted(rep.bytes_by_dtype.items())))
+    t.add_row("total", _fmt_bytes(sum(rep.bytes_by_dtype.values())))
+    console.print(t)
+    if tensors:
+        tt = Table()
+        for c in ("tensor", "dtype", "shape", "bytes"):
+            tt.add_column(c)
+        for i in rep.tensors:
+            tt.add_row(i.name, i.dtype, str(list(i.shape)), str(i.nbytes))
+        console.print(tt)
+    if rep.problems:
+        for p in rep.problems:
+            console.print(f"[red]problem:[/] {p}")
+        raise ValueError(f"{path}: {len(rep.problems)} problem(s) found; first: {rep.problems[0]}")
+    console.print("[green]ok[/]: headers, shapes, dtypes and the quantization config agree")
 
 
 def _log2(v: float) -> float:

@@ -1,0 +1,242 @@
+"""Safetensors files read and written one tensor at a time, with strict validation.
+
+mxq reads tensors with plain file reads (no mmap) so that memory holds only the tensor in
+hand, and writes shards whose layout is planned up front (every output shape is known before
+any data is converted), so tensors stream straight to disk. Every problem is reported with
+the file and the tensor name.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+MAX_HEADER = 100 * 1024 * 1024
+INDEX_NAME = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that is malformed; the message names the file and the tensor."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: str  # path of the shard holding it
+    begin: int  # byte offset of the data, from the start of the file
+    nbytes: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+def _itemsize(dtype: str) -> int:
+    return torch.empty((), dtype=DTYPES[dtype]).element_size()
+
+
+def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict]:
+    """Parse and validate a safetensors header: bounds, dtypes, sizes, overlaps."""
+    path = str(path)
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: truncated (file of {size} bytes has no safetensors header)")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER or 8 + n > size:
+                raise CheckpointError(f"{path}: corrupt header (claims {n} bytes, file has {size})")
+            raw = f.read(n)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise CheckpointError(f"{path}: corrupt header (not valid JSON)") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt header (not a JSON object)")
+    meta = header.pop("__metadata__", None) or {}
+    data_start, data_len = 8 + n, size - 8 - n
+    infos: dict[str, TensorInfo] = {}
+    spans = []
+    for name, e in header.items():
+        try:
+            dtype, shape, (b, end) = e["dtype"], tuple(e["shape"]), e["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: tensor {name}: malformed header entry") from None
+        if dtype not in DTYPES:
+            raise CheckpointError(f"{path}: tensor {name}: unsupported dtype {dtype}")
+        if not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise CheckpointError(f"{path}: tensor {name}: bad shape {list(shape)}")
+        want = math.prod(shape) * _itemsize(dtype)
+        if not (isinstance(b, int) and isinstance(end, int) and 0 <= b <= end) or end - b != want:
+            raise CheckpointError(f"{path}: tensor {name}: data offsets {[b, end]} do not fit {dtype}{list(shape)}")
+        if end > data_len:
+            raise CheckpointError(
+                f"{path}: tensor {name}: data ends at byte {end} but the file holds {data_len} (truncated file?)"
+            )
+        spans.append((b, end, name))
+        infos[name] = TensorInfo(name, dtype, shape, path, data_start + b, want)
+    spans.sort()
+    for (_b0, e0, n0), (b1, _, n1) in zip(spans, spans[1:], strict=False):
+        if b1 < e0:
+            raise CheckpointError(f"{path}: tensors {n0} and {n1} overlap")
+    return infos, meta
+
+
+def read_tensor(info: TensorInfo) -> torch.Tensor:
+    """Read one tensor into its own memory (no mmap: memory holds only this tensor)."""
+    with open(info.file, "rb") as f:
+        f.seek(info.begin)
+        buf = bytearray(info.nbytes)
+        got = f.readinto(buf)
+    if got != info.nbytes:
+        raise CheckpointError(f"{info.file}: tensor {info.name}: truncated ({got} of {info.nbytes} bytes)")
+    if info.nbytes == 0:
+        return torch.empty(info.shape, dtype=info.torch_dtype)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(info.torch_dtype).reshape(info.shape)
+
+
+def checkpoint_files(path: str | os.PathLike) -> list[Path]:
+    p = Path(path)
+    idx = p / INDEX_NAME
+    if idx.is_file():
+        try:
+            wm = json.loads(idx.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise CheckpointError(f"{idx}: corrupt index (no weight_map)") from None
+        files = sorted({p / f for f in wm.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{idx}: lists shard {missing[0]}, which is missing")
+        return files
+    files = sorted(p.glob("*.safetensors"))
+    if not files:
+        bins = sorted(p.glob("*.bin"))
+        hint = " (PyTorch .bin checkpoints are not supported: re-save with safe_serialization)" if bins else ""
+        raise CheckpointError(f"{p}: no .safetensors files{hint}")
+    return files
+
+
+def read_index(path: str | os.PathLike) -> dict[str, TensorInfo]:
+    """Every tensor of a (possibly sharded) safetensors checkpoint directory, in file order."""
+    out: dict[str, TensorInfo] = {}
+    for f in checkpoint_files(path):
+        infos, _ = read_header(f)
+        for name, info in sorted(infos.items(), key=lambda kv: kv[1].begin):
+            if name in out:
+                raise CheckpointError(f"{f}: tensor {name} also appears in {out[name].file}")
+            out[name] = info
+    return out
+
+
+# --- writing -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _itemsize(self.dtype)
+
+
+class ShardWriter:
+    """Writes a set of planned tensors into safetensors shards, one tensor at a time.
+
+    Tensors must arrive in plan order; the headers are written before any data.
+    """
+
+    def __init__(self, directory: str | os.PathLike, plan: list[PlannedTensor], max_shard_bytes: int, metadata: dict | None = None):
+        self.dir = Path(directory)
+        self.metadata = {"format": "pt", **(metadata or {})}
+        shards: list[list[PlannedTensor]] = [[]]
+        size = 0
+        for t in plan:
+            if shards[-1] and size + t.nbytes > max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append(t)
+            size += t.nbytes
+        n = len(shards)
+        self.shards = [(f"model-{i + 1:05d}-of-{n:05d}.safetensors", s) for i, s in enumerate(shards)]
+        self.order = [(fname, t) for fname, s in self.shards for t in s]
+        self._pos = 0
+        self._fh = None
+        self._fname = None
+        self.total_size = sum(t.nbytes for t in plan)
+
+    def _open(self, fname: str, tensors: list[PlannedTensor]) -> None:
+        header, off = {}, 0
+        for t in tensors:
+            header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [off, off + t.nbytes]}
+            off += t.nbytes
+        header["__metadata__"] = self.metadata
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * ((-len(raw)) % 8)  # data starts 8-byte aligned
+        self._fh = open(self.dir / fname, "wb")
+        self._fh.write(struct.pack("<Q", len(raw)))
+        self._fh.write(raw)
+        self._fname = fname
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        fname, t = self.order[self._pos]
+        if name != t.name or DTYPE_NAMES.get(tensor.dtype) != t.dtype or tuple(tensor.shape) != t.shape:
+            raise AssertionError(f"writer expected {t.name} {t.dtype}{list(t.shape)}, got {name} {tensor.dtype}{list(tensor.shape)}")
+        if fname != self._fname:
+            self._close_file()
+            self._open(fname, next(s for f, s in self.shards if f == fname))
+        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        if data.numel():
+            self._fh.write(memoryview(data.numpy()))
+        self._pos += 1
+
+    def _close_file(self) -> None:
+        if self._fh is not None:
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+            self._fh.close()
+            self._fh = None
+
+    def close(self) -> None:
+        if self._pos != len(self.order):
+            raise AssertionError(f"writer closed after {self._pos} of {len(self.order)} tensors")
+        if not self.order:  # nothing planned: still write one (empty) shard
+            self._open(self.shards[0][0], [])
+        self._close_file()
+        index = {
+            "metadata": {"total_size": self.total_size},
+            "weight_map": {t.name: fname for fname, t in self.order},
+        }
+        (self.dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+    def abort(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None

@@ -1,0 +1,393 @@
+"""The converter: a Hugging Face model in, an MXFP8 safetensors checkpoint out, one tensor at a time.
+
+Data path: resolve the source (local directory, hub id, GGUF file, embedded default) ->
+build the model skeleton on the meta device to learn which tensors are Linear weights ->
+plan every output tensor (quantized Linear weights become ``weight`` fp8 [N, K] plus
+``weight_scale`` uint8 [N, K/32]; everything else passes through) -> stream: read a
+tensor, quantize it, write it -> config, tokenizer and report -> rename into place.
+
+All output goes to a temporary directory beside OUT that is renamed at the end; a failure or
+an interrupt removes it, so OUT is either complete or absent.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+import mxq
+from mxq.checkpoint import (
+    DTYPE_NAMES,
+    PlannedTensor,
+    ShardWriter,
+    TensorInfo,
+    read_index,
+    read_tensor,
+)
+from mxq.formats import quantize_mx, sqnr_db
+from mxq.models import ModelSource, ModelSourceError, resolve_source
+from mxq.recipe import Recipe, load_recipe
+
+FORMATS = ("mxq", "compressed-tensors")
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+)
+QUANTIZABLE_DTYPES = ("F32", "F16", "BF16")
+
+
+class ConversionError(RuntimeError):
+    """A conversion that cannot proceed; the message names the file, tensor or option."""
+
+
+@dataclass
+class LayerResult:
+    name: str
+    shape: tuple[int, int]
+    sqnr_db: float
+    bytes_before: int
+    bytes_after: int
+
+
+@dataclass
+class ConversionReport:
+    source: str
+    out: str
+    recipe: str
+    format: str
+    device: str
+    quantized: list[LayerResult] = field(default_factory=list)
+    kept: dict[str, str] = field(default_factory=dict)
+    bytes_before: int = 0
+    bytes_after: int = 0
+    seconds: float = 0.0
+    n_tensors: int = 0
+
+    @property
+    def ratio(self) -> float:
+        return self.bytes_before / max(self.bytes_after, 1)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["ratio"] = self.ratio
+        return d
+
+
+# --- sources -------------------------------------------------------------------------------------
+
+@dataclass
+class _Source:
+    """Tensors of a model, listed up front and read one at a time."""
+
+    config: object  # transformers PretrainedConfig
+    raw_config: dict
+    tensors: list[tuple[str, str, tuple[int, ...]]]  # name, safetensors dtype, shape
+    read: Callable[[str], torch.Tensor]
+    files_dir: Path | None  # where generation config and tokenizer files live (HF directory)
+    gguf: ModelSource | None = None
+    generation_config: object = None
+
+
+def _open_dir(path: Path) -> _Source:
+    from transformers import AutoConfig
+
+    from mxq.hf import read_config
+
+    raw = read_config(path)
+    if raw.get("quantization_config"):
+        qm = raw["quantization_config"].get("quant_method")
+        raise ConversionError(f"{path}: already quantized (quant_method {qm!r}); mxq quantize needs a bf16/fp16/fp32 model")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError, OSError) as e:
+        raise ConversionError(f"{path}/config.json: {_line(e)}") from None
+    infos: dict[str, TensorInfo] = read_index(path)
+    return _Source(
+        config, raw, [(i.name, i.dtype, i.shape) for i in infos.values()], lambda n: read_tensor(infos[n]), path
+    )
+
+
+def _open_gguf(src: ModelSource) -> _Source:
+    from transformers import AutoModelForCausalLM
+
+    # GGUF weights are block-quantized in their own formats: transformers dequantizes the
+    # whole file, so this source holds the model in memory (small models only).
+    model = AutoModelForCausalLM.from_pretrained(src.path, gguf_file=src.gguf_file, dtype=torch.bfloat16)
+    sd = model.state_dict()
+    if getattr(model.config.get_text_config(), "tie_word_embeddings", False):
+        sd.pop("lm_head.weight", None)  # tied to the embedding: the loader re-ties it
+    tensors = [(k, DTYPE_NAMES[v.dtype], tuple(v.shape)) for k, v in sd.items()]
+    return _Source(model.config, model.config.to_dict(), tensors, sd.__getitem__, None, src, model.generation_config)
+
+
+def _open_source(source: str | os.PathLike | None) -> tuple[ModelSource, _Source]:
+    try:
+        src = resolve_source(source)
+    except ModelSourceError as e:
+        raise ConversionError(str(e)) from None
+    if src.kind == "gguf":
+        return src, _open_gguf(src)
+    if src.kind == "hub":
+        try:
+            from huggingface_hub import snapshot_download
+
+            local = snapshot_download(
+                src.path, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+            )
+        except Exception as e:  # noqa: BLE001 - network/auth errors of many kinds
+            raise ConversionError(f"{src.path}: cannot fetch from the Hugging Face hub ({_line(e)}); pass a local directory") from None
+        return src, _open_dir(Path(local))
+    return src, _open_dir(Path(src.path))
+
+
+# --- planning ------------------------------------------------------------------------------------
+
+def _skeleton_linears(config) -> dict[str, torch.nn.Linear]:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError) as e:
+        raise ConversionError(f"architecture {getattr(config, 'model_type', '?')!r} is not a causal LM transformers can build ({_line(e)})") from None
+    return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def _plan(src: _Source, recipe: Recipe, warn: Callable[[str], None]):
+    linears = _skeleton_linears(src.config)
+    if not linears:
+        raise ConversionError(f"architecture {getattr(src.config, 'model_type', '?')!r} has no torch.nn.Linear layers: nothing to quantize")
+    weights = {name: (dtype, shape) for name, dtype, shape in src.tensors}
+    chosen: set[str] = set()
+    kept: dict[str, str] = {}
+    for mod, _lin in linears.items():
+        if mod + ".weight" not in weights:
+            kept[mod] = "tied to another tensor (not in the checkpoint)"
+            continue
+        dtype, shape = weights[mod + ".weight"]
+        if not recipe.selects(mod):
+            kept[mod] = "excluded by recipe"
+        elif len(shape) != 2 or shape[1] % recipe.block_size:
+            kept[mod] = f"K={shape[-1]} is not a multiple of {recipe.block_size}"
+            warn(f"keeping {mod} in its original dtype: {kept[mod]}")
+        elif dtype not in QUANTIZABLE_DTYPES:
+            raise ConversionError(f"tensor {mod}.weight: unsupported dtype {dtype} (mxq quantizes F32, F16 and BF16 weights)")
+        else:
+            chosen.add(mod)
+    if not chosen:
+        raise ConversionError("no Linear layer is selected for quantization (check the recipe's include/exclude)")
+    plan: list[PlannedTensor] = []
+    elem = recipe.weights.elem
+    for name, dtype, shape in src.tensors:
+        mod = name[: -len(".weight")] if name.endswith(".weight") else None
+        if mod in chosen:
+            n, k = shape
+            plan.append(PlannedTensor(name, DTYPE_NAMES[elem.torch_dtype], (n, k)))
+            plan.append(PlannedTensor(mod + ".weight_scale", "U8", (n, k // recipe.block_size)))
+        else:
+            plan.append(PlannedTensor(name, dtype, tuple(shape)))
+    return chosen, kept, plan
+
+
+# --- configs -------------------------------------------------------------------------------------
+
+def compressed_tensors_config(recipe: Recipe, ignore: list[str]) -> dict:
+    """The compressed-tensors ``mxfp8-quantized`` layout that vLLM serves."""
+    if recipe.weights.elem.name != "e4m3" or (recipe.activations and recipe.activations.elem.name != "e4m3"):
+        raise ConversionError(f"--format compressed-tensors: recipe {recipe.name!r} uses E5M2; the mxfp8-quantized format is E4M3 only")
+    if recipe.attention:
+        raise ConversionError(f"--format compressed-tensors: recipe {recipe.name!r} uses attention {recipe.attention!r}, a runtime-only mxq feature")
+
+    def args(dynamic: bool) -> dict:
+        return {
+            "num_bits": 8, "type": "float", "symmetric": True, "group_size": 32, "strategy": "group",
+            "dynamic": dynamic, "scale_dtype": "torch.uint8",
+        }
+
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "mxfp8-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": args(False),
+                "input_activations": args(True) if recipe.activations else None,
+                "output_activations": None,
+                "format": "mxfp8-quantized",
+            }
+        },
+        "ignore": sorted(ignore),
+        "kv_cache_scheme": None,
+        "global_compression_ratio": None,
+    }
+
+
+# --- the conversion ------------------------------------------------------------------------------
+
+def quantize_checkpoint(
+    source: str | os.PathLike | None,
+    out: str | os.PathLike,
+    recipe: Recipe | str | None = None,
+    *,
+    fmt: str = "mxq",
+    device: str = "cpu",
+    force: bool = False,
+    max_shard_bytes: int = 2 * 1024**3,
+    progress: bool = True,
+    warn: Callable[[str], None] | None = None,
+) -> ConversionReport:
+    """Quantize a model checkpoint to MXFP8 and write it to ``out`` (see the module docstring)."""
+    t0 = time.perf_counter()
+    warn = warn or (lambda m: None)
+    if fmt not in FORMATS:
+        raise ConversionError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
+    out = Path(out).expanduser().absolute()
+    if out.exists() and not force:
+        raise ConversionError(f"{out}: already exists (pass --force to replace it)")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConversionError(f"--device {device}: CUDA is not available on this machine")
+    if fmt == "compressed-tensors":
+        compressed_tensors_config(recipe, [])  # reject what the format cannot hold before any work
+
+    msrc, src = _open_source(source)
+    chosen, kept, plan = _plan(src, recipe, warn)
+    report = ConversionReport(msrc.display, str(out), recipe.name, fmt, device, kept=dict(sorted(kept.items())))
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.mxq-tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    writer = ShardWriter(tmp, plan, max_shard_bytes, {"mxq_version": mxq.__version__, "recipe": recipe.name})
+    try:
+        for name, tensor in _progress(src, progress):
+            mod = name[: -len(".weight")] if name.endswith(".weight") else None
+            report.bytes_before += tensor.numel() * tensor.element_size()
+            if mod in chosen:
+                data, scales, sqnr = _quantize_weight(name, tensor, recipe, device)
+                writer.write(name, data)
+                writer.write(mod + ".weight_scale", scales)
+                after = data.numel() + scales.numel()
+                report.quantized.append(LayerResult(mod, tuple(tensor.shape), sqnr, tensor.numel() * tensor.element_size(), after))
+                report.bytes_after += after
+            else:
+                writer.write(name, tensor)
+                report.bytes_after += tensor.numel() * tensor.element_size()
+            report.n_tensors += 1
+        writer.close()
+        _write_configs(tmp, src, recipe, chosen, kept, fmt, msrc)
+        report.seconds = time.perf_counter() - t0
+        (tmp / "quantization_report.json").write_text(json.dumps(report.to_dict(), indent=1) + "\n")
+        _replace(tmp, out)
+    except OSError as e:
+        writer.abort()
+        shutil.rmtree(tmp, ignore_errors=True)
+        if e.errno == errno.ENOSPC:
+            raise ConversionError(f"{out}: no space left on device while writing; nothing was written") from None
+        raise ConversionError(f"{out}: {e.strerror or e}; nothing was written") from None
+    except BaseException:
+        writer.abort()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return report
+
+
+def _progress(src: _Source, enabled: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    from mxq.checkpoint import _itemsize
+
+    total = sum(torch.Size(s).numel() * _itemsize(d) for _, d, s in src.tensors)
+    cols = (
+        TextColumn("[bold]quantize[/] {task.fields[n]}/{task.fields[of]} tensors"),
+        BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
+    )
+    with Progress(*cols, console=Console(stderr=True), disable=not enabled, transient=False) as bar:
+        task = bar.add_task("quantize", total=total, n=0, of=len(src.tensors))
+        for i, (name, _dtype, _shape) in enumerate(src.tensors):
+            t = src.read(name)
+            yield name, t
+            bar.update(task, advance=t.numel() * t.element_size(), n=i + 1)
+
+
+def _quantize_weight(name: str, w: torch.Tensor, recipe: Recipe, device: str):
+    w = w.to(device)
+    bad = ~torch.isfinite(w)
+    if bad.any():
+        r, c = (int(i) for i in bad.nonzero()[0])
+        val = w[r, c].item()
+        b = c // recipe.block_size
+        raise ConversionError(
+            f"tensor {name}: non-finite value {val} at row {r}, block {b} "
+            f"(columns {b * recipe.block_size}-{(b + 1) * recipe.block_size - 1})"
+        )
+    spec = recipe.weights
+    q = quantize_mx(w, -1, spec.elem, recipe.block_size, spec.scale_rule)
+    sqnr = sqnr_db(w.float(), q.dequantize())
+    return q.data.cpu(), q.scales.cpu(), sqnr
+
+
+def _write_configs(tmp: Path, src: _Source, recipe: Recipe, chosen: set[str], kept: dict, fmt: str, msrc: ModelSource) -> None:
+    from mxq.hf import native_config
+
+    if src.gguf is not None:
+        src.config.save_pretrained(tmp)
+        cfg = json.loads((tmp / "config.json").read_text())
+        if src.generation_config is not None:
+            src.generation_config.save_pretrained(tmp)
+        from mxq.models import load_tokenizer
+
+        load_tokenizer(src.gguf).save_pretrained(tmp)
+    else:
+        cfg = dict(src.raw_config)
+        for f in ("generation_config.json", *TOKENIZER_FILES):
+            if (src.files_dir / f).is_file():
+                shutil.copy2(src.files_dir / f, tmp / f)
+    if fmt == "compressed-tensors":
+        cfg["quantization_config"] = compressed_tensors_config(recipe, list(kept))
+    else:
+        layers = {m: (recipe.weights, recipe.activations) for m in chosen}
+        prov = {
+            "mxq_version": mxq.__version__,
+            "source": msrc.display,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "torch_version": torch.__version__,
+        }
+        cfg["quantization_config"] = native_config(recipe, layers, sorted(kept), prov)
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Move the finished directory into place; an existing OUT (with --force) goes only after."""
+    if out.exists():
+        old = out.parent / f".{out.name}.mxq-old-{os.getpid()}"
+        out.rename(old)
+        tmp.rename(out)
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
+    else:
+        tmp.rename(out)
+
+
+def _line(e: BaseException) -> str:
+    s = str(e).strip()
+    return s.splitlines()[0] if s else type(e).__name__

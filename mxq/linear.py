@@ -1,0 +1,137 @@
+"""``MXLinear``: a Linear layer whose weight is stored as MXFP8, and the module swap that makes one.
+
+The weight is kept as fp8 data ``weight`` [N, K] with biased-E8M0 ``weight_scale`` [N, K/32],
+the names and layout MXFP8 checkpoints use. ``forward`` calls ``mxq.kernels.mx_linear``: the
+Triton kernels on a GPU, the torch reference elsewhere — the same function either way.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mxq.formats import E4M3, ElemFormat, MXTensor, ScaleRule, quantize_mx
+from mxq.recipe import Recipe, TensorSpec
+
+
+class MXLinear(nn.Module):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        elem: ElemFormat = E4M3,
+        act: TensorSpec | None = None,
+        block_size: int = 32,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        if in_features % block_size:
+            raise ValueError(f"MXLinear needs in_features divisible by {block_size}, got {in_features}")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.elem = elem
+        self.act = act
+        self.block_size = block_size
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=elem.torch_dtype, device=device), requires_grad=False
+        )
+        self.weight_scale = nn.Parameter(
+            torch.empty(out_features, in_features // block_size, dtype=torch.uint8, device=device),
+            requires_grad=False,
+        )
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype or torch.bfloat16, device=device))
+        else:
+            self.register_parameter("bias", None)
+        self._packed = None  # kernel-specific weight layout, built lazily on the first CUDA call
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, weights: TensorSpec, act: TensorSpec | None, block_size: int = 32
+    ) -> MXLinear:
+        w = linear.weight.detach()
+        m = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            elem=weights.elem,
+            act=act,
+            block_size=block_size,
+            dtype=w.dtype,
+            device=w.device,
+        )
+        q = quantize_mx(w, -1, weights.elem, block_size, weights.scale_rule)
+        m.weight.data.copy_(q.data)
+        m.weight_scale.data.copy_(q.scales)
+        if linear.bias is not None:
+            m.bias.data.copy_(linear.bias.detach())
+        return m
+
+    def mx_weight(self) -> MXTensor:
+        return MXTensor(self.weight, self.weight_scale, self.weight.shape, 1, self.block_size, self.elem)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The weight as the layer computes with it: float32 [N, K]."""
+        return self.mx_weight().dequantize(torch.float32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from mxq.kernels import mx_linear
+
+        act_elem = self.act.elem if self.act is not None else None
+        act_rule = self.act.scale_rule if self.act is not None else ScaleRule.RCEIL
+        return mx_linear(
+            x, self.weight, self.weight_scale, self.bias,
+            act_elem=act_elem, act_rule=act_rule, block_size=self.block_size,
+        )
+
+    def extra_repr(self) -> str:
+        a = f"{self.act.elem.name}/{self.act.scale_rule.value}" if self.act else "bf16"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, weight={self.elem.name}, act={a}, block={self.block_size}"
+        )
+
+
+def linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
+    return {n: m for n, m in model.named_modules() if type(m) is nn.Linear}
+
+
+def select_layers(model: nn.Module, recipe: Recipe, warn=None) -> tuple[list[str], dict[str, str]]:
+    """Names of the Linear layers the recipe quantizes, and the kept ones with the reason."""
+    chosen, kept = [], {}
+    for name, lin in linear_layers(model).items():
+        if not recipe.selects(name):
+            kept[name] = "excluded by recipe"
+        elif lin.in_features % recipe.block_size:
+            kept[name] = f"in_features {lin.in_features} not a multiple of {recipe.block_size}"
+            if warn:
+                warn(f"keeping {name} in bf16: {kept[name]}")
+        else:
+            chosen.append(name)
+    return chosen, kept
+
+
+def quantize_model(model: nn.Module, recipe: Recipe | str | None = None) -> nn.Module:
+    """Swap the recipe's Linear layers of an in-memory model for ``MXLinear`` (in place)."""
+    import warnings
+
+    from mxq.recipe import load_recipe
+
+    if not isinstance(recipe, Recipe):
+        recipe = load_recipe(recipe)
+    if not linear_layers(model):
+        raise ValueError(f"{type(model).__name__} has no torch.nn.Linear layers to quantize")
+    chosen, kept = select_layers(model, recipe, warn=lambda m: warnings.warn(m, stacklevel=3))
+    for name in chosen:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, MXLinear.from_linear(getattr(parent, child), recipe.weights, recipe.activations))
+    if hasattr(model, "config"):
+        from mxq.hf import MXQConfig, native_config
+
+        layers = {n: (recipe.weights, recipe.activations) for n in chosen}
+        model.config.quantization_config = MXQConfig.from_dict(native_config(recipe, layers, sorted(kept)))
+    return model

