@@ -1,0 +1,231 @@
+"""Benchmark the MX GEMM and activation quantizer against the baselines, in one process.
+
+    python -m mxq.eval.bench_gemm --out bench.json [--models 8b,70b] [--ms 1,16,64,256,2048,8192]
+
+For every Llama-3 linear shape and M: cuBLAS bf16 (``x @ w.T``), ``torch._scaled_mm`` fp8
+rowwise (GEMM only, operands pre-quantized: the strongest fp8 baseline), ``tl.dot_scaled``
+W8A8 (quantize + GEMM, best of a few tiles) and mxq's ``mx_linear`` W8A8 (quantize + GEMM)
+and W8A16. Times are ``triton.testing.do_bench`` medians (L2 flushed before each run). Each
+mxq result is checked against a float32 product of the dequantized operands first.
+Also: activation quantization bandwidth against device-to-device copy bandwidth.
+Prints tables of ratios (baseline time / mxq time, > 1 is faster) and writes JSON.
+"""
+
+# ruff: noqa: B023  (every lambda is timed at once, inside its loop iteration)
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+
+import torch
+
+LLAMA_SHAPES = {  # layer: (N, K); qkv and gate/up fused as serving stacks run them
+    "8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
+    "70b": {"qkv": (10240, 8192), "o": (8192, 8192), "gate_up": (57344, 8192), "down": (8192, 28672)},
+}
+MS = (1, 16, 64, 256, 2048, 8192)
+
+
+def _bench(fn) -> float:
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3  # µs
+
+
+def _try(fn):
+    try:
+        return _bench(fn)
+    except Exception as e:  # a baseline that cannot take the shape is reported, not fatal
+        return f"error: {type(e).__name__}: {str(e)[:120]}"
+
+
+def bench_quantize(sizes=((4096, 4096), (8192, 8192), (16384, 8192))) -> list[dict]:
+    from mxq.kernels.quantize import fake_quantize_mx_rows, quantize_mx_rows
+
+    from mxq.formats import E4M3, ScaleRule
+
+    rows = []
+    for m, k in sizes:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        y = torch.empty_like(x)
+        t_copy = _bench(lambda: y.copy_(x))
+        copy_gbs = 4 * m * k / t_copy / 1e3
+        for rule in (ScaleRule.RCEIL, ScaleRule.FLOOR, ScaleRule.EVEN, ScaleRule.MSE):
+            t_q = _bench(lambda: quantize_mx_rows(x, E4M3, rule))
+            t_d = _bench(lambda: fake_quantize_mx_rows(x, E4M3, rule, out_dtype=torch.bfloat16))
+            q_gbs = (2 + 1 + 1 / 32) * m * k / t_q / 1e3
+            d_gbs = 4 * m * k / t_d / 1e3
+            rows.append(dict(m=m, k=k, rule=rule.value, copy_us=t_copy, copy_gbs=copy_gbs,
+                             mx_us=t_q, mx_gbs=q_gbs, mx_frac_copy=q_gbs / copy_gbs,
+                             rounded_bf16_us=t_d, rounded_bf16_gbs=d_gbs,
+                             rounded_frac_copy=d_gbs / copy_gbs))  # fmt: skip
+    return rows
+
+
+def bench_gemm(models, ms, sweep: bool) -> tuple[list[dict], list[dict]]:
+    from mxq.kernels import gemm as G
+    from mxq.kernels.dispatch import mx_linear_triton
+    from mxq.kernels.quantize import fake_quantize_mx_rows, quantize_mx_rows
+
+    from mxq.formats import E4M3, ScaleRule, dequantize_mx, quantize_mx
+
+    rows, sweeps = [], []
+    for model in models:
+        for layer, (n, k) in LLAMA_SHAPES[model].items():
+            w_bf16 = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
+            t = quantize_mx(w_bf16, -1, E4M3, 32, ScaleRule.RCEIL)
+            w8, ws = t.data, t.scales
+            packed = G.pack_weight(w8, ws)
+            w_deq = dequantize_mx(t, torch.float32)
+            # rowwise fp8 weight for _scaled_mm: per output channel scale
+            w_amax = w_bf16.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
+            w_rs = (w_amax / 448.0).float()
+            w_row8 = (w_bf16.float() / w_rs).to(torch.float8_e4m3fn)
+            del w_bf16
+            w_bf = w_deq.to(torch.bfloat16)
+            for m in ms:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                row = dict(model=model, layer=layer, m=m, n=n, k=k)
+                # correctness first, on these fresh inputs
+                for name, act in (("w8a8", E4M3), ("w8a16", None)):
+                    y = mx_linear_triton(x, packed.data, packed.scales, None, act_elem=act)
+                    xr = x.float() if act is None else fake_quantize_mx_rows(x, E4M3, out_dtype=torch.float32)
+                    ref = xr @ w_deq.t()
+                    row[f"{name}_relerr"] = ((y.float() - ref).norm() / ref.norm()).item()
+                row["cublas_bf16_us"] = _bench(lambda: x @ w_bf.t())
+                x_amax = x.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
+                x_rs = (x_amax / 448.0).float()
+                x_row8 = (x.float() / x_rs).to(torch.float8_e4m3fn)
+                row["scaled_mm_rowwise_us"] = _try(
+                    lambda: torch._scaled_mm(x_row8, w_row8.t(), scale_a=x_rs, scale_b=w_rs.t(), out_dtype=torch.bfloat16)
+                )
+                best_ds = None
+                for bm, bn, bk, nw in ((128, 128, 128, 8), (64, 128, 128, 4), (16, 64, 128, 4)):
+                    if bm > max(16, triton_next_pow2(m)) and bm != 16:
+                        continue
+
+                    def ds(bm=bm, bn=bn, bk=bk, nw=nw):
+                        xq, xs = quantize_mx_rows(x, E4M3, ScaleRule.RCEIL)
+                        return G.mx_gemm_dot_scaled(xq, xs, w8, ws, block_m=bm, block_n=bn, block_k=bk, num_warps=nw)
+
+                    tds = _try(ds)
+                    if isinstance(tds, float) and (best_ds is None or tds < best_ds):
+                        best_ds = tds
+                row["dot_scaled_w8a8_us"] = best_ds
+                row["mxq_w8a8_us"] = _bench(lambda: mx_linear_triton(x, packed.data, packed.scales, None, act_elem=E4M3))
+                row["mxq_w8a16_us"] = _bench(lambda: mx_linear_triton(x, packed.data, packed.scales, None))
+                row["mxq_quant_only_us"] = _bench(lambda: fake_quantize_mx_rows(x, E4M3, out_dtype=torch.bfloat16))
+                row["config"] = str(G.pick_config(m, n, k, x.device))
+                flops = 2 * m * n * k
+                row["mxq_w8a8_tflops"] = flops / row["mxq_w8a8_us"] / 1e6
+                row["mxq_w8a16_tflops"] = flops / row["mxq_w8a16_us"] / 1e6
+                row["cublas_tflops"] = flops / row["cublas_bf16_us"] / 1e6
+                row["mxq_w8a16_weight_gbs"] = n * k * (1 + 1 / 32) / row["mxq_w8a16_us"] / 1e3
+                row["cublas_weight_gbs"] = 2 * n * k / row["cublas_bf16_us"] / 1e3
+                rows.append(row)
+                print(_row_line(row), flush=True)
+                if sweep and model == "8b":
+                    for cfg in _sweep_configs(m):
+                        tt = _try(lambda cfg=cfg: G.mx_gemm(x, packed.data, packed.scales, None, config=cfg))
+                        sweeps.append(dict(model=model, layer=layer, m=m, n=n, k=k, config=str(cfg), us=tt))
+                    best = min((s for s in sweeps if s["m"] == m and s["layer"] == layer and isinstance(s["us"], float)),
+                               key=lambda s: s["us"], default=None)  # fmt: skip
+                    if best:
+                        print(f"   sweep best {best['us']:.1f} us {best['config']}", flush=True)
+    return rows, sweeps
+
+
+def triton_next_pow2(m: int) -> int:
+    return 1 << max(0, (m - 1).bit_length())
+
+
+def _sweep_configs(m: int):
+    from mxq.kernels.gemm import GemmConfig as C
+
+    if m <= 64:
+        bm = max(16, triton_next_pow2(m))
+        return [C(bm, bn, bk, w, s, split_k=sp) for (bn, bk, w, s) in ((64, 256, 4, 4), (128, 128, 4, 4), (64, 128, 4, 6), (128, 256, 8, 3))
+                for sp in (1, 2, 4, 8)]  # fmt: skip
+    return [
+        C(128, 128, 64, 8, 4), C(256, 128, 64, 8, 3), C(128, 256, 64, 8, 3), C(128, 128, 128, 8, 3),
+        C(256, 128, 64, 8, 4), C(128, 64, 64, 4, 4), C(64, 128, 64, 4, 4), C(256, 128, 128, 8, 2),
+    ]  # fmt: skip
+
+
+def _ratio(base, ours):
+    return base / ours if isinstance(base, float) and isinstance(ours, float) else None
+
+
+def _fmt(v, spec=".1f"):
+    return format(v, spec) if isinstance(v, float) else "-"
+
+
+def _row_line(r) -> str:
+    return (
+        f"{r['model']:>3} {r['layer']:>7} M={r['m']:<5} cuBLAS {_fmt(r['cublas_bf16_us']):>8} "
+        f"smm {_fmt(r['scaled_mm_rowwise_us']):>8} ds {_fmt(r['dot_scaled_w8a8_us']):>8} "
+        f"w8a8 {_fmt(r['mxq_w8a8_us']):>8} w8a16 {_fmt(r['mxq_w8a16_us']):>8} (q {_fmt(r['mxq_quant_only_us'])}) "
+        f"err {r['w8a8_relerr']:.1e}/{r['w8a16_relerr']:.1e}"
+    )
+
+
+def print_tables(res: dict) -> None:
+    print("\n## GEMM: speed-up of mxq over each baseline (baseline time / mxq time; > 1 = mxq faster)")
+    hdr = "| model | layer | M | N | K | W8A8 µs | ×cuBLAS bf16 | ×scaled_mm rowwise | ×strongest | ×dot_scaled | W8A16 µs | W8A16 ×cuBLAS | W8A8 TFLOP/s |"
+    print(hdr)
+    print("|" + "---|" * (hdr.count("|") - 1))
+    for r in res["gemm"]:
+        base = [v for v in (r["cublas_bf16_us"], r["scaled_mm_rowwise_us"], r["dot_scaled_w8a8_us"]) if isinstance(v, float)]
+        strongest = min(base) if base else None
+        print(
+            f"| {r['model']} | {r['layer']} | {r['m']} | {r['n']} | {r['k']} | {_fmt(r['mxq_w8a8_us'])} | "
+            f"{_fmt(_ratio(r['cublas_bf16_us'], r['mxq_w8a8_us']), '.2f')} | "
+            f"{_fmt(_ratio(r['scaled_mm_rowwise_us'], r['mxq_w8a8_us']), '.2f')} | "
+            f"{_fmt(_ratio(strongest, r['mxq_w8a8_us']), '.2f')} | "
+            f"{_fmt(_ratio(r['dot_scaled_w8a8_us'], r['mxq_w8a8_us']), '.2f')} | {_fmt(r['mxq_w8a16_us'])} | "
+            f"{_fmt(_ratio(r['cublas_bf16_us'], r['mxq_w8a16_us']), '.2f')} | {_fmt(r['mxq_w8a8_tflops'], '.0f')} |"
+        )
+    if res.get("quantize"):
+        print("\n## Activation quantization (bf16 in), fraction of copy bandwidth")
+        print("| M×K | rule | copy GB/s | MX (fp8+scales) GB/s | frac | MX-rounded bf16 GB/s | frac |")
+        print("|---|---|---|---|---|---|---|")
+        for q in res["quantize"]:
+            print(f"| {q['m']}×{q['k']} | {q['rule']} | {q['copy_gbs']:.0f} | {q['mx_gbs']:.0f} | {q['mx_frac_copy']:.2f} | "
+                  f"{q['rounded_bf16_gbs']:.0f} | {q['rounded_frac_copy']:.2f} |")  # fmt: skip
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="bench_gemm.json", help="JSON file to write")
+    p.add_argument("--models", default="8b,70b", help="comma-separated: 8b, 70b")
+    p.add_argument("--ms", default=",".join(map(str, MS)), help="comma-separated M values")
+    p.add_argument("--sweep", action="store_true", help="also time a set of tile configs (8b shapes)")
+    p.add_argument("--no-quantize", action="store_true", help="skip the quantization bandwidth table")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_gemm needs a CUDA device", file=sys.stderr)
+        return 2
+    import triton
+
+    res = {
+        "env": dict(
+            device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
+            torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
+            python=platform.python_version(), date=datetime.date.today().isoformat(),
+        ),
+    }  # fmt: skip
+    print(json.dumps(res["env"]), flush=True)
+    if not a.no_quantize:
+        res["quantize"] = bench_quantize()
+    res["gemm"], res["sweep"] = bench_gemm(a.models.split(","), [int(v) for v in a.ms.split(",")], a.sweep)
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print_tables(res)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
