@@ -95,7 +95,7 @@ def hub_reachable(timeout: float = 3.0) -> bool:
     """False when offline mode is set or the hub's host does not accept a TCP connection."""
     from huggingface_hub import constants
 
-    if constants.HF_HUB_OFFLINE or _env_true("HF_DATASETS_OFFLINE"):
+    if constants.HF_HUB_OFFLINE or _env_true("HF_HUB_OFFLINE") or _env_true("HF_DATASETS_OFFLINE"):
         return False
     if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
         return True  # a direct probe says nothing about the proxy: let the hub client try

@@ -148,7 +148,7 @@ def make_windows(
     input_ids = torch.stack([ids[s : s + seq_len] for s in starts])
     score_from = torch.ones(len(starts), dtype=torch.long)
     if stride is not None:
-        score_from[1:] = seq_len - stride
+        score_from[1:] = max(1, seq_len - stride)  # stride == seq_len: the default protocol
     return Windows(
         input_ids=input_ids,
         score_from=score_from,

