@@ -35,9 +35,43 @@ def _bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3  # µs
 
 
-def _try(fn):
+def _bench_graph(fns) -> float:
+    """Median µs per call of a CUDA graph that calls each of ``fns`` once (different weight
+    copies, so weights come from HBM, not L2, as in a model). Graphs remove launch gaps,
+    which at decode sizes would otherwise be most of what is measured."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    for _ in range(3):
+        g.replay()
+    times = []
+    for _ in range(25):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(fns))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _copies(nbytes: int) -> int:
+    """Weight copies whose total exceeds three times L2 (60 MB on H200), at most 8."""
+    return max(1, min(8, -(-180_000_000 // max(1, nbytes))))
+
+
+def _try(fn, graph=None):
     try:
-        return _bench(fn)
+        return _bench_graph(graph) if graph is not None else _bench(fn)
     except Exception as e:  # a baseline that cannot take the shape is reported, not fatal
         return f"error: {type(e).__name__}: {str(e)[:120]}"
 
@@ -65,7 +99,7 @@ def bench_quantize(sizes=((4096, 4096), (8192, 8192), (16384, 8192))) -> list[di
     return rows
 
 
-def bench_gemm(models, ms, sweep: bool) -> tuple[list[dict], list[dict]]:
+def bench_gemm(models, ms, sweep: bool, sweep_ms=(1, 16, 64, 2048)) -> tuple[list[dict], list[dict]]:
     from mxq.kernels import gemm as G
     from mxq.kernels.dispatch import mx_linear_triton
     from mxq.kernels.quantize import fake_quantize_mx_rows, quantize_mx_rows
@@ -77,64 +111,69 @@ def bench_gemm(models, ms, sweep: bool) -> tuple[list[dict], list[dict]]:
         for layer, (n, k) in LLAMA_SHAPES[model].items():
             w_bf16 = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
             t = quantize_mx(w_bf16, -1, E4M3, 32, ScaleRule.RCEIL)
-            w8, ws = t.data, t.scales
-            packed = G.pack_weight(w8, ws)
             w_deq = dequantize_mx(t, torch.float32)
-            # rowwise fp8 weight for _scaled_mm: per output channel scale
-            w_amax = w_bf16.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
-            w_rs = (w_amax / 448.0).float()
+            # rowwise fp8 weight for _scaled_mm: one scale per output channel
+            w_rs = (w_bf16.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448.0).float()
             w_row8 = (w_bf16.float() / w_rs).to(torch.float8_e4m3fn)
             del w_bf16
-            w_bf = w_deq.to(torch.bfloat16)
+            r8, rbf = _copies(n * k), _copies(2 * n * k)
+            packs = [G.pack_weight(t.data.clone(), t.scales.clone()) for _ in range(r8)]
+            rows8 = [w_row8.clone() for _ in range(r8)]
+            wbfs = [w_deq.to(torch.bfloat16) for _ in range(rbf)]
+            p0 = packs[0]
             for m in ms:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                row = dict(model=model, layer=layer, m=m, n=n, k=k)
+                row = dict(model=model, layer=layer, m=m, n=n, k=k, weight_copies=r8)
                 # correctness first, on these fresh inputs
                 for name, act in (("w8a8", E4M3), ("w8a16", None)):
-                    y = mx_linear_triton(x, packed.data, packed.scales, None, act_elem=act)
+                    y = mx_linear_triton(x, p0.data, p0.scales, None, act_elem=act)
                     xr = x.float() if act is None else fake_quantize_mx_rows(x, E4M3, out_dtype=torch.float32)
                     ref = xr @ w_deq.t()
                     row[f"{name}_relerr"] = ((y.float() - ref).norm() / ref.norm()).item()
-                row["cublas_bf16_us"] = _bench(lambda: x @ w_bf.t())
-                x_amax = x.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
-                x_rs = (x_amax / 448.0).float()
+                row["cublas_bf16_us"] = _try(None, [lambda w=w: x @ w.t() for w in wbfs])
+                x_rs = (x.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448.0).float()
                 x_row8 = (x.float() / x_rs).to(torch.float8_e4m3fn)
-                row["scaled_mm_rowwise_us"] = _try(
-                    lambda: torch._scaled_mm(x_row8, w_row8.t(), scale_a=x_rs, scale_b=w_rs.t(), out_dtype=torch.bfloat16)
-                )
+                row["scaled_mm_rowwise_us"] = _try(None, [
+                    lambda w=w: torch._scaled_mm(x_row8, w.t(), scale_a=x_rs, scale_b=w_rs.t(), out_dtype=torch.bfloat16)
+                    for w in rows8
+                ])  # fmt: skip
                 best_ds = None
                 for bm, bn, bk, nw in ((128, 128, 128, 8), (64, 128, 128, 4), (16, 64, 128, 4)):
-                    if bm > max(16, triton_next_pow2(m)) and bm != 16:
+                    if bm > max(16, triton_next_pow2(m)):
                         continue
 
-                    def ds(bm=bm, bn=bn, bk=bk, nw=nw):
+                    def ds(p, bm=bm, bn=bn, bk=bk, nw=nw):
                         xq, xs = quantize_mx_rows(x, E4M3, ScaleRule.RCEIL)
-                        return G.mx_gemm_dot_scaled(xq, xs, w8, ws, block_m=bm, block_n=bn, block_k=bk, num_warps=nw)
+                        return G.mx_gemm_dot_scaled(xq, xs, p.data, p.scales, block_m=bm, block_n=bn, block_k=bk, num_warps=nw)
 
-                    tds = _try(ds)
+                    tds = _try(None, [lambda p=p: ds(p) for p in packs])
                     if isinstance(tds, float) and (best_ds is None or tds < best_ds):
                         best_ds = tds
                 row["dot_scaled_w8a8_us"] = best_ds
-                row["mxq_w8a8_us"] = _bench(lambda: mx_linear_triton(x, packed.data, packed.scales, None, act_elem=E4M3))
-                row["mxq_w8a16_us"] = _bench(lambda: mx_linear_triton(x, packed.data, packed.scales, None))
-                row["mxq_quant_only_us"] = _bench(lambda: fake_quantize_mx_rows(x, E4M3, out_dtype=torch.bfloat16))
+                row["mxq_w8a8_us"] = _try(None, [
+                    lambda p=p: mx_linear_triton(x, p.data, p.scales, None, act_elem=E4M3) for p in packs
+                ])  # fmt: skip
+                row["mxq_w8a16_us"] = _try(None, [lambda p=p: mx_linear_triton(x, p.data, p.scales, None) for p in packs])
+                row["mxq_quant_only_us"] = _try(None, [lambda: fake_quantize_mx_rows(x, E4M3, out_dtype=torch.bfloat16)])
+                row["mxq_w8a16_eager_us"] = _bench(lambda: mx_linear_triton(x, p0.data, p0.scales, None))
                 row["config"] = str(G.pick_config(m, n, k, x.device))
                 flops = 2 * m * n * k
-                row["mxq_w8a8_tflops"] = flops / row["mxq_w8a8_us"] / 1e6
-                row["mxq_w8a16_tflops"] = flops / row["mxq_w8a16_us"] / 1e6
-                row["cublas_tflops"] = flops / row["cublas_bf16_us"] / 1e6
-                row["mxq_w8a16_weight_gbs"] = n * k * (1 + 1 / 32) / row["mxq_w8a16_us"] / 1e3
-                row["cublas_weight_gbs"] = 2 * n * k / row["cublas_bf16_us"] / 1e3
+                for key in ("mxq_w8a8", "mxq_w8a16", "cublas_bf16"):
+                    if isinstance(row[f"{key}_us"], float):
+                        row[f"{key}_tflops"] = flops / row[f"{key}_us"] / 1e6
+                if isinstance(row["mxq_w8a16_us"], float):
+                    row["mxq_w8a16_weight_gbs"] = n * k * (1 + 1 / 32) / row["mxq_w8a16_us"] / 1e3
+                if isinstance(row["cublas_bf16_us"], float):
+                    row["cublas_weight_gbs"] = 2 * n * k / row["cublas_bf16_us"] / 1e3
                 rows.append(row)
                 print(_row_line(row), flush=True)
-                if sweep and model == "8b":
+                if sweep and model == "8b" and m in sweep_ms:
                     for cfg in _sweep_configs(m):
-                        tt = _try(lambda cfg=cfg: G.mx_gemm(x, packed.data, packed.scales, None, config=cfg))
+                        tt = _try(None, [lambda p=p, cfg=cfg: G.mx_gemm(x, p.data, p.scales, None, config=cfg) for p in packs])
                         sweeps.append(dict(model=model, layer=layer, m=m, n=n, k=k, config=str(cfg), us=tt))
-                    best = min((s for s in sweeps if s["m"] == m and s["layer"] == layer and isinstance(s["us"], float)),
-                               key=lambda s: s["us"], default=None)  # fmt: skip
-                    if best:
-                        print(f"   sweep best {best['us']:.1f} us {best['config']}", flush=True)
+                        print(f"   {_fmt(tt):>8} {cfg}", flush=True)
+            del packs, rows8, wbfs, w_deq, w_row8, t
+            torch.cuda.empty_cache()
     return rows, sweeps
 
 
@@ -147,12 +186,13 @@ def _sweep_configs(m: int):
 
     if m <= 64:
         bm = max(16, triton_next_pow2(m))
-        return [C(bm, bn, bk, w, s, split_k=sp) for (bn, bk, w, s) in ((64, 256, 4, 4), (128, 128, 4, 4), (64, 128, 4, 6), (128, 256, 8, 3))
-                for sp in (1, 2, 4, 8)]  # fmt: skip
-    return [
-        C(128, 128, 64, 8, 4), C(256, 128, 64, 8, 3), C(128, 256, 64, 8, 3), C(128, 128, 128, 8, 3),
-        C(256, 128, 64, 8, 4), C(128, 64, 64, 4, 4), C(64, 128, 64, 4, 4), C(256, 128, 128, 8, 2),
-    ]  # fmt: skip
+        return [C(bm, bn, bk, w, s, split_k=sp, tma_w=tw) for (bn, bk, w, s) in ((64, 256, 4, 4), (128, 128, 4, 4), (64, 128, 4, 6))
+                for sp in (1, 2, 4) for tw in (False, True)]  # fmt: skip
+    out = []
+    for bm, bn, bk, w, st in ((128, 128, 64, 8, 4), (256, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 128, 8, 2), (128, 128, 128, 8, 3)):
+        for tx, tw, g in ((False, False, False), (True, False, False), (True, True, False), (True, False, True), (True, True, True)):
+            out.append(C(bm, bn, bk, w, st, tma_x=tx, tma_w=tw, scale_gather=g))
+    return out
 
 
 def _ratio(base, ours):
@@ -204,6 +244,7 @@ def main(argv=None) -> int:
     p.add_argument("--ms", default=",".join(map(str, MS)), help="comma-separated M values")
     p.add_argument("--sweep", action="store_true", help="also time a set of tile configs (8b shapes)")
     p.add_argument("--no-quantize", action="store_true", help="skip the quantization bandwidth table")
+    p.add_argument("--sweep-ms", default="1,16,64,2048", help="M values to sweep configs at")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_gemm needs a CUDA device", file=sys.stderr)
@@ -220,7 +261,7 @@ def main(argv=None) -> int:
     print(json.dumps(res["env"]), flush=True)
     if not a.no_quantize:
         res["quantize"] = bench_quantize()
-    res["gemm"], res["sweep"] = bench_gemm(a.models.split(","), [int(v) for v in a.ms.split(",")], a.sweep)
+    res["gemm"], res["sweep"] = bench_gemm(a.models.split(","), [int(v) for v in a.ms.split(",")], a.sweep, [int(v) for v in a.sweep_ms.split(",")])
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
     print_tables(res)

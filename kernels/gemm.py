@@ -33,6 +33,11 @@ import torch
 import triton
 import triton.language as tl
 
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # older triton: pointer loads only
+    TensorDescriptor = None
+
 from mxq.formats import E4M3, E5M2, ElemFormat
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -47,6 +52,9 @@ class GemmConfig:
     num_stages: int = 3
     split_k: int = 1
     group: int = 8  # programs along M sharing one weight panel, for L2 reuse
+    tma_x: bool = False  # activation tiles through the TMA copy engine (host descriptor)
+    tma_w: bool = False  # weight tiles through TMA
+    scale_gather: bool = False  # scales loaded per element instead of broadcast by reshape
 
 
 @triton.jit
@@ -66,6 +74,7 @@ def _mx_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BS: tl.constexpr,
     GROUP: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+    TMA_X: tl.constexpr = False, TMA_W: tl.constexpr = False, SCALE_GATHER: tl.constexpr = False,
 ):  # fmt: skip
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -89,26 +98,53 @@ def _mx_gemm_kernel(
 
     k_lo = pid_k * K_SPLIT
     k_hi = min(k_lo + K_SPLIT, K)
-    w_ptrs = w_ptr + rn[:, None] * stride_wn + (k_lo + offs_k)[None, :]
-    s_ptrs = s_ptr + rn[:, None] * stride_sn + (k_lo // BS + offs_b)[None, :]
-    x_ptrs = x_ptr + rm[None, :] * stride_xm + (k_lo + offs_k)[:, None]
+    n_iter = tl.cdiv(k_hi - k_lo, BLOCK_K)
+    if not TMA_W:
+        w_ptrs = w_ptr + rn[:, None] * stride_wn + (k_lo + offs_k)[None, :]
+    if not TMA_X:
+        x_ptrs = x_ptr + rm[None, :] * stride_xm + (k_lo + offs_k)[:, None]
+    if SCALE_GATHER:
+        s_ptrs = s_ptr + rn[:, None] * stride_sn + (k_lo + offs_k)[None, :] // BS
+    else:
+        s_ptrs = s_ptr + rn[:, None] * stride_sn + (k_lo // BS + offs_b)[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k in range(k_lo, k_hi, BLOCK_K):
-        if EVEN_K:
+    for i in range(n_iter):
+        k = k_lo + i * BLOCK_K
+        # TMA zero-fills out-of-bounds rows and columns; pointer loads mask the K tail.
+        if TMA_W:
+            w = w_ptr.load([pid_n * BLOCK_N, k])
+        elif EVEN_K:
             w = tl.load(w_ptrs)
-            sc = tl.load(s_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=((k + offs_k) < k_hi)[None, :], other=0.0)
+        if TMA_X:
+            xt = tl.trans(x_ptr.load([pid_m * BLOCK_M, k]))
+        elif EVEN_K:
             xt = tl.load(x_ptrs)
         else:
-            kmask = (k + offs_k) < k_hi
-            w = tl.load(w_ptrs, mask=kmask[None, :], other=0.0)
-            sc = tl.load(s_ptrs, mask=((k + offs_b * BS) < k_hi)[None, :], other=127)
-            xt = tl.load(x_ptrs, mask=kmask[:, None], other=0.0)
-        wf = tl.reshape(w.to(tl.float32), (BLOCK_N, NB, BS)) * _e8m0_to_f32(sc)[:, :, None]
-        wd = tl.reshape(wf, (BLOCK_N, BLOCK_K)).to(DOT)
+            xt = tl.load(x_ptrs, mask=((k + offs_k) < k_hi)[:, None], other=0.0)
+        if SCALE_GATHER:
+            if EVEN_K:
+                sc = tl.load(s_ptrs)
+            else:
+                sc = tl.load(s_ptrs, mask=((k + offs_k) < k_hi)[None, :], other=127)
+            wd = (w.to(tl.float32) * _e8m0_to_f32(sc)).to(DOT)
+        else:
+            if EVEN_K:
+                sc = tl.load(s_ptrs)
+            else:
+                sc = tl.load(s_ptrs, mask=((k + offs_b * BS) < k_hi)[None, :], other=127)
+            wf = tl.reshape(w.to(tl.float32), (BLOCK_N, NB, BS)) * _e8m0_to_f32(sc)[:, :, None]
+            wd = tl.reshape(wf, (BLOCK_N, BLOCK_K)).to(DOT)
         acc = tl.dot(wd, xt.to(DOT), acc, input_precision=PRECISION)
-        w_ptrs += BLOCK_K
-        s_ptrs += NB
-        x_ptrs += BLOCK_K
+        if not TMA_W:
+            w_ptrs += BLOCK_K
+        if not TMA_X:
+            x_ptrs += BLOCK_K
+        if SCALE_GATHER:
+            s_ptrs += BLOCK_K // BS
+        else:
+            s_ptrs += NB
 
     out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
@@ -264,13 +300,19 @@ def mx_gemm(
     even_k = k % cfg.block_k == 0 and k_split % cfg.block_k == 0
     target = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
+    # TMA needs 16-byte aligned bases and row strides; otherwise fall back to pointer loads.
+    tma_x = cfg.tma_x and TensorDescriptor is not None and not INTERPRET and x.data_ptr() % 16 == 0 and (x.stride(0) * x.element_size()) % 16 == 0
+    tma_w = cfg.tma_w and TensorDescriptor is not None and not INTERPRET and weight.data_ptr() % 16 == 0 and weight.stride(0) % 16 == 0
+    x_arg = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k]) if tma_x else x
+    w_arg = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]) if tma_w else weight
     _mx_gemm_kernel[grid](
-        x, weight, weight_scale, bias if bias is not None else weight_scale, target,
+        x_arg, w_arg, weight_scale, bias if bias is not None else weight_scale, target,
         m, n, k, k_split, triton.next_power_of_2(m),
         x.stride(0), weight.stride(0), weight_scale.stride(0), n,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BS=block_size,
         GROUP=cfg.group, DOT=dot, PRECISION=precision,
         HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_K=even_k,
+        TMA_X=tma_x, TMA_W=tma_w, SCALE_GATHER=cfg.scale_gather,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split > 1:
