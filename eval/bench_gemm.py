@@ -90,12 +90,17 @@ def bench_quantize(sizes=((4096, 4096), (8192, 8192), (16384, 8192))) -> list[di
         for rule in (ScaleRule.RCEIL, ScaleRule.FLOOR, ScaleRule.EVEN, ScaleRule.MSE):
             t_q = _bench(lambda: quantize_mx_rows(x, E4M3, rule))
             t_d = _bench(lambda: fake_quantize_mx_rows(x, E4M3, rule, out_dtype=torch.bfloat16))
+            tiles = {}
+            if rule is not ScaleRule.MSE:
+                for tile in ((32, 128, 4), (16, 256, 4), (64, 128, 8), (32, 256, 8), (8, 512, 4), (128, 64, 8)):
+                    tiles[str(tile)] = (_bench(lambda: quantize_mx_rows(x, E4M3, rule, tile=tile)),
+                                        _bench(lambda: fake_quantize_mx_rows(x, E4M3, rule, out_dtype=torch.bfloat16, tile=tile)))
             q_gbs = (2 + 1 + 1 / 32) * m * k / t_q / 1e3
             d_gbs = 4 * m * k / t_d / 1e3
             rows.append(dict(m=m, k=k, rule=rule.value, copy_us=t_copy, copy_gbs=copy_gbs,
                              mx_us=t_q, mx_gbs=q_gbs, mx_frac_copy=q_gbs / copy_gbs,
                              rounded_bf16_us=t_d, rounded_bf16_gbs=d_gbs,
-                             rounded_frac_copy=d_gbs / copy_gbs))  # fmt: skip
+                             rounded_frac_copy=d_gbs / copy_gbs, tiles_us=tiles))  # fmt: skip
     return rows
 
 
@@ -168,7 +173,7 @@ def bench_gemm(models, ms, sweep: bool, sweep_ms=(1, 16, 64, 2048)) -> tuple[lis
                 rows.append(row)
                 print(_row_line(row), flush=True)
                 if sweep and model == "8b" and m in sweep_ms:
-                    for cfg in _sweep_configs(m):
+                    for cfg in _sweep_configs(m, n, k):
                         tt = _try(None, [lambda p=p, cfg=cfg: G.mx_gemm(x, p.data, p.scales, None, config=cfg) for p in packs])
                         sweeps.append(dict(model=model, layer=layer, m=m, n=n, k=k, config=str(cfg), us=tt))
                         print(f"   {_fmt(tt):>8} {cfg}", flush=True)
@@ -181,17 +186,27 @@ def triton_next_pow2(m: int) -> int:
     return 1 << max(0, (m - 1).bit_length())
 
 
-def _sweep_configs(m: int):
-    from mxq.kernels.gemm import GemmConfig as C
+def _sweep_configs(m: int, n: int, k: int):
+    """Variants around the dispatched config: scale in bf16 or fp32, tile and split choices."""
+    import dataclasses
 
+    from mxq.kernels.gemm import GemmConfig as C
+    from mxq.kernels.gemm import pick_config
+
+    base = pick_config(m, n, k, torch.device("cuda"))
+    out = [base, dataclasses.replace(base, deq_bf16=True)]
     if m <= 64:
-        bm = max(16, triton_next_pow2(m))
-        return [C(bm, bn, bk, w, s, split_k=sp, tma_w=tw) for (bn, bk, w, s) in ((64, 256, 4, 4), (128, 128, 4, 4), (64, 128, 4, 6))
-                for sp in (1, 2, 4) for tw in (False, True)]  # fmt: skip
-    out = []
-    for bm, bn, bk, w, st in ((128, 128, 64, 8, 4), (256, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 128, 8, 2), (128, 128, 128, 8, 3)):
-        for tx, tw, g in ((False, False, False), (True, False, False), (True, True, False), (True, False, True), (True, True, True)):
-            out.append(C(bm, bn, bk, w, st, tma_x=tx, tma_w=tw, scale_gather=g))
+        for sp in (base.split_k // 2, base.split_k * 2):
+            if sp >= 1:
+                out += [dataclasses.replace(base, split_k=sp), dataclasses.replace(base, split_k=sp, deq_bf16=True)]
+        out.append(dataclasses.replace(base, block_n=128 if base.block_n == 64 else 64, deq_bf16=True))
+    else:
+        out += [
+            C(128, 128, 64, 8, 4, tma_x=True, tma_w=True, deq_bf16=True),
+            C(256, 128, 64, 8, 4, tma_x=True, tma_w=True, deq_bf16=True),
+            C(256, 128, 128, 8, 2, tma_x=True, tma_w=True, deq_bf16=True),
+            C(128, 256, 64, 8, 3, tma_x=True, tma_w=True, deq_bf16=True),
+        ]
     return out
 
 

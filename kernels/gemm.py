@@ -55,6 +55,7 @@ class GemmConfig:
     tma_x: bool = False  # activation tiles through the TMA copy engine (host descriptor)
     tma_w: bool = False  # weight tiles through TMA
     scale_gather: bool = False  # scales loaded per element instead of broadcast by reshape
+    deq_bf16: bool = False  # apply the scale with a bf16 multiply instead of fp32 (bf16 dots only)
 
 
 @triton.jit
@@ -75,6 +76,7 @@ def _mx_gemm_kernel(
     GROUP: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     TMA_X: tl.constexpr = False, TMA_W: tl.constexpr = False, SCALE_GATHER: tl.constexpr = False,
+    DEQ_BF16: tl.constexpr = False,
 ):  # fmt: skip
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -134,7 +136,13 @@ def _mx_gemm_kernel(
                 sc = tl.load(s_ptrs)
             else:
                 sc = tl.load(s_ptrs, mask=((k + offs_b * BS) < k_hi)[None, :], other=127)
-            wf = tl.reshape(w.to(tl.float32), (BLOCK_N, NB, BS)) * _e8m0_to_f32(sc)[:, :, None]
+            if DEQ_BF16:
+                # fp8 -> bf16 is exact and a power-of-two product is exact in bf16 (same exponent
+                # range as fp32): half the conversion work of the fp32 route.
+                sb = _e8m0_to_f32(sc).to(tl.bfloat16)
+                wf = tl.reshape(w.to(tl.bfloat16), (BLOCK_N, NB, BS)) * sb[:, :, None]
+            else:
+                wf = tl.reshape(w.to(tl.float32), (BLOCK_N, NB, BS)) * _e8m0_to_f32(sc)[:, :, None]
             wd = tl.reshape(wf, (BLOCK_N, BLOCK_K)).to(DOT)
         acc = tl.dot(wd, xt.to(DOT), acc, input_precision=PRECISION)
         if not TMA_W:
@@ -226,19 +234,21 @@ def pick_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
     if INTERPRET or device.type != "cuda":
         split = 2 if k >= 128 else 1
         return GemmConfig(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=1, split_k=split)
+    sms = _sm_count(device)
     if m <= 64:
+        # Weight streaming (sweep on H200, kernels/NOTES.md): weight tiles through TMA, K split
+        # until the N tiles x splits cover the SMs twice.
         block_m = max(16, triton.next_power_of_2(m))
-        block_n, block_k = 64, 256
+        if m <= 16:
+            block_n, block_k, warps, stages = (64, 128, 4, 6) if n <= 8192 else (128, 128, 4, 4)
+        else:
+            block_n, block_k, warps, stages = 128, 128, 4, 4
         tiles = triton.cdiv(n, block_n)
-        sms = _sm_count(device)
         split = 1
-        # Split K until every SM has at least one program, keeping >= 2 K steps per split.
-        while tiles * split < sms and k // (split * 2) >= 2 * block_k:
+        while tiles * split < 2 * sms and k // (split * 2) >= 4 * block_k and split < 8:
             split *= 2
-        return GemmConfig(block_m, block_n, block_k, num_warps=4, num_stages=4, split_k=split)
-    if m <= 128:
-        return GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)
-    return GemmConfig(block_m=256, block_n=128, block_k=64, num_warps=8, num_stages=3)
+        return GemmConfig(block_m, block_n, block_k, warps, stages, split_k=split, tma_w=True)
+    return GemmConfig(block_m=256, block_n=128, block_k=64, num_warps=8, num_stages=3, tma_x=True, tma_w=True)
 
 
 def mx_gemm(
@@ -312,7 +322,7 @@ def mx_gemm(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BS=block_size,
         GROUP=cfg.group, DOT=dot, PRECISION=precision,
         HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_K=even_k,
-        TMA_X=tma_x, TMA_W=tma_w, SCALE_GATHER=cfg.scale_gather,
+        TMA_X=tma_x, TMA_W=tma_w, SCALE_GATHER=cfg.scale_gather, DEQ_BF16=cfg.deq_bf16 and dot == tl.bfloat16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split > 1:

@@ -32,6 +32,8 @@ from mxq.formats import (
     as_scale_rule,
 )
 
+_SCALE_BIAS = tl.constexpr(E8M0_BIAS)
+_SCALE_NAN = tl.constexpr(E8M0_NAN)
 _RULE_ID = {ScaleRule.FLOOR: 0, ScaleRule.RCEIL: 1, ScaleRule.EVEN: 2, ScaleRule.MSE: 3}
 
 
@@ -147,7 +149,7 @@ def _quantize_rows_kernel(
             mask=rmask[:, None] & (cols < KP)[None, :],
         )
         blks = pid_k * NB + tl.arange(0, NB)
-        sb = tl.where(nonfinite, E8M0_NAN, e + E8M0_BIAS).to(tl.uint8)
+        sb = tl.where(nonfinite, _SCALE_NAN, e + _SCALE_BIAS).to(tl.uint8)
         tl.store(
             s_ptr + rows64[:, None] * stride_sm + blks[None, :],
             sb,
@@ -164,12 +166,12 @@ def _quantize_rows_kernel(
         )
 
 
-def _launch(x2, elem: ElemFormat, rule: ScaleRule, block_size: int, q, s, d):
+def _launch(x2, elem: ElemFormat, rule: ScaleRule, block_size: int, q, s, d, tile=None):
     m, k = x2.shape
     if block_size & (block_size - 1) or not 16 <= block_size <= 128:
         raise ValueError(f"block_size must be a power of two in [16, 128], got {block_size}")
-    block_k = max(128, block_size)
-    block_m = 8 if rule is ScaleRule.MSE else 32
+    block_m, block_k, warps = tile or ((8, 128, 4) if rule is ScaleRule.MSE else (32, 128, 4))
+    block_k = max(block_k, block_size)
     nblk = triton.cdiv(k, block_size)
     kp = nblk * block_size
     grid = (triton.cdiv(m, block_m), triton.cdiv(kp, block_k))
@@ -184,7 +186,7 @@ def _launch(x2, elem: ElemFormat, rule: ScaleRule, block_size: int, q, s, d):
         EMAX=elem.emax, MBITS=elem.mbits, MAXN=elem.max_normal, NAN_BYTE=elem.nan_byte,
         EMIN=1 - elem.bias, EBIAS=elem.bias, RULE=_RULE_ID[rule],
         WRITE_Q=q is not None, WRITE_D=d is not None,
-        num_warps=4,
+        num_warps=warps,
     )  # fmt: skip
 
 
@@ -204,6 +206,8 @@ def quantize_mx_rows(
     elem: ElemFormat | str,
     rule: ScaleRule | str = ScaleRule.RCEIL,
     block_size: int = 32,
+    *,
+    tile: tuple[int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """X [..., K] -> (fp8 data [..., Kp], uint8 E8M0 scales [..., ceil(K/bs)]), blocks along K.
 
@@ -217,7 +221,7 @@ def quantize_mx_rows(
     q = torch.empty((m, nblk * block_size), dtype=torch.uint8, device=x.device)
     s = torch.empty((m, nblk), dtype=torch.uint8, device=x.device)
     if m:
-        _launch(x2, elem, rule, block_size, q, s, None)
+        _launch(x2, elem, rule, block_size, q, s, None, tile)
     lead = tuple(x.shape[:-1])
     return q.view(elem.torch_dtype).reshape(*lead, -1), s.reshape(*lead, nblk)
 
@@ -228,6 +232,8 @@ def fake_quantize_mx_rows(
     rule: ScaleRule | str = ScaleRule.RCEIL,
     block_size: int = 32,
     out_dtype: torch.dtype | None = None,
+    *,
+    tile: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """The MX-rounded values of X [..., K] (blocks along K) in ``out_dtype`` (default x.dtype).
 
@@ -238,7 +244,7 @@ def fake_quantize_mx_rows(
     out_dtype = out_dtype or x.dtype
     d = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
     if x2.shape[0]:
-        _launch(x2, elem, rule, block_size, None, None, d)
+        _launch(x2, elem, rule, block_size, None, None, d, tile)
     return d.reshape(x.shape)
 
 
