@@ -150,7 +150,8 @@ def _open_source(source: str | os.PathLike | None) -> tuple[ModelSource, _Source
 
 # --- planning ------------------------------------------------------------------------------------
 
-def _skeleton_linears(config) -> dict[str, torch.nn.Linear]:
+def _skeleton_linears(config) -> tuple[dict[str, torch.nn.Linear], list[str]]:
+    """The model's Linear layers (built on the meta device) and the name of its output head."""
     from transformers import AutoModelForCausalLM
 
     try:
@@ -158,13 +159,18 @@ def _skeleton_linears(config) -> dict[str, torch.nn.Linear]:
             model = AutoModelForCausalLM.from_config(config)
     except (ValueError, KeyError) as e:
         raise ConversionError(f"architecture {getattr(config, 'model_type', '?')!r} is not a causal LM transformers can build ({_line(e)})") from None
-    return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    head = model.get_output_embeddings()
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    return linears, [n for n, m in linears.items() if m is head]
 
 
 def _plan(src: _Source, recipe: Recipe, warn: Callable[[str], None]):
-    linears = _skeleton_linears(src.config)
-    if not linears:
-        raise ConversionError(f"architecture {getattr(src.config, 'model_type', '?')!r} has no torch.nn.Linear layers: nothing to quantize")
+    linears, heads = _skeleton_linears(src.config)
+    if not set(linears) - set(heads):
+        raise ConversionError(
+            f"architecture {getattr(src.config, 'model_type', '?')!r} has no torch.nn.Linear layers "
+            "besides its output head: nothing to quantize"
+        )
     weights = {name: (dtype, shape) for name, dtype, shape in src.tensors}
     chosen: set[str] = set()
     kept: dict[str, str] = {}

@@ -321,10 +321,11 @@ def fake_quantize_mx(
 
 
 def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio in dB (inf when exact)."""
-    ref = ref.double()
-    noise = (ref - approx.double()).square().sum().item()
-    signal = ref.square().sum().item()
+    """Signal-to-quantization-noise ratio in dB (inf when exact); sums in float64, no float64 copies."""
+    ref = ref.float()
+    d = ref - approx.float()
+    noise = torch.sum(d * d, dtype=torch.float64).item()
+    signal = torch.sum(ref * ref, dtype=torch.float64).item()
     if noise == 0:
         return math.inf
     if signal == 0:

@@ -188,7 +188,7 @@ def foreign_to_native(path: str | os.PathLike, config: dict) -> dict:
 
     fmt = checkpoint_format(config)
     qc = config["quantization_config"]
-    tensors = read_index(path)  # name -> (dtype str, shape)
+    tensors = read_index(path)
     scale_suffix = ".weight_scale_inv" if fmt == "mxfp8" else ".weight_scale"
     if fmt == "compressed-tensors":
         groups = list((qc.get("config_groups") or {}).values())
@@ -200,7 +200,8 @@ def foreign_to_native(path: str | os.PathLike, config: dict) -> dict:
     for name in tensors:
         if name.endswith(scale_suffix):
             mod = name[: -len(scale_suffix)]
-            wdtype = tensors.get(mod + ".weight", ("", ()))[0]
+            w = tensors.get(mod + ".weight")
+            wdtype = w.dtype if w is not None else ""
             elem = {"F8_E4M3": E4M3, "F8_E5M2": E5M2}.get(wdtype)
             if elem is None:
                 raise ValueError(f"{path}: tensor {mod}.weight has dtype {wdtype or 'missing'}, expected F8_E4M3 or F8_E5M2")

@@ -1,0 +1,480 @@
+"""Converter, checkpoint layout, loading back, and every bad input the converter must refuse.
+
+The reference everywhere is an independent fake-quant forward: each quantized Linear of the
+original model computes ``fq(X) @ fq(W).T`` in float32, where ``fq`` rounds through the format
+core (``mxq.formats.fake_quantize_mx``), never through MXLinear or the converter.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+import mxq
+from mxq.checkpoint import ShardWriter, read_index
+from mxq.convert import ConversionError, quantize_checkpoint
+from mxq.formats import E4M3, E5M2, fake_quantize_mx
+from mxq.linear import MXLinear
+from mxq.recipe import RecipeError, load_recipe
+
+torch.manual_seed(0)
+
+
+def _tiny_llama(path: Path, intermediate: int = 96, dtype=torch.bfloat16, seed: int = 0) -> Path:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        hidden_size=64, intermediate_size=intermediate, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=320, max_position_embeddings=128, tie_word_embeddings=False,
+    )
+    m = LlamaForCausalLM(cfg).to(dtype)
+    m.save_pretrained(path)
+    return path
+
+
+def _tiny_qwen(path: Path) -> Path:
+    torch.manual_seed(1)
+    cfg = Qwen2Config(
+        hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, vocab_size=300, max_position_embeddings=128, tie_word_embeddings=True,
+    )
+    m = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    with torch.no_grad():  # q/k/v carry biases in Qwen2: make them non-zero
+        for layer in m.model.layers:
+            for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                p.bias.normal_(0, 0.5)
+    m.save_pretrained(path)
+    return path
+
+
+def _fake_quant_reference(model: torch.nn.Module, quantized: set[str], w_elem, a_elem) -> torch.nn.Module:
+    """Patch each named Linear of a plain model to compute with MX-rounded operands in float32."""
+    for name in quantized:
+        lin = model.get_submodule(name)
+        w_q = fake_quantize_mx(lin.weight.detach().float(), -1, w_elem)
+
+        def fwd(x, lin=lin, w_q=w_q):
+            xf = x.float()
+            if a_elem is not None:
+                xf = fake_quantize_mx(xf, -1, a_elem)
+            y = xf @ w_q.t()
+            if lin.bias is not None:
+                y = y + lin.bias.float()
+            return y.to(x.dtype)
+
+        lin.forward = fwd
+    return model
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _ids(vocab: int, n: int = 2, s: int = 37) -> torch.Tensor:
+    return torch.randint(0, vocab, (n, s))
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return _tiny_llama(tmp_path_factory.mktemp("llama") / "src")
+
+
+# --- tiny models: every recipe, both architectures ---------------------------------------------
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8-w8a16", "mxfp8-e5m2"])
+def test_llama_roundtrip_matches_fake_quant(tmp_path, llama_dir, recipe):
+    out = tmp_path / "q"
+    rep = quantize_checkpoint(llama_dir, out, recipe, progress=False)
+    rec = load_recipe(recipe)
+    assert len(rep.quantized) == 14 and list(rep.kept) == ["lm_head"]
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    mx = {n for n, m in model.named_modules() if isinstance(m, MXLinear)}
+    assert mx == {r.name for r in rep.quantized}
+    assert isinstance(model.lm_head, torch.nn.Linear) and not isinstance(model.lm_head, MXLinear)
+    ref = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    a_elem = rec.activations.elem if rec.activations else None
+    _fake_quant_reference(ref, mx, rec.weights.elem, a_elem)
+    ids = _ids(320)
+    with torch.no_grad():
+        got, want = model(ids).logits, ref(ids).logits
+    assert _rel(got, want) < 1e-4
+    # the quantization did something: the unquantized model differs measurably
+    plain = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    with torch.no_grad():
+        assert _rel(plain(ids).logits, want) > 1e-4
+    elem = E5M2 if recipe == "mxfp8-e5m2" else E4M3
+    assert model.model.layers[0].mlp.down_proj.weight.dtype == elem.torch_dtype
+
+
+def test_qwen_gqa_bias_tied_and_kept_layer(tmp_path):
+    src = _tiny_qwen(tmp_path / "src")
+    warnings = []
+    rep = quantize_checkpoint(src, tmp_path / "q", progress=False, warn=warnings.append)
+    # K = 160 of down_proj is a multiple of 32; hidden 96 too. Everything but the tied lm_head is quantized.
+    assert len(rep.quantized) == 14 and "lm_head" in rep.kept
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.float32)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert model.model.layers[1].self_attn.k_proj.bias is not None
+    ref = _fake_quant_reference(
+        AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32), {r.name for r in rep.quantized}, E4M3, E4M3
+    )
+    ids = _ids(300)
+    with torch.no_grad():
+        assert _rel(model(ids).logits, ref(ids).logits) < 1e-4
+
+
+def test_k_not_multiple_of_32_stays_bf16_with_warning(tmp_path):
+    src = _tiny_llama(tmp_path / "src", intermediate=80)
+    warnings = []
+    rep = quantize_checkpoint(src, tmp_path / "q", progress=False, warn=warnings.append)
+    downs = [n for n in rep.kept if n.endswith("down_proj")]
+    assert len(downs) == 2 and "80" in rep.kept[downs[0]]
+    assert any("model.layers.0.mlp.down_proj" in w for w in warnings)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "q")
+    assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear
+    assert isinstance(model.model.layers[0].mlp.up_proj, MXLinear)
+
+
+def test_checkpoint_layout_and_memory(tmp_path, llama_dir):
+    out = tmp_path / "q"
+    quantize_checkpoint(llama_dir, out, progress=False, max_shard_bytes=40_000)
+    idx = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(idx["weight_map"].values()))
+    assert len(shards) > 1 and all((out / s).is_file() for s in shards)
+    infos = read_index(out)
+    assert idx["metadata"]["total_size"] == sum(i.nbytes for i in infos.values())
+    w, s = infos["model.layers.1.self_attn.q_proj.weight"], infos["model.layers.1.self_attn.q_proj.weight_scale"]
+    assert (w.dtype, w.shape, s.dtype, s.shape) == ("F8_E4M3", (64, 64), "U8", (64, 2))
+    cfg = json.loads((out / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    assert qc["quant_method"] == "mxq" and qc["recipe"]["name"] == "mxfp8" and qc["ignore"] == ["lm_head"]
+    assert qc["layers"]["model.layers.0.mlp.up_proj"] == {
+        "weights": {"elem": "e4m3", "scale_rule": "rceil"},
+        "activations": {"elem": "e4m3", "scale_rule": "rceil"},
+    }
+    assert (out / "generation_config.json").is_file()
+    model = AutoModelForCausalLM.from_pretrained(out)
+    mx = [m for m in model.modules() if isinstance(m, MXLinear)]
+    q_bytes = sum(m.weight.numel() * m.weight.element_size() + m.weight_scale.numel() for m in mx)
+    bf16_bytes = sum(m.weight.numel() * 2 for m in mx)
+    assert abs(q_bytes / bf16_bytes - (1 + 1 / 32) / 2) < 1e-9  # fp8 + one scale byte per 32
+
+
+def test_save_pretrained_roundtrip(tmp_path, llama_dir):
+    quantize_checkpoint(llama_dir, tmp_path / "q", progress=False)
+    m1 = AutoModelForCausalLM.from_pretrained(tmp_path / "q")
+    m1.save_pretrained(tmp_path / "again")
+    m2 = AutoModelForCausalLM.from_pretrained(tmp_path / "again")
+    a = load_file(next((tmp_path / "q").glob("model-*.safetensors")))
+    b = {}
+    for f in (tmp_path / "again").glob("*.safetensors"):
+        b.update(load_file(f))
+    for k, v in a.items():
+        assert torch.equal(v.view(torch.uint8) if v.dtype.itemsize == 1 else v, b[k].view(torch.uint8) if v.dtype.itemsize == 1 else b[k]), k
+    ids = _ids(320)
+    with torch.no_grad():
+        assert torch.equal(m1(ids).logits, m2(ids).logits)
+
+
+def test_quantize_model_in_memory_equals_converter(tmp_path, llama_dir):
+    quantize_checkpoint(llama_dir, tmp_path / "q", progress=False)
+    disk = mxq.load(tmp_path / "q")
+    mem = mxq.quantize_model(AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.bfloat16), "mxfp8")
+    assert mem.config.quantization_config.quant_method == "mxq"
+    for (n1, p1), (n2, p2) in zip(disk.state_dict().items(), mem.state_dict().items(), strict=True):
+        assert n1 == n2 and torch.equal(p1.view(torch.uint8) if p1.dtype.itemsize == 1 else p1,
+                                        p2.view(torch.uint8) if p2.dtype.itemsize == 1 else p2), n1
+
+
+# --- other MXFP8 layouts -----------------------------------------------------------------------
+
+def test_compressed_tensors_layout(tmp_path, llama_dir):
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.quantization import QuantizationConfig
+
+    out = tmp_path / "ct"
+    quantize_checkpoint(llama_dir, out, "mxfp8", fmt="compressed-tensors", progress=False)
+    qc_dict = json.loads((out / "config.json").read_text())["quantization_config"]
+    qc = QuantizationConfig.model_validate(qc_dict)
+    assert qc.format == "mxfp8-quantized" and qc.quant_method == "compressed-tensors"
+    group = qc.config_groups["group_0"]
+    assert group.weights.num_bits == 8 and group.weights.group_size == 32 and group.weights.scale_dtype == torch.uint8
+    assert group.input_activations.dynamic is True and "lm_head" in qc.ignore
+    # the package's own compressor accepts the scheme
+    from compressed_tensors.compressors.mxfp8.base import MXFP8QuantizationCompressor
+
+    assert MXFP8QuantizationCompressor.can_compress(torch.nn.Linear, group)
+    infos = read_index(out)
+    for name, info in infos.items():
+        if name.endswith(".weight_scale"):
+            w = infos[name[: -len("_scale")]]
+            assert w.dtype == "F8_E4M3" and info.dtype == "U8" and info.shape == (w.shape[0], w.shape[1] // 32)
+    # mxq reads it back, equal to the native checkpoint
+    quantize_checkpoint(llama_dir, tmp_path / "native", progress=False)
+    ids = _ids(320)
+    with torch.no_grad():
+        assert torch.equal(mxq.load(out)(ids).logits, mxq.load(tmp_path / "native")(ids).logits)
+
+
+def test_compressed_tensors_refuses_e5m2(tmp_path, llama_dir):
+    with pytest.raises(ConversionError, match="E4M3 only"):
+        quantize_checkpoint(llama_dir, tmp_path / "x", "mxfp8-e5m2", fmt="compressed-tensors", progress=False)
+    assert not (tmp_path / "x").exists()
+
+
+def test_transformers_mxfp8_checkpoint_loads(tmp_path, llama_dir):
+    native = tmp_path / "native"
+    quantize_checkpoint(llama_dir, native, progress=False)
+    other = tmp_path / "hf-mxfp8"
+    other.mkdir()
+    tensors = {}
+    for f in native.glob("model-*.safetensors"):
+        for k, v in load_file(f).items():
+            tensors[k.replace(".weight_scale", ".weight_scale_inv")] = v
+    save_file(tensors, other / "model.safetensors")
+    cfg = json.loads((native / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "mxfp8", "activation_scheme": "dynamic", "weight_block_size": [1, 32],
+        "scale_fmt": "ue8m0", "modules_to_not_convert": ["lm_head"],
+    }
+    (other / "config.json").write_text(json.dumps(cfg))
+    ids = _ids(320)
+    with torch.no_grad():
+        got = mxq.load(other)
+        assert isinstance(got.model.layers[0].mlp.gate_proj, MXLinear)
+        assert torch.equal(got(ids).logits, mxq.load(native)(ids).logits)
+
+
+# --- safety: temp dir + rename, --force, and bad inputs ------------------------------------------
+
+def _leftovers(parent: Path) -> list[str]:
+    return [p.name for p in parent.iterdir() if ".mxq-" in p.name]
+
+
+def test_existing_out_needs_force(tmp_path, llama_dir):
+    out = tmp_path / "q"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(ConversionError, match="already exists.*--force"):
+        quantize_checkpoint(llama_dir, out, progress=False)
+    assert (out / "keep.txt").read_text() == "mine"
+    quantize_checkpoint(llama_dir, out, progress=False, force=True)
+    assert not (out / "keep.txt").exists() and (out / "config.json").is_file()
+    assert _leftovers(tmp_path) == []
+
+
+def _corrupt(src: Path, how: str) -> None:
+    f = next(src.glob("*.safetensors"))
+    raw = f.read_bytes()
+    if how == "truncate":
+        f.write_bytes(raw[: len(raw) - 100])
+    elif how == "header":
+        f.write_bytes(raw[:8] + b"{not json" + raw[17:])
+    elif how == "length":
+        f.write_bytes((10**9).to_bytes(8, "little") + raw[8:])
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("truncate", r"model.safetensors: tensor .*truncated file"),
+        ("header", r"model.safetensors: corrupt header \(not valid JSON\)"),
+        ("length", r"model.safetensors: corrupt header \(claims"),
+        ("no-config", r"missing config.json"),
+        ("nan", r"tensor model.layers.1.mlp.up_proj.weight: non-finite value nan at row 5, block 1 \(columns 32-63\)"),
+        ("inf", r"tensor model.layers.0.self_attn.o_proj.weight: non-finite value -inf at row 0, block 0"),
+        ("int-weight", r"tensor model.layers.0.self_attn.q_proj.weight: unsupported dtype I32"),
+        ("no-linear", r"has no torch.nn.Linear layers"),
+        ("already", r"already quantized"),
+        ("bin", r"PyTorch .bin checkpoints are not supported"),
+    ],
+)
+def test_bad_input_is_one_clear_error_and_nothing_written(tmp_path, case, message):
+    src = _tiny_llama(tmp_path / "src", dtype=torch.float32)
+    f = src / "model.safetensors"
+    if case in ("truncate", "header", "length"):
+        _corrupt(src, case)
+    elif case == "no-config":
+        (src / "config.json").unlink()
+    elif case in ("nan", "inf", "int-weight"):
+        t = load_file(f)
+        if case == "nan":
+            t["model.layers.1.mlp.up_proj.weight"][5, 40] = float("nan")
+        elif case == "inf":
+            t["model.layers.0.self_attn.o_proj.weight"][0, 3] = float("-inf")
+        else:
+            t["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(64, 64, dtype=torch.int32)
+        save_file(t, f)
+    elif case == "no-linear":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        for p in src.iterdir():
+            p.unlink()
+        # GPT-2 computes its projections with Conv1D, not torch.nn.Linear
+        GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=32, tie_word_embeddings=True)).save_pretrained(src)
+    elif case == "already":
+        quantize_checkpoint(_tiny_llama(tmp_path / "other"), tmp_path / "prev", progress=False)
+        src = tmp_path / "prev"
+    elif case == "bin":
+        f.unlink()
+        (src / "pytorch_model.bin").write_bytes(b"x")
+    out = tmp_path / "out"
+    with pytest.raises((ConversionError, ValueError)) as ei:
+        quantize_checkpoint(src, out, progress=False)
+    msg = str(ei.value)
+    assert "\n" not in msg
+    import re
+
+    assert re.search(message, msg), msg
+    assert not out.exists() and _leftovers(tmp_path) == []
+
+
+def test_unknown_recipe_key_names_file_and_key(tmp_path, llama_dir):
+    bad = tmp_path / "r.yaml"
+    bad.write_text("name: x\nweights: {elem: e4m3, scale_rule: rceil}\nactivatons: null\n")
+    with pytest.raises(RecipeError, match=r"r.yaml: unknown key 'activatons'"):
+        quantize_checkpoint(llama_dir, tmp_path / "o", bad, progress=False)
+    bad.write_text("name: x\nweights: {elem: e3m4, scale_rule: rceil}\n")
+    with pytest.raises(RecipeError, match=r"r.yaml: weights: unknown element format 'e3m4'"):
+        load_recipe(bad)
+    with pytest.raises(RecipeError, match="unknown recipe 'nope'"):
+        load_recipe("nope")
+    assert not (tmp_path / "o").exists()
+
+
+def test_disk_full_leaves_nothing(tmp_path, llama_dir, monkeypatch):
+    calls = {"n": 0}
+    real = ShardWriter.write
+
+    def failing(self, name, tensor):
+        calls["n"] += 1
+        if calls["n"] == 7:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, name, tensor)
+
+    monkeypatch.setattr(ShardWriter, "write", failing)
+    with pytest.raises(ConversionError, match="no space left on device while writing; nothing was written"):
+        quantize_checkpoint(llama_dir, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists() and _leftovers(tmp_path) == []
+
+
+def test_interrupt_leaves_nothing(tmp_path, llama_dir, monkeypatch):
+    import mxq.convert as conv
+
+    real = conv._quantize_weight
+    calls = {"n": 0}
+
+    def interrupted(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(conv, "_quantize_weight", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        quantize_checkpoint(llama_dir, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists() and _leftovers(tmp_path) == []
+
+
+# --- CLI -----------------------------------------------------------------------------------------
+
+def _mxq(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "mxq.cli", *args], capture_output=True, text=True, cwd=cwd)
+
+
+def test_cli_quantize_inspect_and_errors(tmp_path, llama_dir):
+    r = _mxq("quantize", str(llama_dir), str(tmp_path / "q"), "--recipe", "mxfp8-w8a16")
+    assert r.returncode == 0, r.stderr
+    assert "layers quantized" in r.stdout and "compression" in r.stdout and "SQNR" in r.stdout
+    r = _mxq("inspect", str(tmp_path / "q"))
+    assert r.returncode == 0 and "mxfp8-w8a16" in r.stdout and "ok" in r.stdout, r.stdout + r.stderr
+    r = _mxq("quantize", str(llama_dir), str(tmp_path / "q"))
+    assert r.returncode == 1 and r.stderr.strip().count("\n") == 0 and "--force" in r.stderr
+    r = _mxq("quantize", str(tmp_path / "nope"), str(tmp_path / "z"))
+    assert r.returncode == 1 and "nope" in r.stderr and "Traceback" not in r.stderr
+    r = _mxq("--debug", "quantize", str(tmp_path / "nope"), str(tmp_path / "z"))
+    assert r.returncode == 1 and "Traceback" in r.stderr
+
+
+def test_inspect_reports_bad_scale_shape_by_name(tmp_path, llama_dir):
+    from mxq.inspect import inspect_checkpoint
+
+    out = tmp_path / "q"
+    quantize_checkpoint(llama_dir, out, progress=False)
+    assert inspect_checkpoint(out).problems == []
+    f = next(out.glob("model-*.safetensors"))
+    t = load_file(f)
+    t["model.layers.0.mlp.gate_proj.weight_scale"] = t["model.layers.0.mlp.gate_proj.weight_scale"][:, :1].contiguous()
+    t["model.layers.1.mlp.up_proj.weight_scale"][0, 0] = 0xFF
+    save_file(t, f)
+    probs = inspect_checkpoint(out).problems
+    assert any("model.layers.0.mlp.gate_proj.weight_scale: shape [96, 1] does not match weight [96, 64]" in p for p in probs)
+    assert any("model.layers.1.mlp.up_proj.weight_scale: 1 block(s) with NaN scale" in p for p in probs)
+
+
+# --- streaming: peak memory stays near the largest tensor ---------------------------------------
+
+STREAM_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from pathlib import Path
+    from mxq.convert import quantize_checkpoint
+
+    def status(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    src, small, out = map(Path, sys.argv[1:4])
+    quantize_checkpoint(small, out / "warm", progress=False)  # imports and allocator warm-up
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak (VmHWM) to the current RSS
+    base = status("VmRSS")
+    quantize_checkpoint(src, out / "big", progress=False)
+    print(json.dumps({"base": base, "peak": status("VmHWM")}))
+    """
+)
+
+
+@pytest.mark.slow
+def test_streaming_peak_memory(tmp_path):
+    cfg = LlamaConfig(
+        hidden_size=512, intermediate_size=1024, num_hidden_layers=24, num_attention_heads=8,
+        num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True,
+    )
+    src = tmp_path / "big"
+    src.mkdir()
+    cfg.save_pretrained(src)
+    with torch.device("meta"):
+        skel = LlamaForCausalLM(cfg)
+    shapes = {k: tuple(v.shape) for k, v in skel.state_dict().items() if k != "lm_head.weight"}
+    largest = max(torch.Size(s).numel() * 4 for s in shapes.values())
+    # Four fp32 shards written one at a time, so the test itself never holds the model either.
+    names = sorted(shapes)
+    total = 0
+    for i in range(4):
+        part = {k: torch.randn(shapes[k]) for k in names[i::4]}
+        total += sum(v.numel() * 4 for v in part.values())
+        save_file(part, src / f"model-{i + 1:05d}-of-00004.safetensors")
+    (src / "model.safetensors.index.json").write_text(json.dumps({
+        "metadata": {"total_size": total},
+        "weight_map": {k: f"model-{i % 4 + 1:05d}-of-00004.safetensors" for i, k in enumerate(names)},
+    }))
+    small = _tiny_llama(tmp_path / "small", dtype=torch.float32)
+    r = subprocess.run(
+        [sys.executable, "-c", STREAM_SCRIPT, str(src), str(small), str(tmp_path / "outs")], capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr
+    m = json.loads(r.stdout.strip().splitlines()[-1])
+    growth = m["peak"] - m["base"]
+    bound = 12 * largest + 24 * 2**20  # a small factor of the largest tensor, plus fixed slack
+    assert total > 3 * bound, "the checkpoint must be several times larger than the bound"
+    assert growth < bound, f"peak RSS grew {growth / 2**20:.1f} MiB converting {total / 2**20:.0f} MiB (bound {bound / 2**20:.1f} MiB)"
+    assert json.loads((tmp_path / "outs" / "big" / "config.json").read_text())["quantization_config"]["quant_method"] == "mxq"
