@@ -248,7 +248,7 @@ def pick_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
         while tiles * split < 2 * sms and k // (split * 2) >= 4 * block_k and split < 8:
             split *= 2
         return GemmConfig(block_m, block_n, block_k, warps, stages, split_k=split, tma_w=True)
-    return GemmConfig(block_m=256, block_n=128, block_k=64, num_warps=8, num_stages=3, tma_x=True, tma_w=True)
+    return GemmConfig(block_m=256, block_n=128, block_k=64, num_warps=8, num_stages=3, tma_x=True, tma_w=True, deq_bf16=True)
 
 
 def mx_gemm(
