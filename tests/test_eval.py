@@ -299,6 +299,14 @@ def test_plot_without_matplotlib(model, tok, monkeypatch, tmp_path):
         plot_nll_diff(tmp_path / "d.png", ("a", r), ("b", r))
 
 
+def test_plot_png(model, tok, tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib (the plot extra) is not installed")
+    a = _result(model, tok, max_windows=3)
+    b = _result(tiny_llama(seed=1), tok, max_windows=3)
+    out = plot_nll_diff(tmp_path / "d.png", ("quant", b), ("orig", a))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 # --------------------------------------------------------------------------- per-layer SQNR
 
 
