@@ -21,6 +21,10 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 console = Console()
+
+from mxq.cli_eval import eval_app  # noqa: E402
+
+app.add_typer(eval_app, name="eval")
 _state = {"debug": False}
 
 

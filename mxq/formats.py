@@ -181,26 +181,32 @@ def _exp2_f32(e: torch.Tensor) -> torch.Tensor:
     return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
 
 
-def _floor_log2(a: torch.Tensor) -> torch.Tensor:
-    """floor(log2 a) for positive finite float64 a, exactly (frexp: a = m * 2**E, m in [0.5, 1))."""
-    return torch.frexp(a)[1].to(torch.int64) - 1
+def _exp2_f64(e: torch.Tensor) -> torch.Tensor:
+    """2**e as float64 for integer e in [-1022, 1023], built from bits."""
+    return ((e.to(torch.int64) + 1023) << 52).view(torch.float64)
 
 
 def _rule_exponent(amax: torch.Tensor, elem: ElemFormat, rule: ScaleRule) -> torch.Tensor:
-    """Unclamped shared exponent per block for the amax-based rules. amax: float64, > 0, finite."""
-    f = _floor_log2(amax)
+    """Unclamped shared exponent per block for the amax-based rules, from the float32 bit fields.
+
+    amax: float32, >= 0, finite. Integer arithmetic on the exponent and mantissa fields is exact
+    on every device (CUDA's float64 ldexp/pow are not). A subnormal amax (< 2**-126) always lands
+    below the clamp, so it is treated as exponent -127 with its raw mantissa.
+    """
+    bits = amax.view(torch.int32)
+    f = ((bits >> 23) & 0xFF) - 127  # floor(log2 amax) for normal amax
+    mant = bits & 0x7FFFFF  # amax = (1 + mant / 2**23) * 2**f
     if rule is ScaleRule.FLOOR:
         return f - elem.emax
     if rule is ScaleRule.RCEIL or rule is ScaleRule.MSE:
-        e = f - elem.emax
-        # amax = m * 2**f with m in [1, 2); it fits under max_normal * 2**e unless m > 1.75.
-        over = amax > torch.ldexp(torch.full_like(amax, elem.max_normal), e.to(amax.dtype))
-        return e + over.to(e.dtype)
+        # amax fits under max_normal * 2**(f - emax) unless its mantissa exceeds max_normal's (1.75).
+        max_mant = int((elem.max_normal / 2.0**elem.emax - 1.0) * 2**23)
+        return f - elem.emax + (mant > max_mant).to(f.dtype)
     if rule is ScaleRule.EVEN:
-        m = torch.ldexp(amax, (-f).to(amax.dtype))  # in [1, 2), exact
-        steps = 2.0**elem.mbits
-        m_rounded = torch.floor(m * steps + 0.5) / steps  # round half up to mbits, exact in float64
-        return f + (m_rounded >= 2.0).to(f.dtype) - elem.emax
+        # Round the mantissa half-up to mbits; a carry out of the mantissa moves to the next binade.
+        shift = 23 - elem.mbits
+        rounded = (mant + (1 << (shift - 1))) >> shift
+        return f + (rounded >> elem.mbits) - elem.emax
     raise AssertionError(rule)
 
 
@@ -229,9 +235,9 @@ def shared_exponents(
     ``blocks``: float32 [..., nb, block_size].
     """
     finite = torch.isfinite(blocks).all(dim=-1)
-    amax = blocks.abs().amax(dim=-1).to(torch.float64)
+    amax = blocks.abs().amax(dim=-1)
     safe = torch.where(finite & (amax > 0), amax, torch.ones_like(amax))
-    e = _rule_exponent(safe, elem, rule)
+    e = _rule_exponent(safe, elem, rule).to(torch.int64)
     # Zero blocks sit at the bottom of the range: any scale decodes them to zero.
     e = torch.where(amax > 0, e, torch.full_like(e, E8M0_MIN_EXP))
     e = e.clamp(E8M0_MIN_EXP, E8M0_MAX_EXP)
@@ -250,8 +256,9 @@ def _mse_search(blocks: torch.Tensor, e_rceil: torch.Tensor, elem: ElemFormat) -
     best_err = None
     for off in MSE_OFFSETS:
         e = (e_rceil + off).clamp(E8M0_MIN_EXP, E8M0_MAX_EXP)
-        q = _cast_elements(clean, e, elem).to(torch.float32) * _exp2_f32(e).unsqueeze(-1)
-        err = (q.to(torch.float64) - clean.to(torch.float64)).square().sum(dim=-1)
+        # float64: a block near the float32 maximum dequantizes past it (2**128) and must not become inf.
+        q = _cast_elements(clean, e, elem).to(torch.float64) * _exp2_f64(e).unsqueeze(-1)
+        err = (q - clean.to(torch.float64)).square().sum(dim=-1)
         if best_err is None:
             best_err = err
         else:

@@ -493,16 +493,10 @@ def test_near_float32_max(fmt, rule):
         assert np.array_equal(deq, exact.astype(np.float32))
 
 
-MSE_NEAR_MAX_REASON = (
-    "formats.py bug: _mse_search scores candidates on float32 dequantized values; when the "
-    "RCEIL element rounds up to 2**emax the value 2**128 overflows to inf, the candidate's "
-    "error becomes inf and a smaller, clipping exponent wins although its exact squared error "
-    "is larger. Block [FLT_MAX, 0 x31]: E4M3 expected scale 247 / elem 0x78, got 246 / 0x7e; "
-    "E5M2 expected 240 / 0x78, got 239 / 0x7b (exact SSE 2**208 vs ~1.8e75)"
-)
+# Regression: MSE once scored candidates in float32, where a block near FLT_MAX dequantizes to
+# 2**128 = inf and a clipping exponent won (E4M3 [FLT_MAX, 0 x31]: scale 246 instead of 247).
 
 
-@pytest.mark.xfail(strict=True, reason=MSE_NEAR_MAX_REASON)
 @pytest.mark.parametrize("fmt", FMTS)
 def test_near_float32_max_mse(fmt):
     check_blocks(_near_max_blocks(), fmt, "mse")
@@ -528,7 +522,6 @@ def test_reference_mse_near_max_expectation(fmt):
     assert errs[0, 0] == 2.0**208 and errs[0, 1] > errs[0, 0]
 
 
-@pytest.mark.xfail(strict=True, reason=MSE_NEAR_MAX_REASON)
 @pytest.mark.parametrize("fmt", FMTS)
 def test_near_float32_max_mse_minimal(fmt):
     t = quantize_mx(torch.from_numpy(_flt_max_block()), elem=fmt, scale_rule="mse")
