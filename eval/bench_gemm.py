@@ -77,9 +77,8 @@ def _try(fn, graph=None):
 
 
 def bench_quantize(sizes=((4096, 4096), (8192, 8192), (16384, 8192))) -> list[dict]:
-    from mxq.kernels.quantize import fake_quantize_mx_rows, quantize_mx_rows
-
     from mxq.formats import E4M3, ScaleRule
+    from mxq.kernels.quantize import fake_quantize_mx_rows, quantize_mx_rows
 
     rows = []
     for m, k in sizes:
@@ -105,11 +104,10 @@ def bench_quantize(sizes=((4096, 4096), (8192, 8192), (16384, 8192))) -> list[di
 
 
 def bench_gemm(models, ms, sweep: bool, sweep_ms=(1, 16, 64, 2048)) -> tuple[list[dict], list[dict]]:
+    from mxq.formats import E4M3, ScaleRule, dequantize_mx, quantize_mx
     from mxq.kernels import gemm as G
     from mxq.kernels.dispatch import mx_linear_triton
     from mxq.kernels.quantize import fake_quantize_mx_rows, quantize_mx_rows
-
-    from mxq.formats import E4M3, ScaleRule, dequantize_mx, quantize_mx
 
     rows, sweeps = [], []
     for model in models:

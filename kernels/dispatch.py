@@ -11,10 +11,12 @@ on tensor shapes, so ``mx_linear`` can be captured in a CUDA graph once it has b
 
 from __future__ import annotations
 
+import os
+
 import torch
-from mxq.kernels.reference import mx_linear_reference
 
 from mxq.formats import ElemFormat, ScaleRule, as_elem_format, as_scale_rule
+from mxq.kernels.reference import mx_linear_reference
 
 try:
     from mxq.kernels import gemm as _gemm
@@ -26,6 +28,9 @@ except ImportError:  # no triton wheel (macOS, Windows): the reference runs ever
     HAS_TRITON = False
 
 _CAPABILITY: dict[int, tuple[int, int]] = {}
+
+# MXQ_KERNELS=reference runs the torch reference on every device (A/B checks of the fast path).
+FORCE_REFERENCE = os.environ.get("MXQ_KERNELS", "").lower() == "reference"
 
 
 def _capability(device: torch.device) -> tuple[int, int]:
@@ -63,7 +68,7 @@ def mx_linear(
         weight, weight_scale = weight.data, weight.scales
     if weight_scale is None:
         raise ValueError("weight_scale is required unless weight comes from pack_weight")
-    if not (HAS_TRITON and x.is_cuda):
+    if FORCE_REFERENCE or not (HAS_TRITON and x.is_cuda):
         return mx_linear_reference(
             x, weight, weight_scale, bias, act_elem=act_elem, act_rule=act_rule, block_size=block_size
         )

@@ -11,6 +11,8 @@ import sys
 import pytest
 import torch
 import typer
+from typer.testing import CliRunner
+
 from mxq.eval.data import DatasetError, load_texts
 from mxq.eval.layers import is_quantized_module, layer_sqnr, layers_report
 from mxq.eval.perplexity import check_same_tokenizer, make_windows, perplexity
@@ -21,8 +23,6 @@ from mxq.eval.report import (
     ppl_report,
     write_json,
 )
-from typer.testing import CliRunner
-
 from mxq.formats import quantize_mx, sqnr_db
 
 # --------------------------------------------------------------------------- fixtures

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mxq.kernels import mx_linear, mx_linear_reference, pack_weight
 
 from mxq.formats import E4M3, E5M2, ScaleRule, dequantize_mx, fake_quantize_mx, quantize_mx
+from mxq.kernels import mx_linear, mx_linear_reference, pack_weight
 
 triton = pytest.importorskip("triton")
 
