@@ -1,8 +1,9 @@
 """Pick the MX linear implementation for the device at hand.
 
 - CUDA, compute capability >= 10 (Blackwell): ``tl.dot_scaled``, the native MX MMA.
-- other CUDA devices (Hopper, sm_90): the exact emulation in ``gemm.mx_gemm``; W8A8 rounds X to
-  MX along K first (``quantize.fake_quantize_mx_rows``, bf16 out, exact).
+- other CUDA devices (Hopper, sm_90): M <= ``gemm.GEMV_MAX_M``: the CUDA-core decode kernel
+  ``gemm.mx_gemv`` (W8A8 rounds X inside it); larger M: the exact emulation in ``gemm.mx_gemm``,
+  W8A8 rounding X to MX along K first (``quantize.fake_quantize_mx_rows``, bf16 out, exact).
 - CPU, or Triton absent: ``mx_linear_reference`` (the function every path must compute).
 
 Nothing here syncs the host: the path depends only on the device and dtypes, tile shapes only
@@ -106,6 +107,15 @@ def mx_linear_triton(
         else:
             xq, xs = x2, None
         y = _gemm.mx_gemm_dot_scaled(xq, xs, weight, weight_scale, bias, out_dtype=x.dtype)
+    elif x2.shape[0] <= _gemm.GEMV_MAX_M:
+        # Decode: the CUDA-core weight stream, X MX-rounded inside it (one launch) unless MSE.
+        if act_elem is not None and act_rule is ScaleRule.MSE:
+            x2 = _quantize.fake_quantize_mx_rows(x2, act_elem, act_rule, block_size, out_dtype=torch.float32)
+            act_elem = None
+        y = _gemm.mx_gemv(
+            x2, weight, weight_scale, bias, out_dtype=x.dtype, block_size=block_size,
+            act_elem=act_elem, act_rule=act_rule,
+        )  # fmt: skip
     else:
         if act_elem is not None:
             x2 = _quantize.fake_quantize_mx_rows(x2, act_elem, act_rule, block_size, out_dtype=torch.bfloat16)

@@ -201,11 +201,10 @@ def test_gpu_quantize_large(rule):
     x = _activations(1024, 4096, torch.bfloat16, gen, special=True)
     for elem in (E4M3, E5M2):
         q, s = quantize_mx_rows(x, elem, rule)
-        # The format core is checked bit-exactly on CPU (test_formats.py); on CUDA its float64
-        # ldexp is not exact (seen on H200, torch 2.11: amax 112 = 1.75*2**6 got the wrong
-        # RCEIL exponent), so the reference runs on the CPU copy.
-        ref = quantize_mx(x.cpu(), -1, elem, 32, rule)
-        q, s = q.cpu(), s.cpu()
+        # The format core derives exponents with integer ops now, exact on CUDA too (the
+        # earlier float64-ldexp version was not): compare on the device. On the GPU the kernel
+        # rounds with the hardware fp8 conversion, so this also checks that route bit by bit.
+        ref = quantize_mx(x, -1, elem, 32, rule)
         bad = (s != ref.scales).nonzero()
         if rule is ScaleRule.MSE and len(bad) <= s.numel() // 10_000:
             # MSE compares float64 error sums whose order differs from torch's (quantize.py):
@@ -299,3 +298,61 @@ def test_gpu_gemm_variants(cfg):
         x = torch.randn(m, 2080, generator=gen).to(torch.bfloat16).cuda()
         b = torch.randn(1000, generator=gen).to(torch.bfloat16).cuda()
         _assert_gemm_close(G.mx_gemm(x, w, ws, b, config=cfg), x, w64, b, None)
+
+
+# --------------------------------------------------------------------------------------
+# Decode kernel (CUDA cores, X rounded inside for W8A8)
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 40, 96), (3, 72, 160), (17, 50, 224)])
+@pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("act", [None, (E4M3, ScaleRule.RCEIL), (E5M2, ScaleRule.FLOOR), (E4M3, ScaleRule.EVEN)])
+def test_mx_gemv_matches_reference(m, n, k, xdtype, act):
+    gen = torch.Generator().manual_seed(m * 77 + n + k)
+    w, ws, w64 = _weight(n, k, E4M3 if n % 2 else E5M2, gen)
+    x = _activations(m, k, xdtype, gen, special=False, decades=(-2, 1))
+    bias = torch.randn(n, generator=gen).to(xdtype).to(DEV)
+    act_elem, rule = act if act else (None, ScaleRule.RCEIL)
+    for split in (1, 3):
+        cfg = G.GemvConfig(block_n=16, block_k=64, num_stages=1, split_k=split, tma_w=True)
+        y = G.mx_gemv(x, w, ws, bias, config=cfg, act_elem=act_elem, act_rule=rule)
+        assert y.dtype == xdtype and y.shape == (m, n)
+        _assert_gemm_close(y, x, w64, bias, act_elem, rule)
+
+
+def test_mx_gemv_nonfinite_blocks_and_mse_dispatch():
+    """A NaN/Inf activation block makes its rows NaN (as the reference); MSE rounds outside."""
+    gen = torch.Generator().manual_seed(21)
+    n, k = 24, 128
+    w, ws, w64 = _weight(n, k, E4M3, gen)
+    x = _activations(4, k, torch.float32, gen, special=True)
+    y = G.mx_gemv(x, w, ws, None, act_elem=E4M3)
+    ref = mx_linear_reference(x.cpu(), w.cpu(), ws.cpu(), None, act_elem=E4M3)
+    assert torch.equal(torch.isnan(y.cpu()), torch.isnan(ref))
+    assert torch.isnan(y[:2]).all() and torch.isfinite(y[2:]).all()
+    fin = torch.isfinite(ref)
+    torch.testing.assert_close(y.cpu()[fin], ref[fin], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="MSE"):
+        G.mx_gemv(x, w, ws, None, act_elem=E4M3, act_rule=ScaleRule.MSE)
+    y = mx_linear_triton(x[2:], w, ws, None, act_elem=E4M3, act_rule=ScaleRule.MSE)
+    _assert_gemm_close(y, x[2:], w64, None, E4M3, ScaleRule.MSE)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "cfg",
+    [G.GemvConfig(32, 256, 4, 3), G.GemvConfig(16, 512, 4, 3, split_k=4), G.GemvConfig(64, 128, 4, 4, split_k=3, tma_w=True)],
+    ids=str,
+)
+@pytest.mark.parametrize("act", [None, (E4M3, ScaleRule.RCEIL), (E5M2, ScaleRule.EVEN)])
+def test_gpu_gemv_variants(cfg, act):
+    gen = torch.Generator().manual_seed(12)
+    w, ws, w64 = _weight(1000, 2080, E4M3, gen)
+    act_elem, rule = act if act else (None, ScaleRule.RCEIL)
+    for m in (1, 3, 16):
+        x = _activations(m, 2080, torch.bfloat16, gen, special=False, decades=(-2, 1))
+        b = torch.randn(1000, generator=gen).to(torch.bfloat16).cuda()
+        y = G.mx_gemv(x, w, ws, b, config=cfg, act_elem=act_elem, act_rule=rule)
+        _assert_gemm_close(y, x, w64, b, act_elem, rule)

@@ -1,0 +1,228 @@
+"""One-call GPU development sweep (kernels/NOTES.md): correctness on fresh data, then timings.
+
+    PYTHONUNBUFFERED=1 python -m mxq.kernels.sweep_dev --out $OUT/sweep.json [--parts q,gemv,m256,tma]
+
+Parts: q = activation quantizer (bit-exact vs mxq.formats on the GPU, then bandwidth, hardware
+fp8 rounding vs the integer route, tiles); gemv = CUDA-core decode kernel vs the MMA decode
+path and cuBLAS; m256 = tile shapes at M=256; tma = the 256x128x64 TMA-tile wrong-value matrix.
+Timing: CUDA graphs over weight copies (eval/bench_gemm.py), median.
+"""
+
+# ruff: noqa: B023, BLE001, S307  (lambdas are timed inside their loop iteration)
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from mxq.eval.bench_gemm import _bench, _bench_graph, _copies
+from mxq.formats import E4M3, E5M2, ScaleRule, dequantize_mx, quantize_mx
+
+RES: dict = {}
+T0 = time.time()
+
+
+def log(*a):
+    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+
+
+def _try_graph(fns):
+    try:
+        return _bench_graph(fns)
+    except Exception as e:  # noqa: BLE001
+        return f"error: {type(e).__name__}: {str(e)[:200]}"
+
+
+def part_q():
+    from mxq.kernels import quantize as Q
+
+    out = {"exact": [], "bw": []}
+    gen = torch.Generator(device="cuda").manual_seed(int(time.time()))
+    x = torch.randn(1024, 4096, device="cuda", generator=gen) * torch.logspace(-3, 3, 4096, device="cuda")[torch.randperm(4096, device="cuda")]
+    x[0, 5], x[1, 4095], x[3, 0:10] = float("nan"), float("inf"), -1e-30
+    x[2, 32:64] = 0
+    x = x.to(torch.bfloat16)
+    for elem in (E4M3, E5M2):
+        for rule in ScaleRule:
+            q, s = Q.quantize_mx_rows(x, elem, rule)
+            ref = quantize_mx(x, -1, elem, 32, rule)
+            d = Q.fake_quantize_mx_rows(x, elem, rule, out_dtype=torch.float32)
+            dref = dequantize_mx(ref, torch.float32)
+            nb = int((s != ref.scales).sum())
+            nq = int((q.view(torch.uint8) != ref.data.view(torch.uint8)).sum())
+            dq = int(((d != dref) & ~(d.isnan() & dref.isnan())).sum())
+            out["exact"].append(dict(elem=elem.name, rule=rule.value, scale_diff=nb, byte_diff=nq, deq_diff=dq))
+            log("exact", elem.name, rule.value, "scale diffs", nb, "byte diffs", nq, "deq diffs", dq)
+    for m, k in ((8192, 8192), (16384, 8192)):
+        xx = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        y = torch.empty_like(xx)
+        t_copy = _bench(lambda: y.copy_(xx))
+        copy_gbs = 4 * m * k / t_copy / 1e3
+        for rule in (ScaleRule.RCEIL, ScaleRule.FLOOR):
+            for bits in ("0", "1"):
+                os.environ["MXQ_BIT_ROUNDING"] = bits
+                for tile in ((32, 128, 4), (16, 256, 4), (32, 256, 8), (8, 512, 4)):
+                    tq = _bench(lambda: Q.quantize_mx_rows(xx, E4M3, rule, tile=tile))
+                    td = _bench(lambda: Q.fake_quantize_mx_rows(xx, E4M3, rule, out_dtype=torch.bfloat16, tile=tile))
+                    r = dict(m=m, k=k, rule=rule.value, bit_route=bits == "1", tile=tile, copy_gbs=copy_gbs,
+                             mx_frac=(3 + 1 / 32) * m * k / tq / 1e3 / copy_gbs, bf16_frac=4 * m * k / td / 1e3 / copy_gbs)
+                    out["bw"].append(r)
+                    log("q", m, k, rule.value, "bits" if bits == "1" else "hw", tile, f"mx {r['mx_frac']:.2f} bf16 {r['bf16_frac']:.2f}")
+            os.environ["MXQ_BIT_ROUNDING"] = "0"
+    RES["q"] = out
+
+
+DEC_SHAPES = [("8b", "o", 4096, 4096), ("8b", "qkv", 6144, 4096), ("8b", "down", 4096, 14336),
+              ("8b", "gate_up", 28672, 4096), ("70b", "o", 8192, 8192), ("70b", "down", 8192, 28672)]
+
+
+def _weights(n, k, copies):
+    w = torch.randn(n, k, device="cuda") * 0.02
+    t = quantize_mx(w, -1, E4M3, 32, ScaleRule.RCEIL)
+    return [(t.data.clone(), t.scales.clone()) for _ in range(copies)], dequantize_mx(t, torch.float64)
+
+
+def part_gemv(ms=(1, 16), extra_ms=(2, 4, 8)):
+    from mxq.kernels import gemm as G
+    from mxq.kernels.quantize import fake_quantize_mx_rows
+
+    C = G.GemvConfig
+    cands = [C(32, 256, 4, 3), C(16, 512, 4, 3), C(64, 256, 8, 3), C(32, 512, 8, 3), C(16, 256, 2, 3),
+             C(64, 128, 4, 4, tma_w=True), C(32, 256, 4, 4, tma_w=True), C(128, 128, 8, 4, tma_w=True)]
+    rows = []
+    best_by_shape = {}
+    for model, layer, n, k in DEC_SHAPES:
+        copies = _copies(n * k)
+        ws, w64 = _weights(n, k, copies)
+        wb = [w64.to(torch.bfloat16) for _ in range(_copies(2 * n * k))]
+        for m in ms + extra_ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = fake_quantize_mx_rows(x, E4M3, out_dtype=torch.float32).double() @ w64.t()
+            row = dict(model=model, layer=layer, n=n, k=k, m=m)
+            row["cublas"] = _try_graph([lambda w=w: x @ w.t() for w in wb])
+
+            def old(p, x=x):
+                xr = fake_quantize_mx_rows(x, E4M3, out_dtype=torch.bfloat16)
+                return G.mx_gemm(xr, p[0], p[1], None, out_dtype=torch.bfloat16)
+
+            row["mma_w8a8"] = _try_graph([lambda p=p: old(p) for p in ws])
+            cl = cands if m in ms else [best_by_shape.get((n, k), cands[0])]
+            for cfg in cl:
+                sms = 132
+                tiles = -(-n // cfg.block_n)
+                auto = 1
+                while tiles * auto < 2 * sms and k // (auto * 2) >= 4 * cfg.block_k and auto < 8:
+                    auto *= 2
+                for split in sorted({1, auto, min(8, auto * 2)}):
+                    c = G.GemvConfig(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, split, cfg.tma_w)
+                    try:
+                        y = G.mx_gemv(x, ws[0][0], ws[0][1], None, config=c, act_elem=E4M3)
+                        err = ((y.double() - ref).norm() / ref.norm()).item()
+                    except Exception as e:  # noqa: BLE001
+                        row[str(c)] = f"error: {type(e).__name__}: {str(e)[:200]}"
+                        log("gemv", model, layer, m, c, row[str(c)])
+                        continue
+                    t = _try_graph([lambda p=p, c=c: G.mx_gemv(x, p[0], p[1], None, config=c, act_elem=E4M3) for p in ws])
+                    row[str(c)] = dict(us=t, err=err)
+                    log("gemv", model, layer, f"M={m}", c, f"{t if isinstance(t, str) else round(t, 2)} err {err:.1e}")
+            times = {kk: v["us"] for kk, v in row.items() if isinstance(v, dict) and isinstance(v["us"], float) and v["err"] < 1e-2}
+            if times:
+                bk = min(times, key=times.get)
+                row["best"], row["best_us"] = bk, times[bk]
+                if m in ms and m == 1:
+                    best_by_shape[(n, k)] = eval("G." + bk)  # noqa: S307 (our own repr)
+                log(f"BEST {model} {layer} M={m}: {times[bk]:.2f} us ({bk}); cuBLAS {row['cublas']}, mma {row['mma_w8a8']}",
+                    f"x{row['cublas'] / times[bk]:.2f} cuBLAS" if isinstance(row["cublas"], float) else "")
+            rows.append(row)
+        del ws, wb, w64
+        torch.cuda.empty_cache()
+    RES["gemv"] = rows
+
+
+def part_m256():
+    from mxq.kernels import gemm as G
+    from mxq.kernels.quantize import fake_quantize_mx_rows
+
+    C = G.GemmConfig
+    kw = dict(tma_x=True, tma_w=True, deq_bf16=True)
+    cands = [C(256, 128, 64, 8, 3, **kw), C(128, 128, 64, 8, 4, **kw), C(64, 128, 64, 4, 4, **kw), C(128, 64, 64, 4, 4, **kw),
+             C(64, 64, 128, 4, 4, **kw), C(128, 128, 64, 8, 4, split_k=2, **kw), C(64, 128, 128, 4, 3, **kw),
+             C(64, 128, 64, 4, 4, split_k=2, **kw), C(128, 128, 128, 8, 3, **kw)]
+    rows = []
+    for model, layer, n, k in DEC_SHAPES:
+        copies = _copies(n * k)
+        ws, w64 = _weights(n, k, copies)
+        wb = [w64.to(torch.bfloat16) for _ in range(_copies(2 * n * k))]
+        for m in (256, 128):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            xr = fake_quantize_mx_rows(x, E4M3, out_dtype=torch.bfloat16)
+            ref = xr.double() @ w64.t()
+            row = dict(model=model, layer=layer, n=n, k=k, m=m, cublas=_try_graph([lambda w=w: x @ w.t() for w in wb]))
+            row["quant_us"] = _try_graph([lambda: fake_quantize_mx_rows(x, E4M3, out_dtype=torch.bfloat16)])
+            for c in cands:
+                try:
+                    y = G.mx_gemm(xr, ws[0][0], ws[0][1], None, config=c)
+                    err = ((y.double() - ref).norm() / ref.norm()).item()
+                except Exception as e:  # noqa: BLE001
+                    row[str(c)] = f"error: {e!s:.200}"
+                    continue
+                t = _try_graph([lambda p=p, c=c: G.mx_gemm(xr, p[0], p[1], None, config=c) for p in ws])
+                row[str(c)] = dict(us=t, err=err)
+                log("m256", model, layer, m, c, t, f"err {err:.1e}")
+            rows.append(row)
+        del ws, wb, w64
+        torch.cuda.empty_cache()
+    RES["m256"] = rows
+
+
+def part_tma():
+    from mxq.kernels import gemm as G
+
+    rows = []
+    for n in (1000, 1024):
+        for k in (2048, 2080):
+            gen = torch.Generator().manual_seed(n + k)
+            w = torch.randn(n, k, generator=gen) * torch.exp(torch.randn(n, 1, generator=gen))
+            t = quantize_mx(w.cuda(), -1, E4M3, 32, ScaleRule.RCEIL)
+            w64 = dequantize_mx(t, torch.float64)
+            x = torch.randn(300, k, generator=gen).to(torch.bfloat16).cuda()
+            ref = x.double() @ w64.t()
+            for deq, tx, st in ((False, True, 3), (True, True, 3), (False, False, 3), (False, True, 1)):
+                if True:
+                    if True:
+                        c = G.GemmConfig(256, 128, 64, 8, st, tma_x=tx, tma_w=True, deq_bf16=deq)
+                        errs = []
+                        for _ in range(3):
+                            y = G.mx_gemm(x, t.data, t.scales, None, config=c)
+                            torch.cuda.synchronize()
+                            e = (y.double() - ref).abs()
+                            bad = e > 1e-2 * ref.abs() + 1e-2 * ref.abs().max()
+                            errs.append((((y.double() - ref).norm() / ref.norm()).item(), int(bad.sum()),
+                                         bad.nonzero()[:3].tolist()))
+                        rows.append(dict(n=n, k=k, deq_bf16=deq, tma_x=tx, stages=st, runs=errs))
+                        log("tma", n, k, "deq" if deq else "f32", "tmaX" if tx else "ptrX", st, errs)
+    RES["tma"] = rows
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="sweep.json")
+    p.add_argument("--parts", default="q,gemv,m256,tma")
+    a = p.parse_args()
+    for part in a.parts.split(","):
+        try:
+            globals()["part_" + part]()
+        except Exception as e:  # noqa: BLE001
+            import traceback
+
+            traceback.print_exc()
+            RES[part + "_error"] = repr(e)
+        with open(a.out, "w") as f:
+            json.dump(RES, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
