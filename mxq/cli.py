@@ -91,21 +91,123 @@ def quantize_cmd(
     device: str = typer.Option("cpu", "--device", help="Where to quantize: cpu or cuda."),
     force: bool = typer.Option(False, "--force", help="Replace OUT if it exists."),
     max_shard_size: float = typer.Option(2.0, "--max-shard-size", help="Largest shard, in GiB."),
+    calibrate: bool = typer.Option(False, "--calibrate", help="Calibrate on --dataset first and apply the plan (see `mxq calibrate`)."),
+    plan: Path = typer.Option(None, "--plan", help="Apply a plan written by `mxq calibrate` (its recipe is used).", show_default=False),
+    dataset: str = typer.Option(None, "--dataset", help="With --calibrate: calibration text (wikitext2, pydoc, or a .txt/.jsonl/.parquet file).", show_default=False),
+    samples: int = typer.Option(64, "--samples", help="With --calibrate: calibration windows."),
+    seq_len: int = typer.Option(512, "--seq-len", help="With --calibrate: tokens per calibration window."),
+    keep_bf16: int = typer.Option(0, "--keep-bf16", help="With --calibrate: keep the N most sensitive layers in bf16."),
+    max_dppl: float = typer.Option(None, "--max-dppl", help="With --calibrate: keep the fewest most sensitive layers in bf16 so that the calibration-text perplexity rises by at most X percent.", show_default=False),
+    reorder: bool = typer.Option(True, "--reorder/--no-reorder", help="With --calibrate: fold channel permutations where they raise SQNR."),
+    scale_search: bool = typer.Option(True, "--scale-search/--no-scale-search", help="With --calibrate: per layer, the recipe's scale rule or MSE, whichever is better."),
+    plan_out: Path = typer.Option(None, "--plan-out", help="With --calibrate: also save the plan here.", show_default=False),
 ) -> None:
     """Quantize a model to MXFP8 and write a safetensors checkpoint."""
     from mxq.convert import quantize_checkpoint
     from mxq.recipe import load_recipe
 
-    rec = load_recipe(recipe)
+    if calibrate and plan is not None:
+        raise typer.BadParameter("pass --calibrate or --plan, not both")
+    if not calibrate and (dataset or keep_bf16 or max_dppl is not None or plan_out):
+        raise typer.BadParameter("--dataset, --keep-bf16, --max-dppl and --plan-out go with --calibrate")
+    cplan = None
+    if plan is not None:
+        from mxq.calibrate import load_plan
+
+        cplan = load_plan(plan)
+        rec = cplan.recipe
+        if recipe not in ("mxfp8", rec.name):
+            raise typer.BadParameter(f"--recipe {recipe!r}: the plan was made for recipe {rec.name!r}")
+    else:
+        rec = load_recipe(recipe)
+    if calibrate:
+        if not dataset:
+            raise typer.BadParameter("--calibrate needs --dataset")
+        cplan = _run_calibration(model, rec, dataset, samples, seq_len, keep_bf16, max_dppl, reorder, scale_search, device)
+        if plan_out:
+            from mxq.calibrate import save_plan
+
+            save_plan(cplan, plan_out)
+            console.print(f"plan written to {plan_out}")
     if out is None:
         stem = Path(model).stem if model else "smollm2-135m-instruct"
         out = Path("out") / f"{stem}-{rec.name}"
     warn = lambda m: console.print(f"[yellow]warning:[/] {m}")
     report = quantize_checkpoint(
-        model, out, rec, fmt=fmt, device=device, force=force,
-        max_shard_bytes=int(max_shard_size * 1024**3), warn=warn,
+        model, out, None if cplan is not None else rec, fmt=fmt, device=device, force=force,
+        max_shard_bytes=int(max_shard_size * 1024**3), warn=warn, plan=cplan,
     )
     _print_report(report)
+
+
+def _run_calibration(model, rec, dataset, samples, seq_len, keep_bf16, max_dppl, reorder, scale_search, device,
+                     sensitivity_samples: int = 2, sensitivity_seq_len: int = 256):
+    import torch
+
+    from mxq.calibrate import calibrate, make_plan
+    from mxq.eval.data import load_texts
+    from mxq.models import load_model, resolve_device
+
+    if keep_bf16 < 0 or (max_dppl is not None and max_dppl < 0):
+        raise typer.BadParameter("--keep-bf16 and --max-dppl must not be negative")
+    texts = load_texts(dataset)
+    m, tok = load_model(model, device=resolve_device(device), dtype=torch.bfloat16)
+    cal = calibrate(m, tok, texts, rec, samples=samples, seq_len=seq_len, dataset=str(dataset),
+                    sensitivity_samples=sensitivity_samples, sensitivity_seq_len=sensitivity_seq_len)
+    p = make_plan(m, cal, reorder=reorder, scale_search=scale_search, keep_bf16=keep_bf16, max_dppl=max_dppl)
+    _print_plan(p)
+    return p
+
+
+def _print_plan(p) -> None:
+    q = [lp for lp in p.layers.values() if lp.sqnr_db and not lp.keep_bf16]
+    t = Table(title="mxq calibrate: plan")
+    t.add_column("")
+    t.add_column("value", justify="right")
+    t.add_row("recipe", p.recipe.name)
+    t.add_row("calibration", f"{p.calibration.get('samples')} x {p.calibration.get('seq_len')} tokens of {p.calibration.get('dataset')}")
+    t.add_row("layers quantized / kept", f"{len(p.quantized)} / {len(p.kept)}")
+    t.add_row("permutations folded", f"mlp {len(p.permutations.mlp)}, v/o {len(p.permutations.v)}, residual {'yes' if p.permutations.residual else 'no'}")
+    t.add_row("MSE weight scales", str(sum(lp.weights.scale_rule.value == "mse" for lp in p.layers.values() if not lp.keep_bf16)))
+    if q:
+        for key in ("direct", "reorder", "chosen"):
+            v = [lp.sqnr_db[key] for lp in q if key in lp.sqnr_db]
+            t.add_row(f"mean output SQNR dB, {key}", f"{sum(v) / len(v):.3f}")
+    console.print(t)
+    kept = sorted(((n, lp) for n, lp in p.layers.items() if lp.keep_bf16 and lp.sensitivity_kl is not None), key=lambda x: -x[1].sensitivity_kl)
+    if kept:
+        k = Table(title="kept in bf16 (most sensitive)")
+        k.add_column("layer")
+        k.add_column("KL", justify="right")
+        for n, lp in kept:
+            k.add_row(n, f"{lp.sensitivity_kl:.3g}")
+        console.print(k)
+
+
+@app.command("calibrate")
+def calibrate_cmd(
+    model: str = typer.Argument(None, help="Local HF directory, hub id, or .gguf file. Default: the embedded SmolLM2-135M-Instruct.", show_default=False),
+    dataset: str = typer.Option(..., "--dataset", help="Calibration text: wikitext2, pydoc, or a .txt/.jsonl/.parquet file."),
+    samples: int = typer.Option(64, "--samples", help="Calibration windows."),
+    seq_len: int = typer.Option(512, "--seq-len", help="Tokens per calibration window."),
+    out: Path = typer.Option(Path("plan.json"), "--out", "-o", help="Where to write the plan (JSON)."),
+    recipe: str = typer.Option("mxfp8", "--recipe", "-r", help="Shipped recipe name or a YAML path."),
+    keep_bf16: int = typer.Option(0, "--keep-bf16", help="Keep the N most sensitive layers in bf16."),
+    max_dppl: float = typer.Option(None, "--max-dppl", help="Keep the fewest most sensitive layers in bf16 so that the calibration-text perplexity rises by at most X percent.", show_default=False),
+    reorder: bool = typer.Option(True, "--reorder/--no-reorder", help="Fold channel permutations where they raise SQNR."),
+    scale_search: bool = typer.Option(True, "--scale-search/--no-scale-search", help="Per layer, the recipe's scale rule or MSE, whichever is better."),
+    sensitivity_samples: int = typer.Option(2, "--sensitivity-samples", help="Calibration windows used for the per-layer KL."),
+    sensitivity_seq_len: int = typer.Option(256, "--sensitivity-seq-len", help="Tokens of each of those windows."),
+    device: str = typer.Option("cpu", "--device", help="Where to run the model: cpu, cuda or auto."),
+) -> None:
+    """Run calibration text through the bf16 model and write a plan for `mxq quantize --plan`."""
+    from mxq.calibrate import save_plan
+    from mxq.recipe import load_recipe
+
+    p = _run_calibration(model, load_recipe(recipe), dataset, samples, seq_len, keep_bf16, max_dppl, reorder,
+                         scale_search, device, sensitivity_samples, sensitivity_seq_len)
+    save_plan(p, out)
+    console.print(f"plan written to {out}")
 
 
 def _print_report(r) -> None:

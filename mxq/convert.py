@@ -2,9 +2,9 @@
 
 Data path: resolve the source (local directory, hub id, GGUF file, embedded default) ->
 build the model skeleton on the meta device to learn which tensors are Linear weights ->
-plan every output tensor (quantized Linear weights become ``weight`` fp8 [N, K] plus
+plan every output tensor (with a calibration plan: its per-layer specs and kept layers) (quantized Linear weights become ``weight`` fp8 [N, K] plus
 ``weight_scale`` uint8 [N, K/32]; everything else passes through) -> stream: read a
-tensor, quantize it, write it -> config, tokenizer and report -> rename into place.
+tensor, fold the plan's channel permutations into it, quantize it, write it -> config, tokenizer and report -> rename into place.
 
 All output goes to a temporary directory beside OUT that is renamed at the end; a failure or
 an interrupt removes it, so OUT is either complete or absent.
@@ -34,7 +34,7 @@ from mxq.checkpoint import (
 )
 from mxq.formats import quantize_mx, sqnr_db
 from mxq.models import ModelSource, ModelSourceError, resolve_source
-from mxq.recipe import Recipe, load_recipe
+from mxq.recipe import Recipe, TensorSpec, load_recipe
 
 FORMATS = ("mxq", "compressed-tensors")
 TOKENIZER_FILES = (
@@ -164,7 +164,7 @@ def _skeleton_linears(config) -> tuple[dict[str, torch.nn.Linear], list[str]]:
     return linears, [n for n, m in linears.items() if m is head]
 
 
-def _plan(src: _Source, recipe: Recipe, warn: Callable[[str], None]):
+def _plan(src: _Source, recipe: Recipe, warn: Callable[[str], None], cplan=None):
     linears, heads = _skeleton_linears(src.config)
     if not set(linears) - set(heads):
         raise ConversionError(
@@ -190,17 +190,30 @@ def _plan(src: _Source, recipe: Recipe, warn: Callable[[str], None]):
             chosen.add(mod)
     if not chosen:
         raise ConversionError("no Linear layer is selected for quantization (check the recipe's include/exclude)")
+    specs = {m: (recipe.weights, recipe.activations) for m in chosen}
+    if cplan is not None:
+        for m in sorted(chosen):
+            lp = cplan.layers.get(m)
+            if lp is None:
+                raise ConversionError(f"plan: layers: no entry for {m!r}, which the recipe quantizes (a plan for another model?)")
+            if lp.keep_bf16:
+                chosen.discard(m)
+                kept[m] = f"kept in bf16 by the calibration plan: {lp.reason}"
+            else:
+                specs[m] = (lp.weights, lp.activations)
+        for m in cplan.layers:
+            if m not in linears:
+                raise ConversionError(f"plan: layers[{m!r}]: the model has no Linear layer of this name")
     plan: list[PlannedTensor] = []
-    elem = recipe.weights.elem
     for name, dtype, shape in src.tensors:
         mod = name[: -len(".weight")] if name.endswith(".weight") else None
         if mod in chosen:
             n, k = shape
-            plan.append(PlannedTensor(name, DTYPE_NAMES[elem.torch_dtype], (n, k)))
+            plan.append(PlannedTensor(name, DTYPE_NAMES[specs[mod][0].elem.torch_dtype], (n, k)))
             plan.append(PlannedTensor(mod + ".weight_scale", "U8", (n, k // recipe.block_size)))
         else:
             plan.append(PlannedTensor(name, dtype, tuple(shape)))
-    return chosen, kept, plan
+    return chosen, kept, plan, {m: specs[m] for m in chosen}
 
 
 # --- configs -------------------------------------------------------------------------------------
@@ -250,12 +263,31 @@ def quantize_checkpoint(
     max_shard_bytes: int = 2 * 1024**3,
     progress: bool = True,
     warn: Callable[[str], None] | None = None,
+    plan=None,
 ) -> ConversionReport:
-    """Quantize a model checkpoint to MXFP8 and write it to ``out`` (see the module docstring)."""
+    """Quantize a model checkpoint to MXFP8 and write it to ``out`` (see the module docstring).
+
+    ``plan``: a calibration plan (``mxq.calibrate.Plan`` or the path of its JSON file). Its recipe
+    is used (``recipe`` must then be None or the same name), its permutations are folded into the
+    tensors as they stream, its per-layer specs replace the recipe's, and its kept layers stay bf16.
+    """
+    from mxq.calibrate import Plan, PlanError, load_plan
+    from mxq.reorder import Geometry, ReorderError, permute_tensor
+
     t0 = time.perf_counter()
     warn = warn or (lambda m: None)
     if fmt not in FORMATS:
         raise ConversionError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    if plan is not None and not isinstance(plan, Plan):
+        try:
+            plan = load_plan(plan)
+        except PlanError as e:
+            raise ConversionError(str(e)) from None
+    if plan is not None:
+        name = recipe.name if isinstance(recipe, Recipe) else recipe
+        if name is not None and name != plan.recipe.name:
+            raise ConversionError(f"--recipe {name!r}: the plan was made for recipe {plan.recipe.name!r}; pass one or the other")
+        recipe = plan.recipe
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     out = Path(out).expanduser().absolute()
     if out.exists() and not force:
@@ -266,7 +298,13 @@ def quantize_checkpoint(
         compressed_tensors_config(recipe, [])  # reject what the format cannot hold before any work
 
     msrc, src = _open_source(source)
-    chosen, kept, plan = _plan(src, recipe, warn)
+    cplan = plan
+    geom = None
+    if cplan is not None:
+        geom = Geometry.from_config(src.config)
+        if geom != cplan.geometry:
+            raise ConversionError(f"plan: model: made for {cplan.geometry.to_dict()}, the source is {geom.to_dict()}")
+    chosen, kept, plan, specs = _plan(src, recipe, warn, cplan)
     report = ConversionReport(msrc.display, str(out), recipe.name, fmt, device, kept=dict(sorted(kept.items())))
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -278,8 +316,13 @@ def quantize_checkpoint(
         for name, tensor in _progress(src, progress):
             mod = name[: -len(".weight")] if name.endswith(".weight") else None
             report.bytes_before += tensor.numel() * tensor.element_size()
+            if cplan is not None:
+                try:
+                    tensor = permute_tensor(name, tensor, cplan.permutations, geom)
+                except ReorderError as e:
+                    raise ConversionError(f"plan: permutations: {e}") from None
             if mod in chosen:
-                data, scales, sqnr = _quantize_weight(name, tensor, recipe, device)
+                data, scales, sqnr = _quantize_weight(name, tensor, specs[mod][0], recipe.block_size, device)
                 writer.write(name, data)
                 writer.write(mod + ".weight_scale", scales)
                 after = data.numel() + scales.numel()
@@ -290,7 +333,7 @@ def quantize_checkpoint(
                 report.bytes_after += tensor.numel() * tensor.element_size()
             report.n_tensors += 1
         writer.close()
-        _write_configs(tmp, src, recipe, chosen, kept, fmt, msrc)
+        _write_configs(tmp, src, recipe, specs, kept, fmt, msrc, cplan)
         report.seconds = time.perf_counter() - t0
         (tmp / "quantization_report.json").write_text(json.dumps(report.to_dict(), indent=1) + "\n")
         _replace(tmp, out)
@@ -333,24 +376,25 @@ def _progress(src: _Source, enabled: bool) -> Iterator[tuple[str, torch.Tensor]]
             bar.update(task, advance=t.numel() * t.element_size(), n=i + 1)
 
 
-def _quantize_weight(name: str, w: torch.Tensor, recipe: Recipe, device: str):
+def _quantize_weight(name: str, w: torch.Tensor, spec: TensorSpec, block_size: int, device: str):
     w = w.to(device)
     bad = ~torch.isfinite(w)
     if bad.any():
         r, c = (int(i) for i in bad.nonzero()[0])
         val = w[r, c].item()
-        b = c // recipe.block_size
+        b = c // block_size
         raise ConversionError(
             f"tensor {name}: non-finite value {val} at row {r}, block {b} "
-            f"(columns {b * recipe.block_size}-{(b + 1) * recipe.block_size - 1})"
+            f"(columns {b * block_size}-{(b + 1) * block_size - 1})"
         )
-    spec = recipe.weights
-    q = quantize_mx(w, -1, spec.elem, recipe.block_size, spec.scale_rule)
+    q = quantize_mx(w, -1, spec.elem, block_size, spec.scale_rule)
     sqnr = sqnr_db(w.float(), q.dequantize())
     return q.data.cpu(), q.scales.cpu(), sqnr
 
 
-def _write_configs(tmp: Path, src: _Source, recipe: Recipe, chosen: set[str], kept: dict, fmt: str, msrc: ModelSource) -> None:
+def _write_configs(
+    tmp: Path, src: _Source, recipe: Recipe, specs: dict, kept: dict, fmt: str, msrc: ModelSource, cplan=None
+) -> None:
     from mxq.hf import native_config
 
     if src.gguf is not None:
@@ -367,16 +411,19 @@ def _write_configs(tmp: Path, src: _Source, recipe: Recipe, chosen: set[str], ke
             if (src.files_dir / f).is_file():
                 shutil.copy2(src.files_dir / f, tmp / f)
     if fmt == "compressed-tensors":
+        if any(w.elem != recipe.weights.elem or a != recipe.activations for w, a in specs.values()):
+            raise ConversionError("--format compressed-tensors: the plan sets per-layer formats, which that layout cannot record; use --format mxq")
         cfg["quantization_config"] = compressed_tensors_config(recipe, list(kept))
     else:
-        layers = {m: (recipe.weights, recipe.activations) for m in chosen}
+        layers = dict(specs)
         prov = {
             "mxq_version": mxq.__version__,
             "source": msrc.display,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "torch_version": torch.__version__,
         }
-        cfg["quantization_config"] = native_config(recipe, layers, sorted(kept), prov)
+        calib = cplan.config_section() if cplan is not None else None
+        cfg["quantization_config"] = native_config(recipe, layers, sorted(kept), prov, calibration=calib)
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 

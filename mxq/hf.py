@@ -39,9 +39,10 @@ def native_config(
     layers: dict[str, tuple[TensorSpec, TensorSpec | None]],
     ignore: list[str],
     provenance: dict | None = None,
+    calibration: dict | None = None,
 ) -> dict:
     """The ``quantization_config`` mxq writes: the recipe, every quantized layer's settings, the kept layers."""
-    return {
+    cfg = {
         "quant_method": QUANT_METHOD,
         "format_version": FORMAT_VERSION,
         "recipe": recipe.to_dict(),
@@ -54,6 +55,9 @@ def native_config(
         "attention": recipe.attention,
         "provenance": provenance or {"mxq_version": mxq.__version__, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
     }
+    if calibration is not None:  # written by the calibrator: provenance, folded permutations, kept layers
+        cfg["calibration"] = calibration
+    return cfg
 
 
 class MXQConfig(QuantizationConfigMixin):
