@@ -42,6 +42,8 @@ from mxq.formats import E4M3, E5M2, ElemFormat, ScaleRule
 from mxq.kernels.quantize import _RULE_ID, fp8_dtype, hw_cvt, mx_round_dequant
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Load the next K step's scales (and, in the decode kernel, weights) one iteration ahead.
+PREFETCH = os.environ.get("MXQ_PREFETCH", "1") == "1"
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ def _mx_gemm_kernel(
     GROUP: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     TMA_X: tl.constexpr = False, TMA_W: tl.constexpr = False, SCALE_GATHER: tl.constexpr = False,
-    DEQ_BF16: tl.constexpr = False,
+    DEQ_BF16: tl.constexpr = False, PREFETCH_S: tl.constexpr = False,
 ):  # fmt: skip
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -111,6 +113,8 @@ def _mx_gemm_kernel(
     else:
         s_ptrs = s_ptr + rn[:, None] * stride_sn + (k_lo // BS + offs_b)[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if PREFETCH_S and not SCALE_GATHER:
+        sc_next = tl.load(s_ptrs, mask=((k_lo + offs_b * BS) < k_hi)[None, :], other=127)
     for i in range(n_iter):
         k = k_lo + i * BLOCK_K
         # TMA zero-fills out-of-bounds rows and columns; pointer loads mask the K tail.
@@ -133,7 +137,12 @@ def _mx_gemm_kernel(
                 sc = tl.load(s_ptrs, mask=((k + offs_k) < k_hi)[None, :], other=127)
             wd = (w.to(tl.float32) * _e8m0_to_f32(sc)).to(DOT)
         else:
-            if EVEN_K:
+            if PREFETCH_S:
+                # The scale load is not software-pipelined by Triton (it feeds the dot only
+                # through the dequant): load the next step's scales one iteration ahead.
+                sc = sc_next
+                sc_next = tl.load(s_ptrs + NB, mask=((k + BLOCK_K + offs_b * BS) < k_hi)[None, :], other=127)
+            elif EVEN_K:
                 sc = tl.load(s_ptrs)
             else:
                 sc = tl.load(s_ptrs, mask=((k + offs_b * BS) < k_hi)[None, :], other=127)
@@ -175,7 +184,7 @@ def _mx_gemv_kernel(
     BS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     TMA_W: tl.constexpr, QUANT: tl.constexpr,
     EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
-    RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr,
+    RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr, PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
     """Decode (M <= 16) on CUDA cores: a weight stream with no MMA and no operand layouts.
 
@@ -201,19 +210,30 @@ def _mx_gemv_kernel(
     s_ptrs = s_ptr + rn[:, None] * stride_sn + (k_lo // BS + offs_b)[None, :]
     x_ptrs = x_ptr + k_lo + offs_k
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if PREFETCH:
+        w_next = tl.load(w_ptrs, mask=((k_lo + offs_k) < k_hi)[None, :], other=0.0)
+        sc_next = tl.load(s_ptrs, mask=((k_lo + offs_b * BS) < k_hi)[None, :], other=127)
     for i in range(n_iter):
         k = k_lo + i * BLOCK_K
         kmask = (k + offs_k) < k_hi
-        if TMA_W:
-            w = w_ptr.load([pid_n * BLOCK_N, k])
-        elif EVEN_K:
-            w = tl.load(w_ptrs)
+        if PREFETCH:
+            # Register double buffer: the next step's weight and scale loads are in flight
+            # while this step computes (Triton does not pipeline these plain loads).
+            w = w_next
+            sc = sc_next
+            w_next = tl.load(w_ptrs + BLOCK_K, mask=((k + BLOCK_K + offs_k) < k_hi)[None, :], other=0.0)
+            sc_next = tl.load(s_ptrs + NB, mask=((k + BLOCK_K + offs_b * BS) < k_hi)[None, :], other=127)
         else:
-            w = tl.load(w_ptrs, mask=kmask[None, :], other=0.0)
-        if EVEN_K:
-            sc = tl.load(s_ptrs)
-        else:
-            sc = tl.load(s_ptrs, mask=((k + offs_b * BS) < k_hi)[None, :], other=127)
+            if TMA_W:
+                w = w_ptr.load([pid_n * BLOCK_N, k])
+            elif EVEN_K:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=kmask[None, :], other=0.0)
+            if EVEN_K:
+                sc = tl.load(s_ptrs)
+            else:
+                sc = tl.load(s_ptrs, mask=((k + offs_b * BS) < k_hi)[None, :], other=127)
         wf = tl.reshape(w.to(tl.float32), (BLOCK_N, NB, BS)) * _e8m0_to_f32(sc)[:, :, None]
         wf = tl.reshape(wf, (BLOCK_N, BLOCK_K))
         for m in tl.static_range(M_ROWS):
@@ -324,6 +344,9 @@ def pick_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
         while tiles * split < 2 * sms and k // (split * 2) >= 4 * block_k and split < 8:
             split *= 2
         return GemmConfig(block_m, block_n, block_k, warps, stages, split_k=split, tma_w=True)
+    if m <= 512 and n < 16384:
+        # 256x128 tiles leave most SMs idle here (N/128 programs); 128x64 won the M=256 sweep.
+        return GemmConfig(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4, tma_x=True, tma_w=True, deq_bf16=True)
     if n % 128 == 0:
         return GemmConfig(block_m=256, block_n=128, block_k=64, num_warps=8, num_stages=3, tma_x=True, tma_w=True, deq_bf16=True)
     # 256-wide activation tiles gave wrong results when N is not a multiple of BLOCK_N
@@ -390,6 +413,7 @@ def mx_gemm(
         GROUP=cfg.group, DOT=dot, PRECISION=precision,
         HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_K=even_k,
         TMA_X=tma_x, TMA_W=tma_w, SCALE_GATHER=cfg.scale_gather, DEQ_BF16=cfg.deq_bf16 and dot == tl.bfloat16,
+        PREFETCH_S=PREFETCH,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split > 1:
@@ -414,7 +438,7 @@ class GemvConfig:
 
 
 # Largest M that takes the CUDA-core decode kernel on a GPU (kernels/NOTES.md, H200 sweep).
-GEMV_MAX_M = 16
+GEMV_MAX_M = 2
 
 
 def pick_gemv_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig:
@@ -423,9 +447,10 @@ def pick_gemv_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig
         return GemvConfig(block_n=16, block_k=64, num_warps=4, num_stages=1, split_k=2 if k >= 128 else 1)
     sms = _sm_count(device)
     cfg = GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=3)
+    # H200 sweep (NOTES.md, session 2): best at 512-800 programs (8B o: split 4, gate_up: 1).
     tiles = triton.cdiv(n, cfg.block_n)
     split = 1
-    while tiles * split < 2 * sms and k // (split * 2) >= 4 * cfg.block_k and split < 8:
+    while tiles * split * 2 <= 6 * sms and k // (split * 2) >= 2 * cfg.block_k and split < 8:
         split *= 2
     return GemvConfig(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, split, cfg.tma_w)
 
@@ -484,6 +509,7 @@ def mx_gemv(
         BS=block_size, HAS_BIAS=bias is not None, SPLIT_K=min(split, 2), EVEN_K=even_k, TMA_W=tma_w,
         QUANT=act_elem is not None, EMAX=ae.emax, MBITS=ae.mbits, MAXN=ae.max_normal,
         EMIN=1 - ae.bias, RULE=_RULE_ID[act_rule], HW_CVT=hw_cvt(x.device), FP8=fp8_dtype(ae),
+        PREFETCH=PREFETCH and not tma_w,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split > 1:

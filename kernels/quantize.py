@@ -262,7 +262,7 @@ def _launch(x2, elem: ElemFormat, rule: ScaleRule, block_size: int, q, s, d, til
     m, k = x2.shape
     if block_size & (block_size - 1) or not 16 <= block_size <= 128:
         raise ValueError(f"block_size must be a power of two in [16, 128], got {block_size}")
-    block_m, block_k, warps = tile or ((8, 128, 4) if rule is ScaleRule.MSE else (32, 128, 4))
+    block_m, block_k, warps = tile or ((8, 128, 4) if rule is ScaleRule.MSE else (8, 512, 4))  # H200 sweep
     block_k = max(block_k, block_size)
     nblk = triton.cdiv(k, block_size)
     kp = nblk * block_size

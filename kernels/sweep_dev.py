@@ -207,6 +207,52 @@ def part_tma():
     RES["tma"] = rows
 
 
+def part_ab():
+    """Scale/weight prefetch on vs off (MXQ_PREFETCH), dispatched configs; prints the winner."""
+    import importlib
+
+    from mxq.kernels import gemm as G
+    from mxq.kernels.dispatch import mx_linear_triton
+
+    rows, wins = [], 0
+    for (n, k), m in (((4096, 4096), 2048), ((4096, 14336), 2048), ((4096, 4096), 256), ((4096, 4096), 1), ((28672, 4096), 1)):
+        ws, w64 = _weights(n, k, _copies(n * k))
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        ref = x.double() @ w64.t()
+        t = {}
+        for pf in (True, False):
+            G.PREFETCH = pf
+            y = mx_linear_triton(x, ws[0][0], ws[0][1], None)
+            err = ((y.double() - ref).norm() / ref.norm()).item()
+            t[pf] = (_try_graph([lambda p=p: mx_linear_triton(x, p[0], p[1], None) for p in ws]), err)
+        rows.append(dict(n=n, k=k, m=m, on=t[True], off=t[False]))
+        wins += t[True][0] < t[False][0] and t[True][1] < 1e-2
+        log("ab", n, k, m, "prefetch on", t[True], "off", t[False])
+    G.PREFETCH = True
+    importlib.invalidate_caches()
+    RES["ab"] = rows
+    with open(os.environ.get("OUT", ".") + "/prefetch", "w") as f:
+        f.write("1" if wins >= 3 else "0")
+
+
+def part_tma2():
+    from mxq.kernels import gemm as G
+
+    gen = torch.Generator().manual_seed(8)
+    w = torch.randn(1000, 2080, generator=gen) * torch.exp(torch.randn(1000, 1, generator=gen))
+    t = quantize_mx(w.cuda(), -1, E4M3, 32, ScaleRule.RCEIL)
+    w64 = dequantize_mx(t, torch.float64)
+    c = G.GemmConfig(256, 128, 64, 8, 3, tma_x=True, tma_w=True)
+    for m in (5, 300):
+        x = torch.randn(m, 2080, generator=gen).to(torch.bfloat16).cuda()
+        b = torch.randn(1000, generator=gen).to(torch.bfloat16).cuda()
+        for bias in (None, b):
+            ref = x.double() @ w64.t() + (0 if bias is None else bias.double())
+            y = G.mx_gemm(x, t.data, t.scales, bias, config=c)
+            bad = ((y.double() - ref).abs() > 1e-2 * ref.abs().max()).nonzero()
+            log("tma2 m", m, "bias", bias is not None, "bad", len(bad), bad[:4].tolist(), y.double().abs().max().item())
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="sweep.json")
