@@ -636,6 +636,9 @@ def test_shapes_axes_padding(
     fq = fake_quantize_mx(x, call_axis, fmt, block_size, rule)
     assert fq.dtype == x.dtype and fq.shape == x.shape
     assert torch.equal(torch.nan_to_num(fq), torch.nan_to_num(d.to(x.dtype)))
+    assert torch.equal(torch.isnan(fq), torch.isnan(d.to(x.dtype)))
+    num = ~torch.isnan(fq)
+    assert torch.equal(torch.signbit(fq[num]), torch.signbit(d.to(x.dtype)[num]))  # -0 survives both paths
 
 
 @pytest.mark.parametrize("fmt", FMTS)
