@@ -600,6 +600,7 @@ def make_plan(
     how: dict[str, str] = {n: "none" for n in sel}
     perms = Permutations()
     notes: dict = {}
+    candidate_sqnr: dict[str, dict] = {}  # every order tried, kept or not: what reordering could buy
 
     if reorder and residual:
         readers = [n for n in sel if n.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")]
@@ -612,6 +613,7 @@ def make_plan(
             after = {n: _output_sqnr(lins[n], x[n], rec.weights, act, r) for n in readers}
             gain = sum(after[n] - direct[n] for n in readers) / len(readers)
             notes["residual_mean_gain_db"] = gain
+            candidate_sqnr.update({n: {"residual": after[n]} for n in readers})
             if gain >= min_gain_db:
                 perms.residual = r.tolist()
                 for n in readers:
@@ -629,6 +631,7 @@ def make_plan(
                 vc = _v_candidates(st, geom, w)
                 cands = {k: Permutations(v={i: p}).o_cols(i, geom) for k, p in vc.items()}
             scores = {k: _output_sqnr(lins[n], x[n], rec.weights, act, p) for k, p in cands.items()}
+            candidate_sqnr[n] = scores
             best = max(scores, key=scores.get)
             if scores[best] - direct[n] >= min_gain_db:
                 perm_of[n] = cands[best]
@@ -645,6 +648,8 @@ def make_plan(
         reordered = _output_sqnr(lins[n], x[n], rec.weights, act, p) if p is not None else direct[n]
         w_spec, chosen = rec.weights, reordered
         sq = {"direct": direct[n], "reorder": reordered}
+        if n in candidate_sqnr:
+            sq["reorder_best_candidate"] = max(candidate_sqnr[n].values())
         if scale_search and rec.weights.scale_rule is not ScaleRule.MSE:
             alt = TensorSpec(rec.weights.elem, ScaleRule.MSE)
             s_alt = _output_sqnr(lins[n], x[n], alt, act, p)
