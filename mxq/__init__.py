@@ -7,6 +7,7 @@ try:
 except PackageNotFoundError:  # running from a source tree that was never installed
     __version__ = "0.0.0+unknown"
 
+import mxq.attention  # noqa: E402,F401  (registers attn_implementation "mxfp8")
 from mxq.formats import (  # noqa: E402
     E4M3,
     E5M2,

@@ -123,6 +123,10 @@ class MXQHfQuantizer(HfQuantizer):
                     elem=w.elem, act=a, block_size=cfg.block_size, dtype=dtype,
                 )
             setattr(parent, child, new)
+        if cfg.attention == "mxfp8":
+            import mxq.attention  # noqa: F401  (registers the "mxfp8" attention implementation)
+
+            model.set_attn_implementation("mxfp8")
         return model
 
     def update_weight_conversions(self, weight_conversions):

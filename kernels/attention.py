@@ -1,0 +1,506 @@
+"""MXFP8 attention: prefill (FlashAttention-style) and decode over an MXFP8 KV cache.
+
+Tiles (docs/ARCHITECTURE.md): Q and K are MX-blocked along head_dim (1x32 tiles of [S, D]);
+V is MX-blocked along the key sequence (32x1 tiles of [S, D]), because P·V reduces over keys.
+A V block holds 32 consecutive keys starting at key 0; when the key count is not a multiple
+of 32 the last block is padded with zero keys (the padding takes part in the block's amax as
+zeros, i.e. not at all, and is dropped). Masked keys (padding masks) still belong to their V
+block: the mask acts on the softmax only, exactly as it does on the cached V bytes.
+
+The function every path computes is ``mx_attention_reference``: MX-round Q, K, V, then
+softmax attention in float32 (fully masked query rows give zeros).
+
+How the Hopper kernels stay exact (sm_90 has no block-scaled MMA; docs/ANCHORS.md):
+- an MX value is fp8 x 2**e: at most 4 significant bits, so bf16 holds it exactly (unless the
+  block sits at the very bottom of the fp32 range, amax below ~2**-120). The prefill kernel
+  therefore runs bf16 MMAs on MX-rounded operands: Q is rounded in registers as it is loaded
+  (loaded once per program), K and V are rounded once by the row quantizer
+  (``quantize.fake_quantize_mx_rows``) into bf16 copies (they are re-read by every query
+  block); V is rounded along the keys by quantizing rows of Vᵀ, so it is stored transposed.
+  Products of two bf16-exact operands are exact in the fp32 accumulator.
+- the softmax runs in fp32. P is fp32; a single bf16 copy of P would add a 2**-9 relative
+  error per weight, so P·V is computed as P_hi·V + P_lo·V with P_hi = bf16(P),
+  P_lo = bf16(P - P_hi) (``PV_SPLIT``): ~2**-17 relative, i.e. fp32-class. ``exact=False``
+  drops the second product (FlashAttention's usual bf16 P) for speed.
+- the decode kernel reads the cache as it is stored: fp8 elements + E8M0 bytes, 1 + 1/32
+  bytes per element, dequantizes in registers (exact in bf16, as above), splits the context
+  over programs (split-KV), and a second kernel merges the partial softmaxes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from mxq.formats import (
+    E4M3,
+    ElemFormat,
+    ScaleRule,
+    as_elem_format,
+    as_scale_rule,
+    fake_quantize_mx,
+)
+from mxq.kernels.quantize import (
+    _RULE_ID,
+    INTERPRET,
+    fake_quantize_mx_rows,
+    fp8_dtype,
+    hw_cvt,
+    mx_round_dequant,
+)
+
+LOG2E = 1.4426950408889634
+BLOCK = 32  # MX block size; fixed by the format
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference
+# ---------------------------------------------------------------------------------------------
+
+def mx_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    attention_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    elem: ElemFormat | str = E4M3,
+    rule: ScaleRule | str = ScaleRule.RCEIL,
+) -> torch.Tensor:
+    """Softmax attention on MX-rounded Q, K, V, in float32; returns q.dtype [B, Hq, Sq, D].
+
+    q [B, Hq, Sq, D], k and v [B, Hkv, Sk, D] (Hq a multiple of Hkv: GQA/MQA).
+    ``causal``: query i sees keys j <= i + Sk - Sq (bottom-right aligned, as with a KV cache).
+    ``attention_mask``: bool (True = attend) or additive float, broadcastable to [B, Hq, Sq, Sk].
+    Rows with every key masked give zeros.
+    """
+    elem, rule = as_elem_format(elem), as_scale_rule(rule)
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    qf = fake_quantize_mx(q.float(), -1, elem, 32, rule)
+    kf = fake_quantize_mx(k.float(), -1, elem, 32, rule)
+    vf = fake_quantize_mx(v.float(), -2, elem, 32, rule)  # 32x1 along the keys, zero-padded
+    kf = kf.repeat_interleave(hq // hkv, dim=1)
+    vf = vf.repeat_interleave(hq // hkv, dim=1)
+    s = (qf @ kf.transpose(-1, -2)) * scale
+    allowed = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
+    if causal:
+        allowed = torch.arange(sq, device=q.device)[:, None] + (sk - sq) >= torch.arange(sk, device=q.device)[None, :]
+    s = s.masked_fill(~allowed, float("-inf"))
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            s = s.masked_fill(~attention_mask, float("-inf"))
+        else:
+            s = s + attention_mask.float()
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(s - m)
+    l_sum = p.sum(-1, keepdim=True)
+    out = (p @ vf) / torch.where(l_sum > 0, l_sum, torch.ones_like(l_sum))
+    return out.to(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _mma(a, b, acc, INTERP: tl.constexpr):
+    """acc + a @ b for bf16-exact operands. The interpreter's bf16 dot is wrong (Triton 3.6) and
+    its fp32 dot defaults to tf32, so there the same exact values go through an ieee fp32 dot."""
+    if INTERP:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _prefill_block(
+    acc, m_i, l_i, q, k_ptrs, vt_ptrs, mask_ptrs, offs_m, offs_n, start_n,
+    Sq, Sk, qk_scale, stride_kn, stride_vn, stride_mn,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
+    PV_SPLIT: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    cols = start_n + offs_n
+    if MASKED:
+        kin = cols < Sk
+        k = tl.load(k_ptrs + start_n * stride_kn, mask=kin[:, None], other=0.0)
+        vt = tl.load(vt_ptrs + start_n * stride_vn, mask=kin[None, :], other=0.0)
+    else:
+        k = tl.load(k_ptrs + start_n * stride_kn)
+        vt = tl.load(vt_ptrs + start_n * stride_vn)
+    s = _mma(q, tl.trans(k), tl.zeros([q.shape[0], k.shape[0]], tl.float32), INTERP) * qk_scale
+    if MASKED:
+        ok = kin[None, :] & (offs_m < Sq)[:, None]
+        if CAUSAL:
+            ok = ok & (offs_m[:, None] + (Sk - Sq) >= cols[None, :])
+        if HAS_MASK:
+            mv = tl.load(mask_ptrs + start_n * stride_mn, mask=ok, other=0)
+            if MASK_BOOL:
+                ok = ok & (mv != 0)
+            else:
+                s = s + mv.to(tl.float32) * 1.4426950408889634
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = m_new
+    alpha = tl.math.exp2(m_i - m_use)
+    p = tl.math.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    v = tl.trans(vt)
+    p_hi = p.to(v.dtype)
+    acc = _mma(p_hi, v, acc, INTERP)
+    if PV_SPLIT:
+        acc = _mma((p - p_hi.to(tl.float32)).to(v.dtype), v, acc, INTERP)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _prefill_kernel(
+    Q, K, VT, Out, M,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vd,
+    stride_ob, stride_oh, stride_om,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    Hq, GROUP, Sq, Sk, D, qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, PV_SPLIT: tl.constexpr,
+    EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
+    RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // Hq
+    h = pid_bh % Hq
+    hk = h // GROUP
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+
+    q_ptrs = Q + b.to(tl.int64) * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=(offs_m < Sq)[:, None] & (offs_d < D)[None, :], other=0.0)
+    # Q rounded to MX along head_dim in registers; exact in bf16.
+    qr = mx_round_dequant(
+        tl.reshape(q.to(tl.float32), (BLOCK_M, BLOCK_D // 32, 32)), EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8
+    )
+    q = tl.reshape(qr, (BLOCK_M, BLOCK_D)).to(tl.bfloat16)
+
+    k_ptrs = K + b.to(tl.int64) * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
+    vt_ptrs = VT + b.to(tl.int64) * stride_vb + hk * stride_vh + offs_d[:, None] * stride_vd + offs_n[None, :]
+    mask_ptrs = M + b.to(tl.int64) * stride_mb + h * stride_mh + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    if CAUSAL:
+        hi = tl.minimum(Sk, start_m + BLOCK_M + Sk - Sq)
+        hi = tl.maximum(hi, 0)
+        n_full = tl.minimum(tl.maximum(start_m + Sk - Sq + 1, 0), Sk) // BLOCK_N * BLOCK_N
+    else:
+        hi = Sk
+        n_full = Sk // BLOCK_N * BLOCK_N
+    if HAS_MASK:
+        n_full = 0
+    for start_n in range(0, n_full, BLOCK_N):
+        acc, m_i, l_i = _prefill_block(
+            acc, m_i, l_i, q, k_ptrs, vt_ptrs, mask_ptrs, offs_m, offs_n, start_n,
+            Sq, Sk, qk_scale, stride_kn, 1, stride_mn,
+            False, CAUSAL, HAS_MASK, MASK_BOOL, PV_SPLIT, INTERP,
+        )  # fmt: skip
+    for start_n in range(n_full, hi, BLOCK_N):
+        acc, m_i, l_i = _prefill_block(
+            acc, m_i, l_i, q, k_ptrs, vt_ptrs, mask_ptrs, offs_m, offs_n, start_n,
+            Sq, Sk, qk_scale, stride_kn, 1, stride_mn,
+            True, CAUSAL, HAS_MASK, MASK_BOOL, PV_SPLIT, INTERP,
+        )  # fmt: skip
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_ptrs = Out + b.to(tl.int64) * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :]
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(offs_m < Sq)[:, None] & (offs_d < D)[None, :])
+
+
+def _block_d(d: int) -> int:
+    return max(32, triton.next_power_of_2(d))
+
+
+def mx_round_kv(k: torch.Tensor, v: torch.Tensor, elem: ElemFormat, rule: ScaleRule, block_d: int):
+    """K MX-rounded along D -> bf16 [B, Hkv, Sk, block_d]; V along keys -> Vᵀ bf16 [B, Hkv, block_d, Sk].
+
+    Head dims are zero-padded to ``block_d`` first, which is what the format's own block padding
+    does for the last partial block of D.
+    """
+    d = k.shape[-1]
+    kp = F.pad(k, (0, block_d - d)) if block_d != d else k.contiguous()
+    k_mx = fake_quantize_mx_rows(kp, elem, rule, BLOCK, out_dtype=torch.bfloat16)
+    vt = (F.pad(v, (0, block_d - d)) if block_d != d else v).transpose(-1, -2).contiguous()
+    vt_mx = fake_quantize_mx_rows(vt, elem, rule, BLOCK, out_dtype=torch.bfloat16)
+    return k_mx, vt_mx
+
+
+def _mask_args(attention_mask, b, hq, sq, sk):
+    if attention_mask is None:
+        return None, (0, 0, 0, 0), False
+    m = attention_mask
+    if m.dim() != 4:
+        raise ValueError(f"attention_mask must be 4-D [B|1, H|1, Sq, Sk], got shape {tuple(m.shape)}")
+    if m.dtype == torch.bool:
+        m = m.view(torch.uint8)
+    m = m.expand(b, hq, sq, sk)
+    strides = tuple(m.stride(i) if m.shape[i] > 1 else 0 for i in range(4))
+    return m, strides, attention_mask.dtype == torch.bool
+
+
+def mx_attention_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    attention_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    elem: ElemFormat | str = E4M3,
+    rule: ScaleRule | str = ScaleRule.RCEIL,
+    exact: bool = True,
+    out: torch.Tensor | None = None,
+    tile: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """The Triton prefill path of ``mx_attention_reference`` (same arguments, same result).
+
+    ``out``: optional output [B, Hq, Sq, D] (any strides with a unit last stride; HF wants a
+    [B, Sq, Hq, D] tensor seen through a transpose). ``exact=False``: a bf16 P for P·V.
+    """
+    elem, rule = as_elem_format(elem), as_scale_rule(rule)
+    if rule is ScaleRule.MSE:
+        raise ValueError("attention scale_rule 'mse' is a weight search; use rceil, floor or even")
+    b, hq, sq, d = q.shape
+    _, hkv, sk, _ = k.shape
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of {hkv} key/value heads")
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    bd = _block_d(d)
+    k_mx, vt_mx = mx_round_kv(k, v, elem, rule, bd)
+    if out is None:
+        out = torch.empty((b, sq, hq, d), dtype=q.dtype, device=q.device).transpose(1, 2)
+    if out.stride(-1) != 1:
+        raise ValueError("out needs a unit stride along head_dim")
+    mask, ms, mask_bool = _mask_args(attention_mask, b, hq, sq, sk)
+    block_m, block_n, warps, stages = tile or _prefill_tile(bd, q.device)
+    grid = (triton.cdiv(sq, block_m), b * hq)
+    if b * hq and sq:
+        _prefill_kernel[grid](
+            q, k_mx, vt_mx, out, mask if mask is not None else q,
+            q.stride(0), q.stride(1), q.stride(2), q.stride(3),
+            k_mx.stride(0), k_mx.stride(1), k_mx.stride(2),
+            vt_mx.stride(0), vt_mx.stride(1), vt_mx.stride(2),
+            out.stride(0), out.stride(1), out.stride(2),
+            *ms,
+            hq, hq // hkv, sq, sk, d, scale * LOG2E,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=bd,
+            CAUSAL=causal, HAS_MASK=mask is not None, MASK_BOOL=mask_bool, PV_SPLIT=exact,
+            EMAX=elem.emax, MBITS=elem.mbits, MAXN=elem.max_normal, EMIN=1 - elem.bias,
+            RULE=_RULE_ID[rule], HW_CVT=hw_cvt(q.device), FP8=fp8_dtype(elem), INTERP=INTERPRET,
+            num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+    return out
+
+
+def _prefill_tile(block_d: int, device: torch.device) -> tuple[int, int, int, int]:
+    if device.type != "cuda":
+        return 16, 32, 4, 1
+    if block_d <= 64:
+        return 128, 64, 4, 3
+    return 128, 64, 8, 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode over the MXFP8 cache
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _decode_kernel(
+    Q, KD, KS, VD, VS, ML, ACC, MASK,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_kn,
+    stride_ksb, stride_ksh, stride_ksn,
+    stride_vb, stride_vh, stride_vd,
+    stride_vsb, stride_vsh, stride_vsd,
+    stride_mb, stride_mh, stride_mn,
+    Hkv, GROUP, L, D, DP, CHUNK, NSPLIT, qk_scale,
+    G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
+    EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
+    RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)  # (batch, kv head)
+    split = tl.program_id(1)
+    b = pid // Hkv
+    hk = pid % Hkv
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = hk * GROUP + offs_g
+    gmask = offs_g < GROUP
+
+    q = tl.load(
+        Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        mask=gmask[:, None] & (offs_d < D)[None, :], other=0.0,
+    )  # fmt: skip
+    qr = mx_round_dequant(
+        tl.reshape(q.to(tl.float32), (G_PAD, BLOCK_D // 32, 32)), EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8
+    )
+    q = tl.reshape(qr, (G_PAD, BLOCK_D)).to(tl.bfloat16)
+
+    kbase = KD + b.to(tl.int64) * stride_kb + hk * stride_kh
+    ksbase = KS + b.to(tl.int64) * stride_ksb + hk * stride_ksh
+    vbase = VD + b.to(tl.int64) * stride_vb + hk * stride_vh
+    vsbase = VS + b.to(tl.int64) * stride_vsb + hk * stride_vsh
+    offs_kb = tl.arange(0, BLOCK_D // 32)
+    offs_vb = tl.arange(0, BLOCK_N // 32)
+
+    m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([G_PAD], dtype=tl.float32)
+    acc = tl.zeros([G_PAD, BLOCK_D], dtype=tl.float32)
+    lo = split * CHUNK
+    hi = tl.minimum(lo + CHUNK, L)
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        kin = cols < L
+        k8 = tl.load(kbase + cols[:, None] * stride_kn + offs_d[None, :], mask=kin[:, None] & (offs_d < DP)[None, :], other=0.0)
+        ke = tl.load(ksbase + cols[:, None] * stride_ksn + offs_kb[None, :], mask=kin[:, None] & (offs_kb < DP // 32)[None, :], other=127)
+        ksc = ((ke.to(tl.int32)) << 23).to(tl.float32, bitcast=True)
+        k = tl.reshape(tl.reshape(k8.to(tl.float32), (BLOCK_N, BLOCK_D // 32, 32)) * ksc[:, :, None], (BLOCK_N, BLOCK_D))
+        s = _mma(q, tl.trans(k.to(tl.bfloat16)), tl.zeros([G_PAD, BLOCK_N], tl.float32), INTERP) * qk_scale
+        ok = kin[None, :] & gmask[:, None]
+        if HAS_MASK:
+            mv = tl.load(MASK + b.to(tl.int64) * stride_mb + heads[:, None] * stride_mh + cols[None, :] * stride_mn, mask=ok, other=0)
+            if MASK_BOOL:
+                ok = ok & (mv != 0)
+            else:
+                s = s + mv.to(tl.float32) * 1.4426950408889634
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_use)
+        p = tl.math.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+
+        v8 = tl.load(vbase + offs_d[:, None] * stride_vd + cols[None, :], mask=(offs_d < D)[:, None] & kin[None, :], other=0.0)
+        pages = start_n // 32 + offs_vb
+        ve = tl.load(vsbase + offs_d[:, None] * stride_vsd + pages[None, :], mask=(offs_d < D)[:, None] & (pages * 32 < L)[None, :], other=127)
+        vsc = ((ve.to(tl.int32)) << 23).to(tl.float32, bitcast=True)
+        vt = tl.reshape(tl.reshape(v8.to(tl.float32), (BLOCK_D, BLOCK_N // 32, 32)) * vsc[:, :, None], (BLOCK_D, BLOCK_N))
+        v = tl.trans(vt.to(tl.bfloat16))
+        p_hi = p.to(tl.bfloat16)
+        acc = _mma(p_hi, v, acc, INTERP)
+        acc = _mma((p - p_hi.to(tl.float32)).to(tl.bfloat16), v, acc, INTERP)
+        m_i = m_new
+
+    row = (b * Hkv * GROUP + heads) * NSPLIT + split
+    tl.store(ML + row * 2, m_i, mask=gmask)
+    tl.store(ML + row * 2 + 1, l_i, mask=gmask)
+    tl.store(ACC + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=gmask[:, None])
+
+
+@triton.jit
+def _decode_merge_kernel(
+    ML, ACC, Out, Hq, D, NSPLIT,
+    stride_ob, stride_oh,
+    SPLIT_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)  # b * Hq + h
+    b = pid // Hq
+    h = pid % Hq
+    offs_s = tl.arange(0, SPLIT_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    smask = offs_s < NSPLIT
+    row = pid * NSPLIT + offs_s
+    m = tl.load(ML + row * 2, mask=smask, other=float("-inf"))
+    ls = tl.load(ML + row * 2 + 1, mask=smask, other=0.0)
+    acc = tl.load(ACC + row[:, None] * BLOCK_D + offs_d[None, :], mask=smask[:, None], other=0.0)
+    mx = tl.max(m, 0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.math.exp2(m - mx)
+    lt = tl.sum(ls * w, 0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(lt > 0, lt, 1.0)
+    tl.store(Out + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=offs_d < D)
+
+
+def mx_attention_decode(
+    q: torch.Tensor,
+    k_data: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_data: torch.Tensor,
+    v_scale: torch.Tensor,
+    length: int,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    elem: ElemFormat | str = E4M3,
+    rule: ScaleRule | str = ScaleRule.RCEIL,
+    out: torch.Tensor | None = None,
+    block_n: int | None = None,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """One query token per sequence against an MXFP8 cache; result [B, Hq, 1, D] in q.dtype.
+
+    q [B, Hq, 1, D]. Cache (``MXFP8CacheLayer``'s layout, capacity C >= length, C % 32 == 0):
+    k_data fp8 [B, Hkv, C, Dp] (Dp = D padded to 32), k_scale uint8 [B, Hkv, C, Dp/32];
+    v_data fp8 [B, Hkv, D, C] (V transposed: keys contiguous), v_scale uint8 [B, Hkv, D, C/32].
+    ``attention_mask``: bool or additive, broadcastable to [B, Hq, 1, length]. Reads
+    (1 + 1/32) bytes per cached element.
+    """
+    elem, rule = as_elem_format(elem), as_scale_rule(rule)
+    b, hq, sq, d = q.shape
+    if sq != 1:
+        raise ValueError(f"mx_attention_decode takes one query token, got {sq}")
+    hkv = k_data.shape[1]
+    dp = k_data.shape[-1]
+    group = hq // hkv
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    bd = _block_d(d)
+    on_gpu = q.device.type == "cuda"
+    block_n = block_n or (64 if on_gpu else 32)
+    if chunk is None:
+        # Enough programs to fill the GPU (~4 per SM on 132 SMs), at least one tile each.
+        want = max(1, 528 // max(1, b * hkv)) if on_gpu else 4
+        chunk = max(block_n, triton.cdiv(triton.cdiv(length, want), block_n) * block_n)
+    nsplit = max(1, triton.cdiv(length, chunk))
+    g_pad = max(16, triton.next_power_of_2(group))
+    ml = torch.empty((b * hq * nsplit, 2), dtype=torch.float32, device=q.device)
+    acc = torch.empty((b * hq * nsplit, bd), dtype=torch.float32, device=q.device)
+    if out is None:
+        out = torch.empty((b, 1, hq, d), dtype=q.dtype, device=q.device).transpose(1, 2)
+    mask, ms, mask_bool = _mask_args(attention_mask, b, hq, 1, length)
+    _decode_kernel[(b * hkv, nsplit)](
+        q, k_data, k_scale, v_data, v_scale, ml, acc, mask if mask is not None else q,
+        q.stride(0), q.stride(1), q.stride(3),
+        k_data.stride(0), k_data.stride(1), k_data.stride(2),
+        k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
+        v_data.stride(0), v_data.stride(1), v_data.stride(2),
+        v_scale.stride(0), v_scale.stride(1), v_scale.stride(2),
+        ms[0], ms[1], ms[3],
+        hkv, group, length, d, dp, chunk, nsplit, scale * LOG2E,
+        G_PAD=g_pad, BLOCK_N=block_n, BLOCK_D=bd,
+        HAS_MASK=mask is not None, MASK_BOOL=mask_bool,
+        EMAX=elem.emax, MBITS=elem.mbits, MAXN=elem.max_normal, EMIN=1 - elem.bias,
+        RULE=_RULE_ID[rule], HW_CVT=hw_cvt(q.device), FP8=fp8_dtype(elem), INTERP=INTERPRET,
+        num_warps=4, num_stages=3 if on_gpu else 1,
+    )  # fmt: skip
+    _decode_merge_kernel[(b * hq,)](
+        ml, acc, out, hq, d, nsplit, out.stride(0), out.stride(1),
+        SPLIT_PAD=triton.next_power_of_2(nsplit), BLOCK_D=bd, num_warps=4,
+    )  # fmt: skip
+    return out

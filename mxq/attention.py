@@ -1,0 +1,248 @@
+"""MXFP8 attention for Hugging Face models: the attention function, the MXFP8 KV cache.
+
+``import mxq`` registers ``"mxfp8"`` with transformers' ``AttentionInterface`` (and its mask
+interface, with the SDPA mask rules: no mask when causality alone suffices, else a 4-D bool
+mask). A model loaded with ``attn_implementation="mxfp8"``, or from a checkpoint whose
+``quantization_config`` says ``attention: mxfp8``, computes ``mx_attention_reference``:
+Q and K MX-rounded along head_dim, V along the keys, fp32 softmax. On CUDA the Triton kernels
+of ``mxq.kernels.attention`` run it; on CPU (or with ``MXQ_KERNELS=reference``) the torch
+reference does.
+
+``MXFP8Cache`` stores the KV cache as MXFP8 and makes decoding read it as such::
+
+    model.generate(ids, past_key_values=MXFP8Cache(), max_new_tokens=64)
+
+Per layer it keeps K as fp8 [B, Hkv, C, Dp] with one E8M0 byte per 32 head_dim elements of a
+token (1x32, final as soon as the token arrives), and V transposed, fp8 [B, Hkv, D, C], with one
+E8M0 byte per 32-token page and channel (32x1 blocks along the keys, K-major for P·V).
+
+A partially filled last V page: its scale depends on tokens not yet seen, so the page's bf16
+values (at most 31 tokens) are kept beside the fp8 pages and the page is re-quantized from
+them, zero-padded, on every append; its fp8 bytes and scale in the cache are always those of
+the tokens present so far, and final once the page holds 32 tokens (the bf16 copy is then
+dropped). Decoding thus computes exactly the reference on the whole current sequence, and the
+cache bytes after appending token by token equal quantizing the whole sequence at once.
+
+The cache only works with the ``mxfp8`` attention: its ``update`` returns views of the MXFP8
+storage (``MXFP8KV``), not bf16 tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from mxq.formats import E4M3, ScaleRule, decode_e8m0, quantize_mx
+
+ATTN_IMPLEMENTATION = "mxfp8"
+# Element format and scale rule of the attention operands (Q, K, V and the cache).
+ATTN_ELEM = E4M3
+ATTN_RULE = ScaleRule.RCEIL
+PAGE = 32
+
+try:
+    from mxq.kernels import attention as _kattn
+    from mxq.kernels import quantize as _kquant
+    from mxq.kernels.dispatch import FORCE_REFERENCE, HAS_TRITON
+except ImportError:  # no Triton: the reference everywhere
+    _kattn = _kquant = None
+    HAS_TRITON, FORCE_REFERENCE = False, True
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return HAS_TRITON and not FORCE_REFERENCE and t.is_cuda
+
+
+def _quantize_rows(x: torch.Tensor):
+    """MX along the last axis -> (fp8 [..., ceil32], uint8 scales): Triton on CUDA, format core elsewhere."""
+    if _use_triton(x):
+        return _kquant.quantize_mx_rows(x, ATTN_ELEM, ATTN_RULE, 32)
+    t = quantize_mx(x, -1, ATTN_ELEM, 32, ATTN_RULE)
+    return t.data, t.scales
+
+
+def _dequant_rows(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """fp8 [..., n*32] with scales [..., n] -> float32."""
+    v = data.float().reshape(*data.shape[:-1], -1, 32) * decode_e8m0(scales).unsqueeze(-1)
+    return v.reshape(data.shape)
+
+
+class MXFP8KV:
+    """What ``MXFP8CacheLayer.update`` returns for keys and values: the layer's MXFP8 storage.
+
+    ``fresh`` holds the bf16 (key, value) of this update when the cache was empty before it
+    (a prefill): those are the whole sequence, and the prefill kernel rounds them itself.
+    """
+
+    def __init__(self, layer: MXFP8CacheLayer, fresh: tuple[torch.Tensor, torch.Tensor] | None):
+        self.layer = layer
+        self.fresh = fresh
+
+    @property
+    def shape(self) -> torch.Size:
+        layer = self.layer
+        return torch.Size((layer.k_data.shape[0], layer.k_data.shape[1], layer.length, layer.head_dim))
+
+
+class MXFP8CacheLayer(DynamicLayer):
+    """One layer's MXFP8 KV cache (layout in the module docstring)."""
+
+    is_croppable = False
+
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.length = 0
+        self.head_dim = 0
+        self.k_data = self.k_scale = self.v_data = self.v_scale = None
+        self.v_tail = None  # bf16 values of the partial last page [B, Hkv, length % 32, D]
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.head_dim = key_states.shape[-1]
+        self.is_initialized = True
+
+    def _reserve(self, b: int, h: int, need: int) -> None:
+        cap = 0 if self.k_data is None else self.k_data.shape[2]
+        if need <= cap:
+            return
+        new_cap = max(need, 2 * cap, 256)
+        new_cap = (new_cap + PAGE - 1) // PAGE * PAGE
+        d, dp = self.head_dim, (self.head_dim + 31) // 32 * 32
+        dev, f8 = self.device, ATTN_ELEM.torch_dtype
+        kd = torch.zeros((b, h, new_cap, dp), dtype=f8, device=dev)
+        ks = torch.full((b, h, new_cap, dp // 32), 1, dtype=torch.uint8, device=dev)
+        vd = torch.zeros((b, h, d, new_cap), dtype=f8, device=dev)
+        vs = torch.full((b, h, d, new_cap // PAGE), 1, dtype=torch.uint8, device=dev)
+        if cap:
+            kd[:, :, :cap] = self.k_data
+            ks[:, :, :cap] = self.k_scale
+            vd[..., :cap] = self.v_data
+            vs[..., : cap // PAGE] = self.v_scale
+        self.k_data, self.k_scale, self.v_data, self.v_scale = kd, ks, vd, vs
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        b, h, n, _ = key_states.shape
+        start = self.length
+        fresh = (key_states, value_states) if start == 0 else None
+        if n == 0:
+            return MXFP8KV(self, fresh), MXFP8KV(self, fresh)
+        self._reserve(b, h, start + n + PAGE)
+        kq, ks = _quantize_rows(key_states)
+        self.k_data[:, :, start : start + n] = kq
+        self.k_scale[:, :, start : start + n] = ks
+        # V: re-quantize from the first page not yet final (its bf16 tail) through the new tokens.
+        p0 = start // PAGE
+        vals = value_states if self.v_tail is None else torch.cat([self.v_tail, value_states], dim=2)
+        vq, vs = _quantize_rows(vals.transpose(-1, -2))  # [B, H, D, pages*32], [B, H, D, pages]
+        self.v_data[..., p0 * PAGE : p0 * PAGE + vq.shape[-1]] = vq
+        self.v_scale[..., p0 : p0 + vs.shape[-1]] = vs
+        self.length = start + n
+        keep = self.length % PAGE
+        self.v_tail = vals[:, :, vals.shape[2] - keep :].clone() if keep else None
+        return MXFP8KV(self, fresh), MXFP8KV(self, fresh)
+
+    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) as float32 [B, Hkv, length, D]: the exact MX values the cache holds."""
+        n, d = self.length, self.head_dim
+        k = _dequant_rows(self.k_data[:, :, :n], self.k_scale[:, :, :n])[..., :d]
+        npg = (n + PAGE - 1) // PAGE
+        v = _dequant_rows(self.v_data[..., : npg * PAGE], self.v_scale[..., :npg])[..., :n]
+        return k, v.transpose(-1, -2)
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.__init__()
+
+    def _index_batch(self, fn) -> None:
+        if self.k_data is None:
+            return
+        self.k_data, self.k_scale = fn(self.k_data), fn(self.k_scale)
+        self.v_data, self.v_scale = fn(self.v_data), fn(self.v_scale)
+        if self.v_tail is not None:
+            self.v_tail = fn(self.v_tail)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._index_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._index_batch(lambda t: t[indices, ...])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._index_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("MXFP8Cache cannot be cropped (a V page's scale depends on all of its tokens)")
+
+
+class MXFP8Cache(DynamicCache):
+    """A KV cache that stores K and V as MXFP8 (see the module docstring). Needs ``attn_implementation="mxfp8"``."""
+
+    def __init__(self, *args, **kwargs):
+        super(DynamicCache, self).__init__(layer_class_to_replicate=MXFP8CacheLayer)
+
+
+def mxfp8_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key,
+    value,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: [B, Hq, Sq, D] queries -> ([B, Sq, Hq, D], None)."""
+    if dropout and module.training:
+        raise ValueError("mxfp8 attention is for inference: dropout is not supported")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if attention_mask is not None:
+        causal = False  # the 4-D mask already holds the causal pattern
+        attention_mask = attention_mask[..., : _key_len(key)]
+    b, hq, sq, d = query.shape
+    out = torch.empty((b, sq, hq, d), dtype=query.dtype, device=query.device)
+    cfg = dict(scale=scaling, elem=ATTN_ELEM, rule=ATTN_RULE)
+    if isinstance(key, MXFP8KV):
+        layer = key.layer
+        if sq == 1 and _use_triton(query):
+            _kattn.mx_attention_decode(
+                query, layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, layer.length,
+                attention_mask=attention_mask, out=out.transpose(1, 2), **cfg,
+            )  # fmt: skip
+            return out, None
+        if key.fresh is not None:
+            key, value = key.fresh
+        else:  # MX values are fixed points of MX rounding: re-rounding the cache changes nothing
+            key, value = layer.dequantize()
+    if _use_triton(query):
+        _kattn.mx_attention_prefill(
+            query, key.to(query.dtype), value.to(query.dtype), causal=causal, attention_mask=attention_mask,
+            out=out.transpose(1, 2), **cfg,
+        )  # fmt: skip
+        return out, None
+    from mxq.kernels.attention import mx_attention_reference
+
+    ref = mx_attention_reference(query, key, value, causal=causal, attention_mask=attention_mask, **cfg)
+    out.copy_(ref.transpose(1, 2))
+    return out, None
+
+
+def _key_len(key) -> int:
+    return key.shape[2]
+
+
+def register() -> None:
+    AttentionInterface.register(ATTN_IMPLEMENTATION, mxfp8_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+
+
+register()

