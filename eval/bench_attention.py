@@ -1,0 +1,136 @@
+"""Benchmark the MXFP8 attention kernels against bf16 SDPA (flash and cuDNN backends) in one process.
+
+    python eval/bench_attention.py [--out results.json] [--quick]
+
+Prefill: B=4, H=32, D=128, S in {1k, 4k, 16k}, causal and not; the MXFP8 call includes the
+rounding pre-pass of K and V (it is part of every call). Decode: B=4, Hq=32, Hkv=8, D=128, one
+query token against a context of 4k..32k, MXFP8 cache (fp8 + E8M0, split-KV kernel) against bf16
+SDPA decode (GQA); both timed as CUDA-graph replays (launch gaps out). Ratios are against the
+strongest baseline measured in the same run. Medians of ``triton.testing.do_bench``.
+"""
+
+# ruff: noqa: B023  (each lambda is timed at once, inside its loop iteration)
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from mxq.attention import MXFP8CacheLayer
+from mxq.kernels.attention import mx_attention_decode, mx_attention_prefill, mx_attention_reference
+
+
+def _bench(fn, graph=False):
+    fn()
+    torch.cuda.synchronize()
+    if graph:
+        return triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def prefill(seqs, results):
+    b, h, d = 4, 32, 128
+    print("\n## Prefill, B=4 H=32 D=128, TFLOP/s (causal counts half the flops)")
+    print("| S | causal | SDPA flash | SDPA cuDNN | MXFP8 exact | MXFP8 bf16-P | exact / best | bf16-P / best | exact / flash |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for s in seqs:
+        q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        for causal in (False, True):
+            flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
+            row = {"S": s, "causal": causal}
+            for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+                try:
+                    with sdpa_kernel([be]):
+                        ms = _bench(lambda be=be: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal))
+                    row[name] = flops / ms / 1e9
+                except RuntimeError as e:
+                    row[name] = None
+                    print(f"<!-- {name} unavailable: {str(e).splitlines()[0]} -->")
+            for name, exact in (("mx_exact", True), ("mx_fast", False)):
+                ms = _bench(lambda exact=exact: mx_attention_prefill(q, k, v, causal=causal, exact=exact))
+                row[name] = flops / ms / 1e9
+            if s <= 1024:  # correctness beside the timing
+                want = mx_attention_reference(q[:1].float(), k[:1].float(), v[:1].float(), causal=causal)
+                row["rel_err_exact"] = _rel(mx_attention_prefill(q[:1], k[:1], v[:1], causal=causal), want)
+            best = max(x for x in (row["flash"], row["cudnn"]) if x)
+            results["prefill"].append(row)
+
+            def f(x):
+                return f"{x:.0f}" if x else "n/a"
+
+            print(
+                f"| {s} | {causal} | {f(row['flash'])} | {f(row['cudnn'])} | {row['mx_exact']:.0f} | {row['mx_fast']:.0f} "
+                f"| {row['mx_exact'] / best:.2f} | {row['mx_fast'] / best:.2f} | {row['mx_exact'] / row['flash']:.2f} |"
+            )
+
+
+def decode(ctxs, results):
+    b, hq, hkv, d = 4, 32, 8, 128
+    print("\n## Decode, B=4 Hq=32 Hkv=8 D=128, one token, CUDA-graph replays")
+    print("| context | SDPA bf16 us | MXFP8 us | speedup | MXFP8 GB/s | bf16 GB/s |")
+    print("|---|---|---|---|---|---|")
+    for n in ctxs:
+        q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(b, hkv, n, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(b, hkv, n, d, device="cuda", dtype=torch.bfloat16)
+        layer = MXFP8CacheLayer()
+        layer.update(k, v)
+        ms_sdpa = _bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True), graph=True)
+        best = None
+        for bn in (64, 128):
+            for want_progs in (264, 528, 1056):
+                chunk = max(bn, triton.cdiv(triton.cdiv(n, max(1, want_progs // (b * hkv))), bn) * bn)
+                try:
+                    ms = _bench(lambda bn=bn, chunk=chunk: mx_attention_decode(
+                        q, layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, n, block_n=bn, chunk=chunk), graph=True)  # fmt: skip
+                except Exception as e:  # noqa: BLE001  (a config that does not compile is skipped)
+                    print(f"<!-- block_n={bn} chunk={chunk}: {type(e).__name__} -->")
+                    continue
+                if best is None or ms < best[0]:
+                    best = (ms, bn, chunk)
+        ms_mx, bn, chunk = best
+        default_ms = _bench(lambda: mx_attention_decode(q, layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, n), graph=True)
+        got = mx_attention_decode(q, layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, n)
+        kd, vd = layer.dequantize()
+        err = _rel(got, mx_attention_reference(q.float(), kd, vd))
+        mx_bytes = 2 * b * hkv * n * d * (1 + 1 / 32)
+        bf_bytes = 2 * b * hkv * n * d * 2
+        row = {
+            "context": n, "sdpa_us": ms_sdpa * 1e3, "mx_us": ms_mx * 1e3, "mx_default_us": default_ms * 1e3,
+            "block_n": bn, "chunk": chunk, "speedup": ms_sdpa / ms_mx, "rel_err": err,
+            "mx_GBps": mx_bytes / ms_mx / 1e6, "bf16_GBps": bf_bytes / ms_sdpa / 1e6,
+        }  # fmt: skip
+        results["decode"].append(row)
+        print(
+            f"| {n} | {row['sdpa_us']:.1f} | {row['mx_us']:.1f} (bn {bn}, chunk {chunk}; default {row['mx_default_us']:.1f}) "
+            f"| {row['speedup']:.2f} | {row['mx_GBps']:.0f} | {row['bf16_GBps']:.0f} |"
+        )
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    results = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+        "date": time.strftime("%Y-%m-%d"), "prefill": [], "decode": [],
+    }  # fmt: skip
+    print(f"# {results['device']}  torch {results['torch']}  triton {results['triton']}  {results['date']}")
+    decode([4096, 8192, 16384, 32768] if not args.quick else [16384], results)
+    prefill([1024, 4096, 16384] if not args.quick else [4096], results)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
