@@ -26,7 +26,7 @@ LLAMA_SHAPES = {  # layer: (N, K); qkv and gate/up fused as serving stacks run t
     "8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
     "70b": {"qkv": (10240, 8192), "o": (8192, 8192), "gate_up": (57344, 8192), "down": (8192, 28672)},
 }
-MS = (1, 16, 64, 256, 2048, 8192)
+MS = (1, 4, 16, 64, 256, 2048, 8192)
 
 
 def _bench(fn) -> float:

@@ -116,6 +116,12 @@ def mx_linear_triton(
             x2, weight, weight_scale, bias, out_dtype=x.dtype, block_size=block_size,
             act_elem=act_elem, act_rule=act_rule,
         )  # fmt: skip
+    elif x2.shape[0] <= _gemm.GEMV_ROWS_MAX_M:
+        # Small decode batches: CUDA cores, per-row partials in registers. X goes in as fp32 (the
+        # W8A8 rounding writes it directly): no bf16 -> fp32 conversion per row in the kernel.
+        if act_elem is not None:
+            x2 = _quantize.fake_quantize_mx_rows(x2, act_elem, act_rule, block_size, out_dtype=torch.float32)
+        y = _gemm.mx_gemv_rows(x2, weight, weight_scale, bias, out_dtype=x.dtype, block_size=block_size)
     else:
         if act_elem is not None:
             x2 = _quantize.fake_quantize_mx_rows(x2, act_elem, act_rule, block_size, out_dtype=torch.bfloat16)

@@ -164,15 +164,22 @@ def _mx_gemm_kernel(
         else:
             s_ptrs += NB
 
-    out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    y_offs = offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     if SPLIT_K == 1:
+        # The bias goes in while acc is still in the MMA layout ([BLOCK_N, BLOCK_M], bias along
+        # rows): adding it after tl.trans gave inf/garbage at 256x128 tiles with N % 16 != 0.
         if HAS_BIAS:
-            out += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + y_offs, out.to(y_ptr.dtype.element_ty), mask=mask)
+            acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
+        out = tl.trans(acc.to(y_ptr.dtype.element_ty))  # [BLOCK_M, BLOCK_N]
+        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+        y_offs = offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+        tl.store(y_ptr + y_offs, out, mask=mask)
     else:
-        tl.store(y_ptr + pid_k.to(tl.int64) * M * N + y_offs, out, mask=mask)
+        # fp32 partials stored straight from the accumulator layout (transposed addresses, no
+        # tl.trans / layout-conversion scratch): the trans route left unwritten partials (inf)
+        # with 128x128 tiles, 8 warps, split-K 2 at M = 256.
+        mask_t = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+        y_offs_t = offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
+        tl.store(y_ptr + pid_k.to(tl.int64) * M * N + y_offs_t, acc, mask=mask_t)
 
 
 @triton.jit
@@ -259,6 +266,81 @@ def _mx_gemv_kernel(
         tl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(y_ptr + pid_k.to(tl.int64) * M * N + y_offs, acc, mask=mask)
+
+
+@triton.jit
+def _mx_gemv_rows_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
+    M, N, K, K_SPLIT,
+    stride_xm, stride_wn, stride_sn, stride_ym,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
+    BS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):  # fmt: skip
+    """Decode for 3 <= M <= 16 on CUDA cores, the K reduction deferred to after the K loop.
+
+    The weight tile is [BLOCK_N, BLOCK_K / VEC, VEC]: each thread owns VEC contiguous K values
+    (one 16/32-byte load) of a few weight rows, converts them to fp32 and applies their block
+    scale once (VEC divides BS, so a chunk has one scale). Per activation row it does VEC FMAs
+    per weight row into a thread-local partial sum; the partials of each row live in registers
+    as a [BLOCK_N, BLOCK_K / VEC] tensor (a tuple of ROWS of them), so there is no cross-lane
+    reduction, select or layout conversion inside the loop; one reduction per row at the end.
+    Exact products as in _mx_gemv_kernel; X is used as given (W8A8 callers round X first).
+    """
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    KC: tl.constexpr = BLOCK_K // VEC
+    offs_c = tl.arange(0, KC)
+    offs_k2 = offs_c[:, None] * VEC + tl.arange(0, VEC)[None, :]  # [KC, VEC]
+    k_lo = tl.multiple_of(pid_k * K_SPLIT, BLOCK_K)  # K_SPLIT is a multiple of BLOCK_K
+    k_hi = min(k_lo + K_SPLIT, K)
+    n_iter = tl.cdiv(k_hi - k_lo, BLOCK_K)
+    w_ptrs = w_ptr + rn[:, None, None] * stride_wn + (k_lo + offs_k2)[None, :, :]
+    s_ptrs = s_ptr + rn[:, None] * stride_sn + ((k_lo + offs_c * VEC) // BS)[None, :]
+    x_ptrs = x_ptr + k_lo + offs_k2
+    accs = (tl.zeros((BLOCK_N, KC), dtype=tl.float32),) * ROWS
+    if PREFETCH:
+        w_next = tl.load(w_ptrs, mask=((k_lo + offs_k2) < k_hi)[None, :, :], other=0.0)
+        sc_next = tl.load(s_ptrs, mask=((k_lo + offs_c * VEC) < k_hi)[None, :], other=127)
+    for i in range(n_iter):
+        k = k_lo + i * BLOCK_K
+        kmask = (k + offs_k2) < k_hi
+        if PREFETCH:
+            w = w_next
+            sc = sc_next
+            w_next = tl.load(w_ptrs + BLOCK_K, mask=((k + BLOCK_K + offs_k2) < k_hi)[None, :, :], other=0.0)
+            sc_next = tl.load(s_ptrs + BLOCK_K // BS, mask=((k + BLOCK_K + offs_c * VEC) < k_hi)[None, :], other=127)
+        elif EVEN_K:
+            w = tl.load(w_ptrs)
+            sc = tl.load(s_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=kmask[None, :, :], other=0.0)
+            sc = tl.load(s_ptrs, mask=((k + offs_c * VEC) < k_hi)[None, :], other=127)
+        wf = w.to(tl.float32) * _e8m0_to_f32(sc)[:, :, None]
+        for m in tl.static_range(ROWS):
+            if EVEN_K:
+                xm = tl.load(x_ptrs + m * stride_xm)
+            else:
+                xm = tl.load(x_ptrs + m * stride_xm, mask=kmask, other=0.0)
+            part = tl.sum(wf * xm.to(tl.float32)[None, :, :], axis=2)
+            accs = accs[:m] + (accs[m] + part,) + accs[m + 1 :]
+        w_ptrs += BLOCK_K
+        s_ptrs += BLOCK_K // BS
+        x_ptrs += BLOCK_K
+
+    nmask = offs_n < N
+    if SPLIT_K == 1 and HAS_BIAS:
+        bias = tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
+    for m in tl.static_range(ROWS):
+        r = tl.sum(accs[m], axis=1)
+        if SPLIT_K == 1:
+            if HAS_BIAS:
+                r += bias
+            tl.store(y_ptr + m * stride_ym + offs_n, r.to(y_ptr.dtype.element_ty), mask=nmask)
+        else:
+            tl.store(y_ptr + pid_k.to(tl.int64) * M * N + m * stride_ym + offs_n, r, mask=nmask)
 
 
 @triton.jit
@@ -521,6 +603,87 @@ def mx_gemv(
     return y
 
 
+@dataclass(frozen=True)
+class GemvRowsConfig:
+    """Tiles of the deferred-reduction decode kernel (``_mx_gemv_rows_kernel``)."""
+
+    block_n: int = 32
+    block_k: int = 256
+    vec: int = 16  # K values per thread and load (divides the MX block size)
+    num_warps: int = 4
+    split_k: int = 1
+    prefetch: bool = False
+
+
+# Largest M for the deferred-reduction decode kernel (kernels/NOTES.md, session 3); above: MMA.
+GEMV_ROWS_MAX_M = 16
+
+
+def pick_gemv_rows_config(m: int, n: int, k: int, device: torch.device) -> GemvRowsConfig:
+    """Decode tiles for 3 <= M <= 16 from the shape alone; K split until ~4 programs per SM."""
+    if INTERPRET or device.type != "cuda":
+        return GemvRowsConfig(block_n=16, block_k=64, vec=16, split_k=2 if k >= 128 else 1)
+    sms = _sm_count(device)
+    cfg = GemvRowsConfig(block_n=128, block_k=64, vec=16)
+    tiles = triton.cdiv(n, cfg.block_n)
+    split = 1
+    while tiles * split * 2 <= 4 * sms and k // (split * 2) >= 4 * cfg.block_k and split < 16:
+        split *= 2
+    return GemvRowsConfig(cfg.block_n, cfg.block_k, cfg.vec, cfg.num_warps, split, cfg.prefetch)
+
+
+def mx_gemv_rows(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    out_dtype: torch.dtype | None = None,
+    config: GemvRowsConfig | None = None,
+    block_size: int = 32,
+) -> torch.Tensor:
+    """Y [M, N] = X [M, K] · dequant(W)ᵀ (+ bias) for 1 <= M <= 16 on CUDA cores, X as given."""
+    m, k = _check_gemm_args(x, weight, weight_scale, bias, block_size)
+    n = weight.shape[0]
+    if m > 16:
+        raise ValueError(f"mx_gemv_rows keeps one accumulator per row: M <= 16, got M={m}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    if weight_scale.stride(1) != 1:
+        weight_scale = weight_scale.contiguous()
+    out_dtype = out_dtype or x.dtype
+    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    if k == 0:
+        return y.zero_() if bias is None else y.copy_(bias.to(out_dtype).expand(m, n))
+    cfg = config or pick_gemv_rows_config(m, n, k, x.device)
+    if cfg.block_k % block_size or block_size % cfg.vec:
+        raise ValueError(f"block_k={cfg.block_k} must be a multiple of block_size={block_size}, which vec={cfg.vec} must divide")
+    split = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
+    k_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(k, k_split)
+    even_k = k % cfg.block_k == 0 and k_split % cfg.block_k == 0
+    target = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    _mx_gemv_rows_kernel[(triton.cdiv(n, cfg.block_n), split)](
+        x, weight, weight_scale, bias if bias is not None else weight_scale, target,
+        m, n, k, k_split,
+        x.stride(0), weight.stride(0), weight_scale.stride(0), n,
+        ROWS=m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, VEC=cfg.vec, BS=block_size,
+        HAS_BIAS=bias is not None, SPLIT_K=min(split, 2), EVEN_K=even_k, PREFETCH=cfg.prefetch,
+        num_warps=cfg.num_warps, num_stages=1,
+    )  # fmt: skip
+    if split > 1:
+        block = 1024
+        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
+            target, bias if bias is not None else target, y, m * n, n,
+            SPLIT_K=split, BLOCK=block, HAS_BIAS=bias is not None, num_warps=4,
+        )  # fmt: skip
+    return y
+
+
 def _check_gemm_args(x, weight, weight_scale, bias, block_size):
     if x.dim() != 2:
         raise ValueError(f"mx_gemm takes X as [M, K], got shape {tuple(x.shape)}")
@@ -630,4 +793,4 @@ def elem_of(weight: torch.Tensor) -> ElemFormat:
     raise TypeError(f"MX weight must be float8_e4m3fn or float8_e5m2, got {weight.dtype}")
 
 
-__all__ = ["GemmConfig", "GemvConfig", "PackedMXWeight", "mx_gemm", "mx_gemv", "mx_gemm_dot_scaled", "pack_weight", "pick_config"]
+__all__ = ["GemmConfig", "GemvConfig", "GemvRowsConfig", "mx_gemv_rows", "PackedMXWeight", "mx_gemm", "mx_gemv", "mx_gemm_dot_scaled", "pack_weight", "pick_config"]

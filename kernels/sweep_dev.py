@@ -253,6 +253,78 @@ def part_tma2():
             log("tma2 m", m, "bias", bias is not None, "bad", len(bad), bad[:4].tolist(), y.double().abs().max().item())
 
 
+def part_rows(ms=(3, 4, 8, 16)):
+    """Session 3: deferred-reduction decode kernel (mx_gemv_rows) vs the MMA path and cuBLAS."""
+    from mxq.eval.bench_gemm import LLAMA_SHAPES
+    from mxq.kernels import gemm as G
+    from mxq.kernels.quantize import fake_quantize_mx_rows
+
+    cfgs = [
+        G.GemvRowsConfig(128, 64, 16), G.GemvRowsConfig(256, 32, 16), G.GemvRowsConfig(64, 64, 16),
+        G.GemvRowsConfig(128, 64, 32), G.GemvRowsConfig(128, 64, 16, prefetch=True),
+    ]  # fmt: skip
+    rows = []
+    for model in ("8b", "70b"):
+        for layer, (n, k) in LLAMA_SHAPES[model].items():
+            w = torch.randn(n, k, device="cuda") * 0.02
+            t = quantize_mx(w, -1, E4M3, 32, ScaleRule.RCEIL)
+            wd = dequantize_mx(t, torch.float32)
+            del w
+            c8 = _copies(n * k)
+            packs = [(t.data.clone(), t.scales.clone()) for _ in range(c8)]
+            wbf = [wd.to(torch.bfloat16) for _ in range(_copies(2 * n * k))]
+            sms = torch.cuda.get_device_properties(0).multi_processor_count
+            for m in ms:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                xr = fake_quantize_mx_rows(x, E4M3, out_dtype=torch.float32)
+                ref = xr @ wd.t()
+                r = dict(model=model, layer=layer, m=m, n=n, k=k)
+                r["cublas"] = _try_graph([lambda w=w: x @ w.t() for w in wbf])
+
+                def mma(p):
+                    xq = fake_quantize_mx_rows(x, E4M3, out_dtype=torch.bfloat16)
+                    return G.mx_gemm(xq, p[0], p[1])
+
+                r["mma_w8a8"] = _try_graph([lambda p=p: mma(p) for p in packs])
+                best = None
+                for cfg in cfgs:
+                    tiles = -(-n // cfg.block_n)
+                    for target in (2, 4, 8):
+                        split = 1
+                        while tiles * split * 2 <= target * sms and k // (split * 2) >= 4 * cfg.block_k and split < 16:
+                            split *= 2
+                        c = G.GemvRowsConfig(cfg.block_n, cfg.block_k, cfg.vec, cfg.num_warps, split, cfg.prefetch)
+                        key = f"{c.block_n}x{c.block_k}v{c.vec}s{split}{'p' if c.prefetch else ''}"
+                        if key in r:
+                            continue
+                        try:
+                            y = G.mx_gemv_rows(xr, t.data, t.scales, config=c, out_dtype=torch.bfloat16)
+                            err = ((y.float() - ref).norm() / ref.norm()).item()
+                        except Exception as e:  # noqa: BLE001
+                            r[key] = f"error: {e!r}"[:200]
+                            continue
+
+                        def rw(p, c=c):
+                            xq = fake_quantize_mx_rows(x, E4M3, out_dtype=torch.float32)
+                            return G.mx_gemv_rows(xq, p[0], p[1], config=c, out_dtype=torch.bfloat16)
+
+                        tt = _try_graph([lambda p=p: rw(p) for p in packs])
+                        r[key] = tt
+                        r[key + "_err"] = err
+                        if isinstance(tt, float) and err < 5e-3 and (best is None or tt < r[best]):
+                            best = key
+                r["best"] = best
+                if best:
+                    r["best_x_cublas"] = r["cublas"] / r[best] if isinstance(r["cublas"], float) else None
+                    r["mma_over_best"] = r["mma_w8a8"] / r[best] if isinstance(r["mma_w8a8"], float) else None
+                log("rows", model, layer, m, "cublas", r["cublas"], "mma", r["mma_w8a8"], "best", best, r.get(best),
+                    {kk: (round(v, 1) if isinstance(v, float) else v) for kk, v in r.items() if "x" in kk and not kk.endswith("_err") and kk not in ("best_x_cublas",)})  # fmt: skip
+                rows.append(r)
+            del packs, wbf, wd, t
+            torch.cuda.empty_cache()
+    RES["rows"] = rows
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="sweep.json")
