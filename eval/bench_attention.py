@@ -115,6 +115,26 @@ def decode(ctxs, results):
         )
 
 
+def tile_sweep(results):
+    """Prefill tiles (BLOCK_M, BLOCK_N, warps, stages) at S=4096, non-causal and causal."""
+    b, h, d, s = 4, 32, 128, 4096
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    print("\n## Prefill tile sweep, S=4096, TFLOP/s (exact / bf16-P)")
+    for causal in (False, True):
+        flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
+        for tile in ((128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3)):
+            row = {"causal": causal, "tile": tile}
+            for name, exact in (("exact", True), ("fast", False)):
+                try:
+                    ms = _bench(lambda: mx_attention_prefill(q, k, v, causal=causal, exact=exact, tile=tile))
+                    row[name] = flops / ms / 1e9
+                except Exception as e:  # noqa: BLE001
+                    row[name] = None
+                    print(f"<!-- {tile}: {type(e).__name__}: {str(e)[:80]} -->")
+            results["tiles"].append(row)
+            print(f"causal={causal} tile={tile}: {row['exact'] or 0:.0f} / {row['fast'] or 0:.0f}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -122,11 +142,12 @@ def main():
     args = ap.parse_args()
     results = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-        "date": time.strftime("%Y-%m-%d"), "prefill": [], "decode": [],
+        "date": time.strftime("%Y-%m-%d"), "prefill": [], "decode": [], "tiles": [],
     }  # fmt: skip
     print(f"# {results['device']}  torch {results['torch']}  triton {results['triton']}  {results['date']}")
     decode([4096, 8192, 16384, 32768] if not args.quick else [16384], results)
     prefill([1024, 4096, 16384] if not args.quick else [4096], results)
+    tile_sweep(results)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
