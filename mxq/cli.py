@@ -101,6 +101,8 @@ def quantize_cmd(
     reorder: bool = typer.Option(True, "--reorder/--no-reorder", help="With --calibrate: fold channel permutations where they raise SQNR."),
     scale_search: bool = typer.Option(True, "--scale-search/--no-scale-search", help="With --calibrate: per layer, the recipe's scale rule or MSE, whichever is better."),
     plan_out: Path = typer.Option(None, "--plan-out", help="With --calibrate: also save the plan here.", show_default=False),
+    sensitivity_samples: int = typer.Option(2, "--sensitivity-samples", help="With --calibrate: calibration windows used for the per-layer KL."),
+    sensitivity_seq_len: int = typer.Option(256, "--sensitivity-seq-len", help="With --calibrate: tokens of each of those windows."),
 ) -> None:
     """Quantize a model to MXFP8 and write a safetensors checkpoint."""
     from mxq.convert import quantize_checkpoint
@@ -123,7 +125,8 @@ def quantize_cmd(
     if calibrate:
         if not dataset:
             raise typer.BadParameter("--calibrate needs --dataset")
-        cplan = _run_calibration(model, rec, dataset, samples, seq_len, keep_bf16, max_dppl, reorder, scale_search, device)
+        cplan = _run_calibration(model, rec, dataset, samples, seq_len, keep_bf16, max_dppl, reorder, scale_search, device,
+                                 sensitivity_samples, sensitivity_seq_len)
         if plan_out:
             from mxq.calibrate import save_plan
 
