@@ -615,8 +615,10 @@ class GemvRowsConfig:
     prefetch: bool = False
 
 
-# Largest M for the deferred-reduction decode kernel (kernels/NOTES.md, session 3); above: MMA.
-GEMV_ROWS_MAX_M = 16
+# Largest M for the deferred-reduction decode kernel. H200 sweep (kernels/NOTES.md, session 3):
+# 1.5-10x slower than the MMA path at M = 4..16 (lanes along N: uncoalesced weight loads), so it
+# is not dispatched (M <= GEMV_MAX_M goes to mx_gemv first); kept, tested, for the next layout.
+GEMV_ROWS_MAX_M = 2
 
 
 def pick_gemv_rows_config(m: int, n: int, k: int, device: torch.device) -> GemvRowsConfig:
