@@ -275,7 +275,7 @@ def _mx_gemv_rows_kernel(
     stride_xm, stride_wn, stride_sn, stride_ym,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
     BS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, LOAD2D: tl.constexpr = False,
 ):  # fmt: skip
     """Decode for 3 <= M <= 16 on CUDA cores, the K reduction deferred to after the K loop.
 
@@ -297,7 +297,13 @@ def _mx_gemv_rows_kernel(
     k_lo = tl.multiple_of(pid_k * K_SPLIT, BLOCK_K)  # K_SPLIT is a multiple of BLOCK_K
     k_hi = min(k_lo + K_SPLIT, K)
     n_iter = tl.cdiv(k_hi - k_lo, BLOCK_K)
-    w_ptrs = w_ptr + rn[:, None, None] * stride_wn + (k_lo + offs_k2)[None, :, :]
+    if LOAD2D:
+        # 2-D pointer tile: coalescing puts the lanes along K (as in _mx_gemv_kernel); the tile is
+        # reshaped to [BLOCK_N, KC, VEC] after the load.
+        offs_k = tl.arange(0, BLOCK_K)
+        w_ptrs = w_ptr + rn[:, None] * stride_wn + (k_lo + offs_k)[None, :]
+    else:
+        w_ptrs = w_ptr + rn[:, None, None] * stride_wn + (k_lo + offs_k2)[None, :, :]
     s_ptrs = s_ptr + rn[:, None] * stride_sn + ((k_lo + offs_c * VEC) // BS)[None, :]
     x_ptrs = x_ptr + k_lo + offs_k2
     accs = (tl.zeros((BLOCK_N, KC), dtype=tl.float32),) * ROWS
@@ -315,9 +321,14 @@ def _mx_gemv_rows_kernel(
         elif EVEN_K:
             w = tl.load(w_ptrs)
             sc = tl.load(s_ptrs)
+        elif LOAD2D:
+            w = tl.load(w_ptrs, mask=((k + offs_k) < k_hi)[None, :], other=0.0)
+            sc = tl.load(s_ptrs, mask=((k + offs_c * VEC) < k_hi)[None, :], other=127)
         else:
             w = tl.load(w_ptrs, mask=kmask[None, :, :], other=0.0)
             sc = tl.load(s_ptrs, mask=((k + offs_c * VEC) < k_hi)[None, :], other=127)
+        if LOAD2D:
+            w = tl.reshape(w, (BLOCK_N, KC, VEC))
         wf = w.to(tl.float32) * _e8m0_to_f32(sc)[:, :, None]
         for m in tl.static_range(ROWS):
             if EVEN_K:
@@ -612,7 +623,8 @@ class GemvRowsConfig:
     vec: int = 16  # K values per thread and load (divides the MX block size)
     num_warps: int = 4
     split_k: int = 1
-    prefetch: bool = False
+    prefetch: bool = False  # register double buffer of the next weight tile (3-D loads only)
+    load2d: bool = False  # load the weight as a 2-D [BLOCK_N, BLOCK_K] tile, reshape after
 
 
 # Largest M for the deferred-reduction decode kernel. H200 sweep (kernels/NOTES.md, session 3):
@@ -631,7 +643,7 @@ def pick_gemv_rows_config(m: int, n: int, k: int, device: torch.device) -> GemvR
     split = 1
     while tiles * split * 2 <= 4 * sms and k // (split * 2) >= 4 * cfg.block_k and split < 16:
         split *= 2
-    return GemvRowsConfig(cfg.block_n, cfg.block_k, cfg.vec, cfg.num_warps, split, cfg.prefetch)
+    return GemvRowsConfig(cfg.block_n, cfg.block_k, cfg.vec, cfg.num_warps, split, cfg.prefetch, cfg.load2d)
 
 
 def mx_gemv_rows(
@@ -674,7 +686,8 @@ def mx_gemv_rows(
         m, n, k, k_split,
         x.stride(0), weight.stride(0), weight_scale.stride(0), n,
         ROWS=m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, VEC=cfg.vec, BS=block_size,
-        HAS_BIAS=bias is not None, SPLIT_K=min(split, 2), EVEN_K=even_k, PREFETCH=cfg.prefetch,
+        HAS_BIAS=bias is not None, SPLIT_K=min(split, 2), EVEN_K=even_k,
+        PREFETCH=cfg.prefetch and not cfg.load2d, LOAD2D=cfg.load2d,
         num_warps=cfg.num_warps, num_stages=1,
     )  # fmt: skip
     if split > 1:

@@ -253,18 +253,28 @@ def part_tma2():
             log("tma2 m", m, "bias", bias is not None, "bad", len(bad), bad[:4].tolist(), y.double().abs().max().item())
 
 
-def part_rows(ms=(3, 4, 8, 16)):
+def part_rows2():
+    """Session 3b: the rows kernel with 2-D weight loads (lanes along K) on 8B shapes + 70B o."""
+    from mxq.kernels import gemm as G
+
+    part_rows(ms=(4, 8, 16), models=("8b",), cfgs=[
+        G.GemvRowsConfig(32, 256, 16, load2d=True), G.GemvRowsConfig(64, 128, 16, load2d=True),
+        G.GemvRowsConfig(32, 256, 32, load2d=True), G.GemvRowsConfig(32, 256, 16, num_warps=2, load2d=True),
+    ])  # fmt: skip
+
+
+def part_rows(ms=(3, 4, 8, 16), models=("8b", "70b"), cfgs=None):
     """Session 3: deferred-reduction decode kernel (mx_gemv_rows) vs the MMA path and cuBLAS."""
     from mxq.eval.bench_gemm import LLAMA_SHAPES
     from mxq.kernels import gemm as G
     from mxq.kernels.quantize import fake_quantize_mx_rows
 
-    cfgs = [
+    cfgs = cfgs or [
         G.GemvRowsConfig(128, 64, 16), G.GemvRowsConfig(256, 32, 16), G.GemvRowsConfig(64, 64, 16),
         G.GemvRowsConfig(128, 64, 32), G.GemvRowsConfig(128, 64, 16, prefetch=True),
     ]  # fmt: skip
     rows = []
-    for model in ("8b", "70b"):
+    for model in models:
         for layer, (n, k) in LLAMA_SHAPES[model].items():
             w = torch.randn(n, k, device="cuda") * 0.02
             t = quantize_mx(w, -1, E4M3, 32, ScaleRule.RCEIL)
@@ -293,8 +303,8 @@ def part_rows(ms=(3, 4, 8, 16)):
                         split = 1
                         while tiles * split * 2 <= target * sms and k // (split * 2) >= 4 * cfg.block_k and split < 16:
                             split *= 2
-                        c = G.GemvRowsConfig(cfg.block_n, cfg.block_k, cfg.vec, cfg.num_warps, split, cfg.prefetch)
-                        key = f"{c.block_n}x{c.block_k}v{c.vec}s{split}{'p' if c.prefetch else ''}"
+                        c = G.GemvRowsConfig(cfg.block_n, cfg.block_k, cfg.vec, cfg.num_warps, split, cfg.prefetch, cfg.load2d)
+                        key = f"{c.block_n}x{c.block_k}v{c.vec}w{c.num_warps}s{split}{'p' if c.prefetch else ''}{'L' if c.load2d else ''}"
                         if key in r:
                             continue
                         try:
@@ -322,7 +332,7 @@ def part_rows(ms=(3, 4, 8, 16)):
                 rows.append(r)
             del packs, wbf, wd, t
             torch.cuda.empty_cache()
-    RES["rows"] = rows
+    RES["rows" if models != ("8b",) else "rows2"] = rows
 
 
 def main():

@@ -375,8 +375,8 @@ def test_mx_gemv_rows_matches_reference(m, n, k, xdtype):
     w, ws, w64 = _weight(n, k, E4M3 if n % 2 else E5M2, gen)
     x = _activations(m, k, xdtype, gen, special=False, decades=(-2, 1))
     bias = torch.randn(n, generator=gen).to(xdtype).to(DEV)
-    for split, vec, b in ((1, 16, bias), (3, 32, None)):
-        cfg = G.GemvRowsConfig(block_n=16, block_k=64, vec=vec, split_k=split)
+    for split, vec, b, l2d in ((1, 16, bias, False), (3, 32, None, False), (2, 16, bias, True)):
+        cfg = G.GemvRowsConfig(block_n=16, block_k=64, vec=vec, split_k=split, load2d=l2d)
         y = G.mx_gemv_rows(x, w, ws, b, config=cfg)
         assert y.dtype == xdtype and y.shape == (m, n)
         _assert_gemm_close(y, x, w64, b, None)
@@ -393,6 +393,7 @@ def test_mx_gemv_rows_matches_reference(m, n, k, xdtype):
         G.GemvRowsConfig(256, 32, 16, split_k=4),
         G.GemvRowsConfig(64, 64, 16, split_k=3),
         G.GemvRowsConfig(128, 64, 32, split_k=2, prefetch=True),
+        G.GemvRowsConfig(32, 256, 16, split_k=3, load2d=True),
     ],
     ids=str,
 )
