@@ -10,13 +10,20 @@ API for the rest of mxq:
 - ``quantize_mx_rows(x, elem, rule, block_size)`` -> (fp8 data, uint8 scales), 1x32 along K.
 """
 
-from mxq.kernels.dispatch import HAS_TRITON, mx_linear, pack_weight
-from mxq.kernels.reference import mx_linear_reference
+if __name__ != "mxq.kernels":
+    # Run from a checkout (``python -m ...`` puts the repo root on sys.path), this folder is also
+    # importable as a top-level ``kernels`` — the name of the Hugging Face kernels package, which
+    # transformers probes by importing it. Look like an empty namespace package so the probe
+    # reports it absent instead of importing mxq half-way through transformers' own import.
+    __file__ = None
+else:
+    from mxq.kernels.dispatch import HAS_TRITON, mx_linear, pack_weight
+    from mxq.kernels.reference import mx_linear_reference
 
-if HAS_TRITON:
-    from mxq.kernels.quantize import fake_quantize_mx_rows, quantize_mx_rows
-else:  # the format core computes the same bytes, on any device
-    from mxq.kernels.reference import fake_quantize_mx_rows, quantize_mx_rows
+    if HAS_TRITON:
+        from mxq.kernels.quantize import fake_quantize_mx_rows, quantize_mx_rows
+    else:  # the format core computes the same bytes, on any device
+        from mxq.kernels.reference import fake_quantize_mx_rows, quantize_mx_rows
 
 __all__ = [
     "fake_quantize_mx_rows",

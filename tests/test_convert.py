@@ -484,3 +484,12 @@ def test_streaming_peak_memory(tmp_path):
     assert total > 3 * bound, "the checkpoint must be several times larger than the bound"
     assert growth < bound, f"peak RSS grew {growth / 2**20:.1f} MiB converting {total / 2**20:.0f} MiB (bound {bound / 2**20:.1f} MiB)"
     assert json.loads((tmp_path / "outs" / "big" / "config.json").read_text())["quantization_config"]["quant_method"] == "mxq"
+
+
+def test_checkout_root_on_sys_path_does_not_shadow_hf_kernels():
+    """From the repo root `kernels/` is importable as a top-level `kernels`, the name transformers
+    probes for the Hugging Face kernels package; that must not break `import transformers`."""
+    root = Path(__file__).resolve().parents[1]
+    code = "from transformers import LlamaForCausalLM; import mxq, mxq.kernels; print(mxq.kernels.mx_linear.__name__)"
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "mx_linear", r.stderr[-1500:]
