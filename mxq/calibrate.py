@@ -626,7 +626,7 @@ def make_plan(
                 continue
             st, w = cal.stats[n], lins[n].weight
             if leaf == "down_proj":
-                cands = {k: p for k, p in _candidates(st, w).items()}
+                cands = _candidates(st, w)
             else:
                 vc = _v_candidates(st, geom, w)
                 cands = {k: Permutations(v={i: p}).o_cols(i, geom) for k, p in vc.items()}
