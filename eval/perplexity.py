@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from mxq.progress import progress_bar
+
 __all__ = [
     "DOC_SEPARATOR",
     "Windows",
@@ -294,30 +296,26 @@ def perplexity(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    bar = _progress(windows.n_windows, desc, progress)
     t0 = time.perf_counter()
-    try:
-        with torch.inference_mode():
-            for b0 in range(0, windows.n_windows, batch_size):
-                ids = windows.input_ids[b0 : b0 + batch_size].to(device)
-                logits = model(input_ids=ids, use_cache=False).logits
-                for j in range(ids.shape[0]):
-                    sf = int(windows.score_from[b0 + j])
-                    nll = torch.nn.functional.cross_entropy(
-                        logits[j, sf - 1 : S - 1].float(), ids[j, sf:S], reduction="none"
-                    )
-                    s = float(nll.double().sum())
-                    nll_sum += s
-                    n_tokens += S - sf
-                    per_window.append(s / (S - sf))
-                del logits
-                if bar is not None:
-                    bar.advance(bar.task_ids[0], ids.shape[0])
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    finally:
-        if bar is not None:
-            bar.stop()
+    bar = progress_bar(desc, enabled=progress, transient=True)
+    with bar, torch.inference_mode():
+        task = bar.add_task(desc, total=windows.n_windows)
+        for b0 in range(0, windows.n_windows, batch_size):
+            ids = windows.input_ids[b0 : b0 + batch_size].to(device)
+            logits = model(input_ids=ids, use_cache=False).logits
+            for j in range(ids.shape[0]):
+                sf = int(windows.score_from[b0 + j])
+                nll = torch.nn.functional.cross_entropy(
+                    logits[j, sf - 1 : S - 1].float(), ids[j, sf:S], reduction="none"
+                )
+                s = float(nll.double().sum())
+                nll_sum += s
+                n_tokens += S - sf
+                per_window.append(s / (S - sf))
+            del logits
+            bar.advance(task, ids.shape[0])
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - t0
     peak, kind = peak_memory_bytes(device)
     mean = nll_sum / n_tokens

@@ -34,6 +34,8 @@ from torch import nn
 
 import mxq
 from mxq.formats import ScaleRule, fake_quantize_mx, sqnr_db
+from mxq.linear import linear_layers
+from mxq.progress import progress_bar
 from mxq.recipe import Recipe, RecipeError, TensorSpec, parse_recipe
 from mxq.reorder import Geometry, Permutations, ReorderError, permute_model
 
@@ -157,27 +159,6 @@ def calibration_batches(tokenizer, texts, samples: int, seq_len: int, batch_size
     return [windows[i : i + batch_size] for i in range(0, samples, batch_size)]
 
 
-def _progress(enabled: bool, what: str):
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    return Progress(
-        TextColumn(f"[bold]{what}[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
-        console=Console(stderr=True), disable=not enabled, transient=False,
-    )
-
-
-def linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
-    return {n: m for n, m in model.named_modules() if type(m) is nn.Linear}
-
-
 @torch.inference_mode()
 def collect_statistics(
     model: nn.Module, batches: list[torch.Tensor], sample_rows: int = 256, progress: bool = True, seed: int = 0
@@ -198,7 +179,7 @@ def collect_statistics(
     device = next(model.parameters()).device
     n = sum(b.shape[0] for b in batches)
     try:
-        with _progress(progress, "calibrate: statistics") as bar:
+        with progress_bar("calibrate: statistics", enabled=progress) as bar:
             task = bar.add_task("samples", total=n)
             for b in batches:
                 model(input_ids=b.to(device), use_cache=False)
@@ -391,7 +372,7 @@ def layer_sensitivity(
     refs = [torch.log_softmax(r.full, -1) for r in runs]
     out: dict[str, float] = {}
     try:
-        with _progress(progress, "calibrate: sensitivity") as bar:
+        with progress_bar("calibrate: sensitivity", enabled=progress) as bar:
             task = bar.add_task("layers", total=len(settings))
             for name in settings:
                 q.enable([name])

@@ -34,6 +34,7 @@ from mxq.checkpoint import (
 )
 from mxq.formats import quantize_mx, sqnr_db
 from mxq.models import ModelSource, ModelSourceError, resolve_source
+from mxq.progress import progress_bar
 from mxq.recipe import Recipe, TensorSpec, load_recipe
 
 FORMATS = ("mxq", "compressed-tensors")
@@ -351,24 +352,11 @@ def quantize_checkpoint(
 
 
 def _progress(src: _Source, enabled: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-
     from mxq.checkpoint import _itemsize
 
     total = sum(torch.Size(s).numel() * _itemsize(d) for _, d, s in src.tensors)
-    cols = (
-        TextColumn("[bold]quantize[/] {task.fields[n]}/{task.fields[of]} tensors"),
-        BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
-    )
-    with Progress(*cols, console=Console(stderr=True), disable=not enabled, transient=False) as bar:
+    label = "quantize {task.fields[n]}/{task.fields[of]} tensors"
+    with progress_bar(label, enabled=enabled, transfer=True) as bar:
         task = bar.add_task("quantize", total=total, n=0, of=len(src.tensors))
         for i, (name, _dtype, _shape) in enumerate(src.tensors):
             t = src.read(name)
