@@ -1,6 +1,6 @@
 """Benchmark the MXFP8 attention kernels against bf16 SDPA (flash and cuDNN backends) in one process.
 
-    python eval/bench_attention.py [--out results.json] [--quick]
+    python eval/bench_attention.py [--out results.json] [--quick] [--decode-only] [--no-sweep]
 
 Prefill: B=4, H=32, D=128, S in {1k, 4k, 16k}, causal and not; the MXFP8 call includes the
 rounding pre-pass of K and V (it is part of every call). Decode: B=4, Hq=32, Hkv=8, D=128, one
@@ -72,46 +72,60 @@ def prefill(seqs, results):
             )
 
 
-def decode(ctxs, results):
+def decode(ctxs, results, sweep=True):
     b, hq, hkv, d = 4, 32, 8, 128
     print("\n## Decode, B=4 Hq=32 Hkv=8 D=128, one token, CUDA-graph replays")
-    print("| context | SDPA bf16 us | MXFP8 us | speedup | MXFP8 GB/s | bf16 GB/s |")
-    print("|---|---|---|---|---|---|")
+    print("| context | SDPA bf16 us | MXFP8 us | speedup | MXFP8 GB/s | bf16 GB/s | first kernel us |")
+    print("|---|---|---|---|---|---|---|")
     for n in ctxs:
         q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(b, hkv, n, d, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(b, hkv, n, d, device="cuda", dtype=torch.bfloat16)
         layer = MXFP8CacheLayer()
         layer.update(k, v)
-        ms_sdpa = _bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True), graph=True)
-        best = None
-        for bn in (64, 128):
-            for want_progs in (264, 528, 1056):
-                chunk = max(bn, triton.cdiv(triton.cdiv(n, max(1, want_progs // (b * hkv))), bn) * bn)
-                try:
-                    ms = _bench(lambda bn=bn, chunk=chunk: mx_attention_decode(
-                        q, layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, n, block_n=bn, chunk=chunk), graph=True)  # fmt: skip
-                except Exception as e:  # noqa: BLE001  (a config that does not compile is skipped)
-                    print(f"<!-- block_n={bn} chunk={chunk}: {type(e).__name__} -->")
-                    continue
-                if best is None or ms < best[0]:
-                    best = (ms, bn, chunk)
-        ms_mx, bn, chunk = best
-        default_ms = _bench(lambda: mx_attention_decode(q, layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, n), graph=True)
-        got = mx_attention_decode(q, layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, n)
         kd, vd = layer.dequantize()
-        err = _rel(got, mx_attention_reference(q.float(), kd, vd))
+        want = mx_attention_reference(q.float(), kd, vd)
+        ms_sdpa = _bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True), graph=True)
+        args = (q, layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, n)
+        configs = [("dequant", bn, 4, 3, p) for bn in (64, 128) for p in (264, 528, 1056)]
+        if sweep:
+            configs += [
+                ("gqa", bn, w, st, p)
+                for bn in (64, 128) for w in (4, 8) for st in (2, 3, 4) for p in (264, 528, 1056, 2112)
+            ]  # fmt: skip
+        best = {}
+        for variant, bn, w, st, progs in configs:
+            chunk = max(bn, triton.cdiv(triton.cdiv(n, max(1, progs // (b * hkv))), bn) * bn)
+            kw = dict(variant=variant, block_n=bn, chunk=chunk, num_warps=w, num_stages=st)
+            try:
+                ms = _bench(lambda: mx_attention_decode(*args, **kw), graph=True)
+                err = _rel(mx_attention_decode(*args, **kw), want)
+            except Exception as e:  # noqa: BLE001  (a config that does not compile is skipped)
+                print(f"<!-- {kw}: {type(e).__name__}: {str(e)[:120]} -->")
+                continue
+            results["decode_configs"].append({"context": n, **kw, "us": ms * 1e3, "rel_err": err})
+            if err > 5e-3:
+                print(f"<!-- {kw}: rel_err {err:.2e} too large, not counted -->")
+                continue
+            if variant not in best or ms < best[variant][0]:
+                best[variant] = (ms, kw, err)
+        default_ms = _bench(lambda: mx_attention_decode(*args), graph=True)
+        err = _rel(mx_attention_decode(*args), want)
+        ms_mx, kw_best, err_best = min(best.values(), key=lambda t: t[0])
         mx_bytes = 2 * b * hkv * n * d * (1 + 1 / 32)
         bf_bytes = 2 * b * hkv * n * d * 2
         row = {
             "context": n, "sdpa_us": ms_sdpa * 1e3, "mx_us": ms_mx * 1e3, "mx_default_us": default_ms * 1e3,
-            "block_n": bn, "chunk": chunk, "speedup": ms_sdpa / ms_mx, "rel_err": err,
-            "mx_GBps": mx_bytes / ms_mx / 1e6, "bf16_GBps": bf_bytes / ms_sdpa / 1e6,
+            "best": kw_best, "first_kernel_us": best["dequant"][0] * 1e3, "speedup": ms_sdpa / ms_mx,
+            "default_speedup": ms_sdpa / default_ms, "rel_err": err, "rel_err_best": err_best,
+            "mx_GBps": mx_bytes / ms_mx / 1e6, "mx_default_GBps": mx_bytes / default_ms / 1e6,
+            "bf16_GBps": bf_bytes / ms_sdpa / 1e6,
         }  # fmt: skip
         results["decode"].append(row)
         print(
-            f"| {n} | {row['sdpa_us']:.1f} | {row['mx_us']:.1f} (bn {bn}, chunk {chunk}; default {row['mx_default_us']:.1f}) "
-            f"| {row['speedup']:.2f} | {row['mx_GBps']:.0f} | {row['bf16_GBps']:.0f} |"
+            f"| {n} | {row['sdpa_us']:.1f} | {row['mx_us']:.1f} ({kw_best}; default {row['mx_default_us']:.1f}) "
+            f"| {row['speedup']:.2f} | {row['mx_GBps']:.0f} | {row['bf16_GBps']:.0f} | {row['first_kernel_us']:.1f} |",
+            flush=True,
         )
 
 
@@ -139,13 +153,20 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--decode-only", action="store_true")
+    ap.add_argument("--no-sweep", action="store_true", help="decode: defaults and the first kernel only")
     args = ap.parse_args()
     results = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-        "date": time.strftime("%Y-%m-%d"), "prefill": [], "decode": [], "tiles": [],
+        "date": time.strftime("%Y-%m-%d"), "prefill": [], "decode": [], "decode_configs": [], "tiles": [],
     }  # fmt: skip
     print(f"# {results['device']}  torch {results['torch']}  triton {results['triton']}  {results['date']}")
-    decode([4096, 8192, 16384, 32768] if not args.quick else [16384], results)
+    decode([4096, 8192, 16384, 32768] if not args.quick else [16384], results, sweep=not args.no_sweep)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    if args.decode_only:
+        return
     prefill([1024, 4096, 16384] if not args.quick else [4096], results)
     tile_sweep(results)
     if args.out:

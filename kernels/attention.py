@@ -415,6 +415,176 @@ def _decode_kernel(
 
 
 @triton.jit
+def _gqa_tile(
+    acc, m_i, l_i, qb, cq, kbase, ksbase, vbase, vsbase, mbase, start_n,
+    L, DP, D, qk_scale, stride_kn, stride_ksn, stride_vd, stride_vsd, stride_mh, stride_mn,
+    GP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_C: tl.constexpr,
+    MASKED: tl.constexpr, MASK_D: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
+    INTERP: tl.constexpr,
+):  # fmt: skip
+    DB: tl.constexpr = BLOCK_D // 32
+    PP: tl.constexpr = BLOCK_N // 32
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_j = tl.arange(0, DB)
+    offs_p = tl.arange(0, PP)
+    offs_g = tl.arange(0, GP)
+    cols = start_n + offs_n
+    kin = cols < L
+    # Q·Kᵀ with the K scales after the product: R[n, (g, j)] = q8_j[g]·k8_j[n] over D block j
+    # (qb is block-diagonal over the D blocks), s[n, g] = sum_j R[n, (g, j)] * 2^ek[n, j] * cq[g, j].
+    kmask = None
+    if MASKED:
+        kmask = kin[:, None]
+    if MASK_D:
+        kmask = (offs_d < DP)[None, :] if kmask is None else kmask & (offs_d < DP)[None, :]
+    if MASKED or MASK_D:
+        k8 = tl.load(kbase + cols[:, None] * stride_kn + offs_d[None, :], mask=kmask, other=0.0)
+    else:
+        k8 = tl.load(kbase + cols[:, None] * stride_kn + offs_d[None, :])
+    smask = None
+    if MASKED:
+        smask = kin[:, None]
+    if MASK_D:
+        smask = (offs_j < DP // 32)[None, :] if smask is None else smask & (offs_j < DP // 32)[None, :]
+    if MASKED or MASK_D:
+        ke = tl.load(ksbase + cols[:, None] * stride_ksn + offs_j[None, :], mask=smask, other=127)
+    else:
+        ke = tl.load(ksbase + cols[:, None] * stride_ksn + offs_j[None, :])
+    ksc = (ke.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    r = _mma(k8.to(tl.float16), qb, tl.zeros([BLOCK_N, GP * DB], tl.float32), INTERP)
+    r = tl.reshape(r, (BLOCK_N, GP, DB))
+    s = tl.sum(r * (ksc[:, None, :] * cq[None, :, :]), axis=2) * qk_scale  # [BLOCK_N, GP]
+    ok = (offs_g < GROUP_C)[None, :]
+    if MASKED:
+        ok = ok & kin[:, None]
+    if HAS_MASK:
+        mv = tl.load(mbase + offs_g[None, :] * stride_mh + cols[:, None] * stride_mn, mask=ok, other=0)
+        if MASK_BOOL:
+            ok = ok & (mv != 0)
+        else:
+            s = s + mv.to(tl.float32) * 1.4426950408889634
+    s = tl.where(ok, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 0))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_use)
+    p = tl.math.exp2(s - m_use[None, :])
+    l_i = l_i * alpha + tl.sum(p, 0)
+    # P·V with V's per-page scales after the product: P' [n, (g, page, hi|lo)] is P split in two
+    # fp16 parts (fp32-class) placed block-diagonally over the 32-key pages of the tile.
+    p_hi = p.to(tl.float16)
+    p_lo = (p - p_hi.to(tl.float32)).to(tl.float16)
+    onpage = (offs_n // 32)[:, None, None, None] == offs_p[None, None, :, None]
+    hl = tl.arange(0, 2)[None, None, None, :]
+    pp4 = tl.where(hl == 0, p_hi[:, :, None, None], p_lo[:, :, None, None])
+    pp4 = tl.where(onpage, pp4, tl.zeros([BLOCK_N, GP, PP, 2], tl.float16))
+    pb = tl.reshape(pp4, (BLOCK_N, GP * PP * 2))
+    vmask = None
+    if MASKED:
+        vmask = kin[None, :]
+    if MASK_D:
+        vmask = (offs_d < D)[:, None] if vmask is None else vmask & (offs_d < D)[:, None]
+    if MASKED or MASK_D:
+        v8 = tl.load(vbase + offs_d[:, None] * stride_vd + cols[None, :], mask=vmask, other=0.0)
+    else:
+        v8 = tl.load(vbase + offs_d[:, None] * stride_vd + cols[None, :])
+    pages = start_n // 32 + offs_p
+    vsmask = None
+    if MASKED:
+        vsmask = (pages * 32 < L)[None, :]
+    if MASK_D:
+        vsmask = (offs_d < D)[:, None] if vsmask is None else vsmask & (offs_d < D)[:, None]
+    if MASKED or MASK_D:
+        ve = tl.load(vsbase + offs_d[:, None] * stride_vsd + pages[None, :], mask=vsmask, other=127)
+    else:
+        ve = tl.load(vsbase + offs_d[:, None] * stride_vsd + pages[None, :])
+    vsc = (ve.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    t = _mma(v8.to(tl.float16), pb, tl.zeros([BLOCK_D, GP * PP * 2], tl.float32), INTERP)
+    t = tl.sum(tl.reshape(t, (BLOCK_D, GP, PP, 2)), axis=3)
+    acc = acc * alpha[None, :] + tl.sum(t * vsc[:, None, :], axis=2)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _decode_gqa_kernel(
+    Q, KD, KS, VD, VS, ML, ACC, MASK,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_kn,
+    stride_ksb, stride_ksh, stride_ksn,
+    stride_vb, stride_vh, stride_vd,
+    stride_vsb, stride_vsh, stride_vsd,
+    stride_mb, stride_mh, stride_mn,
+    Hkv, L, D, DP, CHUNK, NSPLIT, qk_scale,
+    GROUP_C: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    MASK_D: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
+    EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
+    RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    """One program per (batch, kv head, split): all GROUP_C query heads of the KV head at once.
+
+    The cache tiles are read once as fp8, widened to fp16 (exact) and fed to the MMAs unscaled;
+    the E8M0 scales multiply the per-block partial products (one per 32 D-columns for K, one per
+    32-key page and channel for V) instead of every element.
+    """
+    DB: tl.constexpr = BLOCK_D // 32
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid // Hkv
+    hk = pid % Hkv
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = hk * GROUP_C + offs_g
+    gmask = offs_g < GROUP_C
+
+    q = tl.load(
+        Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        mask=gmask[:, None] & (offs_d < D)[None, :], other=0.0,
+    )  # fmt: skip
+    qr = mx_round_dequant(
+        tl.reshape(q.to(tl.float32), (GP, DB, 32)), EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8
+    )
+    # Normalize each Q block by a power of two so its MX values are exact in fp16 (|x| < 2;
+    # e4m3 spans < 2^18 inside a block, fp16 subnormals reach 2^-24); cq undoes it after the dot.
+    cbits = tl.max(qr.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2) & 0x7F800000
+    cbits = tl.where(cbits == 0, 0x3F800000, cbits)
+    cq = cbits.to(tl.float32, bitcast=True)  # [GP, DB]
+    qn = tl.reshape(qr / cq[:, :, None], (GP, BLOCK_D))
+    offs_j = tl.arange(0, DB)
+    qb = tl.where((offs_d // 32)[:, None, None] == offs_j[None, None, :], tl.trans(qn)[:, :, None], 0.0)
+    qb = tl.reshape(qb, (BLOCK_D, GP * DB)).to(tl.float16)  # [D, (g, j)] block-diagonal
+
+    kbase = KD + b.to(tl.int64) * stride_kb + hk * stride_kh
+    ksbase = KS + b.to(tl.int64) * stride_ksb + hk * stride_ksh
+    vbase = VD + b.to(tl.int64) * stride_vb + hk * stride_vh
+    vsbase = VS + b.to(tl.int64) * stride_vsb + hk * stride_vsh
+    mbase = MASK + b.to(tl.int64) * stride_mb + hk * GROUP_C * stride_mh
+
+    m_i = tl.full([GP], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GP], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D, GP], dtype=tl.float32)
+    lo = split * CHUNK
+    hi = tl.minimum(lo + CHUNK, L)
+    n_full = tl.maximum(lo, lo + (hi - lo) // BLOCK_N * BLOCK_N)
+    for start_n in range(lo, n_full, BLOCK_N):
+        acc, m_i, l_i = _gqa_tile(
+            acc, m_i, l_i, qb, cq, kbase, ksbase, vbase, vsbase, mbase, start_n,
+            L, DP, D, qk_scale, stride_kn, stride_ksn, stride_vd, stride_vsd, stride_mh, stride_mn,
+            GP, BLOCK_N, BLOCK_D, GROUP_C, False, MASK_D, HAS_MASK, MASK_BOOL, INTERP,
+        )  # fmt: skip
+    for start_n in range(n_full, hi, BLOCK_N):
+        acc, m_i, l_i = _gqa_tile(
+            acc, m_i, l_i, qb, cq, kbase, ksbase, vbase, vsbase, mbase, start_n,
+            L, DP, D, qk_scale, stride_kn, stride_ksn, stride_vd, stride_vsd, stride_mh, stride_mn,
+            GP, BLOCK_N, BLOCK_D, GROUP_C, True, MASK_D, HAS_MASK, MASK_BOOL, INTERP,
+        )  # fmt: skip
+
+    row = (b * Hkv * GROUP_C + heads) * NSPLIT + split
+    tl.store(ML + row * 2, m_i, mask=gmask)
+    tl.store(ML + row * 2 + 1, l_i, mask=gmask)
+    tl.store(ACC + row[None, :] * BLOCK_D + offs_d[:, None], acc, mask=gmask[None, :])
+
+
+@triton.jit
 def _decode_merge_kernel(
     ML, ACC, Out, Hq, D, NSPLIT,
     stride_ob, stride_oh,
@@ -453,6 +623,9 @@ def mx_attention_decode(
     out: torch.Tensor | None = None,
     block_n: int | None = None,
     chunk: int | None = None,
+    variant: str | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """One query token per sequence against an MXFP8 cache; result [B, Hq, 1, D] in q.dtype.
 
@@ -461,6 +634,10 @@ def mx_attention_decode(
     v_data fp8 [B, Hkv, D, C] (V transposed: keys contiguous), v_scale uint8 [B, Hkv, D, C/32].
     ``attention_mask``: bool or additive, broadcastable to [B, Hq, 1, length]. Reads
     (1 + 1/32) bytes per cached element.
+
+    ``variant``: "gqa" (default: fp16 MMAs on the raw fp8 tiles, scales applied per block after
+    the products) or "dequant" (the first kernel: every element scaled, bf16 MMAs). ``block_n``,
+    ``chunk`` (keys per split), ``num_warps``, ``num_stages``: tuning, defaults from the H200 sweep.
     """
     elem, rule = as_elem_format(elem), as_scale_rule(rule)
     b, hq, sq, d = q.shape
@@ -472,35 +649,68 @@ def mx_attention_decode(
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     bd = _block_d(d)
     on_gpu = q.device.type == "cuda"
-    block_n = block_n or (64 if on_gpu else 32)
+    variant = variant or "gqa"
+    if variant not in ("gqa", "dequant"):
+        raise ValueError(f"unknown decode variant {variant!r}")
+    cfg = _decode_config(variant, on_gpu)
+    block_n = block_n or cfg[0]
+    num_warps = num_warps or cfg[1]
+    num_stages = num_stages or cfg[2]
     if chunk is None:
-        # Enough programs to fill the GPU (~4 per SM on 132 SMs), at least one tile each.
-        want = max(1, 528 // max(1, b * hkv)) if on_gpu else 4
+        want = max(1, cfg[3] // max(1, b * hkv)) if on_gpu else 4
         chunk = max(block_n, triton.cdiv(triton.cdiv(length, want), block_n) * block_n)
+    if chunk % block_n:
+        raise ValueError(f"chunk {chunk} is not a multiple of block_n {block_n}")
     nsplit = max(1, triton.cdiv(length, chunk))
-    g_pad = max(16, triton.next_power_of_2(group))
     ml = torch.empty((b * hq * nsplit, 2), dtype=torch.float32, device=q.device)
     acc = torch.empty((b * hq * nsplit, bd), dtype=torch.float32, device=q.device)
     if out is None:
         out = torch.empty((b, 1, hq, d), dtype=q.dtype, device=q.device).transpose(1, 2)
     mask, ms, mask_bool = _mask_args(attention_mask, b, hq, 1, length)
-    _decode_kernel[(b * hkv, nsplit)](
-        q, k_data, k_scale, v_data, v_scale, ml, acc, mask if mask is not None else q,
-        q.stride(0), q.stride(1), q.stride(3),
+    common = (
         k_data.stride(0), k_data.stride(1), k_data.stride(2),
         k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
         v_data.stride(0), v_data.stride(1), v_data.stride(2),
         v_scale.stride(0), v_scale.stride(1), v_scale.stride(2),
         ms[0], ms[1], ms[3],
-        hkv, group, length, d, dp, chunk, nsplit, scale * LOG2E,
-        G_PAD=g_pad, BLOCK_N=block_n, BLOCK_D=bd,
-        HAS_MASK=mask is not None, MASK_BOOL=mask_bool,
+    )  # fmt: skip
+    fmt = dict(
         EMAX=elem.emax, MBITS=elem.mbits, MAXN=elem.max_normal, EMIN=1 - elem.bias,
         RULE=_RULE_ID[rule], HW_CVT=hw_cvt(q.device), FP8=fp8_dtype(elem), INTERP=INTERPRET,
-        num_warps=4, num_stages=3 if on_gpu else 1,
     )  # fmt: skip
+    if variant == "gqa":
+        if block_n % 32:
+            raise ValueError("the gqa decode kernel needs block_n a multiple of 32")
+        db, pp = bd // 32, block_n // 32
+        gp = max(triton.next_power_of_2(group), triton.cdiv(16, db), triton.cdiv(16, 2 * pp))
+        _decode_gqa_kernel[(b * hkv, nsplit)](
+            q, k_data, k_scale, v_data, v_scale, ml, acc, mask if mask is not None else q,
+            q.stride(0), q.stride(1), q.stride(3), *common,
+            hkv, length, d, dp, chunk, nsplit, scale * LOG2E,
+            GROUP_C=group, GP=gp, BLOCK_N=block_n, BLOCK_D=bd, MASK_D=bd != d,
+            HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **fmt,
+            num_warps=num_warps, num_stages=num_stages,
+        )  # fmt: skip
+    else:
+        _decode_kernel[(b * hkv, nsplit)](
+            q, k_data, k_scale, v_data, v_scale, ml, acc, mask if mask is not None else q,
+            q.stride(0), q.stride(1), q.stride(3), *common,
+            hkv, group, length, d, dp, chunk, nsplit, scale * LOG2E,
+            G_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=bd,
+            HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **fmt,
+            num_warps=num_warps, num_stages=num_stages,
+        )  # fmt: skip
     _decode_merge_kernel[(b * hq,)](
         ml, acc, out, hq, d, nsplit, out.stride(0), out.stride(1),
         SPLIT_PAD=triton.next_power_of_2(nsplit), BLOCK_D=bd, num_warps=4,
     )  # fmt: skip
     return out
+
+
+def _decode_config(variant: str, on_gpu: bool) -> tuple[int, int, int, int]:
+    """(block_n, num_warps, num_stages, programs wanted over the whole grid)."""
+    if not on_gpu:
+        return 32, 4, 1, 4
+    if variant == "dequant":  # the first kernel's settings
+        return 64, 4, 3, 528
+    return 64, 4, 3, 528

@@ -180,6 +180,24 @@ def test_decode_kernel_equals_reference(hq, hkv, n, d):
     assert _rel(got, _independent(q, kd, vd, mask=mask)) < 3e-5
 
 
+@pytest.mark.parametrize("variant,block_n,chunk", [("gqa", 64, 64), ("gqa", 32, 96), ("dequant", 32, 32)])
+@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 128), (3, 3, 80)])
+def test_decode_variants_equal_reference(variant, block_n, chunk, hq, hkv, d):
+    b, n = 2, 150  # a full tile, a partial tile, a partial last V page
+    q, k, v = _qkv(b, hq, hkv, 1, n, d)
+    layer = MXFP8CacheLayer()
+    layer.update(k, v)
+    kd, vd = layer.dequantize()
+    args = (q, layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, layer.length)
+    got = mx_attention_decode(*args, variant=variant, block_n=block_n, chunk=chunk)
+    assert _rel(got, _independent(q, kd, vd)) < 3e-5
+    mask = torch.zeros(b, hq, 1, n)
+    mask[1, :, :, ::3] = -2.0
+    mask[0, :, :, 70:] = float("-inf")
+    got = mx_attention_decode(*args, attention_mask=mask, variant=variant, block_n=block_n, chunk=chunk)
+    assert _rel(got, mx_attention_reference(q, kd, vd, attention_mask=mask)) < 3e-5
+
+
 # --- Hugging Face -------------------------------------------------------------------------------
 
 def _tiny_llama(path):
@@ -323,3 +341,25 @@ def test_gpu_cache_and_decode():
     kd, vd = layer.dequantize()
     want = mx_attention_reference(q.float(), kd, vd)
     assert _rel(got, want) < 5e-3
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["gqa", "dequant"])
+@pytest.mark.parametrize("block_n,warps,stages", [(64, 4, 3), (128, 8, 2), (64, 8, 4)])
+def test_gpu_decode_variants(variant, block_n, warps, stages):
+    b, hq, hkv, n, d = 2, 32, 8, 5000, 128
+    q, k, v = _qkv(b, hq, hkv, 1, n, d, torch.bfloat16, "cuda")
+    layer = MXFP8CacheLayer()
+    layer.update(k, v)
+    kd, vd = layer.dequantize()
+    args = (q, layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, layer.length)
+    kw = dict(variant=variant, block_n=block_n, num_warps=warps, num_stages=stages)
+    want = mx_attention_reference(q.float(), kd, vd)
+    assert _rel(mx_attention_decode(*args, **kw), want) < 5e-3  # bf16 output rounding
+    got = mx_attention_decode(q.float(), *args[1:], **kw)  # fp32 output: the kernel's own error
+    assert _rel(got, want.float()) < 3e-5
+    mask = torch.zeros(b, 1, 1, n, device="cuda")
+    mask[0, ..., : n // 3] = float("-inf")
+    want = mx_attention_reference(q.float(), kd, vd, attention_mask=mask)
+    assert _rel(mx_attention_decode(q.float(), *args[1:], attention_mask=mask, **kw), want.float()) < 3e-5
