@@ -205,16 +205,16 @@ def _plan(src: _Source, recipe: Recipe, warn: Callable[[str], None], cplan=None)
         for m in cplan.layers:
             if m not in linears:
                 raise ConversionError(f"plan: layers[{m!r}]: the model has no Linear layer of this name")
-    plan: list[PlannedTensor] = []
+    layout: list[PlannedTensor] = []
     for name, dtype, shape in src.tensors:
         mod = name[: -len(".weight")] if name.endswith(".weight") else None
         if mod in chosen:
             n, k = shape
-            plan.append(PlannedTensor(name, DTYPE_NAMES[specs[mod][0].elem.torch_dtype], (n, k)))
-            plan.append(PlannedTensor(mod + ".weight_scale", "U8", (n, k // recipe.block_size)))
+            layout.append(PlannedTensor(name, DTYPE_NAMES[specs[mod][0].elem.torch_dtype], (n, k)))
+            layout.append(PlannedTensor(mod + ".weight_scale", "U8", (n, k // recipe.block_size)))
         else:
-            plan.append(PlannedTensor(name, dtype, tuple(shape)))
-    return chosen, kept, plan, {m: specs[m] for m in chosen}
+            layout.append(PlannedTensor(name, dtype, tuple(shape)))
+    return chosen, kept, layout, {m: specs[m] for m in chosen}
 
 
 # --- configs -------------------------------------------------------------------------------------
@@ -305,14 +305,14 @@ def quantize_checkpoint(
         geom = Geometry.from_config(src.config)
         if geom != cplan.geometry:
             raise ConversionError(f"plan: model: made for {cplan.geometry.to_dict()}, the source is {geom.to_dict()}")
-    chosen, kept, plan, specs = _plan(src, recipe, warn, cplan)
+    chosen, kept, layout, specs = _plan(src, recipe, warn, cplan)
     report = ConversionReport(msrc.display, str(out), recipe.name, fmt, device, kept=dict(sorted(kept.items())))
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.mxq-tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    writer = ShardWriter(tmp, plan, max_shard_bytes, {"mxq_version": mxq.__version__, "recipe": recipe.name})
+    writer = ShardWriter(tmp, layout, max_shard_bytes, {"mxq_version": mxq.__version__, "recipe": recipe.name})
     try:
         for name, tensor in _progress(src, progress):
             mod = name[: -len(".weight")] if name.endswith(".weight") else None
