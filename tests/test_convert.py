@@ -493,3 +493,27 @@ def test_checkout_root_on_sys_path_does_not_shadow_hf_kernels():
     code = "from transformers import LlamaForCausalLM; import mxq, mxq.kernels; print(mxq.kernels.mx_linear.__name__)"
     r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == "mx_linear", r.stderr[-1500:]
+
+
+def test_hub_id_goes_through_snapshot_download(tmp_path, llama_dir, monkeypatch):
+    """No hub here: a stand-in snapshot_download returns a local copy; offline is one clear line."""
+    import huggingface_hub
+
+    calls = []
+
+    def fake_snapshot(repo_id, allow_patterns=None, **kw):
+        calls.append((repo_id, allow_patterns))
+        return str(llama_dir)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot)
+    rep = quantize_checkpoint("someorg/tiny-llama", tmp_path / "q", progress=False)
+    assert calls and calls[0][0] == "someorg/tiny-llama" and "*.safetensors" in calls[0][1]
+    assert len(rep.quantized) == 14 and (tmp_path / "q" / "config.json").is_file()
+
+    def offline(repo_id, **kw):
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(ConversionError, match=r"someorg/tiny-llama: cannot fetch from the Hugging Face hub .*pass a local directory"):
+        quantize_checkpoint("someorg/tiny-llama", tmp_path / "q2", progress=False)
+    assert not (tmp_path / "q2").exists()
