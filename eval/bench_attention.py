@@ -127,6 +127,9 @@ def decode(ctxs, results, sweep=True):
             f"| {row['speedup']:.2f} | {row['mx_GBps']:.0f} | {row['bf16_GBps']:.0f} | {row['first_kernel_us']:.1f} |",
             flush=True,
         )
+        if results.get("out"):  # write as we go: a run cut short keeps what it measured
+            with open(results["out"], "w") as f:
+                json.dump(results, f, indent=1)
 
 
 def tile_sweep(results):
@@ -160,6 +163,7 @@ def main():
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "date": time.strftime("%Y-%m-%d"), "prefill": [], "decode": [], "decode_configs": [], "tiles": [],
     }  # fmt: skip
+    results["out"] = args.out
     print(f"# {results['device']}  torch {results['torch']}  triton {results['triton']}  {results['date']}")
     decode([4096, 8192, 16384, 32768] if not args.quick else [16384], results, sweep=not args.no_sweep)
     if args.out:
