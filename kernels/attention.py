@@ -42,7 +42,6 @@ from mxq.formats import (
     ScaleRule,
     as_elem_format,
     as_scale_rule,
-    fake_quantize_mx,
 )
 from mxq.kernels.quantize import (
     _RULE_ID,
@@ -52,6 +51,7 @@ from mxq.kernels.quantize import (
     hw_cvt,
     mx_round_dequant,
 )
+from mxq.kernels.reference import mx_attention_reference  # noqa: F401  (re-export)
 
 LOG2E = 1.4426950408889634
 BLOCK = 32  # MX block size; fixed by the format
@@ -61,49 +61,7 @@ BLOCK = 32  # MX block size; fixed by the format
 # Reference
 # ---------------------------------------------------------------------------------------------
 
-def mx_attention_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool = False,
-    attention_mask: torch.Tensor | None = None,
-    scale: float | None = None,
-    elem: ElemFormat | str = E4M3,
-    rule: ScaleRule | str = ScaleRule.RCEIL,
-) -> torch.Tensor:
-    """Softmax attention on MX-rounded Q, K, V, in float32; returns q.dtype [B, Hq, Sq, D].
-
-    q [B, Hq, Sq, D], k and v [B, Hkv, Sk, D] (Hq a multiple of Hkv: GQA/MQA).
-    ``causal``: query i sees keys j <= i + Sk - Sq (bottom-right aligned, as with a KV cache).
-    ``attention_mask``: bool (True = attend) or additive float, broadcastable to [B, Hq, Sq, Sk].
-    Rows with every key masked give zeros.
-    """
-    elem, rule = as_elem_format(elem), as_scale_rule(rule)
-    b, hq, sq, d = q.shape
-    hkv, sk = k.shape[1], k.shape[2]
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    qf = fake_quantize_mx(q.float(), -1, elem, 32, rule)
-    kf = fake_quantize_mx(k.float(), -1, elem, 32, rule)
-    vf = fake_quantize_mx(v.float(), -2, elem, 32, rule)  # 32x1 along the keys, zero-padded
-    kf = kf.repeat_interleave(hq // hkv, dim=1)
-    vf = vf.repeat_interleave(hq // hkv, dim=1)
-    s = (qf @ kf.transpose(-1, -2)) * scale
-    allowed = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
-    if causal:
-        allowed = torch.arange(sq, device=q.device)[:, None] + (sk - sq) >= torch.arange(sk, device=q.device)[None, :]
-    s = s.masked_fill(~allowed, float("-inf"))
-    if attention_mask is not None:
-        if attention_mask.dtype == torch.bool:
-            s = s.masked_fill(~attention_mask, float("-inf"))
-        else:
-            s = s + attention_mask.float()
-    m = s.amax(-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    p = torch.exp(s - m)
-    l_sum = p.sum(-1, keepdim=True)
-    out = (p @ vf) / torch.where(l_sum > 0, l_sum, torch.ones_like(l_sum))
-    return out.to(q.dtype)
+# The reference lives in kernels/reference.py (importable without Triton).
 
 
 # ---------------------------------------------------------------------------------------------

@@ -229,7 +229,7 @@ def mxfp8_attention_forward(
             out=out.transpose(1, 2), **cfg,
         )  # fmt: skip
         return out, None
-    from mxq.kernels.attention import mx_attention_reference
+    from mxq.kernels.reference import mx_attention_reference
 
     ref = mx_attention_reference(query, key, value, causal=causal, attention_mask=attention_mask, **cfg)
     out.copy_(ref.transpose(1, 2))

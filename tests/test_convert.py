@@ -517,3 +517,35 @@ def test_hub_id_goes_through_snapshot_download(tmp_path, llama_dir, monkeypatch)
     with pytest.raises(ConversionError, match=r"someorg/tiny-llama: cannot fetch from the Hugging Face hub .*pass a local directory"):
         quantize_checkpoint("someorg/tiny-llama", tmp_path / "q2", progress=False)
     assert not (tmp_path / "q2").exists()
+
+
+NO_TRITON = textwrap.dedent(
+    """
+    import importlib.abc, sys
+
+    class NoTriton(importlib.abc.MetaPathFinder):  # as on a machine without the triton wheel
+        def find_spec(self, name, path=None, target=None):
+            if name == "triton" or name.startswith("triton."):
+                raise ImportError("No module named 'triton'")
+
+    sys.meta_path.insert(0, NoTriton())
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    import mxq
+    from mxq.kernels import dispatch
+
+    assert not dispatch.HAS_TRITON and "triton" not in sys.modules
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=64)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="mxfp8")
+    mxq.quantize_model(model, "mxfp8")
+    out = model(torch.randint(0, 64, (1, 9))).logits
+    assert torch.isfinite(out).all()
+    print("ok")
+    """
+)
+
+
+def test_import_and_cpu_path_without_triton():
+    r = subprocess.run([sys.executable, "-c", NO_TRITON], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
