@@ -289,6 +289,16 @@ def _check_input(x: torch.Tensor, block_size: int) -> None:
         raise ValueError("quantize_mx needs at least one dimension")
 
 
+def _quantize_along(x, axis, elem, block_size, scale_rule):
+    """Validate, block ``x`` along ``axis`` and quantize: (elem, axis, fp8 [..., nb, bs], e, nonfinite)."""
+    elem = as_elem_format(elem)
+    rule = as_scale_rule(scale_rule)
+    _check_input(x, block_size)
+    axis = axis % x.dim()
+    blocks, _ = _to_blocks(x.to(torch.float32), axis, block_size)
+    return (elem, axis, *_quantize_blocks(blocks, elem, rule))
+
+
 def quantize_mx(
     x: torch.Tensor,
     axis: int = -1,
@@ -300,13 +310,7 @@ def quantize_mx(
 
     ``axis=-1`` on a [N, K] matrix gives 1x32 tiles; ``axis=0`` gives 32x1 tiles.
     """
-    elem = as_elem_format(elem)
-    rule = as_scale_rule(scale_rule)
-    _check_input(x, block_size)
-    axis = axis % x.dim()
-
-    blocks, _ = _to_blocks(x.to(torch.float32), axis, block_size)
-    data, e, nonfinite = _quantize_blocks(blocks, elem, rule)
+    elem, axis, data, e, nonfinite = _quantize_along(x, axis, elem, block_size, scale_rule)
     scales = (e + E8M0_BIAS).to(torch.uint8)
     if nonfinite is not None:
         scales = torch.where(nonfinite, torch.full_like(scales, E8M0_NAN), scales)
@@ -341,12 +345,7 @@ def fake_quantize_mx(
     Computed without materialising the fp8/E8M0 layout (a test holds the two equal), because
     this is what the reference linear layer runs on every activation.
     """
-    elem = as_elem_format(elem)
-    rule = as_scale_rule(scale_rule)
-    _check_input(x, block_size)
-    axis = axis % x.dim()
-    blocks, _ = _to_blocks(x.to(torch.float32), axis, block_size)
-    data, e, nonfinite = _quantize_blocks(blocks, elem, rule)
+    _, axis, data, e, nonfinite = _quantize_along(x, axis, elem, block_size, scale_rule)
     vals = data.to(torch.float32) * _exp2_f32(e).unsqueeze(-1)
     if nonfinite is not None:
         vals = vals.masked_fill(nonfinite.unsqueeze(-1), float("nan"))
