@@ -49,8 +49,9 @@ def _reset_peak() -> int:
     return _status("VmRSS")
 
 
-def generate(shape: str, path: Path, shard_bytes: int = 4 * 1024**3) -> tuple[int, int]:
-    """Write a random bf16 checkpoint of the named shape; returns (parameters, bytes)."""
+def generate(shape: str, path: Path, shard_bytes: int = 4 * 1024**3, device: str = "cpu") -> tuple[int, int]:
+    """Write a random bf16 checkpoint of the named shape (random numbers drawn on ``device``);
+    returns (parameters, bytes)."""
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -70,10 +71,12 @@ def generate(shape: str, path: Path, shard_bytes: int = 4 * 1024**3) -> tuple[in
         size += n
     shards.append(cur)
     weight_map, total = {}, 0
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(device).manual_seed(0)
     for i, names in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        part = {k: (torch.randn(shapes[k], generator=g) * 0.02).to(torch.bfloat16) for k in names}
+        part = {
+            k: (torch.randn(shapes[k], generator=g, device=device) * 0.02).to(torch.bfloat16).cpu() for k in names
+        }
         save_file(part, path / fname, metadata={"format": "pt"})
         total += sum(v.numel() * 2 for v in part.values())
         weight_map.update({k: fname for k in names})
@@ -116,7 +119,7 @@ def main() -> None:
     if not (src / "model.safetensors.index.json").is_file():
         print(f"generating a random {args.shape} checkpoint in {src} ...", flush=True)
         shutil.rmtree(src, ignore_errors=True)
-        generate(args.shape, src)
+        generate(args.shape, src, device="cuda" if args.device.startswith("cuda") else "cpu")
     n_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     results = {}
     for name in ("io_floor", "mxq_quantize"):

@@ -33,9 +33,27 @@ def _label(source: str) -> str:
     return resolve_source(source).display
 
 
-def _load(source: str, device):
+DTYPES = {
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "float32": "float32",
+    "fp32": "float32",
+}
+
+
+def _dtype(name: str):
+    import torch
+
+    if name.lower() not in DTYPES:
+        raise typer.BadParameter(f"--dtype must be one of bfloat16, float16, float32, got {name!r}")
+    return getattr(torch, DTYPES[name.lower()])
+
+
+def _load(source: str, device, dtype=None):
     err.print(f"loading {_label(source)} ...")
-    return load_model(source, device=device)
+    return load_model(source, device=device, **({"dtype": dtype} if dtype is not None else {}))
 
 
 @eval_app.command("ppl")
@@ -57,9 +75,16 @@ def ppl_cmd(
     ),
     batch_size: int = typer.Option(1, "--batch-size", help="Windows per forward pass."),
     device: str = typer.Option("auto", "--device", help="auto (cuda if available), cpu or cuda."),
+    dtype: str = typer.Option(
+        "bfloat16",
+        "--dtype",
+        help="Activation/compute dtype of the non-quantized parts: bfloat16, float16, float32.",
+    ),
     out: Path | None = typer.Option(None, "--out", help="Write the report as JSON here."),
     plot: Path | None = typer.Option(
-        None, "--plot", help="Write a PNG of the per-window NLL difference here (needs --baseline and matplotlib)."
+        None,
+        "--plot",
+        help="Write a PNG of the per-window NLL difference here (needs --baseline and matplotlib).",
     ),
 ) -> None:
     """Perplexity of MODEL (and of --baseline on the same windows), as a markdown table."""
@@ -76,13 +101,18 @@ def ppl_cmd(
     # Everything that can fail fast does, before minutes of model loading and evaluation.
     if plot is not None:
         if baseline is None:
-            raise typer.BadParameter("--plot shows the difference to --baseline; pass --baseline too")
+            raise typer.BadParameter(
+                "--plot shows the difference to --baseline; pass --baseline too"
+            )
         require_matplotlib()
     dev = resolve_device(device)
+    torch_dtype = _dtype(dtype)
     if seq_len < 2:
         raise typer.BadParameter(f"--seq-len must be at least 2, got {seq_len}")
     if stride is not None and not 1 <= stride <= seq_len:
-        raise typer.BadParameter(f"--stride must be between 1 and --seq-len ({seq_len}), got {stride}")
+        raise typer.BadParameter(
+            f"--stride must be between 1 and --seq-len ({seq_len}), got {stride}"
+        )
     if max_windows is not None and max_windows < 1:
         raise typer.BadParameter(f"--max-windows must be at least 1, got {max_windows}")
     if batch_size < 1:
@@ -96,7 +126,7 @@ def ppl_cmd(
     windows = first_tok = None
     for role in ("baseline", "model") if baseline is not None else ("model",):
         source = baseline if role == "baseline" else model
-        m, tok = _load(source, dev)
+        m, tok = _load(source, dev, torch_dtype)
         if windows is None:
             windows = make_windows(tok, texts, seq_len, stride, max_windows)
             first_tok = tok
@@ -116,12 +146,15 @@ def ppl_cmd(
         (labels["baseline"], results["baseline"]) if baseline is not None else None,
         dataset=dataset,
     )
+    report["dtype"] = DTYPES[dtype.lower()]
     typer.echo(ppl_markdown(report))
     if out is not None:
         write_json(out, report)
         err.print(f"wrote {out}")
     if plot is not None:
-        plot_nll_diff(plot, (labels["model"], results["model"]), (labels["baseline"], results["baseline"]))
+        plot_nll_diff(
+            plot, (labels["model"], results["model"]), (labels["baseline"], results["baseline"])
+        )
         err.print(f"wrote {plot}")
 
 
@@ -153,7 +186,12 @@ def layers_cmd(
     err.print(f"running {windows.n_windows} batches of {seq_len} tokens through both models ...")
     rows = layer_sqnr(quant_model, base_model, windows.input_ids)
     report = layers_report(
-        rows, model=q_label, baseline=b_label, dataset=dataset, seq_len=seq_len, n_batches=windows.n_windows
+        rows,
+        model=q_label,
+        baseline=b_label,
+        dataset=dataset,
+        seq_len=seq_len,
+        n_batches=windows.n_windows,
     )
     typer.echo(layers_markdown(report))
     if out is not None:

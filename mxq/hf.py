@@ -145,6 +145,8 @@ class MXQHfQuantizer(HfQuantizer):
 
     @property
     def is_compileable(self) -> bool:
+        # MXLinear compiles through the custom op torch.ops.mxq.mx_linear (no graph breaks, no
+        # host syncs), so generate(cache_implementation="static") may compile the forward.
         return True
 
 

@@ -3,6 +3,11 @@
 The weight is kept as fp8 data ``weight`` [N, K] with biased-E8M0 ``weight_scale`` [N, K/32],
 the names and layout MXFP8 checkpoints use. ``forward`` calls ``mxq.kernels.mx_linear``: the
 Triton kernels on a GPU, the torch reference elsewhere — the same function either way.
+
+Under ``torch.compile`` the call goes through the custom op ``torch.ops.mxq.mx_linear`` (opaque to
+the compiler, with a shape-only fake implementation), so a model with MXLinear layers compiles
+with ``fullgraph=True`` and its decode step can be captured in a CUDA graph
+(``generate(cache_implementation="static")`` on CUDA does both).
 """
 
 from __future__ import annotations
@@ -10,8 +15,41 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mxq.formats import E4M3, ElemFormat, MXTensor, ScaleRule, quantize_mx
+from mxq.formats import (
+    E4M3,
+    ElemFormat,
+    MXTensor,
+    ScaleRule,
+    as_elem_format,
+    as_scale_rule,
+    quantize_mx,
+)
 from mxq.recipe import Recipe, TensorSpec
+
+
+@torch.library.custom_op("mxq::mx_linear", mutates_args=())
+def mx_linear_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    act_elem: str,
+    act_rule: str,
+    block_size: int,
+) -> torch.Tensor:
+    """``mxq.kernels.mx_linear`` as a torch custom op (``act_elem`` "" = bf16 activations)."""
+    from mxq.kernels import mx_linear
+
+    return mx_linear(
+        x, weight, weight_scale, bias,
+        act_elem=as_elem_format(act_elem) if act_elem else None, act_rule=as_scale_rule(act_rule),
+        block_size=block_size,
+    )  # fmt: skip
+
+
+@mx_linear_op.register_fake
+def _mx_linear_fake(x, weight, weight_scale, bias, act_elem, act_rule, block_size):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 class MXLinear(nn.Module):
@@ -29,21 +67,26 @@ class MXLinear(nn.Module):
     ):
         super().__init__()
         if in_features % block_size:
-            raise ValueError(f"MXLinear needs in_features divisible by {block_size}, got {in_features}")
+            raise ValueError(
+                f"MXLinear needs in_features divisible by {block_size}, got {in_features}"
+            )
         self.in_features = in_features
         self.out_features = out_features
         self.elem = elem
         self.act = act
         self.block_size = block_size
         self.weight = nn.Parameter(
-            torch.empty(out_features, in_features, dtype=elem.torch_dtype, device=device), requires_grad=False
+            torch.empty(out_features, in_features, dtype=elem.torch_dtype, device=device),
+            requires_grad=False,
         )
         self.weight_scale = nn.Parameter(
             torch.empty(out_features, in_features // block_size, dtype=torch.uint8, device=device),
             requires_grad=False,
         )
         if bias:
-            self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype or torch.bfloat16, device=device))
+            self.bias = nn.Parameter(
+                torch.empty(out_features, dtype=dtype or torch.bfloat16, device=device)
+            )
         else:
             self.register_parameter("bias", None)
         self._packed = None  # kernel-specific weight layout, built lazily on the first CUDA call
@@ -71,7 +114,9 @@ class MXLinear(nn.Module):
         return m
 
     def mx_weight(self) -> MXTensor:
-        return MXTensor(self.weight, self.weight_scale, self.weight.shape, 1, self.block_size, self.elem)
+        return MXTensor(
+            self.weight, self.weight_scale, self.weight.shape, 1, self.block_size, self.elem
+        )
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight as the layer computes with it: float32 [N, K]."""
@@ -82,9 +127,19 @@ class MXLinear(nn.Module):
 
         act_elem = self.act.elem if self.act is not None else None
         act_rule = self.act.scale_rule if self.act is not None else ScaleRule.RCEIL
+        if torch.compiler.is_compiling():
+            return mx_linear_op(
+                x, self.weight, self.weight_scale, self.bias,
+                act_elem.name if act_elem is not None else "", act_rule.value, self.block_size,
+            )  # fmt: skip
         return mx_linear(
-            x, self.weight, self.weight_scale, self.bias,
-            act_elem=act_elem, act_rule=act_rule, block_size=self.block_size,
+            x,
+            self.weight,
+            self.weight_scale,
+            self.bias,
+            act_elem=act_elem,
+            act_rule=act_rule,
+            block_size=self.block_size,
         )
 
     def extra_repr(self) -> str:
@@ -128,10 +183,16 @@ def quantize_model(model: nn.Module, recipe: Recipe | str | None = None) -> nn.M
     for name in chosen:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, MXLinear.from_linear(getattr(parent, child), recipe.weights, recipe.activations))
+        setattr(
+            parent,
+            child,
+            MXLinear.from_linear(getattr(parent, child), recipe.weights, recipe.activations),
+        )
     if hasattr(model, "config"):
         from mxq.hf import MXQConfig, native_config
 
         layers = {n: (recipe.weights, recipe.activations) for n in chosen}
-        model.config.quantization_config = MXQConfig.from_dict(native_config(recipe, layers, sorted(kept)))
+        model.config.quantization_config = MXQConfig.from_dict(
+            native_config(recipe, layers, sorted(kept))
+        )
     return model

@@ -405,7 +405,7 @@ def cli(monkeypatch, model, tok):
     quant, _ = quantize_standin(model)
     zoo = {"orig": model, "quant": quant, "other": tiny_llama(seed=3)}
     monkeypatch.setattr(ce, "_label", lambda s: s)
-    monkeypatch.setattr(ce, "load_model", lambda s, device: (zoo[s], tok))
+    monkeypatch.setattr(ce, "load_model", lambda s, device, **kw: (zoo[s], tok))
     app = typer.Typer()
     app.add_typer(ce.eval_app, name="eval")
     runner = CliRunner()
@@ -445,7 +445,7 @@ def test_cli_ppl_other_tokenizer(cli, monkeypatch, model, tok, tmp_path):
     import mxq.cli_eval as ce
 
     toks = {"orig": tok, "quant": byte_tokenizer(shift=5)}
-    monkeypatch.setattr(ce, "load_model", lambda s, device: (model, toks[s]))
+    monkeypatch.setattr(ce, "load_model", lambda s, device, **kw: (model, toks[s]))
     res = cli("ppl", "quant", "--baseline", "orig", "--dataset", "pydoc", "--seq-len", str(SEQ),
               "--max-windows", "1", "--device", "cpu")
     assert isinstance(res.exception, ValueError) and "different tokenizers" in str(res.exception)
@@ -479,3 +479,29 @@ def test_cli_real_model_dir(tmp_path, model, tok, monkeypatch):
     assert res.exit_code == 0, res.output
     row = [ln for ln in res.stdout.splitlines() if ln.startswith(f"| {d} ")]
     assert len(row) == 2 and "+0.00 %" in row[1]
+
+
+def test_cli_ppl_dtype(tmp_path, model, tok):
+    """--dtype runs the model in that dtype (float32 here: what the CPU-vs-GPU check uses)."""
+    import mxq.cli_eval as ce
+
+    d = tmp_path / "tiny"
+    m16 = copy.deepcopy(model).to(torch.bfloat16)
+    m16.save_pretrained(d)
+    tok.save_pretrained(d)
+    data = tmp_path / "c.txt"
+    data.write_text("\n\n".join(TEXT_DOCS))
+    app = typer.Typer()
+    app.add_typer(ce.eval_app, name="eval")
+    out = tmp_path / "r.json"
+    res = CliRunner().invoke(app, ["eval", "ppl", str(d), "--dataset", str(data), "--seq-len", str(SEQ),
+                                   "--device", "cpu", "--dtype", "float32", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(out.read_text())
+    bf = perplexity(m16, tok, TEXT_DOCS, seq_len=SEQ, progress=False)
+    ref = perplexity(m16.float(), tok, TEXT_DOCS, seq_len=SEQ, progress=False)
+    assert rep["dtype"] == "float32"
+    assert rep["results"][0]["ppl"] == pytest.approx(ref.ppl, rel=1e-6)
+    assert rep["results"][0]["ppl"] != pytest.approx(bf.ppl, rel=1e-7)
+    res = CliRunner().invoke(app, ["eval", "ppl", str(d), "--dataset", str(data), "--dtype", "int8"])
+    assert res.exit_code != 0 and "--dtype must be one of" in res.output

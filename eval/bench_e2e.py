@@ -1,0 +1,352 @@
+"""End-to-end speed and memory: a bf16 model against its MXFP8 quantization, in one process.
+
+    python -m mxq.eval.bench_e2e --shape llama3-8b --out e2e-8b.json        # random weights, on the GPU
+    python -m mxq.eval.bench_e2e --model default --out e2e-smollm2.json     # SmolLM2-135M (embedded)
+
+For the bf16 model, then (quantized in place on the same device, timed) for the MXFP8 one:
+
+* weights: bytes of parameters and buffers;
+* prefill: the perplexity forward (``model(ids)``, logits for every position, no cache) at
+  ``--seq-len`` tokens per sequence, batch ``--prefill-batch``: tokens/s (median of timed runs)
+  and peak memory;
+* decode, greedy, ``--new-tokens`` tokens after a ``--prompt-len`` prompt, at each
+  ``--batch``: (a) static KV cache with the decode step replayed from a CUDA graph
+  (``mxq.decode.StaticGreedyDecoder``) -- what memory bandwidth allows; (b) the same step eager;
+  (c) eager ``generate()`` with the default dynamic cache (batch 1). Decode tokens/s counts new
+  tokens of all sequences per second of decoding (prefill excluded), peak memory included.
+  The graph path is checked to give the same tokens as the eager static path first.
+
+Ratios are MXFP8 over bf16 (> 1: MXFP8 faster / for memory: the fraction of bf16). Prints a
+markdown table and writes JSON. On a CPU (``--device cpu``) it runs without graphs (tests use a
+tiny shape there); figures worth reporting come from a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+SHAPES = {
+    # Llama-3-8B (random weights, for speed only) and a tiny one for tests.
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024),
+}  # fmt: skip
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Timer:
+    """Wall time of a block on the device (CUDA events on a GPU, perf_counter elsewhere)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def __enter__(self):
+        _sync(self.device)
+        if self.device.type == "cuda":
+            self.a, self.b = (
+                torch.cuda.Event(enable_timing=True),
+                torch.cuda.Event(enable_timing=True),
+            )
+            self.a.record()
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            self.b.record()
+            self.b.synchronize()
+            self.s = self.a.elapsed_time(self.b) / 1e3
+        else:
+            self.s = time.perf_counter() - self.t0
+
+
+def _reset_peak(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak(device: torch.device) -> int | None:
+    return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+
+
+def weight_bytes(model) -> int:
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+def build_random(shape: str, device: torch.device, seed: int = 0):
+    """A Llama-shaped bf16 model with random weights (N(0, 0.02)), built directly on ``device``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**SHAPES[shape], tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    return model.eval()
+
+
+def bench_prefill(model, batch: int, seq_len: int, reps: int) -> dict:
+    device = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (batch, seq_len), device=device)
+    with torch.inference_mode():
+        model(ids, use_cache=False)  # warm-up (kernel compilation, autotune)
+        _reset_peak(device)
+        times = []
+        for _ in range(reps):
+            with _Timer(device) as t:
+                model(ids, use_cache=False)
+            times.append(t.s)
+    med = statistics.median(times)
+    return dict(batch=batch, seq_len=seq_len, reps=reps, median_s=med, tokens_per_s=batch * seq_len / med,
+                peak_bytes=_peak(device))  # fmt: skip
+
+
+def bench_decode_static(
+    model, batch: int, prompt_len: int, new_tokens: int, cuda_graph: bool
+) -> dict:
+    from mxq.decode import StaticGreedyDecoder
+
+    device = next(model.parameters()).device
+    g = torch.Generator(device=device).manual_seed(batch)  # the same prompt for every mode
+    ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), device=device, generator=g)
+    _reset_peak(device)
+    dec = StaticGreedyDecoder(model, batch, prompt_len + new_tokens + 1, cuda_graph=cuda_graph)
+    dec.prefill(ids)
+    if cuda_graph:
+        dec.capture()
+    dec.step()  # warm-up step (eager: kernel compilation)
+    dec.prefill(ids)
+    with _Timer(device) as t:
+        for _ in range(new_tokens):
+            dec.step()
+    tokens = dec.seq[:, : prompt_len + new_tokens + 1].clone()
+    out = dict(batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, cuda_graph=cuda_graph,
+               decode_s=t.s, tokens_per_s=batch * new_tokens / t.s, ms_per_step=1e3 * t.s / new_tokens,
+               peak_bytes=_peak(device))  # fmt: skip
+    del dec
+    return out, tokens
+
+
+def bench_decode_generate(model, batch: int, prompt_len: int, new_tokens: int) -> dict:
+    """Eager ``generate()`` with the default (dynamic) cache: decode time = t(1 + n) - t(1)."""
+    device = next(model.parameters()).device
+    ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), device=device)
+    mask = torch.ones_like(ids)
+
+    def gen(n):
+        with _Timer(device) as t, torch.inference_mode():
+            model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                           pad_token_id=0)  # fmt: skip
+        return t.s
+
+    gen(4)  # warm-up
+    t1, tn = gen(1), gen(1 + new_tokens)
+    dt = max(tn - t1, 1e-9)
+    return dict(batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, decode_s=dt,
+                tokens_per_s=batch * new_tokens / dt, ms_per_step=1e3 * dt / new_tokens)  # fmt: skip
+
+
+def measure(model, label: str, a, device: torch.device) -> dict:
+    res = {"label": label, "weight_bytes": weight_bytes(model)}
+    _sync(device)
+    res["allocated_bytes"] = (
+        int(torch.cuda.memory_allocated(device)) if device.type == "cuda" else None
+    )
+    print(f"[{label}] weights {res['weight_bytes'] / 2**30:.2f} GiB", flush=True)
+    res["prefill"] = bench_prefill(model, a.prefill_batch, a.seq_len, a.reps)
+    print(f"[{label}] prefill {res['prefill']['tokens_per_s']:.0f} tok/s", flush=True)
+    res["decode"] = []
+    graphs = device.type == "cuda" and not a.no_graph
+    for b in a.batch:
+        toks = {}
+        for cg in [True, False] if graphs else [False]:
+            r, toks[cg] = bench_decode_static(model, b, a.prompt_len, a.new_tokens, cg)
+            r["mode"] = "static+graph" if cg else "static eager"
+            res["decode"].append(r)
+            print(f"[{label}] decode B={b} {r['mode']}: {r['tokens_per_s']:.1f} tok/s", flush=True)
+        if graphs:  # the graph replays the eager step: the same prompt gives the same tokens
+            res["decode"][-2]["tokens_match_eager"] = bool(torch.equal(toks[True], toks[False]))
+    if not a.no_generate:
+        r = bench_decode_generate(model, 1, a.prompt_len, a.generate_tokens)
+        r["mode"] = "generate() dynamic cache"
+        res["decode"].append(r)
+        print(f"[{label}] decode B=1 {r['mode']}: {r['tokens_per_s']:.1f} tok/s", flush=True)
+    return res
+
+
+def _ratio(q, b):
+    return q / b if isinstance(q, (int, float)) and isinstance(b, (int, float)) and b else None
+
+
+def summary_rows(res: dict) -> list[dict]:
+    """Metric rows: bf16 value, MXFP8 value, ratio (MXFP8 / bf16)."""
+    b, q = res["bf16"], res["mxfp8"]
+    rows = [
+        dict(
+            metric="weights (GiB)", bf16=b["weight_bytes"] / 2**30, mxfp8=q["weight_bytes"] / 2**30
+        )
+    ]
+    pb, pq = b["prefill"], q["prefill"]
+    rows.append(
+        dict(
+            metric=f"prefill tok/s (B={pb['batch']}, S={pb['seq_len']})",
+            bf16=pb["tokens_per_s"],
+            mxfp8=pq["tokens_per_s"],
+        )
+    )
+    if pb["peak_bytes"] is not None:
+        rows.append(
+            dict(
+                metric="prefill peak memory (GiB)",
+                bf16=pb["peak_bytes"] / 2**30,
+                mxfp8=pq["peak_bytes"] / 2**30,
+            )
+        )
+    for db, dq in zip(b["decode"], q["decode"]):
+        rows.append(
+            dict(
+                metric=f"decode tok/s B={db['batch']} {db['mode']}",
+                bf16=db["tokens_per_s"],
+                mxfp8=dq["tokens_per_s"],
+            )
+        )
+        if db.get("peak_bytes") is not None and db["mode"] == "static+graph":
+            rows.append(
+                dict(
+                    metric=f"decode peak memory B={db['batch']} (GiB)",
+                    bf16=db["peak_bytes"] / 2**30,
+                    mxfp8=dq["peak_bytes"] / 2**30,
+                )
+            )
+    if res.get("quantize"):
+        rows.append(
+            dict(metric="quantize in memory (s)", bf16=None, mxfp8=res["quantize"]["wall_s"])
+        )
+    for r in rows:
+        r["ratio"] = _ratio(r["mxfp8"], r["bf16"])
+    return rows  # fmt: skip
+
+
+def print_table(res: dict) -> None:
+    print(
+        f"\n## End to end: {res['model']} on {res['env']['device']} ({res['env']['date']}), recipe {res['recipe']}"
+    )
+    print("| metric | bf16 | MXFP8 | MXFP8 / bf16 |")
+    print("|---|---:|---:|---:|")
+    for r in res["summary"]:
+        f = lambda v: "-" if v is None else (f"{v:.2f}" if v < 100 else f"{v:.0f}")
+        print(f"| {r['metric']} | {f(r['bf16'])} | {f(r['mxfp8'])} | {f(r['ratio'])} |")
+
+
+def env_info(device: torch.device) -> dict:
+    import transformers
+
+    try:
+        import triton
+
+        tv = triton.__version__
+    except ImportError:
+        tv = None
+    return dict(
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        torch=torch.__version__, triton=tv, transformers=transformers.__version__,
+        python=platform.python_version(), date=datetime.date.today().isoformat(),
+    )  # fmt: skip
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    src = p.add_mutually_exclusive_group()
+    src.add_argument(
+        "--shape", choices=sorted(SHAPES), help="random-weight Llama shape (default llama3-8b)"
+    )
+    src.add_argument("--model", help="a model mxq can load (HF dir, hub id, .gguf, 'default')")
+    p.add_argument("--recipe", default="mxfp8")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--prefill-batch", type=int, default=1)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--batch", default="1,8", help="decode batch sizes, comma-separated")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument(
+        "--generate-tokens", type=int, default=32, help="new tokens for the eager generate() figure"
+    )
+    p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph decode")
+    p.add_argument("--no-generate", action="store_true", help="skip the eager generate() figure")
+    p.add_argument("--out", default=None, help="JSON file to write")
+    a = p.parse_args(argv)
+    a.batch = [int(v) for v in a.batch.split(",")]
+    device = torch.device(a.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(
+            "bench_e2e: --device cuda but CUDA is not available (use --device cpu for a smoke run)",
+            file=sys.stderr,
+        )
+        return 2
+    import mxq
+
+    res = {"env": env_info(device), "recipe": a.recipe, "args": {k: v for k, v in vars(a).items()}}
+    print(json.dumps(res["env"]), flush=True)
+    if a.model:
+        from mxq.models import load_model
+
+        model, _ = load_model(a.model, device=device, tokenizer=False)
+        res["model"] = a.model
+    else:
+        shape = a.shape or "llama3-8b"
+        with _Timer(device) as t:
+            model = build_random(shape, device)
+        res["model"] = f"{shape} (random weights)"
+        print(f"built {shape} on {device} in {t.s:.1f} s", flush=True)
+    res["config"] = {k: getattr(model.config, k, None) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "vocab_size")}  # fmt: skip
+    res["bf16"] = measure(model, "bf16", a, device)
+    _reset_peak(device)
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    with _Timer(device) as t, contextlib.redirect_stderr(sys.stdout):
+        mxq.quantize_model(model, a.recipe)
+    res["quantize"] = dict(
+        wall_s=t.s, peak_extra_bytes=(_peak(device) - base) if device.type == "cuda" else None
+    )
+    print(f"quantized in memory ({a.recipe}) in {t.s:.2f} s", flush=True)
+    res["mxfp8"] = measure(model, "mxfp8", a, device)
+    res["summary"] = summary_rows(res)
+    print_table(res)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+        print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,197 @@
+"""Decoding paths a user measures speed with: static-cache greedy decoding (CUDA-graph replay on
+a GPU), torch.compile without graph breaks, and the end-to-end benchmark's bookkeeping.
+
+References are independent: ``model.generate(do_sample=False)`` with transformers' own cache
+for tokens, the eager forward for compiled logits, parameter shapes for weight bytes.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, StaticCache
+
+import mxq
+from mxq.decode import StaticGreedyDecoder
+from mxq.linear import MXLinear
+
+CUDA = torch.cuda.is_available()
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+
+def _llama(seed=0, vocab=211):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=256, tie_word_embeddings=False)  # fmt: skip
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _qwen(seed=1):
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=6,
+                      num_key_value_heads=2, vocab_size=173, max_position_embeddings=256, tie_word_embeddings=True)  # fmt: skip
+    m = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.self_attn.q_proj.bias.normal_(0, 0.5)
+    return m
+
+
+def _reference_tokens(model, ids, n):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, pad_token_id=0)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "build,recipe", [(_llama, None), (_llama, "mxfp8"), (_llama, "mxfp8-w8a16"), (_qwen, "mxfp8")]
+)
+def test_static_decoder_matches_generate(build, recipe):
+    model = build()
+    if recipe:
+        mxq.quantize_model(model, recipe)
+        assert any(isinstance(m, MXLinear) for m in model.modules())
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, model.config.vocab_size, (3, 13), generator=g)
+    ref = _reference_tokens(model, ids, 10)
+    dec = StaticGreedyDecoder(model, batch_size=3, max_len=40)
+    assert torch.equal(dec.generate(ids, 10), ref)
+    # the warm-up that precedes graph capture must leave positions and the cache's own
+    # write counters where they were; a second prompt reuses the same buffers
+    ids2 = torch.randint(0, model.config.vocab_size, (3, 5), generator=g)
+    dec.prefill(ids2)
+    dec.warm_up(steps=3)
+    for _ in range(6):
+        dec.step()
+    assert torch.equal(dec.seq[:, :12], _reference_tokens(model, ids2, 7))
+
+
+def test_static_decoder_errors():
+    model = _llama()
+    dec = StaticGreedyDecoder(model, batch_size=2, max_len=16)
+    with pytest.raises(ValueError, match="batch 3, the decoder was built for 2"):
+        dec.prefill(torch.zeros(3, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"prompt 10 \+ max_new_tokens 7 > max_len 16"):
+        dec.generate(torch.zeros(2, 10, dtype=torch.long), 7)
+    with pytest.raises(ValueError, match="needs a model on a CUDA device"):
+        StaticGreedyDecoder(model, batch_size=1, max_len=8, cuda_graph=True)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8-w8a16"])
+def test_compile_fullgraph_static_cache(recipe):
+    """MXLinear under torch.compile: one graph (fullgraph=True raises on any break), same logits."""
+    torch._dynamo.reset()
+    model = _llama(seed=3)
+    mxq.quantize_model(model, recipe)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    cache_c = StaticCache(config=model.config, max_cache_len=16)
+    cache_e = StaticCache(config=model.config, max_cache_len=16)
+    with torch.no_grad():
+        for pos, chunk in ((torch.arange(9), ids), (torch.tensor([9]), ids[:, :1])):
+            lc = compiled(chunk, past_key_values=cache_c, cache_position=pos).logits
+            le = model(chunk, past_key_values=cache_e, cache_position=pos).logits
+            torch.testing.assert_close(lc, le, rtol=1e-5, atol=1e-6)  # BLAS may block differently
+    # the op also dispatches eagerly (what the compiled graph calls)
+    lin = next(m for m in model.modules() if isinstance(m, MXLinear))
+    x = torch.randn(5, lin.in_features)
+    act = lin.act.elem.name if lin.act is not None else ""
+    y = torch.ops.mxq.mx_linear(x, lin.weight, lin.weight_scale, lin.bias, act, "rceil", 32)
+    assert torch.equal(y, lin(x))
+
+
+def test_loaded_checkpoint_is_compileable(tmp_path):
+    from mxq.convert import quantize_checkpoint
+
+    model = _llama(seed=4).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "src")
+    quantize_checkpoint(tmp_path / "src", tmp_path / "q", progress=False)
+    q = mxq.load(tmp_path / "q")
+    assert q.hf_quantizer.is_compileable  # generate(cache_implementation="static") may compile it
+    ids = torch.randint(0, q.config.vocab_size, (1, 6))
+    with torch.no_grad():
+        a = q.generate(ids, max_new_tokens=5, do_sample=False, cache_implementation="static")
+        b = q.generate(ids, max_new_tokens=5, do_sample=False)
+    assert torch.equal(a, b)
+
+
+def _expected_weight_bytes(model):
+    total = 0
+    for m in model.modules():
+        if isinstance(m, MXLinear):
+            n, k = m.out_features, m.in_features
+            total += n * k + n * (k // 32) + (0 if m.bias is None else 2 * n)
+        elif not list(m.children()) or isinstance(m, torch.nn.Embedding):
+            total += sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+    return total
+
+
+def test_bench_e2e_cpu_smoke(tmp_path):
+    """The benchmark runs end to end on a CPU (no graphs) and its bookkeeping is right."""
+    from mxq.eval import bench_e2e
+
+    out = tmp_path / "e2e.json"
+    rc = bench_e2e.main(["--shape", "tiny", "--device", "cpu", "--seq-len", "48", "--reps", "1", "--batch", "1,2",
+                         "--prompt-len", "5", "--new-tokens", "3", "--generate-tokens", "2", "--out", str(out)])  # fmt: skip
+    assert rc == 0
+    res = json.loads(out.read_text())
+    ref = bench_e2e.build_random("tiny", torch.device("cpu"))
+    assert res["bf16"]["weight_bytes"] == sum(p.numel() * 2 for p in ref.parameters()) + sum(
+        b.numel() * b.element_size() for b in ref.buffers()
+    )
+    q = mxq.quantize_model(copy.deepcopy(ref), "mxfp8")
+    assert res["mxfp8"]["weight_bytes"] == _expected_weight_bytes(q) + sum(
+        b.numel() * b.element_size() for b in q.buffers()
+    )
+    modes = [(d["batch"], d["mode"]) for d in res["mxfp8"]["decode"]]
+    assert modes == [(1, "static eager"), (2, "static eager"), (1, "generate() dynamic cache")]
+    metrics = [r["metric"] for r in res["summary"]]
+    assert metrics[0] == "weights (GiB)" and any("prefill tok/s" in m for m in metrics)
+    w = res["summary"][0]
+    assert w["ratio"] == pytest.approx(res["mxfp8"]["weight_bytes"] / res["bf16"]["weight_bytes"])
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", [None, "mxfp8"])
+def test_gpu_graph_decode_matches_eager(recipe):
+    model = _llama(seed=5).to("cuda", torch.bfloat16)
+    if recipe:
+        mxq.quantize_model(model, recipe)
+    ids = torch.randint(0, model.config.vocab_size, (4, 17), device="cuda")
+    eager = StaticGreedyDecoder(model, 4, 64, cuda_graph=False).generate(ids, 20)
+    dec = StaticGreedyDecoder(model, 4, 64, cuda_graph=True)
+    assert torch.equal(dec.generate(ids, 20), eager)
+    assert dec.graph is not None
+    ids2 = torch.randint(
+        0, model.config.vocab_size, (4, 9), device="cuda"
+    )  # replays the same graph
+    assert torch.equal(
+        dec.generate(ids2, 12),
+        StaticGreedyDecoder(model, 4, 64, cuda_graph=False).generate(ids2, 12),
+    )
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_generate_static_cache_compiles():
+    """generate(cache_implementation="static") on CUDA compiles the forward (reduce-overhead,
+    CUDA graphs) through torch.ops.mxq.mx_linear; tokens equal the uncompiled run."""
+    torch._dynamo.reset()
+    model = _llama(seed=6).to("cuda", torch.bfloat16)
+    mxq.quantize_model(model, "mxfp8")
+    ids = torch.randint(0, model.config.vocab_size, (2, 11), device="cuda")
+    kw = dict(
+        max_new_tokens=12,
+        min_new_tokens=12,
+        do_sample=False,
+        pad_token_id=0,
+        cache_implementation="static",
+    )
+    with torch.no_grad():
+        ref = model.generate(ids, disable_compile=True, **kw)
+        out = model.generate(ids, **kw)
+    assert torch.equal(out, ref)
