@@ -2,8 +2,9 @@
 
 - CUDA, compute capability >= 10 (Blackwell): ``tl.dot_scaled``, the native MX MMA.
 - other CUDA devices (Hopper, sm_90): M <= ``gemm.GEMV_MAX_M``: the CUDA-core decode kernel
-  ``gemm.mx_gemv`` (W8A8 rounds X inside it); larger M: the exact emulation in ``gemm.mx_gemm``,
-  W8A8 rounding X to MX along K first (``quantize.fake_quantize_mx_rows``, bf16 out, exact).
+  ``gemm.mx_gemv`` (W8A8 rounds X inside it); larger M: the exact emulation in ``gemm.mx_gemm``;
+  W8A8 rounds X inside it up to ``gemm.GEMM_QUANT_MAX_M`` rows, above that first
+  (``quantize.fake_quantize_mx_rows``, bf16 out, exact) in a separate launch.
 - CPU, or Triton absent: ``mx_linear_reference`` (the function every path must compute).
 
 Nothing here syncs the host: the path depends only on the device and dtypes, tile shapes only
@@ -122,6 +123,12 @@ def mx_linear_triton(
         if act_elem is not None:
             x2 = _quantize.fake_quantize_mx_rows(x2, act_elem, act_rule, block_size, out_dtype=torch.float32)
         y = _gemm.mx_gemv_rows(x2, weight, weight_scale, bias, out_dtype=x.dtype, block_size=block_size)
+    elif act_elem is not None and act_rule is not ScaleRule.MSE and x2.shape[0] <= _gemm.GEMM_QUANT_MAX_M:
+        # Small M, W8A8: X MX-rounded inside the MMA kernel (one launch instead of two).
+        y = _gemm.mx_gemm(
+            x2, weight, weight_scale, bias, out_dtype=x.dtype, block_size=block_size,
+            act_elem=act_elem, act_rule=act_rule,
+        )  # fmt: skip
     else:
         if act_elem is not None:
             x2 = _quantize.fake_quantize_mx_rows(x2, act_elem, act_rule, block_size, out_dtype=torch.bfloat16)

@@ -59,6 +59,7 @@ class GemmConfig:
     tma_w: bool = False  # weight tiles through TMA
     scale_gather: bool = False  # scales loaded per element instead of broadcast by reshape
     deq_bf16: bool = False  # apply the scale with a bf16 multiply instead of fp32 (bf16 dots only)
+    peel: bool = True  # first K step before the loop (lets ptxas pipeline the wgmmas, see kernel)
 
 
 @triton.jit
@@ -71,6 +72,72 @@ def _e8m0_to_f32(s):
 
 
 @triton.jit
+def _mx_gemm_operands(
+    x_ptr, w_ptr, s_ptrs, sc_next, w_ptrs, x_ptrs, i, k_lo, k_hi, pid_m, pid_n, offs_k, offs_b,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BS: tl.constexpr,
+    DOT: tl.constexpr, EVEN_K: tl.constexpr, TMA_X: tl.constexpr, TMA_W: tl.constexpr,
+    SCALE_GATHER: tl.constexpr, DEQ_BF16: tl.constexpr, PREFETCH_S: tl.constexpr,
+    QUANT: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr,
+    EMIN: tl.constexpr, RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr,
+):  # fmt: skip
+    """One K step's operands: the dequantized weight tile [BLOCK_N, BLOCK_K] (dot dtype, in
+    registers) and the activation tile [BLOCK_K, BLOCK_M]; also the next step's scales."""
+    NB: tl.constexpr = BLOCK_K // BS
+    k = k_lo + i * BLOCK_K
+    s_ptrs += i * NB
+    if not TMA_W:
+        w_ptrs += i * BLOCK_K
+    if not TMA_X or QUANT:
+        x_ptrs += i * BLOCK_K
+    # TMA zero-fills out-of-bounds rows and columns; pointer loads mask the K tail.
+    if TMA_W:
+        w = w_ptr.load([pid_n * BLOCK_N, k])
+    elif EVEN_K:
+        w = tl.load(w_ptrs)
+    else:
+        w = tl.load(w_ptrs, mask=((k + offs_k) < k_hi)[None, :], other=0.0)
+    if QUANT:
+        # W8A8 with X rounded here (decode): [BLOCK_M, BLOCK_K] rows, MX blocks along K.
+        if EVEN_K:
+            xr = tl.load(x_ptrs)
+        else:
+            xr = tl.load(x_ptrs, mask=((k + offs_k) < k_hi)[None, :], other=0.0)
+        xq = mx_round_dequant(tl.reshape(xr.to(tl.float32), (BLOCK_M, NB, BS)), EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8)
+        xt = tl.trans(tl.reshape(xq, (BLOCK_M, BLOCK_K)).to(DOT))
+    elif TMA_X:
+        xt = tl.trans(x_ptr.load([pid_m * BLOCK_M, k]))
+    elif EVEN_K:
+        xt = tl.load(x_ptrs)
+    else:
+        xt = tl.load(x_ptrs, mask=((k + offs_k) < k_hi)[:, None], other=0.0)
+    if SCALE_GATHER:
+        if EVEN_K:
+            sc = tl.load(s_ptrs)
+        else:
+            sc = tl.load(s_ptrs, mask=((k + offs_k) < k_hi)[None, :], other=127)
+        wd = (w.to(tl.float32) * _e8m0_to_f32(sc)).to(DOT)
+    else:
+        if PREFETCH_S:
+            # The scale load is not software-pipelined by Triton (it feeds the dot only
+            # through the dequant): load the next step's scales one iteration ahead.
+            sc = sc_next
+            sc_next = tl.load(s_ptrs + NB, mask=((k + BLOCK_K + offs_b * BS) < k_hi)[None, :], other=127)
+        elif EVEN_K:
+            sc = tl.load(s_ptrs)
+        else:
+            sc = tl.load(s_ptrs, mask=((k + offs_b * BS) < k_hi)[None, :], other=127)
+        if DEQ_BF16:
+            # fp8 -> bf16 is exact and a power-of-two product is exact in bf16 (same exponent
+            # range as fp32): half the conversion work of the fp32 route.
+            sb = _e8m0_to_f32(sc).to(tl.bfloat16)
+            wf = tl.reshape(w.to(tl.bfloat16), (BLOCK_N, NB, BS)) * sb[:, :, None]
+        else:
+            wf = tl.reshape(w.to(tl.float32), (BLOCK_N, NB, BS)) * _e8m0_to_f32(sc)[:, :, None]
+        wd = tl.reshape(wf, (BLOCK_N, BLOCK_K)).to(DOT)
+    return wd, xt.to(DOT), sc_next
+
+
+@triton.jit
 def _mx_gemm_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
     M, N, K, K_SPLIT, M_BUCKET,
@@ -79,8 +146,19 @@ def _mx_gemm_kernel(
     GROUP: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     TMA_X: tl.constexpr = False, TMA_W: tl.constexpr = False, SCALE_GATHER: tl.constexpr = False,
-    DEQ_BF16: tl.constexpr = False, PREFETCH_S: tl.constexpr = False,
+    DEQ_BF16: tl.constexpr = False, PREFETCH_S: tl.constexpr = False, PEEL: tl.constexpr = True,
+    QUANT: tl.constexpr = False, EMAX: tl.constexpr = 8, MBITS: tl.constexpr = 3, MAXN: tl.constexpr = 448.0,
+    EMIN: tl.constexpr = -6, RULE: tl.constexpr = 1, HW_CVT: tl.constexpr = False,
+    FP8: tl.constexpr = tl.float8e4nv,
 ):  # fmt: skip
+    """Yᵀ tile [BLOCK_N, BLOCK_M] = dequant(W) tile · Xᵀ tile over this program's K range.
+
+    PEEL: the first K step runs before the loop and starts the accumulator with its MMA, so
+    the loop never carries a zero-initialised accumulator. With a loop that may run zero
+    times, the zero-trip path writes the accumulator registers with plain moves and ptxas
+    then serializes every wgmma (C7515: one MMA in flight, each waited for before the next).
+    QUANT: X is MX-rounded along K inside the kernel (W8A8 in one launch; not MSE).
+    """
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -103,66 +181,40 @@ def _mx_gemm_kernel(
 
     k_lo = pid_k * K_SPLIT
     k_hi = min(k_lo + K_SPLIT, K)
-    n_iter = tl.cdiv(k_hi - k_lo, BLOCK_K)
+    n_iter = tl.cdiv(k_hi - k_lo, BLOCK_K)  # >= 1: every split holds at least one K step
+    w_ptrs = w_ptr
+    x_ptrs = x_ptr
     if not TMA_W:
         w_ptrs = w_ptr + rn[:, None] * stride_wn + (k_lo + offs_k)[None, :]
-    if not TMA_X:
+    if QUANT:
+        x_ptrs = x_ptr + rm[:, None] * stride_xm + (k_lo + offs_k)[None, :]
+    elif not TMA_X:
         x_ptrs = x_ptr + rm[None, :] * stride_xm + (k_lo + offs_k)[:, None]
     if SCALE_GATHER:
         s_ptrs = s_ptr + rn[:, None] * stride_sn + (k_lo + offs_k)[None, :] // BS
     else:
         s_ptrs = s_ptr + rn[:, None] * stride_sn + (k_lo // BS + offs_b)[None, :]
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    sc_next = tl.zeros((BLOCK_N, NB), dtype=tl.uint8)
     if PREFETCH_S and not SCALE_GATHER:
         sc_next = tl.load(s_ptrs, mask=((k_lo + offs_b * BS) < k_hi)[None, :], other=127)
-    for i in range(n_iter):
-        k = k_lo + i * BLOCK_K
-        # TMA zero-fills out-of-bounds rows and columns; pointer loads mask the K tail.
-        if TMA_W:
-            w = w_ptr.load([pid_n * BLOCK_N, k])
-        elif EVEN_K:
-            w = tl.load(w_ptrs)
-        else:
-            w = tl.load(w_ptrs, mask=((k + offs_k) < k_hi)[None, :], other=0.0)
-        if TMA_X:
-            xt = tl.trans(x_ptr.load([pid_m * BLOCK_M, k]))
-        elif EVEN_K:
-            xt = tl.load(x_ptrs)
-        else:
-            xt = tl.load(x_ptrs, mask=((k + offs_k) < k_hi)[:, None], other=0.0)
-        if SCALE_GATHER:
-            if EVEN_K:
-                sc = tl.load(s_ptrs)
-            else:
-                sc = tl.load(s_ptrs, mask=((k + offs_k) < k_hi)[None, :], other=127)
-            wd = (w.to(tl.float32) * _e8m0_to_f32(sc)).to(DOT)
-        else:
-            if PREFETCH_S:
-                # The scale load is not software-pipelined by Triton (it feeds the dot only
-                # through the dequant): load the next step's scales one iteration ahead.
-                sc = sc_next
-                sc_next = tl.load(s_ptrs + NB, mask=((k + BLOCK_K + offs_b * BS) < k_hi)[None, :], other=127)
-            elif EVEN_K:
-                sc = tl.load(s_ptrs)
-            else:
-                sc = tl.load(s_ptrs, mask=((k + offs_b * BS) < k_hi)[None, :], other=127)
-            if DEQ_BF16:
-                # fp8 -> bf16 is exact and a power-of-two product is exact in bf16 (same exponent
-                # range as fp32): half the conversion work of the fp32 route.
-                sb = _e8m0_to_f32(sc).to(tl.bfloat16)
-                wf = tl.reshape(w.to(tl.bfloat16), (BLOCK_N, NB, BS)) * sb[:, :, None]
-            else:
-                wf = tl.reshape(w.to(tl.float32), (BLOCK_N, NB, BS)) * _e8m0_to_f32(sc)[:, :, None]
-            wd = tl.reshape(wf, (BLOCK_N, BLOCK_K)).to(DOT)
-        acc = tl.dot(wd, xt.to(DOT), acc, input_precision=PRECISION)
-        if not TMA_W:
-            w_ptrs += BLOCK_K
-        if not TMA_X:
-            x_ptrs += BLOCK_K
-        if SCALE_GATHER:
-            s_ptrs += BLOCK_K // BS
-        else:
-            s_ptrs += NB
+    if PEEL:
+        wd, xt, sc_next = _mx_gemm_operands(
+            x_ptr, w_ptr, s_ptrs, sc_next, w_ptrs, x_ptrs, 0, k_lo, k_hi, pid_m, pid_n, offs_k, offs_b,
+            BLOCK_M, BLOCK_N, BLOCK_K, BS, DOT, EVEN_K, TMA_X, TMA_W, SCALE_GATHER, DEQ_BF16,
+            PREFETCH_S, QUANT, EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8,
+        )  # fmt: skip
+        acc = tl.dot(wd, xt, input_precision=PRECISION, out_dtype=tl.float32)
+        first = 1
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        first = 0
+    for i in range(first, n_iter):
+        wd, xt, sc_next = _mx_gemm_operands(
+            x_ptr, w_ptr, s_ptrs, sc_next, w_ptrs, x_ptrs, i, k_lo, k_hi, pid_m, pid_n, offs_k, offs_b,
+            BLOCK_M, BLOCK_N, BLOCK_K, BS, DOT, EVEN_K, TMA_X, TMA_W, SCALE_GATHER, DEQ_BF16,
+            PREFETCH_S, QUANT, EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8,
+        )  # fmt: skip
+        acc = tl.dot(wd, xt, acc, input_precision=PRECISION)
 
     if SPLIT_K == 1:
         # The bias goes in while acc is still in the MMA layout ([BLOCK_N, BLOCK_M], bias along
@@ -456,13 +508,20 @@ def mx_gemm(
     out_dtype: torch.dtype | None = None,
     config: GemmConfig | None = None,
     block_size: int = 32,
+    act_elem: ElemFormat | None = None,
+    act_rule: ScaleRule = ScaleRule.RCEIL,
 ) -> torch.Tensor:
     """Y [M, N] = X [M, K] · dequant(W)ᵀ (+ bias), X used as given (bf16 / fp16 / fp32).
 
-    The emulation kernel above; W8A8 callers round X to MX first (see dispatch.mx_linear).
+    The emulation kernel above. With ``act_elem`` (W8A8) X is MX-rounded along K inside the
+    kernel (not ScaleRule.MSE; pointer loads for X, meant for small M where the rounding is
+    repeated per weight panel cheaply); otherwise W8A8 callers round X first (dispatch.mx_linear).
     """
     m, k = _check_gemm_args(x, weight, weight_scale, bias, block_size)
     n = weight.shape[0]
+    if act_elem is not None and act_rule is ScaleRule.MSE:
+        raise ValueError("mx_gemm rounds X itself only for FLOOR/RCEIL/EVEN; round MSE first")
+    quant = act_elem is not None
     if x.stride(1) != 1:
         x = x.contiguous()
     if weight.stride(1) != 1:
@@ -476,16 +535,17 @@ def mx_gemm(
     if k == 0:
         return y.zero_() if bias is None else y.copy_(bias.to(out_dtype).expand(m, n))
     cfg = config or pick_config(m, n, k, x.device)
-    if config is None and x.dtype != torch.bfloat16 and cfg.block_m > 64:
+    if config is None and x.dtype != torch.bfloat16 and not quant and cfg.block_m > 64:
         # fp32 operands (exact W8A16 for fp16/fp32 X): fp32 tiles need 2x the shared memory.
         cfg = GemmConfig(block_m=64, block_n=128, block_k=32, num_warps=4, num_stages=3)
     if cfg.block_k % block_size:
         raise ValueError(f"block_k={cfg.block_k} must be a multiple of block_size={block_size}")
-    if INTERPRET or x.dtype != torch.bfloat16:
+    if INTERPRET or (x.dtype != torch.bfloat16 and not quant):
         dot, precision = tl.float32, "ieee"
         if INTERPRET and x.dtype == torch.bfloat16:
             x = x.float()
     else:
+        # bf16 operands; in-kernel W8A8 rounding writes bf16 too (exact: see the module doc).
         dot, precision = tl.bfloat16, "tf32"  # precision is ignored for bf16 operands
     split = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
     k_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
@@ -494,10 +554,11 @@ def mx_gemm(
     target = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
     # TMA needs 16-byte aligned bases and row strides; otherwise fall back to pointer loads.
-    tma_x = cfg.tma_x and TensorDescriptor is not None and not INTERPRET and x.data_ptr() % 16 == 0 and (x.stride(0) * x.element_size()) % 16 == 0
+    tma_x = cfg.tma_x and not quant and TensorDescriptor is not None and not INTERPRET and x.data_ptr() % 16 == 0 and (x.stride(0) * x.element_size()) % 16 == 0
     tma_w = cfg.tma_w and TensorDescriptor is not None and not INTERPRET and weight.data_ptr() % 16 == 0 and weight.stride(0) % 16 == 0
     x_arg = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k]) if tma_x else x
     w_arg = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]) if tma_w else weight
+    ae = act_elem or E4M3
     _mx_gemm_kernel[grid](
         x_arg, w_arg, weight_scale, bias if bias is not None else weight_scale, target,
         m, n, k, k_split, triton.next_power_of_2(m),
@@ -506,7 +567,9 @@ def mx_gemm(
         GROUP=cfg.group, DOT=dot, PRECISION=precision,
         HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_K=even_k,
         TMA_X=tma_x, TMA_W=tma_w, SCALE_GATHER=cfg.scale_gather, DEQ_BF16=cfg.deq_bf16 and dot == tl.bfloat16,
-        PREFETCH_S=PREFETCH,
+        PREFETCH_S=PREFETCH, PEEL=cfg.peel,
+        QUANT=quant, EMAX=ae.emax, MBITS=ae.mbits, MAXN=ae.max_normal, EMIN=1 - ae.bias,
+        RULE=_RULE_ID[act_rule], HW_CVT=hw_cvt(x.device), FP8=fp8_dtype(ae),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split > 1:
@@ -532,6 +595,8 @@ class GemvConfig:
 
 # Largest M that takes the CUDA-core decode kernel on a GPU (kernels/NOTES.md, H200 sweep).
 GEMV_MAX_M = 2
+# Largest M whose W8A8 rounds X inside the MMA kernel (dispatch.mx_linear_triton).
+GEMM_QUANT_MAX_M = 64
 
 
 def pick_gemv_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig:

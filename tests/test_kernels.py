@@ -143,6 +143,41 @@ def test_mx_gemm_configs_and_split_k(split_k, gather):
         xx = x.to(xd)
         cfg = G.GemmConfig(16, 32, 64, num_stages=1, split_k=split_k, scale_gather=gather, tma_x=True, tma_w=True, deq_bf16=True)
         _assert_gemm_close(G.mx_gemm(xx, w, ws, None, config=cfg), xx, w64, None, None)
+        # The un-peeled loop (accumulator zero-initialised before it) computes the same.
+        cfg = G.GemmConfig(16, 32, 64, num_stages=1, split_k=split_k, scale_gather=gather, peel=False)
+        _assert_gemm_close(G.mx_gemm(xx, w, ws, None, config=cfg), xx, w64, None, None)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 40, 96), (5, 72, 160), (17, 50, 224)])
+@pytest.mark.parametrize("act", [(E4M3, ScaleRule.RCEIL), (E5M2, ScaleRule.FLOOR), (E4M3, ScaleRule.EVEN)])
+def test_mx_gemm_quant_inside(m, n, k, act):
+    """W8A8 with X MX-rounded inside the MMA kernel (one launch), any X dtype, split-K."""
+    gen = torch.Generator().manual_seed(m * 13 + n + k)
+    w, ws, w64 = _weight(n, k, E4M3 if n % 2 else E5M2, gen)
+    elem, rule = act
+    for xdtype in (torch.bfloat16, torch.float32):
+        x = _activations(m, k, xdtype, gen, special=False, decades=(-2, 1))
+        bias = torch.randn(n, generator=gen).to(xdtype).to(DEV)
+        for split in (1, 3):
+            cfg = G.GemmConfig(16, 32, 64, num_stages=1, split_k=split)
+            y = G.mx_gemm(x, w, ws, bias, config=cfg, act_elem=elem, act_rule=rule)
+            assert y.dtype == xdtype and y.shape == (m, n)
+            _assert_gemm_close(y, x, w64, bias, elem, rule)
+    with pytest.raises(ValueError, match="MSE"):
+        G.mx_gemm(x, w, ws, None, act_elem=E4M3, act_rule=ScaleRule.MSE)
+
+
+def test_mx_gemm_quant_inside_nonfinite():
+    """A NaN/Inf activation block makes its output row NaN, as in the reference."""
+    gen = torch.Generator().manual_seed(23)
+    n, k = 24, 128
+    w, ws, _ = _weight(n, k, E4M3, gen)
+    x = _activations(4, k, torch.float32, gen, special=True)
+    y = G.mx_gemm(x, w, ws, None, config=G.GemmConfig(16, 32, 64, num_stages=1), act_elem=E4M3)
+    ref = mx_linear_reference(x.cpu(), w.cpu(), ws.cpu(), None, act_elem=E4M3)
+    assert torch.equal(torch.isnan(y.cpu()), torch.isnan(ref))
+    fin = torch.isfinite(ref)
+    torch.testing.assert_close(y.cpu()[fin], ref[fin], rtol=1e-5, atol=1e-5)
 
 
 def test_mx_linear_leading_dims_rules_and_packed():
@@ -292,6 +327,9 @@ def test_gpu_cuda_graph_capture():
         G.GemmConfig(128, 128, 64, 8, 3, scale_gather=True),
         G.GemmConfig(16, 64, 128, 4, 6, split_k=4, tma_w=True, deq_bf16=True),
         G.GemmConfig(64, 128, 128, 4, 4, split_k=3, tma_w=True),
+        G.GemmConfig(16, 64, 128, 4, 6, split_k=4, tma_w=True, peel=False),
+        G.GemmConfig(256, 128, 64, 8, 3, tma_x=True, tma_w=True, deq_bf16=True, peel=False),
+        G.GemmConfig(16, 128, 256, 8, 3, split_k=2, tma_w=True),
     ],
     ids=str,
 )
@@ -303,6 +341,10 @@ def test_gpu_gemm_variants(cfg):
         b = torch.randn(1000, generator=gen).to(torch.bfloat16).cuda()
         _assert_gemm_close(G.mx_gemm(x, w, ws, b, config=cfg), x, w64, b, None)
         _assert_gemm_close(G.mx_gemm(x, w, ws, None, config=cfg), x, w64, None, None)
+        if m == 5 and cfg.block_m <= 64:
+            for elem, rule in ((E4M3, ScaleRule.RCEIL), (E5M2, ScaleRule.EVEN)):
+                y = G.mx_gemm(x, w, ws, b, config=cfg, act_elem=elem, act_rule=rule)
+                _assert_gemm_close(y, x, w64, b, elem, rule)
 
 
 # --------------------------------------------------------------------------------------
