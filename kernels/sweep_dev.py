@@ -335,7 +335,7 @@ def part_rows(ms=(3, 4, 8, 16), models=("8b", "70b"), cfgs=None):
     RES["rows" if models != ("8b",) else "rows2"] = rows
 
 
-def part_peel(ms=(1, 2, 4, 8, 16), pre_m=2048):
+def part_peel(ms=(1, 4, 16), pre_m=2048):
     """Session 4: peeled first K step (wgmma pipelined, no C7515 serialization) and W8A8 with X
     rounded inside the MMA kernel; decode tiles at M <= 16, prefill tiles at M = 2048 (8B shapes)."""
     import dataclasses
@@ -364,17 +364,16 @@ def part_peel(ms=(1, 2, 4, 8, 16), pre_m=2048):
 
             cands = []
             if m <= 64:
-                for bn, bk, wp, st in ((64, 128, 4, 6), (128, 128, 4, 4), (64, 256, 4, 4), (128, 256, 8, 3), (128, 128, 8, 4), (256, 128, 8, 3)):
+                for bn, bk, wp, st in ((64, 128, 4, 6), (128, 128, 4, 4), (64, 256, 4, 4), (128, 256, 8, 3), (256, 128, 8, 3)):
                     tiles = -(-n // bn)
                     auto = 1
                     while tiles * auto < 2 * sms and k // (auto * 2) >= 4 * bk and auto < 8:
                         auto *= 2
-                    for sp in sorted({auto, max(1, auto // 2), min(16, auto * 2)}):
+                    for sp in sorted({auto, min(16, auto * 2)}):
                         cands.append(C(max(16, 1 << (m - 1).bit_length()), bn, bk, wp, st, split_k=sp, tma_w=True))
             else:
                 kw = dict(tma_x=True, tma_w=True, deq_bf16=True)
-                cands = [C(256, 128, 64, 8, 3, **kw), C(128, 128, 64, 8, 4, **kw), C(256, 128, 64, 8, 4, **kw),
-                         C(256, 128, 128, 8, 2, **kw), C(128, 256, 64, 8, 3, **kw), C(128, 128, 128, 8, 3, **kw)]
+                cands = [C(256, 128, 64, 8, 3, **kw), C(128, 128, 64, 8, 4, **kw), C(256, 128, 128, 8, 2, **kw), C(128, 256, 64, 8, 3, **kw)]
             variants = [("old_2launch", old, False), ("peel_2launch", base, False)]
             variants += [(f"q_{c.block_n}x{c.block_k}w{c.num_warps}s{c.num_stages}k{c.split_k}", c, True) for c in cands if m <= 64]
             variants += [(f"p_{c.block_m}x{c.block_n}x{c.block_k}w{c.num_warps}s{c.num_stages}", c, False) for c in cands if m > 64]
