@@ -138,18 +138,23 @@ def bench_decode_static(
     g = torch.Generator(device=device).manual_seed(batch)  # the same prompt for every mode
     ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), device=device, generator=g)
     _reset_peak(device)
-    dec = StaticGreedyDecoder(model, batch, prompt_len + new_tokens + 1, cuda_graph=cuda_graph)
+    dec = StaticGreedyDecoder(
+        model, batch, prompt_len + new_tokens + 1, cuda_graph=cuda_graph, compile=compile
+    )
     dec.prefill(ids)
+    t0 = time.perf_counter()
     if cuda_graph:
         dec.capture()
     dec.step()  # warm-up step (eager: kernel compilation)
+    _sync(device)
+    setup_s = time.perf_counter() - t0
     dec.prefill(ids)
     with _Timer(device) as t:
         for _ in range(new_tokens):
             dec.step()
     tokens = dec.seq[:, : prompt_len + new_tokens + 1].clone()
     out = dict(batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, cuda_graph=cuda_graph,
-               decode_s=t.s, tokens_per_s=batch * new_tokens / t.s, ms_per_step=1e3 * t.s / new_tokens,
+               compiled=bool(compile), setup_s=setup_s, decode_s=t.s, tokens_per_s=batch * new_tokens / t.s, ms_per_step=1e3 * t.s / new_tokens,
                peak_bytes=_peak(device))  # fmt: skip
     del dec
     return out, tokens
@@ -238,7 +243,7 @@ def summary_rows(res: dict) -> list[dict]:
                 mxfp8=dq["tokens_per_s"],
             )
         )
-        if db.get("peak_bytes") is not None and db["mode"] == "static+graph":
+        if db.get("peak_bytes") is not None and db["mode"] == "static eager":
             rows.append(
                 dict(
                     metric=f"decode peak memory B={db['batch']} (GiB)",
@@ -301,6 +306,11 @@ def main(argv=None) -> int:
         "--generate-tokens", type=int, default=32, help="new tokens for the eager generate() figure"
     )
     p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph decode")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="also decode with the step compiled (inductor) + graph",
+    )
     p.add_argument("--no-generate", action="store_true", help="skip the eager generate() figure")
     p.add_argument("--out", default=None, help="JSON file to write")
     a = p.parse_args(argv)

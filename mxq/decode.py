@@ -23,7 +23,18 @@ import torch
 
 
 class StaticGreedyDecoder:
-    def __init__(self, model, batch_size: int, max_len: int, *, cuda_graph: bool | None = None):
+    def __init__(
+        self,
+        model,
+        batch_size: int,
+        max_len: int,
+        *,
+        cuda_graph: bool | None = None,
+        compile: bool | str = False,
+    ):
+        """``compile``: run the step through ``torch.compile(fullgraph=True)`` (inductor fuses
+        the small elementwise ops between the GEMMs; a string names another backend) before
+        capturing it. ``MXLinear`` enters the compiled graph as ``torch.ops.mxq.mx_linear``."""
         from transformers import StaticCache
 
         self.model = model
@@ -39,6 +50,12 @@ class StaticGreedyDecoder:
         self.pos = torch.zeros(1, dtype=torch.long, device=self.device)  # position of self.ids
         self.graph = None
         self.prompt_len = 0
+        self._step_fn = self._step
+        if compile:
+            backend = compile if isinstance(compile, str) else "inductor"
+            self._step_fn = torch.compile(
+                self._step, fullgraph=True, dynamic=False, backend=backend
+            )
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor) -> None:
@@ -105,7 +122,7 @@ class StaticGreedyDecoder:
         with ctx:
             for _ in range(steps):
                 restore()
-                self._step()
+                self._step_fn()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         restore()
@@ -117,7 +134,7 @@ class StaticGreedyDecoder:
         restore = self.warm_up()
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self._step()
+            self._step_fn()
         restore()  # capture records the step without running it; nothing moved, but be exact
 
     @torch.inference_mode()
@@ -125,7 +142,7 @@ class StaticGreedyDecoder:
         if self.graph is not None:
             self.graph.replay()
         else:
-            self._step()
+            self._step_fn()
 
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:

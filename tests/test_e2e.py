@@ -69,6 +69,20 @@ def test_static_decoder_matches_generate(build, recipe):
     assert torch.equal(dec.seq[:, :12], _reference_tokens(model, ids2, 7))
 
 
+def test_static_decoder_compiled_step_matches_generate():
+    """The step compiled with fullgraph=True (dynamo; the eager backend here) gives the same tokens."""
+    torch._dynamo.reset()
+    model = _llama(seed=2)
+    mxq.quantize_model(model, "mxfp8")
+    ids = torch.randint(0, model.config.vocab_size, (2, 7))
+    dec = StaticGreedyDecoder(model, batch_size=2, max_len=24, compile="eager")
+    dec.prefill(ids)
+    dec.warm_up()
+    for _ in range(8):
+        dec.step()
+    assert torch.equal(dec.seq[:, :16], _reference_tokens(model, ids, 9))
+
+
 def test_static_decoder_errors():
     model = _llama()
     dec = StaticGreedyDecoder(model, batch_size=2, max_len=16)
