@@ -123,8 +123,11 @@ def mx_linear_triton(
         if act_elem is not None:
             x2 = _quantize.fake_quantize_mx_rows(x2, act_elem, act_rule, block_size, out_dtype=torch.float32)
         y = _gemm.mx_gemv_rows(x2, weight, weight_scale, bias, out_dtype=x.dtype, block_size=block_size)
-    elif act_elem is not None and act_rule is not ScaleRule.MSE and x2.shape[0] <= _gemm.GEMM_QUANT_MAX_M:
-        # Small M, W8A8: X MX-rounded inside the MMA kernel (one launch instead of two).
+    elif (
+        act_elem is not None and act_rule is not ScaleRule.MSE and x2.shape[0] <= _gemm.GEMM_QUANT_MAX_M
+        and (not x2.is_cuda or _gemm.pick_config(x2.shape[0], weight.shape[0], k, x2.device).quant_x)
+    ):  # fmt: skip
+        # Small M, W8A8, where measured faster: X MX-rounded inside the MMA kernel (one launch).
         y = _gemm.mx_gemm(
             x2, weight, weight_scale, bias, out_dtype=x.dtype, block_size=block_size,
             act_elem=act_elem, act_rule=act_rule,

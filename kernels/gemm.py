@@ -60,6 +60,8 @@ class GemmConfig:
     scale_gather: bool = False  # scales loaded per element instead of broadcast by reshape
     deq_bf16: bool = False  # apply the scale with a bf16 multiply instead of fp32 (bf16 dots only)
     peel: bool = True  # first K step before the loop (lets ptxas pipeline the wgmmas, see kernel)
+    zero_dot: bool = False  # (peel=False) start the accumulator with a wgmma of zero tiles instead
+    quant_x: bool = False  # W8A8: round X inside this kernel (dispatch), else a quantizer launch first
 
 
 @triton.jit
@@ -147,6 +149,7 @@ def _mx_gemm_kernel(
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     TMA_X: tl.constexpr = False, TMA_W: tl.constexpr = False, SCALE_GATHER: tl.constexpr = False,
     DEQ_BF16: tl.constexpr = False, PREFETCH_S: tl.constexpr = False, PEEL: tl.constexpr = True,
+    ZERO_DOT: tl.constexpr = False,
     QUANT: tl.constexpr = False, EMAX: tl.constexpr = 8, MBITS: tl.constexpr = 3, MAXN: tl.constexpr = 448.0,
     EMIN: tl.constexpr = -6, RULE: tl.constexpr = 1, HW_CVT: tl.constexpr = False,
     FP8: tl.constexpr = tl.float8e4nv,
@@ -207,6 +210,9 @@ def _mx_gemm_kernel(
         first = 1
     else:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        if ZERO_DOT:
+            # The accumulator starts as the product of zero tiles: a wgmma defines it, not moves.
+            acc = tl.dot(tl.zeros((BLOCK_N, BLOCK_K), DOT), tl.zeros((BLOCK_K, BLOCK_M), DOT), acc, input_precision=PRECISION)
         first = 0
     for i in range(first, n_iter):
         wd, xt, sc_next = _mx_gemm_operands(
@@ -470,6 +476,13 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
+# How the M > 64 (TMA activation) configs start their accumulator. Peeling the first K step gave
+# wrong values (inf) with 8-warp 256x128x64 / 128x128x64 tiles at M = 2048 (H200, session 4), so
+# these configs do not peel; ``zero_dot`` (one wgmma of zero tiles before the loop) is the
+# candidate that also removes the ptxas serialization (NOTES.md, session 4).
+PREFILL_LOOP = dict(peel=False, zero_dot=True)
+
+
 def pick_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
     """Tile shape and split-K from the shape alone (no device sync, no timing)."""
     if INTERPRET or device.type != "cuda":
@@ -477,10 +490,15 @@ def pick_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
         return GemmConfig(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=1, split_k=split)
     sms = _sm_count(device)
     if m <= 64:
-        # Weight streaming (sweep on H200, kernels/NOTES.md): weight tiles through TMA, K split
-        # until the N tiles x splits cover the SMs twice.
+        # Weight streaming (H200 sweeps, kernels/NOTES.md sessions 2 and 4): weight tiles through
+        # TMA, K split until the N tiles x splits cover the SMs twice. Session 4 (M <= 16, W8A8):
+        # N <= 4096 fastest as 128x128 tiles with X rounded inside (8B o 19.1 -> 15.7 µs, down
+        # 42.7 -> 32.4); large N fastest with the quantizer launch first (gate_up 68 -> 53-59).
         block_m = max(16, triton.next_power_of_2(m))
-        if m <= 16:
+        quant_x = False
+        if m <= 16 and n <= 4096:
+            block_n, block_k, warps, stages, quant_x = 128, 128, 4, 4, True
+        elif m <= 16:
             block_n, block_k, warps, stages = (64, 128, 4, 6) if n <= 8192 else (128, 128, 4, 4)
         else:
             block_n, block_k, warps, stages = 128, 128, 4, 4
@@ -488,15 +506,15 @@ def pick_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
         split = 1
         while tiles * split < 2 * sms and k // (split * 2) >= 4 * block_k and split < 8:
             split *= 2
-        return GemmConfig(block_m, block_n, block_k, warps, stages, split_k=split, tma_w=True)
+        return GemmConfig(block_m, block_n, block_k, warps, stages, split_k=split, tma_w=True, quant_x=quant_x)
     if m <= 512 and n < 16384:
         # 256x128 tiles leave most SMs idle here (N/128 programs); 128x64 won the M=256 sweep.
-        return GemmConfig(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4, tma_x=True, tma_w=True, deq_bf16=True)
+        return GemmConfig(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4, tma_x=True, tma_w=True, deq_bf16=True, **PREFILL_LOOP)
     if n % 128 == 0:
-        return GemmConfig(block_m=256, block_n=128, block_k=64, num_warps=8, num_stages=3, tma_x=True, tma_w=True, deq_bf16=True)
+        return GemmConfig(block_m=256, block_n=128, block_k=64, num_warps=8, num_stages=3, tma_x=True, tma_w=True, deq_bf16=True, **PREFILL_LOOP)
     # 256-wide activation tiles gave wrong results when N is not a multiple of BLOCK_N
     # (H200, triton 3.6; cause not found yet, see NOTES.md): 128-wide tiles there.
-    return GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, tma_x=True, tma_w=True, deq_bf16=True)
+    return GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, tma_x=True, tma_w=True, deq_bf16=True, **PREFILL_LOOP)
 
 
 def mx_gemm(
@@ -567,7 +585,7 @@ def mx_gemm(
         GROUP=cfg.group, DOT=dot, PRECISION=precision,
         HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_K=even_k,
         TMA_X=tma_x, TMA_W=tma_w, SCALE_GATHER=cfg.scale_gather, DEQ_BF16=cfg.deq_bf16 and dot == tl.bfloat16,
-        PREFETCH_S=PREFETCH, PEEL=cfg.peel,
+        PREFETCH_S=PREFETCH, PEEL=cfg.peel, ZERO_DOT=cfg.zero_dot and not cfg.peel,
         QUANT=quant, EMAX=ae.emax, MBITS=ae.mbits, MAXN=ae.max_normal, EMIN=1 - ae.bias,
         RULE=_RULE_ID[act_rule], HW_CVT=hw_cvt(x.device), FP8=fp8_dtype(ae),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

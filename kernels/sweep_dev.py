@@ -407,6 +407,41 @@ def part_peel(ms=(1, 4, 16), pre_m=2048):
     RES["peel"] = rows
 
 
+def part_init():
+    """Session 4b: prefill/M=256 accumulator start (old loop, peeled, zero-tile wgmma): 3 checks
+    on fresh inputs each (a moving error is a race), then timing (quantizer + GEMM)."""
+    import dataclasses
+
+    from mxq.eval.bench_gemm import LLAMA_SHAPES
+    from mxq.kernels import gemm as G
+    from mxq.kernels.quantize import fake_quantize_mx_rows
+
+    kw = dict(tma_x=True, tma_w=True, deq_bf16=True)
+    rows = []
+    for layer, (n, k) in LLAMA_SHAPES["8b"].items():
+        ws, w64 = _weights(n, k, _copies(n * k))
+        wd = w64.float()
+        for m in (256, 2048):
+            base = G.pick_config(m, n, k, torch.device("cuda"))
+            tiles = [base] if m == 256 else [base, G.GemmConfig(128, 128, 64, 8, 4, **kw), G.GemmConfig(256, 128, 128, 8, 2, **kw)]
+            for tile in tiles:
+                for name, c in (("old", dataclasses.replace(tile, peel=False, zero_dot=False)), ("peel", dataclasses.replace(tile, peel=True)),
+                                ("zdot", dataclasses.replace(tile, peel=False, zero_dot=True))):
+                    errs = []
+                    for _ in range(3):
+                        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                        xr = fake_quantize_mx_rows(x, E4M3, out_dtype=torch.bfloat16)
+                        y = G.mx_gemm(xr, ws[0][0], ws[0][1], None, config=c)
+                        ref = xr.float() @ wd.t()
+                        errs.append(((y.float() - ref).norm() / ref.norm()).item())
+                    t = _try_graph([lambda p=p, c=c: G.mx_gemm(xr, p[0], p[1], None, config=c) for p in ws])
+                    rows.append(dict(layer=layer, m=m, n=n, k=k, variant=name, cfg=str(c), us=t, errs=errs))
+                    log("init", layer, m, f"{c.block_m}x{c.block_n}x{c.block_k}w{c.num_warps}s{c.num_stages}", name, t, [f"{e:.1e}" for e in errs])
+        del ws, w64, wd
+        torch.cuda.empty_cache()
+    RES["init"] = rows
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="sweep.json")

@@ -144,8 +144,9 @@ def test_mx_gemm_configs_and_split_k(split_k, gather):
         cfg = G.GemmConfig(16, 32, 64, num_stages=1, split_k=split_k, scale_gather=gather, tma_x=True, tma_w=True, deq_bf16=True)
         _assert_gemm_close(G.mx_gemm(xx, w, ws, None, config=cfg), xx, w64, None, None)
         # The un-peeled loop (accumulator zero-initialised before it) computes the same.
-        cfg = G.GemmConfig(16, 32, 64, num_stages=1, split_k=split_k, scale_gather=gather, peel=False)
-        _assert_gemm_close(G.mx_gemm(xx, w, ws, None, config=cfg), xx, w64, None, None)
+        for zd in (False, True):
+            cfg = G.GemmConfig(16, 32, 64, num_stages=1, split_k=split_k, scale_gather=gather, peel=False, zero_dot=zd)
+            _assert_gemm_close(G.mx_gemm(xx, w, ws, None, config=cfg), xx, w64, None, None)
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 40, 96), (5, 72, 160), (17, 50, 224)])
@@ -329,6 +330,8 @@ def test_gpu_cuda_graph_capture():
         G.GemmConfig(64, 128, 128, 4, 4, split_k=3, tma_w=True),
         G.GemmConfig(16, 64, 128, 4, 6, split_k=4, tma_w=True, peel=False),
         G.GemmConfig(256, 128, 64, 8, 3, tma_x=True, tma_w=True, deq_bf16=True, peel=False),
+        G.GemmConfig(256, 128, 64, 8, 3, tma_x=True, tma_w=True, deq_bf16=True, peel=False, zero_dot=True),
+        G.GemmConfig(128, 64, 64, 4, 4, tma_x=True, tma_w=True, deq_bf16=True, peel=False, zero_dot=True),
         G.GemmConfig(16, 128, 256, 8, 3, split_k=2, tma_w=True),
     ],
     ids=str,
