@@ -442,6 +442,51 @@ def part_init():
     RES["init"] = rows
 
 
+def part_dec2(ms=(4, 16)):
+    """Session 4b: decode MMA tiles with the bf16 scale multiply (fewer ALU ops per weight) and 8
+    warps, X rounded inside (q) or by the quantizer launch first (2l); 8B shapes."""
+    import dataclasses
+
+    from mxq.eval.bench_gemm import LLAMA_SHAPES
+    from mxq.kernels import gemm as G
+    from mxq.kernels.quantize import fake_quantize_mx_rows
+
+    rows = []
+    for layer, (n, k) in LLAMA_SHAPES["8b"].items():
+        ws, w64 = _weights(n, k, _copies(n * k))
+        wd = w64.float()
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = fake_quantize_mx_rows(x, E4M3, out_dtype=torch.float32) @ wd.t()
+            base = G.pick_config(m, n, k, x.device)
+            vs = {"base": base, "bf16": dataclasses.replace(base, deq_bf16=True),
+                  "w8bf16": dataclasses.replace(base, deq_bf16=True, num_warps=8),
+                  "n128bf16": dataclasses.replace(base, block_n=128, block_k=128, num_stages=4, deq_bf16=True),
+                  "n256k128w8bf16": dataclasses.replace(base, block_n=256, block_k=128, num_warps=8, num_stages=3, deq_bf16=True)}
+            r = dict(layer=layer, m=m, n=n, k=k)
+            for name, c in vs.items():
+                for q in (True, False):
+                    key = name + ("_q" if q else "_2l")
+
+                    def f(p, c=c, q=q):
+                        if q:
+                            return G.mx_gemm(x, p[0], p[1], None, config=c, act_elem=E4M3)
+                        return G.mx_gemm(fake_quantize_mx_rows(x, E4M3, out_dtype=torch.bfloat16), p[0], p[1], None, config=c)
+
+                    try:
+                        err = ((f(ws[0]).float() - ref).norm() / ref.norm()).item()
+                    except Exception as e:  # noqa: BLE001
+                        r[key] = f"error: {e!r}"[:200]
+                        continue
+                    r[key] = dict(us=_try_graph([lambda p=p, f=f: f(p) for p in ws]), err=err, cfg=str(c))
+            brief = {kk: (round(v["us"], 1), f"{v['err']:.0e}") for kk, v in r.items() if isinstance(v, dict) and isinstance(v["us"], float)}
+            log("dec2", layer, m, brief)
+            rows.append(r)
+        del ws, w64, wd
+        torch.cuda.empty_cache()
+    RES["dec2"] = rows
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="sweep.json")
