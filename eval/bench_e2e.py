@@ -130,8 +130,8 @@ def bench_prefill(model, batch: int, seq_len: int, reps: int) -> dict:
 
 
 def bench_decode_static(
-    model, batch: int, prompt_len: int, new_tokens: int, cuda_graph: bool
-) -> dict:
+    model, batch: int, prompt_len: int, new_tokens: int, cuda_graph: bool, compile: bool = False
+) -> tuple[dict, torch.Tensor]:
     from mxq.decode import StaticGreedyDecoder
 
     device = next(model.parameters()).device
@@ -190,15 +190,24 @@ def measure(model, label: str, a, device: torch.device) -> dict:
     print(f"[{label}] prefill {res['prefill']['tokens_per_s']:.0f} tok/s", flush=True)
     res["decode"] = []
     graphs = device.type == "cuda" and not a.no_graph
+    modes = [("static eager", False, False)]
+    if graphs:
+        modes = [("static+graph", True, False)] + modes
+        if a.compile:
+            modes = [("static+compile+graph", True, True)] + modes
     for b in a.batch:
-        toks = {}
-        for cg in [True, False] if graphs else [False]:
-            r, toks[cg] = bench_decode_static(model, b, a.prompt_len, a.new_tokens, cg)
-            r["mode"] = "static+graph" if cg else "static eager"
-            res["decode"].append(r)
-            print(f"[{label}] decode B={b} {r['mode']}: {r['tokens_per_s']:.1f} tok/s", flush=True)
-        if graphs:  # the graph replays the eager step: the same prompt gives the same tokens
-            res["decode"][-2]["tokens_match_eager"] = bool(torch.equal(toks[True], toks[False]))
+        toks, rows = {}, []
+        for mode, cg, comp in modes:
+            r, toks[mode] = bench_decode_static(model, b, a.prompt_len, a.new_tokens, cg, comp)
+            r["mode"] = mode
+            rows.append(r)
+            print(
+                f"[{label}] decode B={b} {mode}: {r['tokens_per_s']:.1f} tok/s (setup {r['setup_s']:.1f} s)",
+                flush=True,
+            )
+        for r in rows:  # a graph replays the eager step: the same prompt gives the same tokens
+            r["tokens_match_eager"] = bool(torch.equal(toks[r["mode"]], toks["static eager"]))
+        res["decode"] += rows
     if not a.no_generate:
         r = bench_decode_generate(model, 1, a.prompt_len, a.generate_tokens)
         r["mode"] = "generate() dynamic cache"

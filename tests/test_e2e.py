@@ -193,9 +193,13 @@ def test_gpu_graph_decode_matches_eager(recipe):
 @pytest.mark.gpu
 def test_gpu_generate_static_cache_compiles():
     """generate(cache_implementation="static") on CUDA compiles the forward (reduce-overhead,
-    CUDA graphs) through torch.ops.mxq.mx_linear; tokens equal the uncompiled run."""
+    CUDA graphs) through torch.ops.mxq.mx_linear without graph breaks; tokens equal the
+    uncompiled run (float32 model: inductor's fused bf16 norms may flip near-tied argmaxes)."""
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
-    model = _llama(seed=6).to("cuda", torch.bfloat16)
+    counters.clear()
+    model = _llama(seed=6).to("cuda", torch.float32)
     mxq.quantize_model(model, "mxfp8")
     ids = torch.randint(0, model.config.vocab_size, (2, 11), device="cuda")
     kw = dict(
@@ -209,3 +213,4 @@ def test_gpu_generate_static_cache_compiles():
         ref = model.generate(ids, disable_compile=True, **kw)
         out = model.generate(ids, **kw)
     assert torch.equal(out, ref)
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]
