@@ -478,9 +478,10 @@ def _sm_count(device: torch.device) -> int:
 
 # How the M > 64 (TMA activation) configs start their accumulator. Peeling the first K step gave
 # wrong values (inf) with 8-warp 256x128x64 / 128x128x64 tiles at M = 2048 (H200, session 4), so
-# these configs do not peel; ``zero_dot`` (one wgmma of zero tiles before the loop) is the
-# candidate that also removes the ptxas serialization (NOTES.md, session 4).
-PREFILL_LOOP = dict(peel=False, zero_dot=True)
+# these configs keep the old loop (ptxas serializes its wgmmas, C7515); ``zero_dot`` (one wgmma
+# of zero tiles before the loop) also removes the serialization on the CPU compile but has not
+# been checked on a GPU yet (NOTES.md, session 4).
+PREFILL_LOOP = dict(peel=False, zero_dot=False)
 
 
 def pick_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
@@ -495,18 +496,20 @@ def pick_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
         # N <= 4096 fastest as 128x128 tiles with X rounded inside (8B o 19.1 -> 15.7 µs, down
         # 42.7 -> 32.4); large N fastest with the quantizer launch first (gate_up 68 -> 53-59).
         block_m = max(16, triton.next_power_of_2(m))
-        quant_x = False
+        quant_x, peel = False, False
         if m <= 16 and n <= 4096:
-            block_n, block_k, warps, stages, quant_x = 128, 128, 4, 4, True
+            block_n, block_k, warps, stages, quant_x, peel = 128, 128, 4, 4, True, True
+        elif m <= 16 and n > 8192:
+            block_n, block_k, warps, stages, peel = 128, 128, 4, 4, True
         elif m <= 16:
-            block_n, block_k, warps, stages = (64, 128, 4, 6) if n <= 8192 else (128, 128, 4, 4)
+            block_n, block_k, warps, stages = 64, 128, 4, 6  # qkv: the old loop measured ~3 % faster
         else:
-            block_n, block_k, warps, stages = 128, 128, 4, 4
+            block_n, block_k, warps, stages = 128, 128, 4, 4  # M 17..64: peeling not measured here
         tiles = triton.cdiv(n, block_n)
         split = 1
         while tiles * split < 2 * sms and k // (split * 2) >= 4 * block_k and split < 8:
             split *= 2
-        return GemmConfig(block_m, block_n, block_k, warps, stages, split_k=split, tma_w=True, quant_x=quant_x)
+        return GemmConfig(block_m, block_n, block_k, warps, stages, split_k=split, tma_w=True, quant_x=quant_x, peel=peel)
     if m <= 512 and n < 16384:
         # 256x128 tiles leave most SMs idle here (N/128 programs); 128x64 won the M=256 sweep.
         return GemmConfig(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4, tma_x=True, tma_w=True, deq_bf16=True, **PREFILL_LOOP)
