@@ -25,6 +25,10 @@ console = Console()
 from mxq.cli_eval import eval_app  # noqa: E402
 
 app.add_typer(eval_app, name="eval")
+
+from mxq.cli_bench import bench_cmd  # noqa: E402
+
+app.command("bench")(bench_cmd)
 _state = {"debug": False}
 
 
@@ -48,7 +52,18 @@ def _root(
 def formats_cmd() -> None:
     """Print the MX element formats, the E8M0 scale and the scale rules."""
     t = Table(title="MX element formats (block of 32 elements share one E8M0 scale)")
-    for col in ("format", "bits", "bias", "emax", "max normal", "min normal", "min subnormal", "Inf", "NaN byte", "torch dtype"):
+    for col in (
+        "format",
+        "bits",
+        "bias",
+        "emax",
+        "max normal",
+        "min normal",
+        "min subnormal",
+        "Inf",
+        "NaN byte",
+        "torch dtype",
+    ):
         t.add_column(col)
     for f in F.ELEM_FORMATS.values():
         t.add_row(
@@ -64,8 +79,16 @@ def formats_cmd() -> None:
             str(f.torch_dtype).replace("torch.", ""),
         )
     t.add_row(
-        "E8M0 (scale)", "0.8.0", str(F.E8M0_BIAS), "127", "2^127", "2^-127", "-", "no",
-        f"0x{F.E8M0_NAN:02X}", "uint8",
+        "E8M0 (scale)",
+        "0.8.0",
+        str(F.E8M0_BIAS),
+        "127",
+        "2^127",
+        "2^-127",
+        "-",
+        "no",
+        f"0x{F.E8M0_NAN:02X}",
+        "uint8",
     )
     console.print(t)
     r = Table(title="Scale rules (shared exponent e of a block with absolute max amax)")
@@ -84,25 +107,77 @@ def formats_cmd() -> None:
 
 @app.command("quantize")
 def quantize_cmd(
-    model: str = typer.Argument(None, help="Local HF directory, hub id, or .gguf file. Default: the embedded SmolLM2-135M-Instruct.", show_default=False),
-    out: Path = typer.Argument(None, help="Output directory. Default: ./out/<model>-<recipe>.", show_default=False),
-    recipe: str = typer.Option("mxfp8", "--recipe", "-r", help="Shipped recipe name (mxfp8, mxfp8-w8a16, mxfp8-e5m2) or a YAML path."),
-    fmt: str = typer.Option("mxq", "--format", help="Checkpoint layout: mxq (native) or compressed-tensors (vLLM)."),
+    model: str = typer.Argument(
+        None,
+        help="Local HF directory, hub id, or .gguf file. Default: the embedded SmolLM2-135M-Instruct.",
+        show_default=False,
+    ),
+    out: Path = typer.Argument(
+        None, help="Output directory. Default: ./out/<model>-<recipe>.", show_default=False
+    ),
+    recipe: str = typer.Option(
+        "mxfp8",
+        "--recipe",
+        "-r",
+        help="Shipped recipe name (mxfp8, mxfp8-w8a16, mxfp8-e5m2) or a YAML path.",
+    ),
+    fmt: str = typer.Option(
+        "mxq", "--format", help="Checkpoint layout: mxq (native) or compressed-tensors (vLLM)."
+    ),
     device: str = typer.Option("cpu", "--device", help="Where to quantize: cpu or cuda."),
     force: bool = typer.Option(False, "--force", help="Replace OUT if it exists."),
     max_shard_size: float = typer.Option(2.0, "--max-shard-size", help="Largest shard, in GiB."),
-    calibrate: bool = typer.Option(False, "--calibrate", help="Calibrate on --dataset first and apply the plan (see `mxq calibrate`)."),
-    plan: Path = typer.Option(None, "--plan", help="Apply a plan written by `mxq calibrate` (its recipe is used).", show_default=False),
-    dataset: str = typer.Option(None, "--dataset", help="With --calibrate: calibration text (wikitext2, pydoc, or a .txt/.jsonl/.parquet file).", show_default=False),
+    calibrate: bool = typer.Option(
+        False,
+        "--calibrate",
+        help="Calibrate on --dataset first and apply the plan (see `mxq calibrate`).",
+    ),
+    plan: Path = typer.Option(
+        None,
+        "--plan",
+        help="Apply a plan written by `mxq calibrate` (its recipe is used).",
+        show_default=False,
+    ),
+    dataset: str = typer.Option(
+        None,
+        "--dataset",
+        help="With --calibrate: calibration text (wikitext2, pydoc, or a .txt/.jsonl/.parquet file).",
+        show_default=False,
+    ),
     samples: int = typer.Option(64, "--samples", help="With --calibrate: calibration windows."),
-    seq_len: int = typer.Option(512, "--seq-len", help="With --calibrate: tokens per calibration window."),
-    keep_bf16: int = typer.Option(0, "--keep-bf16", help="With --calibrate: keep the N most sensitive layers in bf16."),
-    max_dppl: float = typer.Option(None, "--max-dppl", help="With --calibrate: keep the fewest most sensitive layers in bf16 so that the calibration-text perplexity rises by at most X percent.", show_default=False),
-    reorder: bool = typer.Option(True, "--reorder/--no-reorder", help="With --calibrate: fold channel permutations where they raise SQNR."),
-    scale_search: bool = typer.Option(True, "--scale-search/--no-scale-search", help="With --calibrate: per layer, the recipe's scale rule or MSE, whichever is better."),
-    plan_out: Path = typer.Option(None, "--plan-out", help="With --calibrate: also save the plan here.", show_default=False),
-    sensitivity_samples: int = typer.Option(2, "--sensitivity-samples", help="With --calibrate: calibration windows used for the per-layer KL."),
-    sensitivity_seq_len: int = typer.Option(256, "--sensitivity-seq-len", help="With --calibrate: tokens of each of those windows."),
+    seq_len: int = typer.Option(
+        512, "--seq-len", help="With --calibrate: tokens per calibration window."
+    ),
+    keep_bf16: int = typer.Option(
+        0, "--keep-bf16", help="With --calibrate: keep the N most sensitive layers in bf16."
+    ),
+    max_dppl: float = typer.Option(
+        None,
+        "--max-dppl",
+        help="With --calibrate: keep the fewest most sensitive layers in bf16 so that the calibration-text perplexity rises by at most X percent.",
+        show_default=False,
+    ),
+    reorder: bool = typer.Option(
+        True,
+        "--reorder/--no-reorder",
+        help="With --calibrate: fold channel permutations where they raise SQNR.",
+    ),
+    scale_search: bool = typer.Option(
+        True,
+        "--scale-search/--no-scale-search",
+        help="With --calibrate: per layer, the recipe's scale rule or MSE, whichever is better.",
+    ),
+    plan_out: Path = typer.Option(
+        None, "--plan-out", help="With --calibrate: also save the plan here.", show_default=False
+    ),
+    sensitivity_samples: int = typer.Option(
+        2,
+        "--sensitivity-samples",
+        help="With --calibrate: calibration windows used for the per-layer KL.",
+    ),
+    sensitivity_seq_len: int = typer.Option(
+        256, "--sensitivity-seq-len", help="With --calibrate: tokens of each of those windows."
+    ),
 ) -> None:
     """Quantize a model to MXFP8 and write a safetensors checkpoint."""
     from mxq.convert import quantize_checkpoint
@@ -111,7 +186,9 @@ def quantize_cmd(
     if calibrate and plan is not None:
         raise typer.BadParameter("pass --calibrate or --plan, not both")
     if not calibrate and (dataset or keep_bf16 or max_dppl is not None or plan_out):
-        raise typer.BadParameter("--dataset, --keep-bf16, --max-dppl and --plan-out go with --calibrate")
+        raise typer.BadParameter(
+            "--dataset, --keep-bf16, --max-dppl and --plan-out go with --calibrate"
+        )
     cplan = None
     if plan is not None:
         from mxq.calibrate import load_plan
@@ -119,14 +196,28 @@ def quantize_cmd(
         cplan = load_plan(plan)
         rec = cplan.recipe
         if recipe not in ("mxfp8", rec.name):
-            raise typer.BadParameter(f"--recipe {recipe!r}: the plan was made for recipe {rec.name!r}")
+            raise typer.BadParameter(
+                f"--recipe {recipe!r}: the plan was made for recipe {rec.name!r}"
+            )
     else:
         rec = load_recipe(recipe)
     if calibrate:
         if not dataset:
             raise typer.BadParameter("--calibrate needs --dataset")
-        cplan = _run_calibration(model, rec, dataset, samples, seq_len, keep_bf16, max_dppl, reorder, scale_search, device,
-                                 sensitivity_samples, sensitivity_seq_len)
+        cplan = _run_calibration(
+            model,
+            rec,
+            dataset,
+            samples,
+            seq_len,
+            keep_bf16,
+            max_dppl,
+            reorder,
+            scale_search,
+            device,
+            sensitivity_samples,
+            sensitivity_seq_len,
+        )
         if plan_out:
             from mxq.calibrate import save_plan
 
@@ -137,14 +228,33 @@ def quantize_cmd(
         out = Path("out") / f"{stem}-{rec.name}"
     warn = lambda m: console.print(f"[yellow]warning:[/] {m}")
     report = quantize_checkpoint(
-        model, out, None if cplan is not None else rec, fmt=fmt, device=device, force=force,
-        max_shard_bytes=int(max_shard_size * 1024**3), warn=warn, plan=cplan,
+        model,
+        out,
+        None if cplan is not None else rec,
+        fmt=fmt,
+        device=device,
+        force=force,
+        max_shard_bytes=int(max_shard_size * 1024**3),
+        warn=warn,
+        plan=cplan,
     )
     _print_report(report)
 
 
-def _run_calibration(model, rec, dataset, samples, seq_len, keep_bf16, max_dppl, reorder, scale_search, device,
-                     sensitivity_samples: int = 2, sensitivity_seq_len: int = 256):
+def _run_calibration(
+    model,
+    rec,
+    dataset,
+    samples,
+    seq_len,
+    keep_bf16,
+    max_dppl,
+    reorder,
+    scale_search,
+    device,
+    sensitivity_samples: int = 2,
+    sensitivity_seq_len: int = 256,
+):
     import torch
 
     from mxq.calibrate import calibrate, make_plan
@@ -155,9 +265,20 @@ def _run_calibration(model, rec, dataset, samples, seq_len, keep_bf16, max_dppl,
         raise typer.BadParameter("--keep-bf16 and --max-dppl must not be negative")
     texts = load_texts(dataset)
     m, tok = load_model(model, device=resolve_device(device), dtype=torch.bfloat16)
-    cal = calibrate(m, tok, texts, rec, samples=samples, seq_len=seq_len, dataset=str(dataset),
-                    sensitivity_samples=sensitivity_samples, sensitivity_seq_len=sensitivity_seq_len)
-    p = make_plan(m, cal, reorder=reorder, scale_search=scale_search, keep_bf16=keep_bf16, max_dppl=max_dppl)
+    cal = calibrate(
+        m,
+        tok,
+        texts,
+        rec,
+        samples=samples,
+        seq_len=seq_len,
+        dataset=str(dataset),
+        sensitivity_samples=sensitivity_samples,
+        sensitivity_seq_len=sensitivity_seq_len,
+    )
+    p = make_plan(
+        m, cal, reorder=reorder, scale_search=scale_search, keep_bf16=keep_bf16, max_dppl=max_dppl
+    )
     _print_plan(p)
     return p
 
@@ -168,16 +289,32 @@ def _print_plan(p) -> None:
     t.add_column("")
     t.add_column("value", justify="right")
     t.add_row("recipe", p.recipe.name)
-    t.add_row("calibration", f"{p.calibration.get('samples')} x {p.calibration.get('seq_len')} tokens of {p.calibration.get('dataset')}")
+    t.add_row(
+        "calibration",
+        f"{p.calibration.get('samples')} x {p.calibration.get('seq_len')} tokens of {p.calibration.get('dataset')}",
+    )
     t.add_row("layers quantized / kept", f"{len(p.quantized)} / {len(p.kept)}")
-    t.add_row("permutations folded", f"mlp {len(p.permutations.mlp)}, v/o {len(p.permutations.v)}, residual {'yes' if p.permutations.residual else 'no'}")
-    t.add_row("MSE weight scales", str(sum(lp.weights.scale_rule.value == "mse" for lp in p.layers.values() if not lp.keep_bf16)))
+    t.add_row(
+        "permutations folded",
+        f"mlp {len(p.permutations.mlp)}, v/o {len(p.permutations.v)}, residual {'yes' if p.permutations.residual else 'no'}",
+    )
+    t.add_row(
+        "MSE weight scales",
+        str(
+            sum(
+                lp.weights.scale_rule.value == "mse" for lp in p.layers.values() if not lp.keep_bf16
+            )
+        ),
+    )
     if q:
         for key in ("direct", "reorder", "chosen"):
             v = [lp.sqnr_db[key] for lp in q if key in lp.sqnr_db]
             t.add_row(f"mean output SQNR dB, {key}", f"{sum(v) / len(v):.3f}")
     console.print(t)
-    kept = sorted(((n, lp) for n, lp in p.layers.items() if lp.keep_bf16 and lp.sensitivity_kl is not None), key=lambda x: -x[1].sensitivity_kl)
+    kept = sorted(
+        ((n, lp) for n, lp in p.layers.items() if lp.keep_bf16 and lp.sensitivity_kl is not None),
+        key=lambda x: -x[1].sensitivity_kl,
+    )
     if kept:
         k = Table(title="kept in bf16 (most sensitive)")
         k.add_column("layer")
@@ -189,26 +326,67 @@ def _print_plan(p) -> None:
 
 @app.command("calibrate")
 def calibrate_cmd(
-    model: str = typer.Argument(None, help="Local HF directory, hub id, or .gguf file. Default: the embedded SmolLM2-135M-Instruct.", show_default=False),
-    dataset: str = typer.Option(..., "--dataset", help="Calibration text: wikitext2, pydoc, or a .txt/.jsonl/.parquet file."),
+    model: str = typer.Argument(
+        None,
+        help="Local HF directory, hub id, or .gguf file. Default: the embedded SmolLM2-135M-Instruct.",
+        show_default=False,
+    ),
+    dataset: str = typer.Option(
+        ..., "--dataset", help="Calibration text: wikitext2, pydoc, or a .txt/.jsonl/.parquet file."
+    ),
     samples: int = typer.Option(64, "--samples", help="Calibration windows."),
     seq_len: int = typer.Option(512, "--seq-len", help="Tokens per calibration window."),
-    out: Path = typer.Option(Path("plan.json"), "--out", "-o", help="Where to write the plan (JSON)."),
-    recipe: str = typer.Option("mxfp8", "--recipe", "-r", help="Shipped recipe name or a YAML path."),
-    keep_bf16: int = typer.Option(0, "--keep-bf16", help="Keep the N most sensitive layers in bf16."),
-    max_dppl: float = typer.Option(None, "--max-dppl", help="Keep the fewest most sensitive layers in bf16 so that the calibration-text perplexity rises by at most X percent.", show_default=False),
-    reorder: bool = typer.Option(True, "--reorder/--no-reorder", help="Fold channel permutations where they raise SQNR."),
-    scale_search: bool = typer.Option(True, "--scale-search/--no-scale-search", help="Per layer, the recipe's scale rule or MSE, whichever is better."),
-    sensitivity_samples: int = typer.Option(2, "--sensitivity-samples", help="Calibration windows used for the per-layer KL."),
-    sensitivity_seq_len: int = typer.Option(256, "--sensitivity-seq-len", help="Tokens of each of those windows."),
-    device: str = typer.Option("cpu", "--device", help="Where to run the model: cpu, cuda or auto."),
+    out: Path = typer.Option(
+        Path("plan.json"), "--out", "-o", help="Where to write the plan (JSON)."
+    ),
+    recipe: str = typer.Option(
+        "mxfp8", "--recipe", "-r", help="Shipped recipe name or a YAML path."
+    ),
+    keep_bf16: int = typer.Option(
+        0, "--keep-bf16", help="Keep the N most sensitive layers in bf16."
+    ),
+    max_dppl: float = typer.Option(
+        None,
+        "--max-dppl",
+        help="Keep the fewest most sensitive layers in bf16 so that the calibration-text perplexity rises by at most X percent.",
+        show_default=False,
+    ),
+    reorder: bool = typer.Option(
+        True, "--reorder/--no-reorder", help="Fold channel permutations where they raise SQNR."
+    ),
+    scale_search: bool = typer.Option(
+        True,
+        "--scale-search/--no-scale-search",
+        help="Per layer, the recipe's scale rule or MSE, whichever is better.",
+    ),
+    sensitivity_samples: int = typer.Option(
+        2, "--sensitivity-samples", help="Calibration windows used for the per-layer KL."
+    ),
+    sensitivity_seq_len: int = typer.Option(
+        256, "--sensitivity-seq-len", help="Tokens of each of those windows."
+    ),
+    device: str = typer.Option(
+        "cpu", "--device", help="Where to run the model: cpu, cuda or auto."
+    ),
 ) -> None:
     """Run calibration text through the bf16 model and write a plan for `mxq quantize --plan`."""
     from mxq.calibrate import save_plan
     from mxq.recipe import load_recipe
 
-    p = _run_calibration(model, load_recipe(recipe), dataset, samples, seq_len, keep_bf16, max_dppl, reorder,
-                         scale_search, device, sensitivity_samples, sensitivity_seq_len)
+    p = _run_calibration(
+        model,
+        load_recipe(recipe),
+        dataset,
+        samples,
+        seq_len,
+        keep_bf16,
+        max_dppl,
+        reorder,
+        scale_search,
+        device,
+        sensitivity_samples,
+        sensitivity_seq_len,
+    )
     save_plan(p, out)
     console.print(f"plan written to {out}")
 
@@ -219,13 +397,20 @@ def _print_report(r) -> None:
     t.add_column("value", justify="right")
     t.add_row("recipe / format", f"{r.recipe} / {r.format}")
     t.add_row("layers quantized", str(len(r.quantized)))
-    t.add_row("layers kept", str(len(r.kept)) + (f" ({', '.join(list(r.kept)[:3])}{'...' if len(r.kept) > 3 else ''})" if r.kept else ""))
+    t.add_row(
+        "layers kept",
+        str(len(r.kept))
+        + (f" ({', '.join(list(r.kept)[:3])}{'...' if len(r.kept) > 3 else ''})" if r.kept else ""),
+    )
     t.add_row("bytes before", _fmt_bytes(r.bytes_before))
     t.add_row("bytes after", _fmt_bytes(r.bytes_after))
     t.add_row("compression", f"{r.ratio:.2f}x")
     if r.quantized:
         s = sorted(x.sqnr_db for x in r.quantized)
-        t.add_row("weight SQNR dB (min / median / max)", f"{s[0]:.2f} / {s[len(s) // 2]:.2f} / {s[-1]:.2f}")
+        t.add_row(
+            "weight SQNR dB (min / median / max)",
+            f"{s[0]:.2f} / {s[len(s) // 2]:.2f} / {s[-1]:.2f}",
+        )
     t.add_row("time", f"{r.seconds:.1f} s")
     console.print(t)
     if r.quantized:
@@ -262,7 +447,10 @@ def inspect_cmd(
     t.add_row("architecture", rep.architecture)
     t.add_row("tensors", str(len(rep.tensors)))
     t.add_row("quantized layers", str(rep.n_quantized))
-    t.add_row("bytes by dtype", ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in sorted(rep.bytes_by_dtype.items())))
+    t.add_row(
+        "bytes by dtype",
+        ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in sorted(rep.bytes_by_dtype.items())),
+    )
     t.add_row("total", _fmt_bytes(sum(rep.bytes_by_dtype.values())))
     console.print(t)
     if tensors:

@@ -1,0 +1,75 @@
+"""``mxq bench`` and the plots/summary built from benchmark JSON."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from mxq.cli import app
+from mxq.cli_bench import part_commands
+from mxq.eval import plots
+
+RESULTS = Path(__file__).resolve().parents[1] / "eval" / "results" / "h200-2026-11-21"
+HAS_MPL = importlib.util.find_spec("matplotlib") is not None
+
+
+def test_summary_from_recorded_results(tmp_path):
+    written = plots.make_all(RESULTS, tmp_path, plots=HAS_MPL)
+    md = (tmp_path / "SUMMARY.md").read_text()
+    gemm = json.loads((RESULTS / "bench_gemm.json").read_text())["gemm"]
+    # the M=2048 median speed-up, recomputed from the raw times
+    v = sorted(r["cublas_bf16_us"] / r["mxq_w8a8_us"] for r in gemm if r["m"] == 2048)
+    assert f"| 2048 | {v[0]:.2f} | {v[len(v) // 2]:.2f} | {v[-1]:.2f} |" in md
+    ppl = json.loads((RESULTS / "ppl-mxfp8.json").read_text())
+    assert f"{ppl['results'][1]['ppl']:.4f}" in md
+    if HAS_MPL:
+        for name in ("gemm.png", "ppl.png"):
+            assert (tmp_path / name) in written
+            assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list(tmp_path.glob(".*.tmp.png"))
+
+
+def test_part_commands():
+    cmds = dict(part_commands(Path("o"), ["gemm", "e2e"], quick=True, model="default"))
+    assert cmds["gemm"][2:] == [
+        "mxq.eval.bench_gemm",
+        "--out",
+        "o/bench_gemm.json",
+        "--models",
+        "8b",
+        "--ms",
+        "1,16,2048",
+        "--no-quantize",
+    ]
+    assert "--shape" in cmds["e2e"] and "tiny" in cmds["e2e"]
+    assert cmds["e2e-model"][cmds["e2e-model"].index("--model") + 1] == "default"
+    full = dict(part_commands(Path("o"), ["e2e"], quick=False, model=None))
+    assert "--compile" in full["e2e"] and "llama3-8b" in full["e2e"]
+
+
+def test_cli_bench_convert_quick(tmp_path):
+    """The one part that runs without a GPU, end to end through the CLI."""
+    out = tmp_path / "b"
+    res = CliRunner().invoke(
+        app, ["bench", "--parts", "convert", "--quick", "--out", str(out), "--no-plots"]
+    )
+    assert res.exit_code == 0, res.output
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    rep = json.loads((out / f"convert-{dev}-tiny.json").read_text())
+    r = rep["results"]["mxq_quantize"]
+    assert r["output_bytes"] < rep["results"]["io_floor"]["output_bytes"]
+    assert "## Converter" in (out / "SUMMARY.md").read_text()
+    assert not (out / "convert-work" / "src-tiny").exists()  # the generated checkpoint is removed
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error")
+def test_cli_bench_gpu_parts_need_cuda(tmp_path):
+    res = CliRunner().invoke(app, ["bench", "--parts", "gemm,convert", "--out", str(tmp_path)])
+    assert res.exit_code != 0 and "need a CUDA device" in res.output
+    res = CliRunner().invoke(app, ["bench", "--parts", "nope", "--out", str(tmp_path)])
+    assert res.exit_code != 0 and "unknown part(s) nope" in res.output
