@@ -348,6 +348,11 @@ def main(argv=None) -> int:
         print(f"built {shape} on {device} in {t.s:.1f} s", flush=True)
     res["config"] = {k: getattr(model.config, k, None) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "vocab_size")}  # fmt: skip
+    check_ids = torch.randint(
+        0, model.config.vocab_size, (1, 256), generator=torch.Generator().manual_seed(0)
+    ).to(device)
+    with torch.inference_mode():
+        ref_logits = model(check_ids).logits.float()
     res["bf16"] = measure(model, "bf16", a, device)
     _reset_peak(device)
     base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
@@ -357,6 +362,15 @@ def main(argv=None) -> int:
         wall_s=t.s, peak_extra_bytes=(_peak(device) - base) if device.type == "cuda" else None
     )
     print(f"quantized in memory ({a.recipe}) in {t.s:.2f} s", flush=True)
+    with torch.inference_mode():  # sanity: the quantized model computes nearly the same function
+        q_logits = model(check_ids).logits.float()
+    res["check"] = dict(
+        logits_finite=bool(torch.isfinite(q_logits).all()),
+        logits_rel_err_vs_bf16=float((q_logits - ref_logits).norm() / ref_logits.norm()),
+        top1_agreement=float((q_logits.argmax(-1) == ref_logits.argmax(-1)).float().mean()),
+    )
+    del ref_logits, q_logits
+    print(f"check vs bf16 logits: {res['check']}", flush=True)
     res["mxfp8"] = measure(model, "mxfp8", a, device)
     res["summary"] = summary_rows(res)
     print_table(res)

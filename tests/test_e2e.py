@@ -164,6 +164,7 @@ def test_bench_e2e_cpu_smoke(tmp_path):
     assert modes == [(1, "static eager"), (2, "static eager"), (1, "generate() dynamic cache")]
     metrics = [r["metric"] for r in res["summary"]]
     assert metrics[0] == "weights (GiB)" and any("prefill tok/s" in m for m in metrics)
+    assert res["check"]["logits_finite"] and res["check"]["logits_rel_err_vs_bf16"] < 0.2
     w = res["summary"][0]
     assert w["ratio"] == pytest.approx(res["mxfp8"]["weight_bytes"] / res["bf16"]["weight_bytes"])
 
@@ -214,3 +215,35 @@ def test_gpu_generate_static_cache_compiles():
         out = model.generate(ids, **kw)
     assert torch.equal(out, ref)
     assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("xdt", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_mx_linear_model_shapes(xdt):
+    """Every dispatched path on the shapes the e2e models run (SmolLM2 and Llama-3-8B
+    projections, decode to prefill M), each X dtype, W8A8 and W8A16: finite and equal to
+    the torch reference up to accumulation order."""
+    from mxq.formats import E4M3, quantize_mx
+    from mxq.kernels.dispatch import mx_linear_triton
+    from mxq.kernels.reference import mx_linear_reference
+
+    torch.manual_seed(0)
+    for n, k in (
+        (576, 576),
+        (192, 576),
+        (1536, 576),
+        (576, 1536),
+        (1024, 4096),
+        (14336, 4096),
+        (4096, 14336),
+    ):
+        q = quantize_mx(torch.randn(n, k, device="cuda") * 0.05, -1, E4M3, 32)
+        for m in (1, 3, 8, 16, 64, 300, 2048):
+            x = torch.randn(m, k, device="cuda").to(xdt)
+            for act in (E4M3, None):
+                y = mx_linear_triton(x, q.data, q.scales, None, act_elem=act)
+                r = mx_linear_reference(x, q.data, q.scales, None, act_elem=act)
+                assert y.dtype == xdt and torch.isfinite(y).all(), (n, k, m, act)
+                err = ((y.float() - r.float()).norm() / r.float().norm()).item()
+                assert err < (1e-2 if xdt != torch.float32 else 1e-4), (n, k, m, act, err)
