@@ -157,9 +157,13 @@ def linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
 def select_layers(model: nn.Module, recipe: Recipe, warn=None) -> tuple[list[str], dict[str, str]]:
     """Names of the Linear layers the recipe quantizes, and the kept ones with the reason."""
     chosen, kept = [], {}
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    emb_weight = getattr(emb, "weight", None)
     for name, lin in linear_layers(model).items():
         if not recipe.selects(name):
             kept[name] = "excluded by recipe"
+        elif emb_weight is not None and lin.weight is emb_weight:
+            kept[name] = "tied to the input embedding (quantizing it would add a second copy)"
         elif lin.in_features % recipe.block_size:
             kept[name] = f"in_features {lin.in_features} not a multiple of {recipe.block_size}"
             if warn:

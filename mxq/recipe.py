@@ -89,7 +89,7 @@ def available_recipes() -> list[str]:
 
 
 def load_recipe(name_or_path: str | Path | None = None) -> Recipe:
-    """A shipped recipe by name (``mxfp8``, ``mxfp8-w8a16``, ``mxfp8-e5m2``) or a YAML file path."""
+    """A shipped recipe by name (``mxfp8``, ``mxfp8-w8a16``, ``mxfp8-e5m2``, ``mxfp8-attn``, ``mxfp8-lm-head``) or a YAML file path."""
     ref = str(name_or_path) if name_or_path is not None else DEFAULT_RECIPE
     path = Path(ref).expanduser()
     if ref.endswith((".yaml", ".yml")) or path.is_file():

@@ -38,8 +38,14 @@ torch.manual_seed(0)
 def _tiny_llama(path: Path, intermediate: int = 96, dtype=torch.bfloat16, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        hidden_size=64, intermediate_size=intermediate, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=320, max_position_embeddings=128, tie_word_embeddings=False,
+        hidden_size=64,
+        intermediate_size=intermediate,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=320,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
     )
     m = LlamaForCausalLM(cfg).to(dtype)
     m.save_pretrained(path)
@@ -49,8 +55,14 @@ def _tiny_llama(path: Path, intermediate: int = 96, dtype=torch.bfloat16, seed: 
 def _tiny_qwen(path: Path) -> Path:
     torch.manual_seed(1)
     cfg = Qwen2Config(
-        hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=6,
-        num_key_value_heads=2, vocab_size=300, max_position_embeddings=128, tie_word_embeddings=True,
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        vocab_size=300,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
     )
     m = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
     with torch.no_grad():  # q/k/v carry biases in Qwen2: make them non-zero
@@ -61,7 +73,9 @@ def _tiny_qwen(path: Path) -> Path:
     return path
 
 
-def _fake_quant_reference(model: torch.nn.Module, quantized: set[str], w_elem, a_elem) -> torch.nn.Module:
+def _fake_quant_reference(
+    model: torch.nn.Module, quantized: set[str], w_elem, a_elem
+) -> torch.nn.Module:
     """Patch each named Linear of a plain model to compute with MX-rounded operands in float32."""
     for name in quantized:
         lin = model.get_submodule(name)
@@ -94,6 +108,7 @@ def llama_dir(tmp_path_factory):
 
 
 # --- tiny models: every recipe, both architectures ---------------------------------------------
+
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8-w8a16", "mxfp8-e5m2"])
 def test_llama_roundtrip_matches_fake_quant(tmp_path, llama_dir, recipe):
@@ -130,7 +145,10 @@ def test_qwen_gqa_bias_tied_and_kept_layer(tmp_path):
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert model.model.layers[1].self_attn.k_proj.bias is not None
     ref = _fake_quant_reference(
-        AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32), {r.name for r in rep.quantized}, E4M3, E4M3
+        AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32),
+        {r.name for r in rep.quantized},
+        E4M3,
+        E4M3,
     )
     ids = _ids(300)
     with torch.no_grad():
@@ -157,11 +175,18 @@ def test_checkpoint_layout_and_memory(tmp_path, llama_dir):
     assert len(shards) > 1 and all((out / s).is_file() for s in shards)
     infos = read_index(out)
     assert idx["metadata"]["total_size"] == sum(i.nbytes for i in infos.values())
-    w, s = infos["model.layers.1.self_attn.q_proj.weight"], infos["model.layers.1.self_attn.q_proj.weight_scale"]
+    w, s = (
+        infos["model.layers.1.self_attn.q_proj.weight"],
+        infos["model.layers.1.self_attn.q_proj.weight_scale"],
+    )
     assert (w.dtype, w.shape, s.dtype, s.shape) == ("F8_E4M3", (64, 64), "U8", (64, 2))
     cfg = json.loads((out / "config.json").read_text())
     qc = cfg["quantization_config"]
-    assert qc["quant_method"] == "mxq" and qc["recipe"]["name"] == "mxfp8" and qc["ignore"] == ["lm_head"]
+    assert (
+        qc["quant_method"] == "mxq"
+        and qc["recipe"]["name"] == "mxfp8"
+        and qc["ignore"] == ["lm_head"]
+    )
     assert qc["layers"]["model.layers.0.mlp.up_proj"] == {
         "weights": {"elem": "e4m3", "scale_rule": "rceil"},
         "activations": {"elem": "e4m3", "scale_rule": "rceil"},
@@ -184,7 +209,10 @@ def test_save_pretrained_roundtrip(tmp_path, llama_dir):
     for f in (tmp_path / "again").glob("*.safetensors"):
         b.update(load_file(f))
     for k, v in a.items():
-        assert torch.equal(v.view(torch.uint8) if v.dtype.itemsize == 1 else v, b[k].view(torch.uint8) if v.dtype.itemsize == 1 else b[k]), k
+        assert torch.equal(
+            v.view(torch.uint8) if v.dtype.itemsize == 1 else v,
+            b[k].view(torch.uint8) if v.dtype.itemsize == 1 else b[k],
+        ), k
     ids = _ids(320)
     with torch.no_grad():
         assert torch.equal(m1(ids).logits, m2(ids).logits)
@@ -193,14 +221,56 @@ def test_save_pretrained_roundtrip(tmp_path, llama_dir):
 def test_quantize_model_in_memory_equals_converter(tmp_path, llama_dir):
     quantize_checkpoint(llama_dir, tmp_path / "q", progress=False)
     disk = mxq.load(tmp_path / "q")
-    mem = mxq.quantize_model(AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.bfloat16), "mxfp8")
+    mem = mxq.quantize_model(
+        AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.bfloat16), "mxfp8"
+    )
     assert mem.config.quantization_config.quant_method == "mxq"
     for (n1, p1), (n2, p2) in zip(disk.state_dict().items(), mem.state_dict().items(), strict=True):
-        assert n1 == n2 and torch.equal(p1.view(torch.uint8) if p1.dtype.itemsize == 1 else p1,
-                                        p2.view(torch.uint8) if p2.dtype.itemsize == 1 else p2), n1
+        assert n1 == n2 and torch.equal(
+            p1.view(torch.uint8) if p1.dtype.itemsize == 1 else p1,
+            p2.view(torch.uint8) if p2.dtype.itemsize == 1 else p2,
+        ), n1
+
+
+def test_lm_head_recipe_untied_and_tied(tmp_path, llama_dir):
+    """mxfp8-lm-head quantizes an untied lm_head (converter and in memory agree, logits match
+    the fake-quant reference) and keeps a tied one in bf16 with the reason."""
+    rep = quantize_checkpoint(llama_dir, tmp_path / "q", recipe="mxfp8-lm-head", progress=False)
+    assert "lm_head" in {r.name for r in rep.quantized}
+    disk = mxq.load(tmp_path / "q")
+    assert isinstance(disk.lm_head, MXLinear)
+    mem = mxq.quantize_model(
+        AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.bfloat16), "mxfp8-lm-head"
+    )
+    assert torch.equal(mem.lm_head.weight.view(torch.uint8), disk.lm_head.weight.view(torch.uint8))
+    ref = _fake_quant_reference(
+        AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32),
+        {r.name for r in rep.quantized},
+        E4M3,
+        E4M3,
+    )
+    f32 = mxq.load(tmp_path / "q", dtype=torch.float32)
+    ids = _ids(320)
+    with torch.no_grad():
+        assert _rel(f32(ids).logits, ref(ids).logits) < 1e-4
+    tied = AutoModelForCausalLM.from_pretrained(_tiny_qwen(tmp_path / "qw"), dtype=torch.bfloat16)
+    mxq.quantize_model(tied, "mxfp8-lm-head")
+    assert type(tied.lm_head) is torch.nn.Linear
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    cfg = tied.config.quantization_config.to_dict()
+    assert "lm_head" in cfg["ignore"] and "lm_head" not in cfg["layers"]
+    from mxq.linear import select_layers
+    from mxq.recipe import load_recipe
+
+    fresh = AutoModelForCausalLM.from_pretrained(tmp_path / "qw", dtype=torch.bfloat16)
+    assert (
+        "tied to the input embedding"
+        in select_layers(fresh, load_recipe("mxfp8-lm-head"))[1]["lm_head"]
+    )
 
 
 # --- other MXFP8 layouts -----------------------------------------------------------------------
+
 
 def test_compressed_tensors_layout(tmp_path, llama_dir):
     pytest.importorskip("compressed_tensors")
@@ -212,7 +282,11 @@ def test_compressed_tensors_layout(tmp_path, llama_dir):
     qc = QuantizationConfig.model_validate(qc_dict)
     assert qc.format == "mxfp8-quantized" and qc.quant_method == "compressed-tensors"
     group = qc.config_groups["group_0"]
-    assert group.weights.num_bits == 8 and group.weights.group_size == 32 and group.weights.scale_dtype == torch.uint8
+    assert (
+        group.weights.num_bits == 8
+        and group.weights.group_size == 32
+        and group.weights.scale_dtype == torch.uint8
+    )
     assert group.input_activations.dynamic is True and "lm_head" in qc.ignore
     # the package's own compressor accepts the scheme
     from compressed_tensors.compressors.mxfp8.base import MXFP8QuantizationCompressor
@@ -222,7 +296,11 @@ def test_compressed_tensors_layout(tmp_path, llama_dir):
     for name, info in infos.items():
         if name.endswith(".weight_scale"):
             w = infos[name[: -len("_scale")]]
-            assert w.dtype == "F8_E4M3" and info.dtype == "U8" and info.shape == (w.shape[0], w.shape[1] // 32)
+            assert (
+                w.dtype == "F8_E4M3"
+                and info.dtype == "U8"
+                and info.shape == (w.shape[0], w.shape[1] // 32)
+            )
     # mxq reads it back, equal to the native checkpoint
     quantize_checkpoint(llama_dir, tmp_path / "native", progress=False)
     ids = _ids(320)
@@ -232,7 +310,9 @@ def test_compressed_tensors_layout(tmp_path, llama_dir):
 
 def test_compressed_tensors_refuses_e5m2(tmp_path, llama_dir):
     with pytest.raises(ConversionError, match="E4M3 only"):
-        quantize_checkpoint(llama_dir, tmp_path / "x", "mxfp8-e5m2", fmt="compressed-tensors", progress=False)
+        quantize_checkpoint(
+            llama_dir, tmp_path / "x", "mxfp8-e5m2", fmt="compressed-tensors", progress=False
+        )
     assert not (tmp_path / "x").exists()
 
 
@@ -248,8 +328,11 @@ def test_transformers_mxfp8_checkpoint_loads(tmp_path, llama_dir):
     save_file(tensors, other / "model.safetensors")
     cfg = json.loads((native / "config.json").read_text())
     cfg["quantization_config"] = {
-        "quant_method": "mxfp8", "activation_scheme": "dynamic", "weight_block_size": [1, 32],
-        "scale_fmt": "ue8m0", "modules_to_not_convert": ["lm_head"],
+        "quant_method": "mxfp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [1, 32],
+        "scale_fmt": "ue8m0",
+        "modules_to_not_convert": ["lm_head"],
     }
     (other / "config.json").write_text(json.dumps(cfg))
     ids = _ids(320)
@@ -260,6 +343,7 @@ def test_transformers_mxfp8_checkpoint_loads(tmp_path, llama_dir):
 
 
 # --- safety: temp dir + rename, --force, and bad inputs ------------------------------------------
+
 
 def _leftovers(parent: Path) -> list[str]:
     return [p.name for p in parent.iterdir() if ".mxq-" in p.name]
@@ -295,8 +379,14 @@ def _corrupt(src: Path, how: str) -> None:
         ("header", r"model.safetensors: corrupt header \(not valid JSON\)"),
         ("length", r"model.safetensors: corrupt header \(claims"),
         ("no-config", r"missing config.json"),
-        ("nan", r"tensor model.layers.1.mlp.up_proj.weight: non-finite value nan at row 5, block 1 \(columns 32-63\)"),
-        ("inf", r"tensor model.layers.0.self_attn.o_proj.weight: non-finite value -inf at row 0, block 0"),
+        (
+            "nan",
+            r"tensor model.layers.1.mlp.up_proj.weight: non-finite value nan at row 5, block 1 \(columns 32-63\)",
+        ),
+        (
+            "inf",
+            r"tensor model.layers.0.self_attn.o_proj.weight: non-finite value -inf at row 0, block 0",
+        ),
         ("int-weight", r"tensor model.layers.0.self_attn.q_proj.weight: unsupported dtype I32"),
         ("no-linear", r"has no torch.nn.Linear layers"),
         ("already", r"already quantized"),
@@ -325,7 +415,16 @@ def test_bad_input_is_one_clear_error_and_nothing_written(tmp_path, case, messag
         for p in src.iterdir():
             p.unlink()
         # GPT-2 computes its projections with Conv1D, not torch.nn.Linear
-        GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=32, tie_word_embeddings=True)).save_pretrained(src)
+        GPT2LMHeadModel(
+            GPT2Config(
+                n_embd=32,
+                n_layer=1,
+                n_head=2,
+                vocab_size=64,
+                n_positions=32,
+                tie_word_embeddings=True,
+            )
+        ).save_pretrained(src)
     elif case == "already":
         quantize_checkpoint(_tiny_llama(tmp_path / "other"), tmp_path / "prev", progress=False)
         src = tmp_path / "prev"
@@ -367,7 +466,9 @@ def test_disk_full_leaves_nothing(tmp_path, llama_dir, monkeypatch):
         return real(self, name, tensor)
 
     monkeypatch.setattr(ShardWriter, "write", failing)
-    with pytest.raises(ConversionError, match="no space left on device while writing; nothing was written"):
+    with pytest.raises(
+        ConversionError, match="no space left on device while writing; nothing was written"
+    ):
         quantize_checkpoint(llama_dir, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists() and _leftovers(tmp_path) == []
 
@@ -392,8 +493,11 @@ def test_interrupt_leaves_nothing(tmp_path, llama_dir, monkeypatch):
 
 # --- CLI -----------------------------------------------------------------------------------------
 
+
 def _mxq(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "mxq.cli", *args], capture_output=True, text=True, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "mxq.cli", *args], capture_output=True, text=True, cwd=cwd
+    )
 
 
 def test_cli_quantize_inspect_and_errors(tmp_path, llama_dir):
@@ -418,12 +522,20 @@ def test_inspect_reports_bad_scale_shape_by_name(tmp_path, llama_dir):
     assert inspect_checkpoint(out).problems == []
     f = next(out.glob("model-*.safetensors"))
     t = load_file(f)
-    t["model.layers.0.mlp.gate_proj.weight_scale"] = t["model.layers.0.mlp.gate_proj.weight_scale"][:, :1].contiguous()
+    t["model.layers.0.mlp.gate_proj.weight_scale"] = t["model.layers.0.mlp.gate_proj.weight_scale"][
+        :, :1
+    ].contiguous()
     t["model.layers.1.mlp.up_proj.weight_scale"][0, 0] = 0xFF
     save_file(t, f)
     probs = inspect_checkpoint(out).problems
-    assert any("model.layers.0.mlp.gate_proj.weight_scale: shape [96, 1] does not match weight [96, 64]" in p for p in probs)
-    assert any("model.layers.1.mlp.up_proj.weight_scale: 1 block(s) with NaN scale" in p for p in probs)
+    assert any(
+        "model.layers.0.mlp.gate_proj.weight_scale: shape [96, 1] does not match weight [96, 64]"
+        in p
+        for p in probs
+    )
+    assert any(
+        "model.layers.1.mlp.up_proj.weight_scale: 1 block(s) with NaN scale" in p for p in probs
+    )
 
 
 # --- streaming: peak memory stays near the largest tensor ---------------------------------------
@@ -452,8 +564,13 @@ STREAM_SCRIPT = textwrap.dedent(
 @pytest.mark.slow
 def test_streaming_peak_memory(tmp_path):
     cfg = LlamaConfig(
-        hidden_size=512, intermediate_size=1024, num_hidden_layers=24, num_attention_heads=8,
-        num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=24,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=256,
+        tie_word_embeddings=True,
     )
     src = tmp_path / "big"
     src.mkdir()
@@ -469,21 +586,36 @@ def test_streaming_peak_memory(tmp_path):
         part = {k: torch.randn(shapes[k]) for k in names[i::4]}
         total += sum(v.numel() * 4 for v in part.values())
         save_file(part, src / f"model-{i + 1:05d}-of-00004.safetensors")
-    (src / "model.safetensors.index.json").write_text(json.dumps({
-        "metadata": {"total_size": total},
-        "weight_map": {k: f"model-{i % 4 + 1:05d}-of-00004.safetensors" for i, k in enumerate(names)},
-    }))
+    (src / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {
+                "metadata": {"total_size": total},
+                "weight_map": {
+                    k: f"model-{i % 4 + 1:05d}-of-00004.safetensors" for i, k in enumerate(names)
+                },
+            }
+        )
+    )
     small = _tiny_llama(tmp_path / "small", dtype=torch.float32)
     r = subprocess.run(
-        [sys.executable, "-c", STREAM_SCRIPT, str(src), str(small), str(tmp_path / "outs")], capture_output=True, text=True
+        [sys.executable, "-c", STREAM_SCRIPT, str(src), str(small), str(tmp_path / "outs")],
+        capture_output=True,
+        text=True,
     )
     assert r.returncode == 0, r.stderr
     m = json.loads(r.stdout.strip().splitlines()[-1])
     growth = m["peak"] - m["base"]
     bound = 12 * largest + 24 * 2**20  # a small factor of the largest tensor, plus fixed slack
     assert total > 3 * bound, "the checkpoint must be several times larger than the bound"
-    assert growth < bound, f"peak RSS grew {growth / 2**20:.1f} MiB converting {total / 2**20:.0f} MiB (bound {bound / 2**20:.1f} MiB)"
-    assert json.loads((tmp_path / "outs" / "big" / "config.json").read_text())["quantization_config"]["quant_method"] == "mxq"
+    assert growth < bound, (
+        f"peak RSS grew {growth / 2**20:.1f} MiB converting {total / 2**20:.0f} MiB (bound {bound / 2**20:.1f} MiB)"
+    )
+    assert (
+        json.loads((tmp_path / "outs" / "big" / "config.json").read_text())["quantization_config"][
+            "quant_method"
+        ]
+        == "mxq"
+    )
 
 
 def test_checkout_root_on_sys_path_does_not_shadow_hf_kernels():
@@ -514,7 +646,10 @@ def test_hub_id_goes_through_snapshot_download(tmp_path, llama_dir, monkeypatch)
         raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
-    with pytest.raises(ConversionError, match=r"someorg/tiny-llama: cannot fetch from the Hugging Face hub .*pass a local directory"):
+    with pytest.raises(
+        ConversionError,
+        match=r"someorg/tiny-llama: cannot fetch from the Hugging Face hub .*pass a local directory",
+    ):
         quantize_checkpoint("someorg/tiny-llama", tmp_path / "q2", progress=False)
     assert not (tmp_path / "q2").exists()
 
