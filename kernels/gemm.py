@@ -476,11 +476,10 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-# How the M > 64 (TMA activation) configs start their accumulator. Peeling the first K step gave
-# wrong values (inf) with 8-warp 256x128x64 / 128x128x64 tiles at M = 2048 (H200, session 4), so
-# these configs keep the old loop (ptxas serializes its wgmmas, C7515); ``zero_dot`` (one wgmma
-# of zero tiles before the loop) also removes the serialization on the CPU compile but has not
-# been checked on a GPU yet (NOTES.md, session 4).
+# How the 8-warp TMA-activation (prefill) configs start their accumulator. Without the ptxas
+# serialization (C7515) — first K step peeled, or a zero-tile wgmma before the loop — 256x128x64
+# (s3) and 128x128x64 (s4) tiles gave inf on every run at M = 2048 (H200, session 4), though
+# 8-13 % faster; 256x128x128 (s2) was right but slower than the old loop. So they keep the old loop.
 PREFILL_LOOP = dict(peel=False, zero_dot=False)
 
 
@@ -512,7 +511,9 @@ def pick_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
         return GemmConfig(block_m, block_n, block_k, warps, stages, split_k=split, tma_w=True, quant_x=quant_x, peel=peel)
     if m <= 512 and n < 16384:
         # 256x128 tiles leave most SMs idle here (N/128 programs); 128x64 won the M=256 sweep.
-        return GemmConfig(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4, tma_x=True, tma_w=True, deq_bf16=True, **PREFILL_LOOP)
+        # The accumulator started by a zero-tile wgmma (no C7515 serialization): right on every check
+        # with this 4-warp tile and 10-26 % faster at M=256 (H200, session 4: 8B o 42.5 -> 32.7 µs).
+        return GemmConfig(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4, tma_x=True, tma_w=True, deq_bf16=True, peel=False, zero_dot=True)
     if n % 128 == 0:
         return GemmConfig(block_m=256, block_n=128, block_k=64, num_warps=8, num_stages=3, tma_x=True, tma_w=True, deq_bf16=True, **PREFILL_LOOP)
     # 256-wide activation tiles gave wrong results when N is not a multiple of BLOCK_N
