@@ -511,9 +511,10 @@ def pick_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
         return GemmConfig(block_m, block_n, block_k, warps, stages, split_k=split, tma_w=True, quant_x=quant_x, peel=peel)
     if m <= 512 and n < 16384:
         # 256x128 tiles leave most SMs idle here (N/128 programs); 128x64 won the M=256 sweep.
-        # The accumulator started by a zero-tile wgmma (no C7515 serialization): right on every check
-        # with this 4-warp tile and 10-26 % faster at M=256 (H200, session 4: 8B o 42.5 -> 32.7 µs).
-        return GemmConfig(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4, tma_x=True, tma_w=True, deq_bf16=True, peel=False, zero_dot=True)
+        # zero_dot (accumulator started by a zero-tile wgmma) was 10-26 % faster at M=256 and right
+        # on qkv/o/down, but gave garbage (~1e38) at N=14336 (Llama gate/up unfused), M=300, bf16
+        # W8A16 (H200, tests/test_e2e.py::test_gpu_mx_linear_model_shapes): old loop until understood.
+        return GemmConfig(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4, tma_x=True, tma_w=True, deq_bf16=True, **PREFILL_LOOP)
     if n % 128 == 0:
         return GemmConfig(block_m=256, block_n=128, block_k=64, num_warps=8, num_stages=3, tma_x=True, tma_w=True, deq_bf16=True, **PREFILL_LOOP)
     # 256-wide activation tiles gave wrong results when N is not a multiple of BLOCK_N
@@ -560,6 +561,12 @@ def mx_gemm(
     if config is None and x.dtype != torch.bfloat16 and not quant and cfg.block_m > 64:
         # fp32 operands (exact W8A16 for fp16/fp32 X): fp32 tiles need 2x the shared memory.
         cfg = GemmConfig(block_m=64, block_n=128, block_k=32, num_warps=4, num_stages=3)
+    if config is None and cfg.num_warps == 8 and out_dtype == torch.float32:
+        # The 8-warp prefill epilogues (256x128x64 and 128x128x64) give inf/garbage with a float32
+        # output at M=2048 (H200, triton 3.6, tests/test_e2e.py::test_gpu_mx_linear_model_shapes;
+        # like the bias case, NOTES.md item 7); the 4-warp 128x64x64 tile was right on every shape.
+        cfg = GemmConfig(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4, tma_x=cfg.tma_x,
+                         tma_w=cfg.tma_w, deq_bf16=cfg.deq_bf16, **PREFILL_LOOP)  # fmt: skip
     if cfg.block_k % block_size:
         raise ValueError(f"block_k={cfg.block_k} must be a multiple of block_size={block_size}")
     if INTERPRET or (x.dtype != torch.bfloat16 and not quant):
