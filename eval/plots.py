@@ -3,7 +3,7 @@
     python -m mxq.eval.plots RESULTS_DIR [--out PLOTS_DIR]
 
 Reads whichever of these RESULTS_DIR holds (the names ``mxq bench`` writes):
-``bench_gemm.json`` (eval/bench_gemm.py), ``bench_attention.json`` (eval/bench_attention.py),
+``bench_gemm*.json`` (eval/bench_gemm.py; later files replace rows of earlier ones), ``bench_attention.json`` (eval/bench_attention.py),
 ``e2e-*.json`` (eval/bench_e2e.py), ``ppl-*.json`` (``mxq eval ppl --out``),
 ``convert-*.json`` (eval/bench_convert.py) and writes
 ``gemm.png``, ``attention.png``, ``e2e.png``, ``ppl.png`` and ``SUMMARY.md``. A missing input
@@ -24,6 +24,20 @@ def _load(path: Path):
 
 def _num(v):
     return v if isinstance(v, (int, float)) and math.isfinite(v) else None
+
+
+def merge_gemm(paths: list[Path]) -> dict | None:
+    """One GEMM result from several bench_gemm JSON files: a later file's row replaces an
+    earlier one for the same (model, layer, M) (a re-run of some shapes updates the table)."""
+    if not paths:
+        return None
+    merged, env = {}, {}
+    for p in paths:
+        res = json.loads(p.read_text())
+        env = res.get("env", env)
+        for r in res.get("gemm", []):
+            merged[(r["model"], r["layer"], r["m"])] = r
+    return {"env": env, "gemm": list(merged.values())}
 
 
 def gemm_rows(res: dict) -> list[dict]:
@@ -131,7 +145,7 @@ def plot_e2e(results: list[dict], path: Path) -> None:
             )
         w = next((r for r in res["summary"] if r["metric"].startswith("weights")), None)
         extra = f", weights {w['ratio']:.2f}x" if w else ""
-        ax.set_title(f"{res['model']}{extra}", fontsize=9)
+        ax.set_title(f"{Path(res['model']).name}, {res.get('recipe', 'mxfp8')}{extra}", fontsize=9)
         ax.set_xlabel("MXFP8 tokens/s over bf16 tokens/s")
         ax.set_xlim(0, max([r["ratio"] for r in rows] + [1.0]) * 1.45)
     fig.suptitle(
@@ -248,7 +262,10 @@ def make_all(results: Path, out: Path | None = None, plots: bool = True) -> list
             raise RuntimeError("plots need matplotlib: pip install 'mxq[plot]'") from None
     out = out or results
     out.mkdir(parents=True, exist_ok=True)
-    gemm, attn = _load(results / "bench_gemm.json"), _load(results / "bench_attention.json")
+    gemm, attn = (
+        merge_gemm(sorted(results.glob("bench_gemm*.json"))),
+        _load(results / "bench_attention.json"),
+    )
     e2e = [json.loads(p.read_text()) for p in sorted(results.glob("e2e-*.json"))]
     ppl = ppl_rows({p.stem: json.loads(p.read_text()) for p in sorted(results.glob("ppl-*.json"))})
     convert = [json.loads(p.read_text()) for p in sorted(results.glob("convert-*.json"))]
