@@ -263,3 +263,22 @@ def test_gpu_mx_linear_model_shapes(xdt):
                         )
                     )
     assert not bad, "\n".join(map(str, bad))
+
+
+def test_check_paths_w8a16_agree_and_w8a8_spread():
+    """eval/check_paths: W8A16 paths agree to accumulation rounding; W8A8 is restored after."""
+    from mxq.eval.check_paths import check
+    from mxq.eval.perplexity import Windows
+
+    model = _llama(seed=8).float()
+    mxq.quantize_model(model, "mxfp8")
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, model.config.vocab_size, (3, 40), generator=g)
+    w = Windows(ids, torch.ones(3, dtype=torch.long), 40, None, 120, 3)
+    res = check(model, w, torch.device("cpu"))
+    assert set(res) == {
+        f"{v}/{p}" for v in ("as_quantized", "w8a16") for p in ("reference", "reference_fp64")
+    }
+    assert res["w8a16/reference"] == pytest.approx(res["w8a16/reference_fp64"], rel=1e-5)
+    assert res["as_quantized/reference"] != res["w8a16/reference"]
+    assert all(m.act is not None for m in model.modules() if isinstance(m, MXLinear))  # put back
