@@ -269,15 +269,24 @@ def summary_rows(res: dict) -> list[dict]:
     return rows  # fmt: skip
 
 
+def table_lines(res: dict) -> list[str]:
+    """The end-to-end result as a markdown heading and table (also used by eval/plots.py)."""
+    f = lambda v: "-" if v is None else (f"{v:.2f}" if v < 100 else f"{v:.0f}")
+    lines = [
+        f"## End to end: {res['model']} on {res['env']['device']} ({res['env']['date']}), recipe {res['recipe']}",
+        "",
+        "| metric | bf16 | MXFP8 | MXFP8 / bf16 |",
+        "|---|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {r['metric']} | {f(r['bf16'])} | {f(r['mxfp8'])} | {f(r['ratio'])} |"
+        for r in res["summary"]
+    ]
+    return lines
+
+
 def print_table(res: dict) -> None:
-    print(
-        f"\n## End to end: {res['model']} on {res['env']['device']} ({res['env']['date']}), recipe {res['recipe']}"
-    )
-    print("| metric | bf16 | MXFP8 | MXFP8 / bf16 |")
-    print("|---|---:|---:|---:|")
-    for r in res["summary"]:
-        f = lambda v: "-" if v is None else (f"{v:.2f}" if v < 100 else f"{v:.0f}")
-        print(f"| {r['metric']} | {f(r['bf16'])} | {f(r['mxfp8'])} | {f(r['ratio'])} |")
+    print("\n" + "\n".join(table_lines(res)))
 
 
 def env_info(device: torch.device) -> dict:

@@ -187,6 +187,8 @@ def plot_ppl(rows: list[dict], path: Path) -> None:
 
 
 def summary_markdown(gemm, attn, e2e, ppl, convert=()) -> str:
+    from mxq.eval.bench_e2e import table_lines
+
     lines = ["# mxq benchmark summary", ""]
     if convert:
         lines += ["## Converter (mxq quantize, streaming)", "", "| shape | device | run | wall s | MiB/s | peak RSS growth MiB | peak GPU MiB |",
@@ -223,16 +225,7 @@ def summary_markdown(gemm, attn, e2e, ppl, convert=()) -> str:
             )
         lines.append("")
     for res in e2e:
-        lines += [
-            f"## End to end: {res['model']}",
-            "",
-            "| metric | bf16 | MXFP8 | MXFP8 / bf16 |",
-            "|---|---:|---:|---:|",
-        ]
-        for r in res["summary"]:
-            f = lambda v: "-" if v is None else (f"{v:.2f}" if v < 100 else f"{v:.0f}")
-            lines.append(f"| {r['metric']} | {f(r['bf16'])} | {f(r['mxfp8'])} | {f(r['ratio'])} |")
-        lines.append("")
+        lines += table_lines(res) + [""]
     if ppl:
         lines += [
             "## Perplexity",
