@@ -427,6 +427,38 @@ def _splitk_reduce_kernel(
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+def _split_k_plan(y: torch.Tensor, k: int, split_k: int, block_k: int):
+    """(splits, K per split (a multiple of block_k), whether no K tile is partial, where the
+    kernel writes: y itself, or float32 partials [splits, M, N] for ``_split_k_finish``)."""
+    split = max(1, min(split_k, triton.cdiv(k, block_k)))
+    k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    split = triton.cdiv(k, k_split)
+    even_k = k % block_k == 0 and k_split % block_k == 0
+    target = y if split == 1 else torch.empty((split, *y.shape), dtype=torch.float32, device=y.device)
+    return split, k_split, even_k, target
+
+
+def _tma(t: torch.Tensor, block: list[int], wanted: bool):
+    """(used, kernel argument): a host TMA descriptor of ``t`` where asked for and possible
+    (16-byte aligned base and row stride, not the interpreter), else ``t`` for pointer loads."""
+    ok = (
+        wanted and TensorDescriptor is not None and not INTERPRET
+        and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+    )  # fmt: skip
+    return ok, (TensorDescriptor.from_tensor(t, block) if ok else t)
+
+
+def _split_k_finish(target: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, split: int) -> torch.Tensor:
+    """Sum the split-K partials (+ bias) into y; nothing to do without a split."""
+    if split > 1:
+        block, mn = 1024, y.numel()
+        _splitk_reduce_kernel[(triton.cdiv(mn, block),)](
+            target, bias if bias is not None else target, y, mn, y.shape[1],
+            SPLIT_K=split, BLOCK=block, HAS_BIAS=bias is not None, num_warps=4,
+        )  # fmt: skip
+    return y
+
+
 @triton.jit
 def _dot_scaled_kernel(
     x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
@@ -576,17 +608,10 @@ def mx_gemm(
     else:
         # bf16 operands; in-kernel W8A8 rounding writes bf16 too (exact: see the module doc).
         dot, precision = tl.bfloat16, "tf32"  # precision is ignored for bf16 operands
-    split = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
-    k_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
-    split = triton.cdiv(k, k_split)
-    even_k = k % cfg.block_k == 0 and k_split % cfg.block_k == 0
-    target = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    split, k_split, even_k, target = _split_k_plan(y, k, cfg.split_k, cfg.block_k)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
-    # TMA needs 16-byte aligned bases and row strides; otherwise fall back to pointer loads.
-    tma_x = cfg.tma_x and not quant and TensorDescriptor is not None and not INTERPRET and x.data_ptr() % 16 == 0 and (x.stride(0) * x.element_size()) % 16 == 0
-    tma_w = cfg.tma_w and TensorDescriptor is not None and not INTERPRET and weight.data_ptr() % 16 == 0 and weight.stride(0) % 16 == 0
-    x_arg = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k]) if tma_x else x
-    w_arg = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]) if tma_w else weight
+    tma_x, x_arg = _tma(x, [cfg.block_m, cfg.block_k], cfg.tma_x and not quant)
+    tma_w, w_arg = _tma(weight, [cfg.block_n, cfg.block_k], cfg.tma_w)
     ae = act_elem or E4M3
     _mx_gemm_kernel[grid](
         x_arg, w_arg, weight_scale, bias if bias is not None else weight_scale, target,
@@ -601,13 +626,7 @@ def mx_gemm(
         RULE=_RULE_ID[act_rule], HW_CVT=hw_cvt(x.device), FP8=fp8_dtype(ae),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if split > 1:
-        block = 1024
-        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
-            target, bias if bias is not None else target, y, m * n, n,
-            SPLIT_K=split, BLOCK=block, HAS_BIAS=bias is not None, num_warps=4,
-        )  # fmt: skip
-    return y
+    return _split_k_finish(target, y, bias, split)
 
 
 @dataclass(frozen=True)
@@ -680,13 +699,8 @@ def mx_gemv(
     cfg = config or pick_gemv_config(m, n, k, x.device)
     if cfg.block_k % block_size:
         raise ValueError(f"block_k={cfg.block_k} must be a multiple of block_size={block_size}")
-    split = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
-    k_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
-    split = triton.cdiv(k, k_split)
-    even_k = k % cfg.block_k == 0 and k_split % cfg.block_k == 0
-    target = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    tma_w = cfg.tma_w and TensorDescriptor is not None and not INTERPRET and weight.data_ptr() % 16 == 0 and weight.stride(0) % 16 == 0
-    w_arg = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]) if tma_w else weight
+    split, k_split, even_k, target = _split_k_plan(y, k, cfg.split_k, cfg.block_k)
+    tma_w, w_arg = _tma(weight, [cfg.block_n, cfg.block_k], cfg.tma_w)
     ae = act_elem or E4M3
     _mx_gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
         x, w_arg, weight_scale, bias if bias is not None else weight_scale, target,
@@ -699,13 +713,7 @@ def mx_gemv(
         PREFETCH=False,  # measured slower at M=1 (H200: gate_up 35.7 -> 52.4 µs); kept as an option
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if split > 1:
-        block = 1024
-        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
-            target, bias if bias is not None else target, y, m * n, n,
-            SPLIT_K=split, BLOCK=block, HAS_BIAS=bias is not None, num_warps=4,
-        )  # fmt: skip
-    return y
+    return _split_k_finish(target, y, bias, split)
 
 
 @dataclass(frozen=True)
@@ -770,11 +778,7 @@ def mx_gemv_rows(
     cfg = config or pick_gemv_rows_config(m, n, k, x.device)
     if cfg.block_k % block_size or block_size % cfg.vec:
         raise ValueError(f"block_k={cfg.block_k} must be a multiple of block_size={block_size}, which vec={cfg.vec} must divide")
-    split = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
-    k_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
-    split = triton.cdiv(k, k_split)
-    even_k = k % cfg.block_k == 0 and k_split % cfg.block_k == 0
-    target = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    split, k_split, even_k, target = _split_k_plan(y, k, cfg.split_k, cfg.block_k)
     _mx_gemv_rows_kernel[(triton.cdiv(n, cfg.block_n), split)](
         x, weight, weight_scale, bias if bias is not None else weight_scale, target,
         m, n, k, k_split,
@@ -784,13 +788,7 @@ def mx_gemv_rows(
         PREFETCH=cfg.prefetch and not cfg.load2d, LOAD2D=cfg.load2d,
         num_warps=cfg.num_warps, num_stages=1,
     )  # fmt: skip
-    if split > 1:
-        block = 1024
-        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
-            target, bias if bias is not None else target, y, m * n, n,
-            SPLIT_K=split, BLOCK=block, HAS_BIAS=bias is not None, num_warps=4,
-        )  # fmt: skip
-    return y
+    return _split_k_finish(target, y, bias, split)
 
 
 def _check_gemm_args(x, weight, weight_scale, bias, block_size):
