@@ -49,7 +49,6 @@ class StaticGreedyDecoder:
         self.ids = torch.zeros(batch_size, 1, dtype=torch.long, device=self.device)
         self.pos = torch.zeros(1, dtype=torch.long, device=self.device)  # position of self.ids
         self.graph = None
-        self.prompt_len = 0
         self._step_fn = self._step
         if compile:
             backend = compile if isinstance(compile, str) else "inductor"
@@ -77,7 +76,6 @@ class StaticGreedyDecoder:
         self.seq[:, p] = nxt
         self.ids.copy_(nxt[:, None])
         self.pos.fill_(p)
-        self.prompt_len = p
 
     def _step(self) -> None:
         out = self.model(
@@ -102,7 +100,7 @@ class StaticGreedyDecoder:
     def warm_up(self, steps: int = 2):
         """Run the step ``steps`` times (on a side stream on CUDA, as graph capture needs) and
         put positions back: the cache slots written are written again by the real steps
-        before anything reads them. Returns the function that puts them back."""
+        before anything reads them."""
         pos0, ids0 = self.pos.clone(), self.ids.clone()
         counters = [(c, c.clone()) for c in self._cache_counters()]
 
@@ -126,16 +124,14 @@ class StaticGreedyDecoder:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         restore()
-        return restore
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture the step as a CUDA graph (call after ``prefill``)."""
-        restore = self.warm_up()
+        self.warm_up()
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph):  # records the step without running it
             self._step_fn()
-        restore()  # capture records the step without running it; nothing moved, but be exact
 
     @torch.inference_mode()
     def step(self) -> None:
