@@ -7,6 +7,8 @@ rounding pre-pass of K and V (it is part of every call). Decode: B=4, Hq=32, Hkv
 query token against a context of 4k..32k, MXFP8 cache (fp8 + E8M0, split-KV kernel) against bf16
 SDPA decode (GQA); both timed as CUDA-graph replays (launch gaps out). Ratios are against the
 strongest baseline measured in the same run. Medians of ``triton.testing.do_bench``.
+The MXFP8 calls include the Q/K rotation as shipped (``mxq.attention``); ``--no-rotation``
+times them without it.
 """
 
 # ruff: noqa: B023  (each lambda is timed at once, inside its loop iteration)
@@ -22,6 +24,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mxq.attention import MXFP8CacheLayer
 from mxq.kernels.attention import mx_attention_decode, mx_attention_prefill, mx_attention_reference
+
+
+ROT = {"qk_rotation": True}
 
 
 def _bench(fn, graph=False):
@@ -55,11 +60,11 @@ def prefill(seqs, results):
                     row[name] = None
                     print(f"<!-- {name} unavailable: {str(e).splitlines()[0]} -->")
             for name, exact in (("mx_exact", True), ("mx_fast", False)):
-                ms = _bench(lambda exact=exact: mx_attention_prefill(q, k, v, causal=causal, exact=exact))
+                ms = _bench(lambda exact=exact: mx_attention_prefill(q, k, v, causal=causal, exact=exact, **ROT))
                 row[name] = flops / ms / 1e9
             if s <= 1024:  # correctness beside the timing
-                want = mx_attention_reference(q[:1].float(), k[:1].float(), v[:1].float(), causal=causal)
-                row["rel_err_exact"] = _rel(mx_attention_prefill(q[:1], k[:1], v[:1], causal=causal), want)
+                want = mx_attention_reference(q[:1].float(), k[:1].float(), v[:1].float(), causal=causal, **ROT)
+                row["rel_err_exact"] = _rel(mx_attention_prefill(q[:1], k[:1], v[:1], causal=causal, **ROT), want)
             best = max(x for x in (row["flash"], row["cudnn"]) if x)
             results["prefill"].append(row)
 
@@ -82,9 +87,10 @@ def decode(ctxs, results, sweep=True):
         k = torch.randn(b, hkv, n, d, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(b, hkv, n, d, device="cuda", dtype=torch.bfloat16)
         layer = MXFP8CacheLayer()
+        layer.rotated = ROT["qk_rotation"]
         layer.update(k, v)
         kd, vd = layer.dequantize()
-        want = mx_attention_reference(q.float(), kd, vd)
+        want = mx_attention_reference(q.float(), kd, vd, k_rotated=True, **ROT)
         ms_sdpa = _bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True), graph=True)
         args = (q, layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, n)
         configs = [("dequant", bn, 4, 3, p) for bn in (64, 128) for p in (264, 528, 1056)]
@@ -96,7 +102,7 @@ def decode(ctxs, results, sweep=True):
         best = {}
         for variant, bn, w, st, progs in configs:
             chunk = max(bn, triton.cdiv(triton.cdiv(n, max(1, progs // (b * hkv))), bn) * bn)
-            kw = dict(variant=variant, block_n=bn, chunk=chunk, num_warps=w, num_stages=st)
+            kw = dict(variant=variant, block_n=bn, chunk=chunk, num_warps=w, num_stages=st, **ROT)
             try:
                 ms = _bench(lambda: mx_attention_decode(*args, **kw), graph=True)
                 err = _rel(mx_attention_decode(*args, **kw), want)
@@ -109,8 +115,8 @@ def decode(ctxs, results, sweep=True):
                 continue
             if variant not in best or ms < best[variant][0]:
                 best[variant] = (ms, kw, err)
-        default_ms = _bench(lambda: mx_attention_decode(*args), graph=True)
-        err = _rel(mx_attention_decode(*args), want)
+        default_ms = _bench(lambda: mx_attention_decode(*args, **ROT), graph=True)
+        err = _rel(mx_attention_decode(*args, **ROT), want)
         ms_mx, kw_best, err_best = min(best.values(), key=lambda t: t[0])
         mx_bytes = 2 * b * hkv * n * d * (1 + 1 / 32)
         bf_bytes = 2 * b * hkv * n * d * 2
@@ -143,7 +149,7 @@ def tile_sweep(results):
             row = {"causal": causal, "tile": tile}
             for name, exact in (("exact", True), ("fast", False)):
                 try:
-                    ms = _bench(lambda: mx_attention_prefill(q, k, v, causal=causal, exact=exact, tile=tile))
+                    ms = _bench(lambda: mx_attention_prefill(q, k, v, causal=causal, exact=exact, tile=tile, **ROT))
                     row[name] = flops / ms / 1e9
                 except Exception as e:  # noqa: BLE001
                     row[name] = None
@@ -158,10 +164,13 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--decode-only", action="store_true")
     ap.add_argument("--no-sweep", action="store_true", help="decode: defaults and the first kernel only")
+    ap.add_argument("--no-rotation", action="store_true", help="time the MXFP8 kernels without the Q/K rotation")
+    ap.add_argument("--no-tiles", action="store_true", help="skip the prefill tile sweep")
     args = ap.parse_args()
+    ROT["qk_rotation"] = not args.no_rotation
     results = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-        "date": time.strftime("%Y-%m-%d"), "prefill": [], "decode": [], "decode_configs": [], "tiles": [],
+        "date": time.strftime("%Y-%m-%d"), "qk_rotation": ROT["qk_rotation"], "prefill": [], "decode": [], "decode_configs": [], "tiles": [],
     }  # fmt: skip
     results["out"] = args.out
     print(f"# {results['device']}  torch {results['torch']}  triton {results['triton']}  {results['date']}")
@@ -172,7 +181,8 @@ def main():
     if args.decode_only:
         return
     prefill([1024, 4096, 16384] if not args.quick else [4096], results)
-    tile_sweep(results)
+    if not args.no_tiles:
+        tile_sweep(results)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

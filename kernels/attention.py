@@ -51,6 +51,7 @@ from mxq.kernels.quantize import (
     hw_cvt,
     mx_round_dequant,
 )
+from mxq.kernels.reference import hadamard_block, qk_rotation
 from mxq.kernels.reference import mx_attention_reference  # noqa: F401  (re-export)
 
 LOG2E = 1.4426950408889634
@@ -62,6 +63,65 @@ BLOCK = 32  # MX block size; fixed by the format
 # ---------------------------------------------------------------------------------------------
 
 # The reference lives in kernels/reference.py (importable without Triton).
+
+
+# ---------------------------------------------------------------------------------------------
+# Q/K rotation
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _rotate_kernel(
+    X, R, Y, H, S, D, stride_xb, stride_xh, stride_xs,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PARTS: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    """Y[row] = X[row]·R in fp32 over rows (b, h, s) of X [B, H, S, D] (unit last stride).
+
+    R holds ±1 and 0 (bf16-exact). X is split into PARTS bf16 pieces (1 for bf16, 2 for fp16,
+    3 for fp32: together exactly X), so every product is exact and only the fp32
+    accumulation rounds.
+    """
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # (h, s) within batch entry b
+    b = tl.program_id(1).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    src = b * stride_xb + (rows // S).to(tl.int64) * stride_xh + (rows % S).to(tl.int64) * stride_xs
+    ok = (rows < H * S)[:, None] & (offs_d < D)[None, :]
+    x = tl.load(X + src[:, None] + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
+    r = tl.load(R + offs_d[:, None] * BLOCK_D + offs_d[None, :])
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for _ in tl.static_range(PARTS):
+        part = x.to(tl.bfloat16)
+        acc = _mma(part, r, acc, INTERP)
+        x = x - part.to(tl.float32)
+    tl.store(Y + (b * H * S + rows[:, None]) * D + offs_d[None, :], acc, mask=ok)
+
+
+_ROTATIONS: dict = {}
+
+
+def _rotation_operand(d: int, block_d: int, device: torch.device) -> torch.Tensor:
+    key = (d, block_d, str(device))
+    if key not in _ROTATIONS:
+        r = torch.zeros(block_d, block_d, dtype=torch.bfloat16)
+        r[:d, :d] = qk_rotation(d)
+        _ROTATIONS[key] = r.to(device)
+    return _ROTATIONS[key]
+
+
+def rotate_qk_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [B, H, S, D] (any strides, unit last stride) -> x·``qk_rotation(D)`` as float32 [B, H, S, D]."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    b, h, s, d = x.shape
+    bd = max(16, triton.next_power_of_2(d))
+    y = torch.empty((b, h, s, d), dtype=torch.float32, device=x.device)
+    parts = {torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 3)
+    block_r = 64
+    if y.numel():
+        _rotate_kernel[(triton.cdiv(h * s, block_r), b)](
+            x, _rotation_operand(d, bd, x.device), y, h, s, d, x.stride(0), x.stride(1), x.stride(2),
+            BLOCK_R=block_r, BLOCK_D=bd, PARTS=parts, INTERP=INTERPRET, num_warps=4,
+        )  # fmt: skip
+    return y
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,6 +290,8 @@ def mx_attention_prefill(
     scale: float | None = None,
     elem: ElemFormat | str = E4M3,
     rule: ScaleRule | str = ScaleRule.RCEIL,
+    qk_rotation: bool = False,
+    k_rotated: bool = False,
     exact: bool = True,
     out: torch.Tensor | None = None,
     tile: tuple[int, int, int, int] | None = None,
@@ -238,6 +300,7 @@ def mx_attention_prefill(
 
     ``out``: optional output [B, Hq, Sq, D] (any strides with a unit last stride; HF wants a
     [B, Sq, Hq, D] tensor seen through a transpose). ``exact=False``: a bf16 P for P·V.
+    ``qk_rotation``/``k_rotated``: as in the reference (``rotate_qk_rows`` first, fp32).
     """
     elem, rule = as_elem_format(elem), as_scale_rule(rule)
     if rule is ScaleRule.MSE:
@@ -248,9 +311,12 @@ def mx_attention_prefill(
         raise ValueError(f"{hq} query heads are not a multiple of {hkv} key/value heads")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     bd = _block_d(d)
-    k_mx, vt_mx = mx_round_kv(k, v, elem, rule, bd)
     if out is None:
         out = torch.empty((b, sq, hq, d), dtype=q.dtype, device=q.device).transpose(1, 2)
+    if qk_rotation:
+        q, scale = rotate_qk_rows(q), scale / hadamard_block(d)
+        k = k if k_rotated else rotate_qk_rows(k)
+    k_mx, vt_mx = mx_round_kv(k, v, elem, rule, bd)
     if out.stride(-1) != 1:
         raise ValueError("out needs a unit stride along head_dim")
     mask, ms, mask_bool = _mask_args(attention_mask, b, hq, sq, sk)
@@ -584,8 +650,12 @@ def mx_attention_decode(
     variant: str | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    qk_rotation: bool = False,
 ) -> torch.Tensor:
     """One query token per sequence against an MXFP8 cache; result [B, Hq, 1, D] in q.dtype.
+
+    ``qk_rotation``: the cache's K was rotated before it was quantized (``MXFP8CacheLayer``
+    with rotation on); q is rotated here and the scores divided by the rotation's block size.
 
     q [B, Hq, 1, D]. Cache (``MXFP8CacheLayer``'s layout, capacity C >= length, C % 32 == 0):
     k_data fp8 [B, Hkv, C, Dp] (Dp = D padded to 32), k_scale uint8 [B, Hkv, C, Dp/32];
@@ -624,6 +694,8 @@ def mx_attention_decode(
     acc = torch.empty((b * hq * nsplit, bd), dtype=torch.float32, device=q.device)
     if out is None:
         out = torch.empty((b, 1, hq, d), dtype=q.dtype, device=q.device).transpose(1, 2)
+    if qk_rotation:
+        q, scale = rotate_qk_rows(q), scale / hadamard_block(d)
     mask, ms, mask_bool = _mask_args(attention_mask, b, hq, 1, length)
     common = (
         k_data.stride(0), k_data.stride(1), k_data.stride(2),

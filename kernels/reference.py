@@ -73,6 +73,41 @@ def fake_quantize_mx_rows(
     return fake_quantize_mx(x.to(torch.float32), -1, elem, block_size, rule).to(out_dtype or x.dtype)
 
 
+ROTATION_SEED = 0x6D7871  # "mxq": the random signs of the Q/K rotation are part of the format
+
+
+def hadamard_block(d: int) -> int:
+    """Size of the Hadamard blocks of the Q/K rotation for head_dim ``d``: its largest power-of-two divisor."""
+    return d & -d
+
+
+def qk_rotation(d: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The Q/K rotation for head_dim ``d``: a float32 [d, d] matrix of ±1 and 0, R·Rᵀ = n·I.
+
+    R = diag(s)·blockdiag(H_n, ..., H_n): H_n the Sylvester Hadamard matrix of size
+    n = ``hadamard_block(d)`` (n = d for the usual 64 and 128) and s fixed random signs
+    (``ROTATION_SEED``). (qR)·(kR) = n·(q·k), so attention on rotated Q and K equals attention
+    on Q and K with the scores divided by n: exact in real arithmetic, and the entries ±1 make
+    each product exact in floating point. MX-rounding the rotated vectors instead of the raw
+    ones spreads outlier channels over the whole block before the shared scale is chosen,
+    which is what makes FP8 Q·K accurate (FlashAttention-3's "incoherent processing").
+    """
+    n = hadamard_block(d)
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    g = torch.Generator().manual_seed(ROTATION_SEED)
+    signs = torch.randint(0, 2, (d,), generator=g).float() * 2 - 1
+    r = signs[:, None] * torch.block_diag(*[h] * (d // n))
+    return r.to(device) if device is not None else r
+
+
+def rotate_qk(x: torch.Tensor) -> torch.Tensor:
+    """x [..., d] -> x·R in float32 (``qk_rotation``), accumulated in float64 (exact to fp32 rounding)."""
+    r = qk_rotation(x.shape[-1], x.device)
+    return (x.double() @ r.double()).float()
+
+
 def mx_attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -83,18 +118,26 @@ def mx_attention_reference(
     scale: float | None = None,
     elem: ElemFormat | str = E4M3,
     rule: ScaleRule | str = ScaleRule.RCEIL,
+    qk_rotation: bool = False,
+    k_rotated: bool = False,
 ) -> torch.Tensor:
     """Softmax attention on MX-rounded Q, K, V, in float32; returns q.dtype [B, Hq, Sq, D].
 
     q [B, Hq, Sq, D], k and v [B, Hkv, Sk, D] (Hq a multiple of Hkv: GQA/MQA).
     ``causal``: query i sees keys j <= i + Sk - Sq (bottom-right aligned, as with a KV cache).
     ``attention_mask``: bool (True = attend) or additive float, broadcastable to [B, Hq, Sq, Sk].
+    ``qk_rotation``: Q and K are multiplied by ``qk_rotation(D)`` before MX rounding and the
+    scores divided by its block size (same attention in exact arithmetic, smaller FP8 error);
+    ``k_rotated``: K is already rotated (an MXFP8 cache's K), only Q is.
     Rows with every key masked give zeros.
     """
     elem, rule = as_elem_format(elem), as_scale_rule(rule)
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
+    if qk_rotation:
+        q, scale = rotate_qk(q), scale / hadamard_block(d)
+        k = k if k_rotated else rotate_qk(k)
     qf = fake_quantize_mx(q.float(), -1, elem, 32, rule)
     kf = fake_quantize_mx(k.float(), -1, elem, 32, rule)
     vf = fake_quantize_mx(v.float(), -2, elem, 32, rule)  # 32x1 along the keys, zero-padded

@@ -23,11 +23,21 @@ the tokens present so far, and final once the page holds 32 tokens (the bf16 cop
 dropped). Decoding thus computes exactly the reference on the whole current sequence, and the
 cache bytes after appending token by token equal quantizing the whole sequence at once.
 
+Q/K rotation (on by default): before Q and K are MX-rounded they are multiplied by a fixed
+orthogonal ±1 matrix (random signs times Hadamard blocks along head_dim,
+``mxq.kernels.reference.qk_rotation``) and the scores are divided by its block size. Attention
+is unchanged in exact arithmetic; outlier channels (RoPE'd K has a few) get spread over the
+whole 1x32 block, so the FP8 error of Q·K drops (SmolLM2: mean KL to exact attention 2.4x
+smaller, BENCHMARKS.md). The cache stores K rotated; decoding rotates the one query. Set
+``MXQ_ATTN_ROTATION=none`` (or ``mxq.attention.QK_ROTATION = "none"``) to measure without it.
+
 The cache only works with the ``mxfp8`` attention: its ``update`` returns views of the MXFP8
 storage (``MXFP8KV``), not bf16 tensors.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from transformers import AttentionInterface
@@ -41,6 +51,9 @@ ATTN_IMPLEMENTATION = "mxfp8"
 ATTN_ELEM = E4M3
 ATTN_RULE = ScaleRule.RCEIL
 PAGE = 32
+ROTATIONS = ("hadamard", "none")
+# Read when a cache layer is created and at each attention call (module docstring).
+QK_ROTATION = os.environ.get("MXQ_ATTN_ROTATION", "hadamard").strip().lower()
 
 try:
     from mxq.kernels import attention as _kattn
@@ -53,6 +66,21 @@ except ImportError:  # no Triton: the reference everywhere
 
 def _use_triton(t: torch.Tensor) -> bool:
     return HAS_TRITON and not FORCE_REFERENCE and t.is_cuda
+
+
+def _rotation_on() -> bool:
+    if QK_ROTATION not in ROTATIONS:
+        raise ValueError(f"MXQ_ATTN_ROTATION / mxq.attention.QK_ROTATION: expected one of {ROTATIONS}, got {QK_ROTATION!r}")
+    return QK_ROTATION == "hadamard"
+
+
+def _rotate(x: torch.Tensor) -> torch.Tensor:
+    """x [B, H, S, D] -> x·qk_rotation(D) in float32: Triton on CUDA, the reference elsewhere."""
+    if _use_triton(x):
+        return _kattn.rotate_qk_rows(x)
+    from mxq.kernels.reference import rotate_qk
+
+    return rotate_qk(x)
 
 
 def _quantize_rows(x: torch.Tensor):
@@ -97,6 +125,7 @@ class MXFP8CacheLayer(DynamicLayer):
         self.head_dim = 0
         self.k_data = self.k_scale = self.v_data = self.v_scale = None
         self.v_tail = None  # bf16 values of the partial last page [B, Hkv, length % 32, D]
+        self.rotated = _rotation_on()  # K is stored as K·qk_rotation(D)
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -131,7 +160,7 @@ class MXFP8CacheLayer(DynamicLayer):
         if n == 0:
             return MXFP8KV(self, fresh), MXFP8KV(self, fresh)
         self._reserve(b, h, start + n + PAGE)
-        kq, ks = _quantize_rows(key_states)
+        kq, ks = _quantize_rows(_rotate(key_states) if self.rotated else key_states)
         self.k_data[:, :, start : start + n] = kq
         self.k_scale[:, :, start : start + n] = ks
         # V: re-quantize from the first page not yet final (its bf16 tail) through the new tokens.
@@ -146,7 +175,7 @@ class MXFP8CacheLayer(DynamicLayer):
         return MXFP8KV(self, fresh), MXFP8KV(self, fresh)
 
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(K, V) as float32 [B, Hkv, length, D]: the exact MX values the cache holds."""
+        """(K, V) as float32 [B, Hkv, length, D]: the exact MX values the cache holds (K rotated if ``rotated``)."""
         n, d = self.length, self.head_dim
         k = _dequant_rows(self.k_data[:, :, :n], self.k_scale[:, :, :n])[..., :d]
         npg = (n + PAGE - 1) // PAGE
@@ -210,9 +239,15 @@ def mxfp8_attention_forward(
         attention_mask = attention_mask[..., : _key_len(key)]
     b, hq, sq, d = query.shape
     out = torch.empty((b, sq, hq, d), dtype=query.dtype, device=query.device)
-    cfg = dict(scale=scaling, elem=ATTN_ELEM, rule=ATTN_RULE)
+    rotation = _rotation_on()
+    cfg = dict(scale=scaling, elem=ATTN_ELEM, rule=ATTN_RULE, qk_rotation=rotation)
     if isinstance(key, MXFP8KV):
         layer = key.layer
+        if layer.rotated != rotation:
+            raise ValueError(
+                f"MXFP8Cache layer {layer_name(module)} was filled with Q/K rotation "
+                f"{'on' if layer.rotated else 'off'} but MXQ_ATTN_ROTATION is now {QK_ROTATION!r}"
+            )
         if sq == 1 and _use_triton(query):
             _kattn.mx_attention_decode(
                 query, layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, layer.length,
@@ -223,6 +258,7 @@ def mxfp8_attention_forward(
             key, value = key.fresh
         else:  # MX values are fixed points of MX rounding: re-rounding the cache changes nothing
             key, value = layer.dequantize()
+            cfg["k_rotated"] = rotation
     if _use_triton(query):
         _kattn.mx_attention_prefill(
             query, key.to(query.dtype), value.to(query.dtype), causal=causal, attention_mask=attention_mask,
@@ -234,6 +270,10 @@ def mxfp8_attention_forward(
     ref = mx_attention_reference(query, key, value, causal=causal, attention_mask=attention_mask, **cfg)
     out.copy_(ref.transpose(1, 2))
     return out, None
+
+
+def layer_name(module: torch.nn.Module) -> str:
+    return f"layer {getattr(module, 'layer_idx', '?')}"
 
 
 def _key_len(key) -> int:

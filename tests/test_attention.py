@@ -34,15 +34,34 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def _independent(q, k, v, *, causal=False, mask=None, scale=None, elem=E4M3, rule=ScaleRule.RCEIL):
-    """float64 attention, head by head, on operands MX-rounded by the format core."""
+def _rotation(d):
+    """The Q/K rotation from its definition: signs from the fixed seed, Hadamard entries
+    (-1)^popcount(i & j) in blocks of the largest power of two dividing d; float64."""
+    n = d & -d
+    signs = torch.randint(0, 2, (d,), generator=torch.Generator().manual_seed(0x6D7871)).double() * 2 - 1
+    i, j = torch.arange(d)[:, None], torch.arange(d)[None, :]
+    bits = torch.tensor([[bin(a & c).count("1") for c in range(n)] for a in range(n)])
+    h = torch.where((i // n) == (j // n), (-1.0) ** bits[i % n, j % n].double(), 0.0)
+    return signs[:, None] * h, n
+
+
+def _rotate(x, d):
+    return (x.double() @ _rotation(d)[0]).float()
+
+
+def _independent(q, k, v, *, causal=False, mask=None, scale=None, elem=E4M3, rule=ScaleRule.RCEIL, rotate=False, k_rotated=False):
+    """float64 attention, head by head, on operands MX-rounded by the format core.
+    ``rotate``: Q (and K unless ``k_rotated``) multiplied by ``_rotation`` first, scores / n."""
     def mx(x, axis):
         return dequantize_mx(quantize_mx(x.float(), axis, elem, 32, rule)).double()
 
-    qd, kd, vd = mx(q, -1), mx(k, -1), mx(v, -2)
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     scale = 1 / math.sqrt(d) if scale is None else scale
+    if rotate:
+        q, scale = _rotate(q, d), scale / _rotation(d)[1]
+        k = k if k_rotated else _rotate(k, d)
+    qd, kd, vd = mx(q, -1), mx(k, -1), mx(v, -2)
     out = torch.zeros(b, hq, sq, d, dtype=torch.float64)
     for bi in range(b):
         for h in range(hq):
@@ -80,10 +99,11 @@ def _padding_mask(b, sq, sk, pad_left):
 
 @pytest.mark.parametrize("elem,rule", [(E4M3, ScaleRule.RCEIL), (E5M2, ScaleRule.FLOOR)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_reference_equals_independent(elem, rule, causal):
+@pytest.mark.parametrize("rotate", [False, True])
+def test_reference_equals_independent(elem, rule, causal, rotate):
     q, k, v = _qkv(2, 4, 2, 17, 45, 40)
-    got = mx_attention_reference(q, k, v, causal=causal, elem=elem, rule=rule, scale=0.3)
-    want = _independent(q, k, v, causal=causal, elem=elem, rule=rule, scale=0.3)
+    got = mx_attention_reference(q, k, v, causal=causal, elem=elem, rule=rule, scale=0.3, qk_rotation=rotate)
+    want = _independent(q, k, v, causal=causal, elem=elem, rule=rule, scale=0.3, rotate=rotate)
     assert _rel(got, want) < 1e-6
     plain = torch.softmax((q @ k.repeat_interleave(2, 1).transpose(-1, -2)) * 0.3 + (
         torch.zeros(17, 45).masked_fill(~(torch.arange(17)[:, None] + 28 >= torch.arange(45)), float("-inf"))
@@ -99,6 +119,29 @@ def test_reference_mask_and_fully_masked_rows():
     assert torch.equal(got[0, :, :5], torch.zeros_like(got[0, :, :5]))
     additive = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
     assert _rel(mx_attention_reference(q, k, v, attention_mask=additive)[1], got[1]) < 1e-6
+
+
+@pytest.mark.parametrize("d", [64, 128, 40, 80, 96])
+def test_rotation_matrix(d):
+    from mxq.kernels.reference import hadamard_block, qk_rotation
+
+    r, n = qk_rotation(d), hadamard_block(d)
+    want, n_want = _rotation(d)
+    assert n == n_want and torch.equal(r.double(), want)
+    assert torch.equal(r @ r.T, n * torch.eye(d))  # orthogonal up to n: (qR)·(kR) = n q·k
+
+
+def test_rotation_cuts_qk_error_with_outlier_channels():
+    """RoPE'd keys carry a few large channels; rotating Q and K before MX rounding spreads them
+    over the block, so the rounded attention is closer to exact float64 attention."""
+    torch.manual_seed(3)
+    b, h, s, d = 1, 4, 200, 64
+    q, k, v = torch.randn(b, h, s, d), torch.randn(b, h, s, d), torch.randn(b, h, s, d)
+    k[..., [3, 35]] = k[..., [3, 35]] * 20 + 30  # outlier channels with a large mean, as in real K
+    q[..., [3, 35]] *= 4
+    exact = torch.softmax((q.double() @ k.double().transpose(-1, -2)) / 8, -1) @ v.double()
+    err = {rot: _rel(mx_attention_reference(q, k, v, qk_rotation=rot), exact) for rot in (False, True)}
+    assert err[True] < 0.6 * err[False], err
 
 
 def test_mx_rounding_is_idempotent():
@@ -131,6 +174,20 @@ def test_prefill_kernel_equals_reference(case):
     assert _rel(got, want) < 3e-5  # fp32-class: P·V split into two bf16 products
     fast = mx_attention_prefill(q, k, v, causal=causal, exact=False)  # bf16 P
     assert _rel(fast, want) < 1e-2
+    got = mx_attention_prefill(q, k, v, causal=causal, qk_rotation=True)
+    assert _rel(got, _independent(q, k, v, causal=causal, rotate=True)) < 3e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 40, 80, 128])
+def test_rotate_kernel_equals_float64(dtype, d):
+    from mxq.kernels.attention import rotate_qk_rows
+
+    x = (torch.randn(2, 37, 3, d) * torch.logspace(-4, 4, d)).to(dtype).transpose(1, 2)  # HF layout
+    got = rotate_qk_rows(x)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    want = x.double() @ _rotation(d)[0]
+    assert ((got.double() - want).abs() <= 1e-6 * want.abs().amax(-1, keepdim=True)).all()
 
 
 def test_prefill_kernel_padding_mask():
@@ -144,15 +201,18 @@ def test_prefill_kernel_padding_mask():
 
 # --- the MXFP8 cache and decode ----------------------------------------------------------------
 
-def test_cache_appends_equal_whole_sequence_bytes():
+@pytest.mark.parametrize("rotation", ["hadamard", "none"])
+def test_cache_appends_equal_whole_sequence_bytes(rotation, monkeypatch):
+    monkeypatch.setattr("mxq.attention.QK_ROTATION", rotation)
     b, h, d, n = 2, 2, 40, 77
     k, v = torch.randn(b, h, n, d), torch.randn(b, h, n, d)
     layer = MXFP8CacheLayer()
+    assert layer.rotated == (rotation == "hadamard")
     layer.update(k[:, :, :20], v[:, :, :20])  # a prefill, then token by token, then a chunk
     for i in range(20, 60):
         layer.update(k[:, :, i : i + 1], v[:, :, i : i + 1])
     layer.update(k[:, :, 60:], v[:, :, 60:])
-    kq, vq = quantize_mx(k, -1), quantize_mx(v, -2)
+    kq, vq = quantize_mx(_rotate(k, d) if layer.rotated else k, -1), quantize_mx(v, -2)
     assert layer.get_seq_length() == n
     assert torch.equal(layer.k_data[:, :, :n].view(torch.uint8), kq.data.view(torch.uint8))
     assert torch.equal(layer.k_scale[:, :, :n], kq.scales)
@@ -170,14 +230,15 @@ def test_decode_kernel_equals_reference(hq, hkv, n, d):
     layer = MXFP8CacheLayer()
     for i in range(0, n, 13):
         layer.update(k[:, :, i : i + 13], v[:, :, i : i + 13])
-    got = mx_attention_decode(q, layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, layer.length, chunk=32)
+    rot = dict(qk_rotation=layer.rotated)
+    got = mx_attention_decode(q, layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, layer.length, chunk=32, **rot)
     kd, vd = layer.dequantize()
-    want = _independent(q, kd, vd)
+    want = _independent(q, kd, vd, rotate=layer.rotated, k_rotated=True)
     assert _rel(got, want) < 3e-5
     mask = torch.ones(b, 1, 1, n, dtype=torch.bool)
     mask[0, ..., : n // 3] = False
-    got = mx_attention_decode(q, layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, layer.length, attention_mask=mask)
-    assert _rel(got, _independent(q, kd, vd, mask=mask)) < 3e-5
+    got = mx_attention_decode(q, layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, layer.length, attention_mask=mask, **rot)
+    assert _rel(got, _independent(q, kd, vd, mask=mask, rotate=layer.rotated, k_rotated=True)) < 3e-5
 
 
 @pytest.mark.parametrize("variant,block_n,chunk", [("gqa", 64, 64), ("gqa", 32, 96), ("dequant", 32, 32)])
@@ -189,13 +250,15 @@ def test_decode_variants_equal_reference(variant, block_n, chunk, hq, hkv, d):
     layer.update(k, v)
     kd, vd = layer.dequantize()
     args = (q, layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, layer.length)
-    got = mx_attention_decode(*args, variant=variant, block_n=block_n, chunk=chunk)
-    assert _rel(got, _independent(q, kd, vd)) < 3e-5
+    rot = dict(qk_rotation=layer.rotated)
+    got = mx_attention_decode(*args, variant=variant, block_n=block_n, chunk=chunk, **rot)
+    assert _rel(got, _independent(q, kd, vd, rotate=layer.rotated, k_rotated=True)) < 3e-5
     mask = torch.zeros(b, hq, 1, n)
     mask[1, :, :, ::3] = -2.0
     mask[0, :, :, 70:] = float("-inf")
-    got = mx_attention_decode(*args, attention_mask=mask, variant=variant, block_n=block_n, chunk=chunk)
-    assert _rel(got, mx_attention_reference(q, kd, vd, attention_mask=mask)) < 3e-5
+    got = mx_attention_decode(*args, attention_mask=mask, variant=variant, block_n=block_n, chunk=chunk, **rot)
+    want = mx_attention_reference(q, kd, vd, attention_mask=mask, qk_rotation=layer.rotated, k_rotated=True)
+    assert _rel(got, want) < 3e-5
 
 
 # --- Hugging Face -------------------------------------------------------------------------------
@@ -216,7 +279,7 @@ def _independent_attention(module, query, key, value, attention_mask, dropout=0.
     sq, sk = query.shape[2], key.shape[2]
     mask = attention_mask[..., :sk] if attention_mask is not None else None
     causal = mask is None and sq > 1
-    out = _independent(query, key, value, causal=causal, mask=mask, scale=scaling)
+    out = _independent(query, key, value, causal=causal, mask=mask, scale=scaling, rotate=True)
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
@@ -319,6 +382,9 @@ def test_gpu_prefill(causal, d):
     got = mx_attention_prefill(q, k, v, causal=causal)
     assert _rel(got, want) < 5e-3  # bf16 output rounding
     assert _rel(got.float(), want.to(torch.bfloat16).float()) < 5e-3
+    want = mx_attention_reference(q.float(), k.float(), v.float(), causal=causal, qk_rotation=True)
+    got = mx_attention_prefill(q, k, v, causal=causal, qk_rotation=True)
+    assert _rel(got, want) < 5e-3
     mask = _padding_mask(2, 1000, 1000, [100, 0]).cuda()
     got = mx_attention_prefill(q, k, v, attention_mask=mask)
     want = mx_attention_reference(q.float(), k.float(), v.float(), attention_mask=mask)
@@ -334,12 +400,16 @@ def test_gpu_cache_and_decode():
     layer.update(k[:, :, :2000], v[:, :, :2000])
     for i in range(2000, n, 100):
         layer.update(k[:, :, i : i + 100], v[:, :, i : i + 100])
-    kq, vq = quantize_mx(k.cpu(), -1), quantize_mx(v.cpu(), -2)
-    assert torch.equal(layer.k_data[:, :, :n].cpu().view(torch.uint8), kq.data.view(torch.uint8))
+    assert layer.rotated
+    kq, vq = quantize_mx(_rotate(k.cpu(), d), -1), quantize_mx(v.cpu(), -2)
+    # K: the Triton rotation (fp32 accumulation) may differ from float64's in the last bit, which
+    # can move a rounding; everything else is byte-exact
+    same = layer.k_data[:, :, :n].cpu().view(torch.uint8) == kq.data.view(torch.uint8)
+    assert same.float().mean() > 0.9999
     assert torch.equal(layer.v_scale[..., : vq.scales.shape[-2]].cpu(), vq.scales.transpose(-1, -2))
-    got = mx_attention_decode(q, layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, layer.length)
+    got = mx_attention_decode(q, layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, layer.length, qk_rotation=True)
     kd, vd = layer.dequantize()
-    want = mx_attention_reference(q.float(), kd, vd)
+    want = mx_attention_reference(q.float(), kd, vd, qk_rotation=True, k_rotated=True)
     assert _rel(got, want) < 5e-3
 
 
