@@ -46,10 +46,6 @@ from mxq.formats import (
 from mxq.kernels.quantize import (
     _RULE_ID,
     INTERPRET,
-    _mx_fast_exponent,
-    _mx_scaled,
-    _pow2_f32,
-    _round_to_elem,
     fake_quantize_mx_rows,
     fp8_dtype,
     hw_cvt,
@@ -448,7 +444,7 @@ def _gqa_tile(
     L, DP, D, qk_scale, stride_kn, stride_ksn, stride_vd, stride_vsd, stride_mh, stride_mn,
     GP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_C: tl.constexpr,
     MASKED: tl.constexpr, MASK_D: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
-    INTERP: tl.constexpr, FP8K: tl.constexpr,
+    INTERP: tl.constexpr,
 ):  # fmt: skip
     DB: tl.constexpr = BLOCK_D // 32
     PP: tl.constexpr = BLOCK_N // 32
@@ -480,10 +476,7 @@ def _gqa_tile(
     else:
         ke = tl.load(ksbase + cols[:, None] * stride_ksn + offs_j[None, :])
     ksc = (ke.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-    if FP8K:  # the fp8 tile straight into an fp8 MMA (qb holds Q's fp8 codes)
-        r = tl.dot(k8, qb, tl.zeros([BLOCK_N, GP * DB], tl.float32))
-    else:
-        r = _mma(k8.to(tl.float16), qb, tl.zeros([BLOCK_N, GP * DB], tl.float32), INTERP)
+    r = _mma(k8.to(tl.float16), qb, tl.zeros([BLOCK_N, GP * DB], tl.float32), INTERP)
     r = tl.reshape(r, (BLOCK_N, GP, DB))
     s = tl.sum(r * (ksc[:, None, :] * cq[None, :, :]), axis=2) * qk_scale  # [BLOCK_N, GP]
     ok = (offs_g < GROUP_C)[None, :]
@@ -550,7 +543,6 @@ def _decode_gqa_kernel(
     MASK_D: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
     EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
     RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr,
-    FP8K: tl.constexpr = False,
 ):  # fmt: skip
     """One program per (batch, kv head, split): all GROUP_C query heads of the KV head at once.
 
@@ -572,30 +564,18 @@ def _decode_gqa_kernel(
         Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
         mask=gmask[:, None] & (offs_d < D)[None, :], other=0.0,
     )  # fmt: skip
-    qf = tl.reshape(q.to(tl.float32), (GP, DB, 32))
-    if FP8K:
-        # Q's own fp8 codes (exact in the MMA's fp8 operand) and its E8M0 scales as cq.
-        eq, _ = _mx_fast_exponent(qf, EMAX, MBITS, RULE)
-        if HW_CVT:
-            codes = _mx_scaled(qf, eq, MAXN, RULE).to(FP8, fp_downcast_rounding="rtne").to(tl.float32)
-        else:
-            codes = _round_to_elem(qf, eq, MAXN, MBITS, EMIN)
-        cq = _pow2_f32(eq)  # [GP, DB]
-        qn = tl.reshape(codes, (GP, BLOCK_D))
-    else:
-        qr = mx_round_dequant(qf, EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8)
-        # Normalize each Q block by a power of two so its MX values are exact in fp16 (|x| < 2;
-        # e4m3 spans < 2^18 inside a block, fp16 subnormals reach 2^-24); cq undoes it after the dot.
-        cbits = tl.max(qr.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2) & 0x7F800000
-        cbits = tl.where(cbits == 0, 0x3F800000, cbits)
-        cq = cbits.to(tl.float32, bitcast=True)  # [GP, DB]
-        qn = tl.reshape(qr / cq[:, :, None], (GP, BLOCK_D))
+    qr = mx_round_dequant(
+        tl.reshape(q.to(tl.float32), (GP, DB, 32)), EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8
+    )
+    # Normalize each Q block by a power of two so its MX values are exact in fp16 (|x| < 2;
+    # e4m3 spans < 2^18 inside a block, fp16 subnormals reach 2^-24); cq undoes it after the dot.
+    cbits = tl.max(qr.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2) & 0x7F800000
+    cbits = tl.where(cbits == 0, 0x3F800000, cbits)
+    cq = cbits.to(tl.float32, bitcast=True)  # [GP, DB]
+    qn = tl.reshape(qr / cq[:, :, None], (GP, BLOCK_D))
     offs_j = tl.arange(0, DB)
     qb = tl.where((offs_d // 32)[:, None, None] == offs_j[None, None, :], tl.trans(qn)[:, :, None], 0.0)
-    if FP8K:
-        qb = tl.reshape(qb, (BLOCK_D, GP * DB)).to(FP8)  # [D, (g, j)] block-diagonal fp8 codes
-    else:
-        qb = tl.reshape(qb, (BLOCK_D, GP * DB)).to(tl.float16)
+    qb = tl.reshape(qb, (BLOCK_D, GP * DB)).to(tl.float16)  # [D, (g, j)] block-diagonal
 
     kbase = KD + b.to(tl.int64) * stride_kb + hk * stride_kh
     ksbase = KS + b.to(tl.int64) * stride_ksb + hk * stride_ksh
@@ -613,13 +593,13 @@ def _decode_gqa_kernel(
         acc, m_i, l_i = _gqa_tile(
             acc, m_i, l_i, qb, cq, kbase, ksbase, vbase, vsbase, mbase, start_n,
             L, DP, D, qk_scale, stride_kn, stride_ksn, stride_vd, stride_vsd, stride_mh, stride_mn,
-            GP, BLOCK_N, BLOCK_D, GROUP_C, False, MASK_D, HAS_MASK, MASK_BOOL, INTERP, FP8K,
+            GP, BLOCK_N, BLOCK_D, GROUP_C, False, MASK_D, HAS_MASK, MASK_BOOL, INTERP,
         )  # fmt: skip
     for start_n in range(n_full, hi, BLOCK_N):
         acc, m_i, l_i = _gqa_tile(
             acc, m_i, l_i, qb, cq, kbase, ksbase, vbase, vsbase, mbase, start_n,
             L, DP, D, qk_scale, stride_kn, stride_ksn, stride_vd, stride_vsd, stride_mh, stride_mn,
-            GP, BLOCK_N, BLOCK_D, GROUP_C, True, MASK_D, HAS_MASK, MASK_BOOL, INTERP, FP8K,
+            GP, BLOCK_N, BLOCK_D, GROUP_C, True, MASK_D, HAS_MASK, MASK_BOOL, INTERP,
         )  # fmt: skip
 
     row = (b * Hkv * GROUP_C + heads) * NSPLIT + split
@@ -684,8 +664,7 @@ def mx_attention_decode(
     (1 + 1/32) bytes per cached element.
 
     ``variant``: "gqa" (default: fp16 MMAs on the raw fp8 tiles, scales applied per block after
-    the products), "fp8k" (as gqa, but Q·K as an fp8 MMA on Q's and K's own codes: no
-    conversion of K; on Hopper the fp8 MMA's accumulator keeps fewer bits than fp32) or "dequant" (the first kernel: every element scaled, bf16 MMAs). ``block_n``,
+    the products) or "dequant" (the first kernel: every element scaled, bf16 MMAs). ``block_n``,
     ``chunk`` (keys per split), ``num_warps``, ``num_stages``: tuning, defaults from the H200 sweep.
     """
     elem, rule = as_elem_format(elem), as_scale_rule(rule)
@@ -699,7 +678,7 @@ def mx_attention_decode(
     bd = _block_d(d)
     on_gpu = q.device.type == "cuda"
     variant = variant or "gqa"
-    if variant not in ("gqa", "fp8k", "dequant"):
+    if variant not in ("gqa", "dequant"):
         raise ValueError(f"unknown decode variant {variant!r}")
     cfg = _decode_config(variant, on_gpu)
     block_n = block_n or cfg[0]
@@ -729,7 +708,7 @@ def mx_attention_decode(
         EMAX=elem.emax, MBITS=elem.mbits, MAXN=elem.max_normal, EMIN=1 - elem.bias,
         RULE=_RULE_ID[rule], HW_CVT=hw_cvt(q.device), FP8=fp8_dtype(elem), INTERP=INTERPRET,
     )  # fmt: skip
-    if variant in ("gqa", "fp8k"):
+    if variant == "gqa":
         if block_n % 32:
             raise ValueError("the gqa decode kernel needs block_n a multiple of 32")
         db, pp = bd // 32, block_n // 32
@@ -739,7 +718,7 @@ def mx_attention_decode(
             q.stride(0), q.stride(1), q.stride(3), *common,
             hkv, length, d, dp, chunk, nsplit, scale * LOG2E,
             GROUP_C=group, GP=gp, BLOCK_N=block_n, BLOCK_D=bd, MASK_D=bd != d,
-            HAS_MASK=mask is not None, MASK_BOOL=mask_bool, FP8K=variant == "fp8k", **fmt,
+            HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **fmt,
             num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
     else:

@@ -241,9 +241,7 @@ def test_decode_kernel_equals_reference(hq, hkv, n, d):
     assert _rel(got, _independent(q, kd, vd, mask=mask, rotate=layer.rotated, k_rotated=True)) < 3e-5
 
 
-@pytest.mark.parametrize(
-    "variant,block_n,chunk", [("gqa", 64, 64), ("gqa", 32, 96), ("fp8k", 64, 64), ("fp8k", 32, 96), ("dequant", 32, 32)]
-)
+@pytest.mark.parametrize("variant,block_n,chunk", [("gqa", 64, 64), ("gqa", 32, 96), ("dequant", 32, 32)])
 @pytest.mark.parametrize("hq,hkv,d", [(8, 2, 128), (3, 3, 80)])
 def test_decode_variants_equal_reference(variant, block_n, chunk, hq, hkv, d):
     b, n = 2, 150  # a full tile, a partial tile, a partial last V page
@@ -417,7 +415,7 @@ def test_gpu_cache_and_decode():
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["gqa", "fp8k", "dequant"])
+@pytest.mark.parametrize("variant", ["gqa", "dequant"])
 @pytest.mark.parametrize("block_n,warps,stages", [(64, 4, 3), (128, 8, 2), (64, 8, 4)])
 def test_gpu_decode_variants(variant, block_n, warps, stages):
     b, hq, hkv, n, d = 2, 32, 8, 5000, 128
