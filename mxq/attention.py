@@ -117,7 +117,7 @@ class MXFP8KV:
 class MXFP8CacheLayer(DynamicLayer):
     """One layer's MXFP8 KV cache (layout in the module docstring)."""
 
-    is_croppable = False
+    is_croppable = True
 
     def __init__(self, **kwargs):
         super().__init__()
@@ -125,6 +125,7 @@ class MXFP8CacheLayer(DynamicLayer):
         self.head_dim = 0
         self.k_data = self.k_scale = self.v_data = self.v_scale = None
         self.v_tail = None  # bf16 values of the partial last page [B, Hkv, length % 32, D]
+        self.v_prev = None  # bf16 values of the last full page [B, Hkv, 32, D] (for crop)
         self.rotated = _rotation_on()  # K is stored as K·qk_rotation(D)
 
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -171,7 +172,10 @@ class MXFP8CacheLayer(DynamicLayer):
         self.v_scale[..., p0 : p0 + vs.shape[-1]] = vs
         self.length = start + n
         keep = self.length % PAGE
-        self.v_tail = vals[:, :, vals.shape[2] - keep :].clone() if keep else None
+        end_full = vals.shape[2] - keep
+        if end_full >= PAGE:  # a page became final: keep its bf16 values, crop may reopen it
+            self.v_prev = vals[:, :, end_full - PAGE : end_full].clone()
+        self.v_tail = vals[:, :, end_full:].clone() if keep else None
         return MXFP8KV(self, fresh), MXFP8KV(self, fresh)
 
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,6 +202,8 @@ class MXFP8CacheLayer(DynamicLayer):
         self.v_data, self.v_scale = fn(self.v_data), fn(self.v_scale)
         if self.v_tail is not None:
             self.v_tail = fn(self.v_tail)
+        if self.v_prev is not None:
+            self.v_prev = fn(self.v_prev)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._index_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -209,7 +215,40 @@ class MXFP8CacheLayer(DynamicLayer):
         self._index_batch(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("MXFP8Cache cannot be cropped (a V page's scale depends on all of its tokens)")
+        """Drop the last tokens (negative: that many; positive: keep that many, transformers' legacy form).
+
+        K rows are final per token: only the length changes. V: the page the new end falls in is
+        partial again, so it is re-quantized from the bf16 values of its kept tokens; those are
+        kept for the current partial page and the last full page, so a crop of up to
+        32 + (length % 32) tokens (assisted decoding removes a few) leaves exactly the bytes of
+        the shorter sequence. Further back, the reopened page's kept tokens come from their MX
+        values under the old page scale (exact in bf16, re-rounded exactly under the new one):
+        they keep the rounding of the page they had.
+        """
+        tokens_to_remove = int(tokens_to_remove)
+        n = self.length - abs(tokens_to_remove) if tokens_to_remove <= 0 else tokens_to_remove
+        if n >= self.length or self.k_data is None:
+            return
+        n = max(n, 0)
+        page, keep = divmod(n, PAGE)
+        end_full = self.length // PAGE * PAGE
+        tail = None
+        if keep:
+            if page * PAGE >= end_full:
+                tail = self.v_tail[:, :, :keep]
+            elif page * PAGE == end_full - PAGE and self.v_prev is not None:
+                tail = self.v_prev[:, :, :keep]
+            else:
+                v = _dequant_rows(self.v_data[..., page * PAGE : (page + 1) * PAGE], self.v_scale[..., page : page + 1])
+                tail = v[..., :keep].transpose(-1, -2).to(self.dtype)
+            vq, vs = _quantize_rows(tail.transpose(-1, -2))
+            self.v_data[..., page * PAGE : (page + 1) * PAGE] = vq
+            self.v_scale[..., page : page + 1] = vs
+            tail = tail.clone()
+        if page * PAGE < end_full:  # the last full page is gone or reopened
+            self.v_prev = None
+        self.v_tail = tail
+        self.length = n
 
 
 class MXFP8Cache(DynamicCache):

@@ -223,6 +223,52 @@ def test_cache_appends_equal_whole_sequence_bytes(rotation, monkeypatch):
     assert layer.v_tail.shape[2] == n % 32
 
 
+@pytest.mark.parametrize("remove", [3, 4, 20, 36, 99])
+def test_cache_crop_then_append_equals_shorter_sequence(remove):
+    """Crop, append, compare with a cache that never saw the removed tokens (100 % 32 = 4)."""
+    b, h, d, n, more = 2, 2, 40, 100, 37
+    k, v = torch.randn(b, h, n + more, d), torch.randn(b, h, n + more, d)
+    v[..., n - remove - 1, :] *= 50  # a page max that a crop can remove
+    layer = MXFP8CacheLayer()
+    layer.update(k[:, :, :70], v[:, :, :70])
+    for i in range(70, n, 7):
+        layer.update(k[:, :, i : min(i + 7, n)], v[:, :, i : min(i + 7, n)])
+    layer.crop(-remove)
+    keep = n - remove
+    assert layer.get_seq_length() == keep
+    new_k, new_v = k[:, :, n : n + more], v[:, :, n : n + more]
+    layer.update(new_k, new_v)
+    want = MXFP8CacheLayer()
+    want.update(torch.cat([k[:, :, :keep], new_k], 2), torch.cat([v[:, :, :keep], new_v], 2))
+    total = keep + more
+    assert layer.get_seq_length() == total
+    assert torch.equal(layer.k_data[:, :, :total], want.k_data[:, :, :total])
+    kd, vd = layer.dequantize()
+    wkd, wvd = want.dequantize()
+    assert torch.equal(kd, wkd)
+    reopened = keep // 32 * 32
+    exact = n - remove >= n // 32 * 32 - 32  # the end falls in the partial or the last full page
+    if exact or keep % 32 == 0:
+        assert torch.equal(vd, wvd)
+    else:  # the reopened page's kept tokens: their old MX values, re-rounded exactly
+        assert torch.equal(vd[:, :, :reopened], wvd[:, :, :reopened])
+        assert torch.equal(vd[:, :, reopened + 32 :], wvd[:, :, reopened + 32 :])
+        old = dequantize_mx(quantize_mx(v[:, :, : reopened + 32], -2))[:, :, reopened:keep]
+        assert torch.equal(vd[:, :, reopened:keep], old)
+
+
+def test_cache_crop_legacy_positive_and_noop():
+    k, v = torch.randn(1, 2, 50, 64), torch.randn(1, 2, 50, 64)
+    layer = MXFP8CacheLayer()
+    layer.update(k, v)
+    layer.crop(60)  # longer than the cache: nothing
+    assert layer.get_seq_length() == 50
+    layer.crop(33)  # legacy form: keep 33
+    assert layer.get_seq_length() == 33
+    layer.crop(0)
+    assert layer.get_seq_length() == 33
+
+
 @pytest.mark.parametrize("hq,hkv,n,d", [(4, 2, 45, 64), (3, 1, 70, 40), (2, 2, 1, 64)])
 def test_decode_kernel_equals_reference(hq, hkv, n, d):
     b = 2
@@ -342,6 +388,31 @@ def test_generate_with_mxfp8_cache(tiny_mxfp8_attn):
     assert torch.equal(plain, mx)
     assert isinstance(cache.layers[0], MXFP8CacheLayer) and cache.get_seq_length() == 35
     assert _rel(step, full) < 1e-4
+
+
+def test_assisted_generation_with_mxfp8_cache(tiny_mxfp8_attn, monkeypatch):
+    """Assisted decoding crops the cache after rejected draft tokens."""
+    from transformers import AutoModelForCausalLM
+
+    crops = []
+    crop = MXFP8CacheLayer.crop
+    monkeypatch.setattr(MXFP8CacheLayer, "crop", lambda self, t: crops.append(int(t)) or crop(self, t))
+    _, qdir = tiny_mxfp8_attn
+    model = AutoModelForCausalLM.from_pretrained(qdir, dtype=torch.float32)
+    draft = AutoModelForCausalLM.from_pretrained(qdir, dtype=torch.float32)
+    torch.manual_seed(1)
+    with torch.no_grad():  # a perturbed draft model: some draft tokens get rejected
+        for p in draft.model.embed_tokens.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    ids = torch.randint(0, 320, (1, 40))
+    with torch.no_grad():
+        plain = model.generate(ids, max_new_tokens=20, do_sample=False, past_key_values=MXFP8Cache())
+        cache = MXFP8Cache()
+        assisted = model.generate(
+            ids, max_new_tokens=20, do_sample=False, past_key_values=cache, assistant_model=draft
+        )
+    assert torch.equal(plain, assisted)
+    assert any(t < 0 for t in crops)  # draft tokens were rejected and cropped away
 
 
 def _cache_of(model, ids):
