@@ -70,29 +70,46 @@ BLOCK = 32  # MX block size; fixed by the format
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def _rotate_kernel(
-    X, R, Y, H, S, D, stride_xb, stride_xh, stride_xs,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PARTS: tl.constexpr, INTERP: tl.constexpr,
-):  # fmt: skip
-    """Y[row] = X[row]·R in fp32 over rows (b, h, s) of X [B, H, S, D] (unit last stride).
+def _rotate_rows(x, R, offs_d, BLOCK_D: tl.constexpr, PARTS: tl.constexpr, INTERP: tl.constexpr):
+    """x [M, BLOCK_D] (any float dtype, M >= 16) times R [BLOCK_D, BLOCK_D] (±1 and 0, bf16) in fp32.
 
-    R holds ±1 and 0 (bf16-exact). X is split into PARTS bf16 pieces (1 for bf16, 2 for fp16,
-    3 for fp32: together exactly X), so every product is exact and only the fp32
-    accumulation rounds.
+    x is split into PARTS bf16 pieces (1 for bf16, 2 for fp16, 3 for fp32: together exactly x),
+    so every product is exact and only the fp32 accumulation rounds.
+    """
+    r = tl.load(R + offs_d[:, None] * BLOCK_D + offs_d[None, :])
+    xf = x.to(tl.float32)
+    acc = tl.zeros([x.shape[0], BLOCK_D], tl.float32)
+    for _ in tl.static_range(PARTS):
+        part = xf.to(tl.bfloat16)
+        acc = _mma(part, r, acc, INTERP)
+        xf = xf - part.to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _rotate_kernel(
+    X, R, Y, H, S, D, OUT_D, stride_xb, stride_xh, stride_xs,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PARTS: tl.constexpr, ROUND: tl.constexpr,
+    EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
+    RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    """Y[row, :OUT_D] = X[row]·R over rows (b, h, s) of X [B, H, S, D] (unit last stride).
+
+    ROUND: Y gets the MX-rounded values (1x32 blocks along the padded head_dim) of the fp32
+    product, in Y's dtype (bf16: exact); otherwise the fp32 product itself.
     """
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # (h, s) within batch entry b
     b = tl.program_id(1).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     src = b * stride_xb + (rows // S).to(tl.int64) * stride_xh + (rows % S).to(tl.int64) * stride_xs
-    ok = (rows < H * S)[:, None] & (offs_d < D)[None, :]
-    x = tl.load(X + src[:, None] + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
-    r = tl.load(R + offs_d[:, None] * BLOCK_D + offs_d[None, :])
-    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-    for _ in tl.static_range(PARTS):
-        part = x.to(tl.bfloat16)
-        acc = _mma(part, r, acc, INTERP)
-        x = x - part.to(tl.float32)
-    tl.store(Y + (b * H * S + rows[:, None]) * D + offs_d[None, :], acc, mask=ok)
+    rok = rows < H * S
+    x = tl.load(X + src[:, None] + offs_d[None, :], mask=rok[:, None] & (offs_d < D)[None, :], other=0.0)
+    y = _rotate_rows(x, R, offs_d, BLOCK_D, PARTS, INTERP)
+    if ROUND:
+        y = mx_round_dequant(tl.reshape(y, (BLOCK_R, BLOCK_D // 32, 32)), EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8)
+        y = tl.reshape(y, (BLOCK_R, BLOCK_D))
+    dst = Y + (b * H * S + rows[:, None]) * OUT_D + offs_d[None, :]
+    tl.store(dst, y.to(Y.dtype.element_ty), mask=rok[:, None] & (offs_d < OUT_D)[None, :])
 
 
 _ROTATIONS: dict = {}
@@ -107,19 +124,32 @@ def _rotation_operand(d: int, block_d: int, device: torch.device) -> torch.Tenso
     return _ROTATIONS[key]
 
 
-def rotate_qk_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [B, H, S, D] (any strides, unit last stride) -> x·``qk_rotation(D)`` as float32 [B, H, S, D]."""
+def _parts(dtype: torch.dtype) -> int:
+    return {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 3)
+
+
+def rotate_qk_rows(
+    x: torch.Tensor, *, round_to: tuple[ElemFormat, ScaleRule] | None = None, block_d: int | None = None
+) -> torch.Tensor:
+    """x [B, H, S, D] (any strides, unit last stride) -> x·``qk_rotation(D)``, contiguous.
+
+    Default: float32 [B, H, S, D]. ``round_to=(elem, rule)``: the MX-rounded rotated values
+    (1x32 along head_dim) as bf16 [B, H, S, block_d], zero-padded: the prefill kernel's K operand.
+    """
     if x.stride(-1) != 1:
         x = x.contiguous()
     b, h, s, d = x.shape
-    bd = max(16, triton.next_power_of_2(d))
-    y = torch.empty((b, h, s, d), dtype=torch.float32, device=x.device)
-    parts = {torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 3)
+    bd = block_d or _block_d(d)
+    out_d = bd if round_to else d
+    y = torch.empty((b, h, s, out_d), dtype=torch.bfloat16 if round_to else torch.float32, device=x.device)
+    elem, rule = round_to or (E4M3, ScaleRule.RCEIL)
     block_r = 64
     if y.numel():
         _rotate_kernel[(triton.cdiv(h * s, block_r), b)](
-            x, _rotation_operand(d, bd, x.device), y, h, s, d, x.stride(0), x.stride(1), x.stride(2),
-            BLOCK_R=block_r, BLOCK_D=bd, PARTS=parts, INTERP=INTERPRET, num_warps=4,
+            x, _rotation_operand(d, bd, x.device), y, h, s, d, out_d, x.stride(0), x.stride(1), x.stride(2),
+            BLOCK_R=block_r, BLOCK_D=bd, PARTS=_parts(x.dtype), ROUND=round_to is not None,
+            EMAX=elem.emax, MBITS=elem.mbits, MAXN=elem.max_normal, EMIN=1 - elem.bias,
+            RULE=_RULE_ID[rule], HW_CVT=hw_cvt(x.device), FP8=fp8_dtype(elem), INTERP=INTERPRET, num_warps=4,
         )  # fmt: skip
     return y
 
@@ -184,7 +214,7 @@ def _prefill_block(
 
 @triton.jit
 def _prefill_kernel(
-    Q, K, VT, Out, M,
+    Q, K, VT, Out, M, ROT,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vd,
@@ -195,6 +225,7 @@ def _prefill_kernel(
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, PV_SPLIT: tl.constexpr,
     EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
     RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr,
+    QPARTS: tl.constexpr = 0,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -208,9 +239,13 @@ def _prefill_kernel(
 
     q_ptrs = Q + b.to(tl.int64) * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=(offs_m < Sq)[:, None] & (offs_d < D)[None, :], other=0.0)
+    if QPARTS > 0:  # Q·R (the Q/K rotation), exact products, fp32 accumulation
+        qf = _rotate_rows(q, ROT, offs_d, BLOCK_D, QPARTS, INTERP)
+    else:
+        qf = q.to(tl.float32)
     # Q rounded to MX along head_dim in registers; exact in bf16.
     qr = mx_round_dequant(
-        tl.reshape(q.to(tl.float32), (BLOCK_M, BLOCK_D // 32, 32)), EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8
+        tl.reshape(qf, (BLOCK_M, BLOCK_D // 32, 32)), EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8
     )
     q = tl.reshape(qr, (BLOCK_M, BLOCK_D)).to(tl.bfloat16)
 
@@ -259,12 +294,19 @@ def mx_round_kv(k: torch.Tensor, v: torch.Tensor, elem: ElemFormat, rule: ScaleR
     Head dims are zero-padded to ``block_d`` first, which is what the format's own block padding
     does for the last partial block of D.
     """
+    return _round_k(k, elem, rule, block_d), _round_vt(v, elem, rule, block_d)
+
+
+def _round_k(k, elem, rule, block_d):
     d = k.shape[-1]
     kp = F.pad(k, (0, block_d - d)) if block_d != d else k.contiguous()
-    k_mx = fake_quantize_mx_rows(kp, elem, rule, BLOCK, out_dtype=torch.bfloat16)
+    return fake_quantize_mx_rows(kp, elem, rule, BLOCK, out_dtype=torch.bfloat16)
+
+
+def _round_vt(v, elem, rule, block_d):
+    d = v.shape[-1]
     vt = (F.pad(v, (0, block_d - d)) if block_d != d else v).transpose(-1, -2).contiguous()
-    vt_mx = fake_quantize_mx_rows(vt, elem, rule, BLOCK, out_dtype=torch.bfloat16)
-    return k_mx, vt_mx
+    return fake_quantize_mx_rows(vt, elem, rule, BLOCK, out_dtype=torch.bfloat16)
 
 
 def _mask_args(attention_mask, b, hq, sq, sk):
@@ -300,7 +342,8 @@ def mx_attention_prefill(
 
     ``out``: optional output [B, Hq, Sq, D] (any strides with a unit last stride; HF wants a
     [B, Sq, Hq, D] tensor seen through a transpose). ``exact=False``: a bf16 P for P·V.
-    ``qk_rotation``/``k_rotated``: as in the reference (``rotate_qk_rows`` first, fp32).
+    ``qk_rotation``/``k_rotated``: as in the reference (Q rotated in the kernel, K by
+    ``rotate_qk_rows`` fused with its MX rounding).
     """
     elem, rule = as_elem_format(elem), as_scale_rule(rule)
     if rule is ScaleRule.MSE:
@@ -313,10 +356,14 @@ def mx_attention_prefill(
     bd = _block_d(d)
     if out is None:
         out = torch.empty((b, sq, hq, d), dtype=q.dtype, device=q.device).transpose(1, 2)
+    rot, qparts = q, 0  # the Q rotation runs inside the kernel, K's fused with its rounding
     if qk_rotation:
-        q, scale = rotate_qk_rows(q), scale / hadamard_block(d)
-        k = k if k_rotated else rotate_qk_rows(k)
-    k_mx, vt_mx = mx_round_kv(k, v, elem, rule, bd)
+        rot, qparts, scale = _rotation_operand(d, bd, q.device), _parts(q.dtype), scale / hadamard_block(d)
+    if qk_rotation and not k_rotated:
+        k_mx = rotate_qk_rows(k, round_to=(elem, rule), block_d=bd)
+    else:
+        k_mx = _round_k(k, elem, rule, bd)
+    vt_mx = _round_vt(v, elem, rule, bd)
     if out.stride(-1) != 1:
         raise ValueError("out needs a unit stride along head_dim")
     mask, ms, mask_bool = _mask_args(attention_mask, b, hq, sq, sk)
@@ -324,7 +371,7 @@ def mx_attention_prefill(
     grid = (triton.cdiv(sq, block_m), b * hq)
     if b * hq and sq:
         _prefill_kernel[grid](
-            q, k_mx, vt_mx, out, mask if mask is not None else q,
+            q, k_mx, vt_mx, out, mask if mask is not None else q, rot,
             q.stride(0), q.stride(1), q.stride(2), q.stride(3),
             k_mx.stride(0), k_mx.stride(1), k_mx.stride(2),
             vt_mx.stride(0), vt_mx.stride(1), vt_mx.stride(2),
@@ -335,7 +382,7 @@ def mx_attention_prefill(
             CAUSAL=causal, HAS_MASK=mask is not None, MASK_BOOL=mask_bool, PV_SPLIT=exact,
             EMAX=elem.emax, MBITS=elem.mbits, MAXN=elem.max_normal, EMIN=1 - elem.bias,
             RULE=_RULE_ID[rule], HW_CVT=hw_cvt(q.device), FP8=fp8_dtype(elem), INTERP=INTERPRET,
-            num_warps=warps, num_stages=stages,
+            QPARTS=qparts, num_warps=warps, num_stages=stages,
         )  # fmt: skip
     return out
 
@@ -531,7 +578,7 @@ def _gqa_tile(
 
 @triton.jit
 def _decode_gqa_kernel(
-    Q, KD, KS, VD, VS, ML, ACC, MASK,
+    Q, KD, KS, VD, VS, ML, ACC, MASK, ROT,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_kn,
     stride_ksb, stride_ksh, stride_ksn,
@@ -543,6 +590,7 @@ def _decode_gqa_kernel(
     MASK_D: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
     EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
     RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr,
+    QPARTS: tl.constexpr = 0, QM: tl.constexpr = 16,
 ):  # fmt: skip
     """One program per (batch, kv head, split): all GROUP_C query heads of the KV head at once.
 
@@ -560,13 +608,24 @@ def _decode_gqa_kernel(
     heads = hk * GROUP_C + offs_g
     gmask = offs_g < GROUP_C
 
-    q = tl.load(
-        Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-        mask=gmask[:, None] & (offs_d < D)[None, :], other=0.0,
-    )  # fmt: skip
-    qr = mx_round_dequant(
-        tl.reshape(q.to(tl.float32), (GP, DB, 32)), EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8
-    )
+    if QPARTS > 0:  # Q·R (the Q/K rotation) on QM >= 16 rows (an MMA's minimum), then the GP used
+        offs_r = tl.arange(0, QM)
+        q = tl.load(
+            Q + b.to(tl.int64) * stride_qb + (hk * GROUP_C + offs_r)[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+            mask=(offs_r < GROUP_C)[:, None] & (offs_d < D)[None, :], other=0.0,
+        )  # fmt: skip
+        y = _rotate_rows(q, ROT, offs_d, BLOCK_D, QPARTS, INTERP)
+        if QM == GP:
+            qf = y
+        else:
+            qf = tl.sum(tl.where(offs_r[None, :, None] == offs_g[:, None, None], y[None, :, :], 0.0), axis=1)
+    else:
+        q = tl.load(
+            Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+            mask=gmask[:, None] & (offs_d < D)[None, :], other=0.0,
+        )  # fmt: skip
+        qf = q.to(tl.float32)
+    qr = mx_round_dequant(tl.reshape(qf, (GP, DB, 32)), EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8)
     # Normalize each Q block by a power of two so its MX values are exact in fp16 (|x| < 2;
     # e4m3 spans < 2^18 inside a block, fp16 subnormals reach 2^-24); cq undoes it after the dot.
     cbits = tl.max(qr.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2) & 0x7F800000
@@ -694,8 +753,10 @@ def mx_attention_decode(
     acc = torch.empty((b * hq * nsplit, bd), dtype=torch.float32, device=q.device)
     if out is None:
         out = torch.empty((b, 1, hq, d), dtype=q.dtype, device=q.device).transpose(1, 2)
-    if qk_rotation:
+    if qk_rotation and variant != "gqa":  # the gqa kernel rotates q itself
         q, scale = rotate_qk_rows(q), scale / hadamard_block(d)
+    elif qk_rotation:
+        scale = scale / hadamard_block(d)
     mask, ms, mask_bool = _mask_args(attention_mask, b, hq, 1, length)
     common = (
         k_data.stride(0), k_data.stride(1), k_data.stride(2),
@@ -713,12 +774,14 @@ def mx_attention_decode(
             raise ValueError("the gqa decode kernel needs block_n a multiple of 32")
         db, pp = bd // 32, block_n // 32
         gp = max(triton.next_power_of_2(group), triton.cdiv(16, db), triton.cdiv(16, 2 * pp))
+        rot = _rotation_operand(d, bd, q.device) if qk_rotation else q
         _decode_gqa_kernel[(b * hkv, nsplit)](
-            q, k_data, k_scale, v_data, v_scale, ml, acc, mask if mask is not None else q,
+            q, k_data, k_scale, v_data, v_scale, ml, acc, mask if mask is not None else q, rot,
             q.stride(0), q.stride(1), q.stride(3), *common,
             hkv, length, d, dp, chunk, nsplit, scale * LOG2E,
             GROUP_C=group, GP=gp, BLOCK_N=block_n, BLOCK_D=bd, MASK_D=bd != d,
             HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **fmt,
+            QPARTS=_parts(q.dtype) if qk_rotation else 0, QM=max(16, gp),
             num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
     else:

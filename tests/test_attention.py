@@ -188,6 +188,13 @@ def test_rotate_kernel_equals_float64(dtype, d):
     assert got.dtype == torch.float32 and got.shape == x.shape
     want = x.double() @ _rotation(d)[0]
     assert ((got.double() - want).abs() <= 1e-6 * want.abs().amax(-1, keepdim=True)).all()
+    # fused with MX rounding (the prefill's K operand): the format core's rounding of the same
+    # fp32 products, zero-padded to the kernel's head_dim
+    bd = max(32, 1 << (d - 1).bit_length())
+    rounded = rotate_qk_rows(x, round_to=(E4M3, ScaleRule.RCEIL), block_d=bd)
+    assert rounded.dtype == torch.bfloat16 and rounded.shape == (*x.shape[:3], bd)
+    want = dequantize_mx(quantize_mx(torch.nn.functional.pad(got, (0, bd - d)), -1))
+    assert torch.equal(rounded.float(), want)
 
 
 def test_prefill_kernel_padding_mask():
