@@ -22,6 +22,7 @@ them, zero-padded, on every append; its fp8 bytes and scale in the cache are alw
 the tokens present so far, and final once the page holds 32 tokens (the bf16 copy is then
 dropped). Decoding thus computes exactly the reference on the whole current sequence, and the
 cache bytes after appending token by token equal quantizing the whole sequence at once.
+``crop`` (assisted decoding) reopens a page from kept bf16 values: see ``MXFP8CacheLayer.crop``.
 
 Q/K rotation (on by default): before Q and K are MX-rounded they are multiplied by a fixed
 orthogonal ±1 matrix (random signs times Hadamard blocks along head_dim,
