@@ -25,6 +25,13 @@ How the Hopper kernels stay exact (sm_90 has no block-scaled MMA; docs/ANCHORS.m
 - the decode kernel reads the cache as it is stored: fp8 elements + E8M0 bytes, 1 + 1/32
   bytes per element, dequantizes in registers (exact in bf16, as above), splits the context
   over programs (split-KV), and a second kernel merges the partial softmaxes.
+
+Q/K rotation (``qk_rotation=True``, what ``mxq.attention`` uses): Q and K are multiplied by
+``reference.qk_rotation(D)`` (±1 entries) before rounding and the scores divided by its block
+size. The kernels compute x·R as MMAs on bf16 pieces of x (1 piece for bf16 input, 2 for fp16,
+3 for fp32), so every product is exact and only the fp32 accumulation rounds: Q inside the
+prefill and decode kernels, K in ``rotate_qk_rows`` fused with its MX rounding (the prefill's
+K operand) or before it enters the cache.
 """
 
 from __future__ import annotations
