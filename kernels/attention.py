@@ -310,10 +310,44 @@ def _round_k(k, elem, rule, block_d):
     return fake_quantize_mx_rows(kp, elem, rule, BLOCK, out_dtype=torch.bfloat16)
 
 
+@triton.jit
+def _round_vt_kernel(
+    V, VT, H, S, D, stride_vb, stride_vh, stride_vs,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
+    RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr,
+):  # fmt: skip
+    """VT[b, h, :, s] = V[b, h, s, :] MX-rounded along the keys (32x1 blocks from key 0, zero-padded),
+    bf16, head_dim zero-padded to BLOCK_D: one read of V, one write of Vᵀ."""
+    s0 = tl.program_id(0) * BLOCK_S
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_s = s0 + tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = (offs_s < S)[:, None] & (offs_d < D)[None, :]
+    v = tl.load(V + b * stride_vb + h * stride_vh + offs_s[:, None].to(tl.int64) * stride_vs + offs_d[None, :], mask=ok, other=0.0)
+    vt = tl.reshape(tl.trans(v.to(tl.float32)), (BLOCK_D, BLOCK_S // 32, 32))
+    r = tl.reshape(mx_round_dequant(vt, EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8), (BLOCK_D, BLOCK_S))
+    dst = VT + (bh.to(tl.int64) * BLOCK_D + offs_d[:, None]) * S + offs_s[None, :]
+    tl.store(dst, r.to(tl.bfloat16), mask=(offs_s < S)[None, :])
+
+
 def _round_vt(v, elem, rule, block_d):
-    d = v.shape[-1]
-    vt = (F.pad(v, (0, block_d - d)) if block_d != d else v).transpose(-1, -2).contiguous()
-    return fake_quantize_mx_rows(vt, elem, rule, BLOCK, out_dtype=torch.bfloat16)
+    """V [B, H, S, D] -> Vᵀ MX-rounded along the keys, bf16 [B, H, block_d, S] (zero rows past D)."""
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    b, h, sk, d = v.shape
+    vt = torch.empty((b, h, block_d, sk), dtype=torch.bfloat16, device=v.device)
+    block_s = 64
+    if vt.numel():
+        _round_vt_kernel[(triton.cdiv(sk, block_s), b * h)](
+            v, vt, h, sk, d, v.stride(0), v.stride(1), v.stride(2),
+            BLOCK_S=block_s, BLOCK_D=block_d,
+            EMAX=elem.emax, MBITS=elem.mbits, MAXN=elem.max_normal, EMIN=1 - elem.bias,
+            RULE=_RULE_ID[rule], HW_CVT=hw_cvt(v.device), FP8=fp8_dtype(elem), num_warps=4,
+        )  # fmt: skip
+    return vt
 
 
 def _mask_args(attention_mask, b, hq, sq, sk):

@@ -178,6 +178,21 @@ def test_prefill_kernel_equals_reference(case):
     assert _rel(got, _independent(q, k, v, causal=causal, rotate=True)) < 3e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("s,d,bd", [(45, 40, 64), (64, 64, 64), (100, 80, 128), (1, 128, 128)])
+def test_round_vt_kernel_equals_format_core(dtype, s, d, bd):
+    """Vᵀ rounded along the keys in one pass: the format core's 32x1 rounding, transposed, padded."""
+    from mxq.kernels.attention import _round_vt
+
+    v = (torch.randn(2, s, 3, d) * torch.logspace(-3, 3, d)).to(dtype).transpose(1, 2)  # HF layout
+    v[:, :, ::9] *= 40
+    got = _round_vt(v, E4M3, ScaleRule.RCEIL, bd)
+    assert got.dtype == torch.bfloat16 and got.shape == (2, 3, bd, s)
+    want = dequantize_mx(quantize_mx(v.float(), -2)).transpose(-1, -2)
+    assert torch.equal(got[:, :, :d].float(), want)
+    assert not got[:, :, d:].any()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("d", [64, 40, 80, 128])
 def test_rotate_kernel_equals_float64(dtype, d):
