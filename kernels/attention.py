@@ -52,7 +52,13 @@ from mxq.formats import (
 )
 from mxq.kernels.quantize import (
     _RULE_ID,
+    _SCALE_BIAS,
+    _SCALE_NAN,
     INTERPRET,
+    _elem_bits,
+    _mx_fast_exponent,
+    _mx_scaled,
+    _round_to_elem,
     fake_quantize_mx_rows,
     fp8_dtype,
     hw_cvt,
@@ -331,6 +337,60 @@ def _round_vt_kernel(
     r = tl.reshape(mx_round_dequant(vt, EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8), (BLOCK_D, BLOCK_S))
     dst = VT + (bh.to(tl.int64) * BLOCK_D + offs_d[:, None]) * S + offs_s[None, :]
     tl.store(dst, r.to(tl.bfloat16), mask=(offs_s < S)[None, :])
+
+
+@triton.jit
+def _quantize_vt_kernel(
+    V, QD, QS, H, S, D, SP, NP, stride_vb, stride_vh, stride_vs,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr, EBIAS: tl.constexpr,
+    NAN_BYTE: tl.constexpr, RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr,
+):  # fmt: skip
+    """V [B, H, S, D] -> Vᵀ as MX (32x1 blocks along the keys): fp8 bytes [B, H, D, SP] and E8M0
+    bytes [B, H, D, NP] (SP = 32·NP, the last page zero-padded). One read of V, no transposed copy."""
+    NBS: tl.constexpr = BLOCK_S // 32
+    s0 = tl.program_id(0) * BLOCK_S
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_s = s0 + tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = (offs_s < S)[:, None] & (offs_d < D)[None, :]
+    v = tl.load(V + b * stride_vb + h * stride_vh + offs_s[:, None].to(tl.int64) * stride_vs + offs_d[None, :], mask=ok, other=0.0)
+    xf = tl.reshape(tl.trans(v.to(tl.float32)), (BLOCK_D, NBS, 32))
+    e, nonfinite = _mx_fast_exponent(xf, EMAX, MBITS, RULE)
+    if HW_CVT:
+        qb = _mx_scaled(xf, e, MAXN, RULE).to(FP8, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+    else:
+        qb = _elem_bits(_round_to_elem(xf, e, MAXN, MBITS, EMIN), MBITS, EMIN, EBIAS).to(tl.uint8)
+    qb = tl.reshape(tl.where(nonfinite[:, :, None], NAN_BYTE, qb).to(tl.uint8), (BLOCK_D, BLOCK_S))
+    row = bh.to(tl.int64) * D + offs_d
+    tl.store(QD + row[:, None] * SP + offs_s[None, :], qb, mask=(offs_d < D)[:, None] & (offs_s < SP)[None, :])
+    pages = s0 // 32 + tl.arange(0, NBS)
+    sb = tl.where(nonfinite, _SCALE_NAN, e + _SCALE_BIAS).to(tl.uint8)
+    tl.store(QS + row[:, None] * NP + pages[None, :], sb, mask=(offs_d < D)[:, None] & (pages < NP)[None, :])
+
+
+def quantize_vt_pages(v: torch.Tensor, elem: ElemFormat, rule: ScaleRule) -> tuple[torch.Tensor, torch.Tensor]:
+    """V [B, H, S, D] -> (fp8 [B, H, D, 32·pages], uint8 [B, H, D, pages]): the bytes of
+    ``quantize_mx(v, -2)`` stored transposed (the MXFP8 cache's V layout), in one pass."""
+    if rule is ScaleRule.MSE:
+        raise ValueError("attention scale_rule 'mse' is a weight search; use rceil, floor or even")
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    b, h, sk, d = v.shape
+    npg = triton.cdiv(sk, 32)
+    qd = torch.empty((b, h, d, npg * 32), dtype=torch.uint8, device=v.device)
+    qs = torch.empty((b, h, d, npg), dtype=torch.uint8, device=v.device)
+    block_s = 64
+    if qd.numel():
+        _quantize_vt_kernel[(triton.cdiv(sk, block_s), b * h)](
+            v, qd, qs, h, sk, d, npg * 32, npg, v.stride(0), v.stride(1), v.stride(2),
+            BLOCK_S=block_s, BLOCK_D=max(16, triton.next_power_of_2(d)),
+            EMAX=elem.emax, MBITS=elem.mbits, MAXN=elem.max_normal, EMIN=1 - elem.bias, EBIAS=elem.bias,
+            NAN_BYTE=elem.nan_byte, RULE=_RULE_ID[rule], HW_CVT=hw_cvt(v.device), FP8=fp8_dtype(elem), num_warps=4,
+        )  # fmt: skip
+    return qd.view(elem.torch_dtype), qs
 
 
 def _round_vt(v, elem, rule, block_d):

@@ -92,6 +92,13 @@ def _quantize_rows(x: torch.Tensor):
     return t.data, t.scales
 
 
+def _quantize_vt(v: torch.Tensor):
+    """V [B, H, n, D] -> Vᵀ as MX along the keys (fp8 [B, H, D, pages*32], scales [B, H, D, pages])."""
+    if _use_triton(v):
+        return _kattn.quantize_vt_pages(v, ATTN_ELEM, ATTN_RULE)
+    return _quantize_rows(v.transpose(-1, -2))
+
+
 def _dequant_rows(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """fp8 [..., n*32] with scales [..., n] -> float32."""
     v = data.float().reshape(*data.shape[:-1], -1, 32) * decode_e8m0(scales).unsqueeze(-1)
@@ -168,7 +175,7 @@ class MXFP8CacheLayer(DynamicLayer):
         # V: re-quantize from the first page not yet final (its bf16 tail) through the new tokens.
         p0 = start // PAGE
         vals = value_states if self.v_tail is None else torch.cat([self.v_tail, value_states], dim=2)
-        vq, vs = _quantize_rows(vals.transpose(-1, -2))  # [B, H, D, pages*32], [B, H, D, pages]
+        vq, vs = _quantize_vt(vals)  # [B, H, D, pages*32], [B, H, D, pages]
         self.v_data[..., p0 * PAGE : p0 * PAGE + vq.shape[-1]] = vq
         self.v_scale[..., p0 : p0 + vs.shape[-1]] = vs
         self.length = start + n
@@ -242,7 +249,7 @@ class MXFP8CacheLayer(DynamicLayer):
             else:
                 v = _dequant_rows(self.v_data[..., page * PAGE : (page + 1) * PAGE], self.v_scale[..., page : page + 1])
                 tail = v[..., :keep].transpose(-1, -2).to(self.dtype)
-            vq, vs = _quantize_rows(tail.transpose(-1, -2))
+            vq, vs = _quantize_vt(tail)
             self.v_data[..., page * PAGE : (page + 1) * PAGE] = vq
             self.v_scale[..., page : page + 1] = vs
             tail = tail.clone()

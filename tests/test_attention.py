@@ -193,6 +193,22 @@ def test_round_vt_kernel_equals_format_core(dtype, s, d, bd):
     assert not got[:, :, d:].any()
 
 
+@pytest.mark.parametrize("elem,rule", [(E4M3, ScaleRule.RCEIL), (E5M2, ScaleRule.FLOOR), (E4M3, ScaleRule.EVEN)])
+@pytest.mark.parametrize("s,d", [(45, 40), (64, 64), (100, 80), (1, 128), (33, 128)])
+def test_quantize_vt_pages_equals_format_core(elem, rule, s, d):
+    """The MXFP8 cache's V bytes in one pass: the format core's 32x1 bytes, transposed."""
+    from mxq.kernels.attention import quantize_vt_pages
+
+    v = (torch.randn(2, s, 3, d) * torch.logspace(-3, 3, d)).to(torch.bfloat16).transpose(1, 2)
+    v[:, :, ::9] *= 40
+    v[1, 2, s // 2, 5] = float("nan")  # a NaN poisons its block: NaN byte and scale 0xFF
+    qd, qs = quantize_vt_pages(v, elem, rule)
+    want = quantize_mx(v.float(), -2, elem, 32, rule)
+    assert qd.dtype == elem.torch_dtype and qd.shape == (2, 3, d, want.data.shape[-2])
+    assert torch.equal(qd.view(torch.uint8), want.data.transpose(-1, -2).view(torch.uint8))
+    assert torch.equal(qs, want.scales.transpose(-1, -2))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("d", [64, 40, 80, 128])
 def test_rotate_kernel_equals_float64(dtype, d):
