@@ -97,7 +97,7 @@ def decode(ctxs, results, sweep=True):
         if sweep:
             configs += [
                 ("gqa", bn, w, st, p)
-                for bn in (64, 128) for w in (4, 8) for st in (2, 3, 4) for p in (264, 528, 1056, 2112)
+                for bn in (64, 128) for w in (2, 4) for st in (2, 3, 4) for p in (264, 528, 1056)
             ]  # fmt: skip
         best = {}
         for variant, bn, w, st, progs in configs:
