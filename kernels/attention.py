@@ -64,8 +64,11 @@ from mxq.kernels.quantize import (
     hw_cvt,
     mx_round_dequant,
 )
-from mxq.kernels.reference import hadamard_block, qk_rotation
-from mxq.kernels.reference import mx_attention_reference  # noqa: F401  (re-export)
+from mxq.kernels.reference import (
+    hadamard_block,
+    mx_attention_reference,  # noqa: F401  (re-export)
+    qk_rotation,
+)
 
 LOG2E = 1.4426950408889634
 BLOCK = 32  # MX block size; fixed by the format
@@ -161,8 +164,7 @@ def rotate_qk_rows(
         _rotate_kernel[(triton.cdiv(h * s, block_r), b)](
             x, _rotation_operand(d, bd, x.device), y, h, s, d, out_d, x.stride(0), x.stride(1), x.stride(2),
             BLOCK_R=block_r, BLOCK_D=bd, PARTS=_parts(x.dtype), ROUND=round_to is not None,
-            EMAX=elem.emax, MBITS=elem.mbits, MAXN=elem.max_normal, EMIN=1 - elem.bias,
-            RULE=_RULE_ID[rule], HW_CVT=hw_cvt(x.device), FP8=fp8_dtype(elem), INTERP=INTERPRET, num_warps=4,
+            **_fmt(elem, rule, x.device), INTERP=INTERPRET, num_warps=4,
         )  # fmt: skip
     return y
 
@@ -301,19 +303,35 @@ def _block_d(d: int) -> int:
     return max(32, triton.next_power_of_2(d))
 
 
-def mx_round_kv(k: torch.Tensor, v: torch.Tensor, elem: ElemFormat, rule: ScaleRule, block_d: int):
-    """K MX-rounded along D -> bf16 [B, Hkv, Sk, block_d]; V along keys -> Vᵀ bf16 [B, Hkv, block_d, Sk].
-
-    Head dims are zero-padded to ``block_d`` first, which is what the format's own block padding
-    does for the last partial block of D.
-    """
-    return _round_k(k, elem, rule, block_d), _round_vt(v, elem, rule, block_d)
+def _fmt(elem: ElemFormat, rule: ScaleRule, device: torch.device) -> dict:
+    """The element format's constexprs for ``mx_round_dequant`` (every kernel here that rounds)."""
+    return dict(
+        EMAX=elem.emax, MBITS=elem.mbits, MAXN=elem.max_normal, EMIN=1 - elem.bias,
+        RULE=_RULE_ID[rule], HW_CVT=hw_cvt(device), FP8=fp8_dtype(elem),
+    )  # fmt: skip
 
 
 def _round_k(k, elem, rule, block_d):
+    """K MX-rounded along head_dim, zero-padded to ``block_d`` (the format's own block padding): bf16."""
     d = k.shape[-1]
     kp = F.pad(k, (0, block_d - d)) if block_d != d else k.contiguous()
     return fake_quantize_mx_rows(kp, elem, rule, BLOCK, out_dtype=torch.bfloat16)
+
+
+@triton.jit
+def _vt_blocks(V, H, S, D, stride_vb, stride_vh, stride_vs, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's tile of V [B, H, S, D] (keys from program_id(0)·BLOCK_S, b·H + h =
+    program_id(1)) as Vᵀ in fp32 [BLOCK_D, BLOCK_S/32, 32]: 32-key blocks, zeros outside.
+    Returns it with the key and channel offsets and b·H + h."""
+    s0 = tl.program_id(0) * BLOCK_S
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_s = s0 + tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = (offs_s < S)[:, None] & (offs_d < D)[None, :]
+    v = tl.load(V + b * stride_vb + h * stride_vh + offs_s[:, None].to(tl.int64) * stride_vs + offs_d[None, :], mask=ok, other=0.0)
+    return tl.reshape(tl.trans(v.to(tl.float32)), (BLOCK_D, BLOCK_S // 32, 32)), offs_s, offs_d, bh
 
 
 @triton.jit
@@ -325,15 +343,7 @@ def _round_vt_kernel(
 ):  # fmt: skip
     """VT[b, h, :, s] = V[b, h, s, :] MX-rounded along the keys (32x1 blocks from key 0, zero-padded),
     bf16, head_dim zero-padded to BLOCK_D: one read of V, one write of Vᵀ."""
-    s0 = tl.program_id(0) * BLOCK_S
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    offs_s = s0 + tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    ok = (offs_s < S)[:, None] & (offs_d < D)[None, :]
-    v = tl.load(V + b * stride_vb + h * stride_vh + offs_s[:, None].to(tl.int64) * stride_vs + offs_d[None, :], mask=ok, other=0.0)
-    vt = tl.reshape(tl.trans(v.to(tl.float32)), (BLOCK_D, BLOCK_S // 32, 32))
+    vt, offs_s, offs_d, bh = _vt_blocks(V, H, S, D, stride_vb, stride_vh, stride_vs, BLOCK_S, BLOCK_D)
     r = tl.reshape(mx_round_dequant(vt, EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8), (BLOCK_D, BLOCK_S))
     dst = VT + (bh.to(tl.int64) * BLOCK_D + offs_d[:, None]) * S + offs_s[None, :]
     tl.store(dst, r.to(tl.bfloat16), mask=(offs_s < S)[None, :])
@@ -349,15 +359,7 @@ def _quantize_vt_kernel(
     """V [B, H, S, D] -> Vᵀ as MX (32x1 blocks along the keys): fp8 bytes [B, H, D, SP] and E8M0
     bytes [B, H, D, NP] (SP = 32·NP, the last page zero-padded). One read of V, no transposed copy."""
     NBS: tl.constexpr = BLOCK_S // 32
-    s0 = tl.program_id(0) * BLOCK_S
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    offs_s = s0 + tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    ok = (offs_s < S)[:, None] & (offs_d < D)[None, :]
-    v = tl.load(V + b * stride_vb + h * stride_vh + offs_s[:, None].to(tl.int64) * stride_vs + offs_d[None, :], mask=ok, other=0.0)
-    xf = tl.reshape(tl.trans(v.to(tl.float32)), (BLOCK_D, NBS, 32))
+    xf, offs_s, offs_d, bh = _vt_blocks(V, H, S, D, stride_vb, stride_vh, stride_vs, BLOCK_S, BLOCK_D)
     e, nonfinite = _mx_fast_exponent(xf, EMAX, MBITS, RULE)
     if HW_CVT:
         qb = _mx_scaled(xf, e, MAXN, RULE).to(FP8, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
@@ -366,7 +368,7 @@ def _quantize_vt_kernel(
     qb = tl.reshape(tl.where(nonfinite[:, :, None], NAN_BYTE, qb).to(tl.uint8), (BLOCK_D, BLOCK_S))
     row = bh.to(tl.int64) * D + offs_d
     tl.store(QD + row[:, None] * SP + offs_s[None, :], qb, mask=(offs_d < D)[:, None] & (offs_s < SP)[None, :])
-    pages = s0 // 32 + tl.arange(0, NBS)
+    pages = tl.program_id(0) * NBS + tl.arange(0, NBS)
     sb = tl.where(nonfinite, _SCALE_NAN, e + _SCALE_BIAS).to(tl.uint8)
     tl.store(QS + row[:, None] * NP + pages[None, :], sb, mask=(offs_d < D)[:, None] & (pages < NP)[None, :])
 
@@ -387,8 +389,7 @@ def quantize_vt_pages(v: torch.Tensor, elem: ElemFormat, rule: ScaleRule) -> tup
         _quantize_vt_kernel[(triton.cdiv(sk, block_s), b * h)](
             v, qd, qs, h, sk, d, npg * 32, npg, v.stride(0), v.stride(1), v.stride(2),
             BLOCK_S=block_s, BLOCK_D=max(16, triton.next_power_of_2(d)),
-            EMAX=elem.emax, MBITS=elem.mbits, MAXN=elem.max_normal, EMIN=1 - elem.bias, EBIAS=elem.bias,
-            NAN_BYTE=elem.nan_byte, RULE=_RULE_ID[rule], HW_CVT=hw_cvt(v.device), FP8=fp8_dtype(elem), num_warps=4,
+            EBIAS=elem.bias, NAN_BYTE=elem.nan_byte, **_fmt(elem, rule, v.device), num_warps=4,
         )  # fmt: skip
     return qd.view(elem.torch_dtype), qs
 
@@ -403,9 +404,7 @@ def _round_vt(v, elem, rule, block_d):
     if vt.numel():
         _round_vt_kernel[(triton.cdiv(sk, block_s), b * h)](
             v, vt, h, sk, d, v.stride(0), v.stride(1), v.stride(2),
-            BLOCK_S=block_s, BLOCK_D=block_d,
-            EMAX=elem.emax, MBITS=elem.mbits, MAXN=elem.max_normal, EMIN=1 - elem.bias,
-            RULE=_RULE_ID[rule], HW_CVT=hw_cvt(v.device), FP8=fp8_dtype(elem), num_warps=4,
+            BLOCK_S=block_s, BLOCK_D=block_d, **_fmt(elem, rule, v.device), num_warps=4,
         )  # fmt: skip
     return vt
 
@@ -481,8 +480,7 @@ def mx_attention_prefill(
             hq, hq // hkv, sq, sk, d, scale * LOG2E,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=bd,
             CAUSAL=causal, HAS_MASK=mask is not None, MASK_BOOL=mask_bool, PV_SPLIT=exact,
-            EMAX=elem.emax, MBITS=elem.mbits, MAXN=elem.max_normal, EMIN=1 - elem.bias,
-            RULE=_RULE_ID[rule], HW_CVT=hw_cvt(q.device), FP8=fp8_dtype(elem), INTERP=INTERPRET,
+            **_fmt(elem, rule, q.device), INTERP=INTERPRET,
             QPARTS=qparts, num_warps=warps, num_stages=stages,
         )  # fmt: skip
     return out
@@ -854,10 +852,10 @@ def mx_attention_decode(
     acc = torch.empty((b * hq * nsplit, bd), dtype=torch.float32, device=q.device)
     if out is None:
         out = torch.empty((b, 1, hq, d), dtype=q.dtype, device=q.device).transpose(1, 2)
-    if qk_rotation and variant != "gqa":  # the gqa kernel rotates q itself
-        q, scale = rotate_qk_rows(q), scale / hadamard_block(d)
-    elif qk_rotation:
+    if qk_rotation:
         scale = scale / hadamard_block(d)
+        if variant != "gqa":  # the gqa kernel rotates q itself
+            q = rotate_qk_rows(q)
     mask, ms, mask_bool = _mask_args(attention_mask, b, hq, 1, length)
     common = (
         k_data.stride(0), k_data.stride(1), k_data.stride(2),
@@ -866,10 +864,7 @@ def mx_attention_decode(
         v_scale.stride(0), v_scale.stride(1), v_scale.stride(2),
         ms[0], ms[1], ms[3],
     )  # fmt: skip
-    fmt = dict(
-        EMAX=elem.emax, MBITS=elem.mbits, MAXN=elem.max_normal, EMIN=1 - elem.bias,
-        RULE=_RULE_ID[rule], HW_CVT=hw_cvt(q.device), FP8=fp8_dtype(elem), INTERP=INTERPRET,
-    )  # fmt: skip
+    fmt = dict(**_fmt(elem, rule, q.device), INTERP=INTERPRET)
     if variant == "gqa":
         if block_n % 32:
             raise ValueError("the gqa decode kernel needs block_n a multiple of 32")

@@ -577,23 +577,14 @@ def mx_gemm(
     if act_elem is not None and act_rule is ScaleRule.MSE:
         raise ValueError("mx_gemm rounds X itself only for FLOOR/RCEIL/EVEN; round MSE first")
     quant = act_elem is not None
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if weight.stride(1) != 1:
-        weight = weight.contiguous()
-    if weight_scale.stride(1) != 1:
-        weight_scale = weight_scale.contiguous()
-    out_dtype = out_dtype or x.dtype
-    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
-    if m == 0 or n == 0:
+    x, weight, weight_scale, y, done = _operands_and_output(x, weight, weight_scale, bias, out_dtype, n)
+    if done:
         return y
-    if k == 0:
-        return y.zero_() if bias is None else y.copy_(bias.to(out_dtype).expand(m, n))
     cfg = config or pick_config(m, n, k, x.device)
     if config is None and x.dtype != torch.bfloat16 and not quant and cfg.block_m > 64:
         # fp32 operands (exact W8A16 for fp16/fp32 X): fp32 tiles need 2x the shared memory.
         cfg = GemmConfig(block_m=64, block_n=128, block_k=32, num_warps=4, num_stages=3)
-    if config is None and cfg.num_warps == 8 and out_dtype == torch.float32:
+    if config is None and cfg.num_warps == 8 and y.dtype == torch.float32:
         # The 8-warp prefill epilogues (256x128x64 and 128x128x64) give inf/garbage with a float32
         # output at M=2048 (H200, triton 3.6, tests/test_e2e.py::test_gpu_mx_linear_model_shapes;
         # like the bias case, NOTES.md item 7); the 4-warp 128x64x64 tile was right on every shape.
@@ -684,18 +675,9 @@ def mx_gemv(
         raise ValueError("mx_gemv rounds X itself only for FLOOR/RCEIL/EVEN; round MSE first")
     if m > 64:
         raise ValueError(f"mx_gemv is for small M (unrolled over rows), got M={m}")
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if weight.stride(1) != 1:
-        weight = weight.contiguous()
-    if weight_scale.stride(1) != 1:
-        weight_scale = weight_scale.contiguous()
-    out_dtype = out_dtype or x.dtype
-    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
-    if m == 0 or n == 0:
+    x, weight, weight_scale, y, done = _operands_and_output(x, weight, weight_scale, bias, out_dtype, n)
+    if done:
         return y
-    if k == 0:
-        return y.zero_() if bias is None else y.copy_(bias.to(out_dtype).expand(m, n))
     cfg = config or pick_gemv_config(m, n, k, x.device)
     if cfg.block_k % block_size:
         raise ValueError(f"block_k={cfg.block_k} must be a multiple of block_size={block_size}")
@@ -763,18 +745,9 @@ def mx_gemv_rows(
     n = weight.shape[0]
     if m > 16:
         raise ValueError(f"mx_gemv_rows keeps one accumulator per row: M <= 16, got M={m}")
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if weight.stride(1) != 1:
-        weight = weight.contiguous()
-    if weight_scale.stride(1) != 1:
-        weight_scale = weight_scale.contiguous()
-    out_dtype = out_dtype or x.dtype
-    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
-    if m == 0 or n == 0:
+    x, weight, weight_scale, y, done = _operands_and_output(x, weight, weight_scale, bias, out_dtype, n)
+    if done:
         return y
-    if k == 0:
-        return y.zero_() if bias is None else y.copy_(bias.to(out_dtype).expand(m, n))
     cfg = config or pick_gemv_rows_config(m, n, k, x.device)
     if cfg.block_k % block_size or block_size % cfg.vec:
         raise ValueError(f"block_k={cfg.block_k} must be a multiple of block_size={block_size}, which vec={cfg.vec} must divide")
@@ -789,6 +762,17 @@ def mx_gemv_rows(
         num_warps=cfg.num_warps, num_stages=1,
     )  # fmt: skip
     return _split_k_finish(target, y, bias, split)
+
+
+def _operands_and_output(x, weight, weight_scale, bias, out_dtype, n):
+    """Unit-stride operands and the [M, N] output; ``done`` when M, N or K is 0 (the output is
+    then final: empty, or the bias / zeros)."""
+    x, weight, weight_scale = (t if t.stride(1) == 1 else t.contiguous() for t in (x, weight, weight_scale))
+    m, k = x.shape
+    y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
+    if m and n and not k:
+        y.zero_() if bias is None else y.copy_(bias.to(y.dtype).expand(m, n))
+    return x, weight, weight_scale, y, not (m and n and k)
 
 
 def _check_gemm_args(x, weight, weight_scale, bias, block_size):
