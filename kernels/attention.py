@@ -351,13 +351,15 @@ def _round_vt_kernel(
 
 @triton.jit
 def _quantize_vt_kernel(
-    V, QD, QS, H, S, D, SP, NP, stride_vb, stride_vh, stride_vs,
+    V, QD, QS, H, S, D, NP, stride_vb, stride_vh, stride_vs,
+    stride_qbh, stride_qd, stride_qp, stride_sbh, stride_sd, stride_sp,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr, EBIAS: tl.constexpr,
     NAN_BYTE: tl.constexpr, RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
-    """V [B, H, S, D] -> Vᵀ as MX (32x1 blocks along the keys): fp8 bytes [B, H, D, SP] and E8M0
-    bytes [B, H, D, NP] (SP = 32·NP, the last page zero-padded). One read of V, no transposed copy."""
+    """V [B, H, S, D] -> Vᵀ as MX (32x1 blocks along the keys), one read of V, no transposed copy.
+    Key s of channel d goes to QD + bh·stride_qbh + d·stride_qd + (s // 32)·stride_qp + s % 32 (the
+    last page zero-padded), its page's E8M0 byte to QS + bh·stride_sbh + d·stride_sd + (s // 32)·stride_sp."""
     NBS: tl.constexpr = BLOCK_S // 32
     xf, offs_s, offs_d, bh = _vt_blocks(V, H, S, D, stride_vb, stride_vh, stride_vs, BLOCK_S, BLOCK_D)
     e, nonfinite = _mx_fast_exponent(xf, EMAX, MBITS, RULE)
@@ -366,28 +368,40 @@ def _quantize_vt_kernel(
     else:
         qb = _elem_bits(_round_to_elem(xf, e, MAXN, MBITS, EMIN), MBITS, EMIN, EBIAS).to(tl.uint8)
     qb = tl.reshape(tl.where(nonfinite[:, :, None], NAN_BYTE, qb).to(tl.uint8), (BLOCK_D, BLOCK_S))
-    row = bh.to(tl.int64) * D + offs_d
-    tl.store(QD + row[:, None] * SP + offs_s[None, :], qb, mask=(offs_d < D)[:, None] & (offs_s < SP)[None, :])
+    bh = bh.to(tl.int64)
+    cols = (offs_s // 32) * stride_qp + offs_s % 32
+    qptr = QD + bh * stride_qbh + offs_d[:, None] * stride_qd + cols[None, :]
+    tl.store(qptr, qb, mask=(offs_d < D)[:, None] & (offs_s < NP * 32)[None, :])
     pages = tl.program_id(0) * NBS + tl.arange(0, NBS)
     sb = tl.where(nonfinite, _SCALE_NAN, e + _SCALE_BIAS).to(tl.uint8)
-    tl.store(QS + row[:, None] * NP + pages[None, :], sb, mask=(offs_d < D)[:, None] & (pages < NP)[None, :])
+    sptr = QS + bh * stride_sbh + offs_d[:, None] * stride_sd + pages[None, :] * stride_sp
+    tl.store(sptr, sb, mask=(offs_d < D)[:, None] & (pages < NP)[None, :])
 
 
-def quantize_vt_pages(v: torch.Tensor, elem: ElemFormat, rule: ScaleRule) -> tuple[torch.Tensor, torch.Tensor]:
-    """V [B, H, S, D] -> (fp8 [B, H, D, 32·pages], uint8 [B, H, D, pages]): the bytes of
-    ``quantize_mx(v, -2)`` stored transposed (the MXFP8 cache's V layout), in one pass."""
+def quantize_vt_pages(
+    v: torch.Tensor, elem: ElemFormat, rule: ScaleRule, *, paged: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """V [B, H, S, D] -> the bytes of ``quantize_mx(v, -2)`` stored transposed, in one pass:
+    (fp8 [B, H, D, 32·pages], uint8 [B, H, D, pages]) as rows of Vᵀ, or with ``paged`` the MXFP8
+    cache's layout, one [D, 32] block per 32-key page: (fp8 [B, H, pages, D, 32], uint8 [B, H, pages, D])."""
     if rule is ScaleRule.MSE:
         raise ValueError("attention scale_rule 'mse' is a weight search; use rceil, floor or even")
     if v.stride(-1) != 1:
         v = v.contiguous()
     b, h, sk, d = v.shape
     npg = triton.cdiv(sk, 32)
-    qd = torch.empty((b, h, d, npg * 32), dtype=torch.uint8, device=v.device)
-    qs = torch.empty((b, h, d, npg), dtype=torch.uint8, device=v.device)
+    if paged:
+        qd = torch.empty((b, h, npg, d, 32), dtype=torch.uint8, device=v.device)
+        qs = torch.empty((b, h, npg, d), dtype=torch.uint8, device=v.device)
+        strides = (npg * d * 32, 32, d * 32, npg * d, 1, d)
+    else:
+        qd = torch.empty((b, h, d, npg * 32), dtype=torch.uint8, device=v.device)
+        qs = torch.empty((b, h, d, npg), dtype=torch.uint8, device=v.device)
+        strides = (d * npg * 32, npg * 32, 32, d * npg, npg, 1)
     block_s = 64
     if qd.numel():
         _quantize_vt_kernel[(triton.cdiv(sk, block_s), b * h)](
-            v, qd, qs, h, sk, d, npg * 32, npg, v.stride(0), v.stride(1), v.stride(2),
+            v, qd, qs, h, sk, d, npg, v.stride(0), v.stride(1), v.stride(2), *strides,
             BLOCK_S=block_s, BLOCK_D=max(16, triton.next_power_of_2(d)),
             EBIAS=elem.bias, NAN_BYTE=elem.nan_byte, **_fmt(elem, rule, v.device), num_warps=4,
         )  # fmt: skip
@@ -507,6 +521,7 @@ def _decode_kernel(
     stride_vb, stride_vh, stride_vd,
     stride_vsb, stride_vsh, stride_vsd,
     stride_mb, stride_mh, stride_mn,
+    stride_vp, stride_vsp,
     Hkv, GROUP, L, D, DP, CHUNK, NSPLIT, qk_scale,
     G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
@@ -567,9 +582,10 @@ def _decode_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
 
-        v8 = tl.load(vbase + offs_d[:, None] * stride_vd + cols[None, :], mask=(offs_d < D)[:, None] & kin[None, :], other=0.0)
+        vcols = (cols // 32) * stride_vp + cols % 32
+        v8 = tl.load(vbase + offs_d[:, None] * stride_vd + vcols[None, :], mask=(offs_d < D)[:, None] & kin[None, :], other=0.0)
         pages = start_n // 32 + offs_vb
-        ve = tl.load(vsbase + offs_d[:, None] * stride_vsd + pages[None, :], mask=(offs_d < D)[:, None] & (pages * 32 < L)[None, :], other=127)
+        ve = tl.load(vsbase + offs_d[:, None] * stride_vsd + pages[None, :] * stride_vsp, mask=(offs_d < D)[:, None] & (pages * 32 < L)[None, :], other=127)
         vsc = ((ve.to(tl.int32)) << 23).to(tl.float32, bitcast=True)
         vt = tl.reshape(tl.reshape(v8.to(tl.float32), (BLOCK_D, BLOCK_N // 32, 32)) * vsc[:, :, None], (BLOCK_D, BLOCK_N))
         v = tl.trans(vt.to(tl.bfloat16))
@@ -585,9 +601,34 @@ def _decode_kernel(
 
 
 @triton.jit
+def _gqa_scales(
+    ksbase, vsbase, start_n, L, DP, D, stride_ksn, stride_vsd, stride_vsp,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK_D: tl.constexpr,
+):  # fmt: skip
+    """The E8M0 bytes of one decode tile (keys ``start_n`` on, masked to L): K's per key and D
+    block, V's per channel and 32-key page. Loaded one tile ahead of their use (a plain load is
+    not pipelined by the compiler, and its latency would sit in every tile's chain)."""
+    DB: tl.constexpr = BLOCK_D // 32
+    PP: tl.constexpr = BLOCK_N // 32
+    start_n = tl.multiple_of(start_n, BLOCK_N)
+    cols = start_n + tl.arange(0, BLOCK_N)
+    offs_j = tl.arange(0, DB)
+    offs_d = tl.arange(0, BLOCK_D)
+    pages = start_n // 32 + tl.arange(0, PP)
+    smask = (cols < L)[:, None]
+    vsmask = (pages * 32 < L)[None, :]
+    if MASK_D:
+        smask = smask & (offs_j < DP // 32)[None, :]
+        vsmask = vsmask & (offs_d < D)[:, None]
+    ke = tl.load(ksbase + cols[:, None] * stride_ksn + offs_j[None, :], mask=smask, other=127)
+    ve = tl.load(vsbase + offs_d[:, None] * stride_vsd + pages[None, :] * stride_vsp, mask=vsmask, other=127)
+    return ke, ve
+
+
+@triton.jit
 def _gqa_tile(
-    acc, m_i, l_i, qb, cq, kbase, ksbase, vbase, vsbase, mbase, start_n,
-    L, DP, D, qk_scale, stride_kn, stride_ksn, stride_vd, stride_vsd, stride_mh, stride_mn,
+    acc, m_i, l_i, qb, cq, kbase, ke, vbase, ve, mbase, start_n,
+    L, DP, D, qk_scale, stride_kn, stride_vd, stride_vp, stride_mh, stride_mn,
     GP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_C: tl.constexpr,
     MASKED: tl.constexpr, MASK_D: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
     INTERP: tl.constexpr,
@@ -596,7 +637,6 @@ def _gqa_tile(
     PP: tl.constexpr = BLOCK_N // 32
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_j = tl.arange(0, DB)
     offs_p = tl.arange(0, PP)
     offs_g = tl.arange(0, GP)
     cols = start_n + offs_n
@@ -612,15 +652,6 @@ def _gqa_tile(
         k8 = tl.load(kbase + cols[:, None] * stride_kn + offs_d[None, :], mask=kmask, other=0.0)
     else:
         k8 = tl.load(kbase + cols[:, None] * stride_kn + offs_d[None, :])
-    smask = None
-    if MASKED:
-        smask = kin[:, None]
-    if MASK_D:
-        smask = (offs_j < DP // 32)[None, :] if smask is None else smask & (offs_j < DP // 32)[None, :]
-    if MASKED or MASK_D:
-        ke = tl.load(ksbase + cols[:, None] * stride_ksn + offs_j[None, :], mask=smask, other=127)
-    else:
-        ke = tl.load(ksbase + cols[:, None] * stride_ksn + offs_j[None, :])
     ksc = (ke.to(tl.int32) << 23).to(tl.float32, bitcast=True)
     r = _mma(k8.to(tl.float16), qb, tl.zeros([BLOCK_N, GP * DB], tl.float32), INTERP)
     r = tl.reshape(r, (BLOCK_N, GP, DB))
@@ -654,20 +685,12 @@ def _gqa_tile(
         vmask = kin[None, :]
     if MASK_D:
         vmask = (offs_d < D)[:, None] if vmask is None else vmask & (offs_d < D)[:, None]
+    # key n of V sits at page n // 32, slot n % 32: one row of Vᵀ (stride_vp = 32) or [D, 32] pages
+    vcols = (cols // 32) * stride_vp + cols % 32
     if MASKED or MASK_D:
-        v8 = tl.load(vbase + offs_d[:, None] * stride_vd + cols[None, :], mask=vmask, other=0.0)
+        v8 = tl.load(vbase + offs_d[:, None] * stride_vd + vcols[None, :], mask=vmask, other=0.0)
     else:
-        v8 = tl.load(vbase + offs_d[:, None] * stride_vd + cols[None, :])
-    pages = start_n // 32 + offs_p
-    vsmask = None
-    if MASKED:
-        vsmask = (pages * 32 < L)[None, :]
-    if MASK_D:
-        vsmask = (offs_d < D)[:, None] if vsmask is None else vsmask & (offs_d < D)[:, None]
-    if MASKED or MASK_D:
-        ve = tl.load(vsbase + offs_d[:, None] * stride_vsd + pages[None, :], mask=vsmask, other=127)
-    else:
-        ve = tl.load(vsbase + offs_d[:, None] * stride_vsd + pages[None, :])
+        v8 = tl.load(vbase + offs_d[:, None] * stride_vd + vcols[None, :])
     vsc = (ve.to(tl.int32) << 23).to(tl.float32, bitcast=True)
     t = _mma(v8.to(tl.float16), pb, tl.zeros([BLOCK_D, GP * PP * 2], tl.float32), INTERP)
     t = tl.sum(tl.reshape(t, (BLOCK_D, GP, PP, 2)), axis=3)
@@ -684,6 +707,7 @@ def _decode_gqa_kernel(
     stride_vb, stride_vh, stride_vd,
     stride_vsb, stride_vsh, stride_vsd,
     stride_mb, stride_mh, stride_mn,
+    stride_vp, stride_vsp,
     Hkv, L, D, DP, CHUNK, NSPLIT, qk_scale,
     GROUP_C: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     MASK_D: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
@@ -747,16 +771,21 @@ def _decode_gqa_kernel(
     lo = split * CHUNK
     hi = tl.minimum(lo + CHUNK, L)
     n_full = tl.maximum(lo, lo + (hi - lo) // BLOCK_N * BLOCK_N)
+    ke, ve = _gqa_scales(ksbase, vsbase, lo, L, DP, D, stride_ksn, stride_vsd, stride_vsp, BLOCK_N, BLOCK_D, MASK_D)
     for start_n in range(lo, n_full, BLOCK_N):
+        ke_next, ve_next = _gqa_scales(
+            ksbase, vsbase, start_n + BLOCK_N, L, DP, D, stride_ksn, stride_vsd, stride_vsp, BLOCK_N, BLOCK_D, MASK_D
+        )  # fmt: skip
         acc, m_i, l_i = _gqa_tile(
-            acc, m_i, l_i, qb, cq, kbase, ksbase, vbase, vsbase, mbase, start_n,
-            L, DP, D, qk_scale, stride_kn, stride_ksn, stride_vd, stride_vsd, stride_mh, stride_mn,
+            acc, m_i, l_i, qb, cq, kbase, ke, vbase, ve, mbase, start_n,
+            L, DP, D, qk_scale, stride_kn, stride_vd, stride_vp, stride_mh, stride_mn,
             GP, BLOCK_N, BLOCK_D, GROUP_C, False, MASK_D, HAS_MASK, MASK_BOOL, INTERP,
         )  # fmt: skip
-    for start_n in range(n_full, hi, BLOCK_N):
+        ke, ve = ke_next, ve_next
+    for start_n in range(n_full, hi, BLOCK_N):  # at most one partial tile; its scales are loaded
         acc, m_i, l_i = _gqa_tile(
-            acc, m_i, l_i, qb, cq, kbase, ksbase, vbase, vsbase, mbase, start_n,
-            L, DP, D, qk_scale, stride_kn, stride_ksn, stride_vd, stride_vsd, stride_mh, stride_mn,
+            acc, m_i, l_i, qb, cq, kbase, ke, vbase, ve, mbase, start_n,
+            L, DP, D, qk_scale, stride_kn, stride_vd, stride_vp, stride_mh, stride_mn,
             GP, BLOCK_N, BLOCK_D, GROUP_C, True, MASK_D, HAS_MASK, MASK_BOOL, INTERP,
         )  # fmt: skip
 
@@ -808,6 +837,7 @@ def mx_attention_decode(
     variant: str | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    maxnreg: int | None = None,
     qk_rotation: bool = False,
 ) -> torch.Tensor:
     """One query token per sequence against an MXFP8 cache; result [B, Hq, 1, D] in q.dtype.
@@ -815,18 +845,26 @@ def mx_attention_decode(
     ``qk_rotation``: the cache's K was rotated before it was quantized (``MXFP8CacheLayer``
     with rotation on); q is rotated here and the scores divided by the rotation's block size.
 
-    q [B, Hq, 1, D]. Cache (``MXFP8CacheLayer``'s layout, capacity C >= length, C % 32 == 0):
-    k_data fp8 [B, Hkv, C, Dp] (Dp = D padded to 32), k_scale uint8 [B, Hkv, C, Dp/32];
-    v_data fp8 [B, Hkv, D, C] (V transposed: keys contiguous), v_scale uint8 [B, Hkv, D, C/32].
+    q [B, Hq, 1, D]. Cache (capacity C >= length, C % 32 == 0): k_data fp8 [B, Hkv, C, Dp]
+    (Dp = D padded to 32), k_scale uint8 [B, Hkv, C, Dp/32]; V in 32-key pages (``MXFP8CacheLayer``'s
+    layout) v_data fp8 [B, Hkv, C/32, D, 32], v_scale uint8 [B, Hkv, C/32, D], or as rows of Vᵀ
+    (4-D v_data) fp8 [B, Hkv, D, C], v_scale uint8 [B, Hkv, D, C/32].
     ``attention_mask``: bool or additive, broadcastable to [B, Hq, 1, length]. Reads
     (1 + 1/32) bytes per cached element.
 
     ``variant``: "gqa" (default: fp16 MMAs on the raw fp8 tiles, scales applied per block after
     the products) or "dequant" (the first kernel: every element scaled, bf16 MMAs). ``block_n``,
-    ``chunk`` (keys per split), ``num_warps``, ``num_stages``: tuning, defaults from the H200 sweep.
+    ``chunk`` (keys per split), ``num_warps``, ``num_stages``, ``maxnreg`` (register cap per
+    thread, so more programs fit on an SM): tuning, defaults from the H200 sweep.
     """
     elem, rule = as_elem_format(elem), as_scale_rule(rule)
     b, hq, sq, d = q.shape
+    paged = v_data.dim() == 5
+    if paged:  # [B, Hkv, P, D, 32] pages: address V as (page, channel, slot) through the strides
+        vp, vsp = v_data.stride(2), v_scale.stride(2)
+        v_data, v_scale = v_data.transpose(2, 3), v_scale.transpose(2, 3)  # [B, Hkv, D, P, 32], [B, Hkv, D, P]
+    else:
+        vp, vsp = 32, v_scale.stride(3)
     if sq != 1:
         raise ValueError(f"mx_attention_decode takes one query token, got {sq}")
     hkv = k_data.shape[1]
@@ -873,17 +911,17 @@ def mx_attention_decode(
         rot = _rotation_operand(d, bd, q.device) if qk_rotation else q
         _decode_gqa_kernel[(b * hkv, nsplit)](
             q, k_data, k_scale, v_data, v_scale, ml, acc, mask if mask is not None else q, rot,
-            q.stride(0), q.stride(1), q.stride(3), *common,
+            q.stride(0), q.stride(1), q.stride(3), *common, vp, vsp,
             hkv, length, d, dp, chunk, nsplit, scale * LOG2E,
             GROUP_C=group, GP=gp, BLOCK_N=block_n, BLOCK_D=bd, MASK_D=bd != d,
             HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **fmt,
             QPARTS=_parts(q.dtype) if qk_rotation else 0, QM=max(16, gp),
-            num_warps=num_warps, num_stages=num_stages,
+            num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg and on_gpu else {}),
         )  # fmt: skip
     else:
         _decode_kernel[(b * hkv, nsplit)](
             q, k_data, k_scale, v_data, v_scale, ml, acc, mask if mask is not None else q,
-            q.stride(0), q.stride(1), q.stride(3), *common,
+            q.stride(0), q.stride(1), q.stride(3), *common, vp, vsp,
             hkv, group, length, d, dp, chunk, nsplit, scale * LOG2E,
             G_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=bd,
             HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **fmt,

@@ -13,8 +13,10 @@ reference does.
     model.generate(ids, past_key_values=MXFP8Cache(), max_new_tokens=64)
 
 Per layer it keeps K as fp8 [B, Hkv, C, Dp] with one E8M0 byte per 32 head_dim elements of a
-token (1x32, final as soon as the token arrives), and V transposed, fp8 [B, Hkv, D, C], with one
-E8M0 byte per 32-token page and channel (32x1 blocks along the keys, K-major for P·V).
+token (1x32, final as soon as the token arrives), and V in 32-token pages, fp8 [B, Hkv, C/32, D, 32]
+(each page transposed: keys contiguous, K-major for P·V; one page of a head is one contiguous
+block, so a decode tile reads whole 4 KB blocks at D=128), with one E8M0 byte per page and
+channel, uint8 [B, Hkv, C/32, D] (32x1 blocks along the keys).
 
 A partially filled last V page: its scale depends on tokens not yet seen, so the page's bf16
 values (at most 31 tokens) are kept beside the fp8 pages and the page is re-quantized from
@@ -93,10 +95,18 @@ def _quantize_rows(x: torch.Tensor):
 
 
 def _quantize_vt(v: torch.Tensor):
-    """V [B, H, n, D] -> Vᵀ as MX along the keys (fp8 [B, H, D, pages*32], scales [B, H, D, pages])."""
+    """V [B, H, n, D] -> MX along the keys in the cache's pages (fp8 [B, H, P, D, 32], scales [B, H, P, D])."""
     if _use_triton(v):
-        return _kattn.quantize_vt_pages(v, ATTN_ELEM, ATTN_RULE)
-    return _quantize_rows(v.transpose(-1, -2))
+        return _kattn.quantize_vt_pages(v, ATTN_ELEM, ATTN_RULE, paged=True)
+    data, scales = _quantize_rows(v.transpose(-1, -2))  # [B, H, D, P*32], [B, H, D, P]
+    b, h, d, n = data.shape
+    return data.view(b, h, d, n // PAGE, PAGE).permute(0, 1, 3, 2, 4).contiguous(), scales.transpose(2, 3).contiguous()
+
+
+def _dequant_pages(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """V pages fp8 [B, H, P, D, 32] with scales [B, H, P, D] -> float32 [B, H, P*32, D]."""
+    v = data.float() * decode_e8m0(scales).unsqueeze(-1)
+    return v.transpose(-1, -2).reshape(data.shape[0], data.shape[1], -1, data.shape[3])
 
 
 def _dequant_rows(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -151,13 +161,13 @@ class MXFP8CacheLayer(DynamicLayer):
         dev, f8 = self.device, ATTN_ELEM.torch_dtype
         kd = torch.zeros((b, h, new_cap, dp), dtype=f8, device=dev)
         ks = torch.full((b, h, new_cap, dp // 32), 1, dtype=torch.uint8, device=dev)
-        vd = torch.zeros((b, h, d, new_cap), dtype=f8, device=dev)
-        vs = torch.full((b, h, d, new_cap // PAGE), 1, dtype=torch.uint8, device=dev)
+        vd = torch.zeros((b, h, new_cap // PAGE, d, PAGE), dtype=f8, device=dev)
+        vs = torch.full((b, h, new_cap // PAGE, d), 1, dtype=torch.uint8, device=dev)
         if cap:
             kd[:, :, :cap] = self.k_data
             ks[:, :, :cap] = self.k_scale
-            vd[..., :cap] = self.v_data
-            vs[..., : cap // PAGE] = self.v_scale
+            vd[:, :, : cap // PAGE] = self.v_data
+            vs[:, :, : cap // PAGE] = self.v_scale
         self.k_data, self.k_scale, self.v_data, self.v_scale = kd, ks, vd, vs
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -175,9 +185,9 @@ class MXFP8CacheLayer(DynamicLayer):
         # V: re-quantize from the first page not yet final (its bf16 tail) through the new tokens.
         p0 = start // PAGE
         vals = value_states if self.v_tail is None else torch.cat([self.v_tail, value_states], dim=2)
-        vq, vs = _quantize_vt(vals)  # [B, H, D, pages*32], [B, H, D, pages]
-        self.v_data[..., p0 * PAGE : p0 * PAGE + vq.shape[-1]] = vq
-        self.v_scale[..., p0 : p0 + vs.shape[-1]] = vs
+        vq, vs = _quantize_vt(vals)  # [B, H, pages, D, 32], [B, H, pages, D]
+        self.v_data[:, :, p0 : p0 + vq.shape[2]] = vq
+        self.v_scale[:, :, p0 : p0 + vs.shape[2]] = vs
         self.length = start + n
         keep = self.length % PAGE
         end_full = vals.shape[2] - keep
@@ -191,8 +201,8 @@ class MXFP8CacheLayer(DynamicLayer):
         n, d = self.length, self.head_dim
         k = _dequant_rows(self.k_data[:, :, :n], self.k_scale[:, :, :n])[..., :d]
         npg = (n + PAGE - 1) // PAGE
-        v = _dequant_rows(self.v_data[..., : npg * PAGE], self.v_scale[..., :npg])[..., :n]
-        return k, v.transpose(-1, -2)
+        v = _dequant_pages(self.v_data[:, :, :npg], self.v_scale[:, :, :npg])[:, :, :n]
+        return k, v
 
     def get_seq_length(self) -> int:
         return self.length
@@ -247,11 +257,11 @@ class MXFP8CacheLayer(DynamicLayer):
             elif page * PAGE == end_full - PAGE and self.v_prev is not None:
                 tail = self.v_prev[:, :, :keep]
             else:
-                v = _dequant_rows(self.v_data[..., page * PAGE : (page + 1) * PAGE], self.v_scale[..., page : page + 1])
-                tail = v[..., :keep].transpose(-1, -2).to(self.dtype)
+                v = _dequant_pages(self.v_data[:, :, page : page + 1], self.v_scale[:, :, page : page + 1])
+                tail = v[:, :, :keep].to(self.dtype)
             vq, vs = _quantize_vt(tail)
-            self.v_data[..., page * PAGE : (page + 1) * PAGE] = vq
-            self.v_scale[..., page : page + 1] = vs
+            self.v_data[:, :, page : page + 1] = vq
+            self.v_scale[:, :, page : page + 1] = vs
             tail = tail.clone()
         if page * PAGE < end_full:  # the last full page is gone or reopened
             self.v_prev = None

@@ -195,18 +195,28 @@ def test_round_vt_kernel_equals_format_core(dtype, s, d, bd):
 
 @pytest.mark.parametrize("elem,rule", [(E4M3, ScaleRule.RCEIL), (E5M2, ScaleRule.FLOOR), (E4M3, ScaleRule.EVEN)])
 @pytest.mark.parametrize("s,d", [(45, 40), (64, 64), (100, 80), (1, 128), (33, 128)])
-def test_quantize_vt_pages_equals_format_core(elem, rule, s, d):
-    """The MXFP8 cache's V bytes in one pass: the format core's 32x1 bytes, transposed."""
+@pytest.mark.parametrize("paged", [False, True])
+def test_quantize_vt_pages_equals_format_core(elem, rule, s, d, paged):
+    """The MXFP8 cache's V bytes in one pass: the format core's 32x1 bytes, transposed (as rows of
+    Vᵀ, or page by page)."""
     from mxq.kernels.attention import quantize_vt_pages
 
     v = (torch.randn(2, s, 3, d) * torch.logspace(-3, 3, d)).to(torch.bfloat16).transpose(1, 2)
     v[:, :, ::9] *= 40
     v[1, 2, s // 2, 5] = float("nan")  # a NaN poisons its block: NaN byte and scale 0xFF
-    qd, qs = quantize_vt_pages(v, elem, rule)
+    qd, qs = quantize_vt_pages(v, elem, rule, paged=paged)
     want = quantize_mx(v.float(), -2, elem, 32, rule)
-    assert qd.dtype == elem.torch_dtype and qd.shape == (2, 3, d, want.data.shape[-2])
-    assert torch.equal(qd.view(torch.uint8), want.data.transpose(-1, -2).view(torch.uint8))
-    assert torch.equal(qs, want.scales.transpose(-1, -2))
+    npg = want.scales.shape[-2]
+    assert qd.dtype == elem.torch_dtype
+    if paged:
+        assert qd.shape == (2, 3, npg, d, 32) and qs.shape == (2, 3, npg, d)
+        pages = want.data.view(torch.uint8).reshape(2, 3, npg, 32, d).transpose(-1, -2)
+        assert torch.equal(qd.view(torch.uint8), pages)
+        assert torch.equal(qs, want.scales)
+    else:
+        assert qd.shape == (2, 3, d, npg * 32)
+        assert torch.equal(qd.view(torch.uint8), want.data.transpose(-1, -2).view(torch.uint8))
+        assert torch.equal(qs, want.scales.transpose(-1, -2))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -254,8 +264,10 @@ def test_cache_appends_equal_whole_sequence_bytes(rotation, monkeypatch):
     assert layer.get_seq_length() == n
     assert torch.equal(layer.k_data[:, :, :n].view(torch.uint8), kq.data.view(torch.uint8))
     assert torch.equal(layer.k_scale[:, :, :n], kq.scales)
-    assert torch.equal(layer.v_data[..., :96].view(torch.uint8), vq.data.transpose(-1, -2).view(torch.uint8))
-    assert torch.equal(layer.v_scale[..., :3], vq.scales.transpose(-1, -2))
+    # V pages [B, H, page, D, 32]: page p, channel c, slot j holds key 32p + j of channel c
+    pages = vq.data.view(torch.uint8).reshape(b, h, 3, 32, d).transpose(-1, -2)
+    assert torch.equal(layer.v_data[:, :, :3].view(torch.uint8), pages)
+    assert torch.equal(layer.v_scale[:, :, :3], vq.scales)
     kd, vd = layer.dequantize()
     assert torch.equal(kd, dequantize_mx(kq)) and torch.equal(vd, dequantize_mx(vq))
     assert layer.v_tail.shape[2] == n % 32
@@ -343,6 +355,33 @@ def test_decode_variants_equal_reference(variant, block_n, chunk, hq, hkv, d):
     got = mx_attention_decode(*args, attention_mask=mask, variant=variant, block_n=block_n, chunk=chunk, **rot)
     want = mx_attention_reference(q, kd, vd, attention_mask=mask, qk_rotation=layer.rotated, k_rotated=True)
     assert _rel(got, want) < 3e-5
+
+
+def _rows(layer):
+    """The cache's V pages as rows of Vᵀ (fp8 [B, Hkv, D, C], scales [B, Hkv, D, C/32]), the other layout the decode kernels read."""
+    b, h, npg, d, _ = layer.v_data.shape
+    rows = layer.v_data.permute(0, 1, 3, 2, 4).reshape(b, h, d, npg * 32)
+    return rows, layer.v_scale.transpose(2, 3).contiguous()
+
+
+@pytest.mark.parametrize("variant,block_n,chunk,hq,hkv,d,n", [("gqa", 64, 64, 8, 2, 128, 150), ("gqa", 32, 96, 3, 3, 80, 97), ("dequant", 32, 64, 4, 2, 64, 70)])
+def test_decode_rows_of_vt_equals_reference(variant, block_n, chunk, hq, hkv, d, n):
+    b = 2
+    q, k, v = _qkv(b, hq, hkv, 1, n, d)
+    layer = MXFP8CacheLayer()
+    layer.update(k, v)
+    kd, vd = layer.dequantize()
+    vp, vsp = _rows(layer)
+    assert vp[1, 0, 5, 2 * 32 + 7].view(torch.uint8) == layer.v_data[1, 0, 2, 5, 7].view(torch.uint8)
+    mask = torch.ones(b, 1, 1, n, dtype=torch.bool)
+    mask[0, ..., 40:] = False
+    for m in (None, mask):
+        got = mx_attention_decode(
+            q, layer.k_data, layer.k_scale, vp, vsp, layer.length, attention_mask=m,
+            variant=variant, block_n=block_n, chunk=chunk, qk_rotation=layer.rotated,
+        )  # fmt: skip
+        want = _independent(q, kd, vd, mask=m, rotate=layer.rotated, k_rotated=True)
+        assert _rel(got, want) < 3e-5
 
 
 # --- Hugging Face -------------------------------------------------------------------------------
@@ -515,7 +554,7 @@ def test_gpu_cache_and_decode():
     # can move a rounding; everything else is byte-exact
     same = layer.k_data[:, :, :n].cpu().view(torch.uint8) == kq.data.view(torch.uint8)
     assert same.float().mean() > 0.9999
-    assert torch.equal(layer.v_scale[..., : vq.scales.shape[-2]].cpu(), vq.scales.transpose(-1, -2))
+    assert torch.equal(layer.v_scale[:, :, : vq.scales.shape[-2]].cpu(), vq.scales)
     got = mx_attention_decode(q, layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, layer.length, qk_rotation=True)
     kd, vd = layer.dequantize()
     want = mx_attention_reference(q.float(), kd, vd, qk_rotation=True, k_rotated=True)
