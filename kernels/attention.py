@@ -103,6 +103,36 @@ def _rotate_rows(x, R, offs_d, BLOCK_D: tl.constexpr, PARTS: tl.constexpr, INTER
 
 
 @triton.jit
+def _rotate_rows_factored(x, RF, offs_d, BLOCK_D: tl.constexpr, NB: tl.constexpr, PARTS: tl.constexpr, INTERP: tl.constexpr):
+    """``_rotate_rows`` for Hadamard blocks of n = 32·NB >= 32, from a 2 KB operand instead of R.
+
+    Sylvester's H_n[i, j] = (-1)^popcount(i & j) = H_NB[i // 32, j // 32]·H_32[i % 32, j % 32], so
+    x·diag(s)·blockdiag(H_n) is: signs, an MMA of the 32-column pieces against H_32, then per
+    group of NB pieces the ±1 combination H_NB (adds in fp32). RF: bf16 H_32 (32 x 32) followed by
+    the BLOCK_D signs (0 past D). The same products as the full MMA; the sums in another order.
+    """
+    A: tl.constexpr = BLOCK_D // 32
+    M: tl.constexpr = x.shape[0]
+    offs32 = tl.arange(0, 32)
+    h32 = tl.load(RF + offs32[:, None] * 32 + offs32[None, :])
+    sg = tl.load(RF + 1024 + offs_d).to(tl.float32)
+    xf = tl.reshape(x.to(tl.float32) * sg[None, :], (M * A, 32))
+    acc = tl.zeros([M * A, 32], tl.float32)
+    for _ in tl.static_range(PARTS):
+        part = xf.to(tl.bfloat16)
+        acc = _mma(part, h32, acc, INTERP)
+        xf = xf - part.to(tl.float32)
+    y1 = tl.reshape(acc, (M, A, 32))
+    offs_a = tl.arange(0, A)
+    t = offs_a[:, None] & offs_a[None, :] & (NB - 1)
+    par = (t ^ (t >> 1) ^ (t >> 2) ^ (t >> 3)) & 1  # popcount parity (NB <= 16)
+    same = (offs_a[:, None] // NB) == (offs_a[None, :] // NB)
+    ha = tl.where(same, tl.where(par == 1, -1.0, 1.0), 0.0)  # [A (from), A (to)]: I ⊗ H_NB
+    y = tl.sum(y1[:, :, None, :] * ha[None, :, :, None], axis=1)
+    return tl.reshape(y, (M, BLOCK_D))
+
+
+@triton.jit
 def _rotate_kernel(
     X, R, Y, H, S, D, OUT_D, stride_xb, stride_xh, stride_xs,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PARTS: tl.constexpr, ROUND: tl.constexpr,
@@ -129,6 +159,7 @@ def _rotate_kernel(
 
 
 _ROTATIONS: dict = {}
+FACTORED_ROTATION = True  # decode: q·R from H_32 and the signs (2 KB) instead of R (32 KB at D=128)
 
 
 def _rotation_operand(d: int, block_d: int, device: torch.device) -> torch.Tensor:
@@ -138,6 +169,26 @@ def _rotation_operand(d: int, block_d: int, device: torch.device) -> torch.Tenso
         r[:d, :d] = qk_rotation(d)
         _ROTATIONS[key] = r.to(device)
     return _ROTATIONS[key]
+
+
+def _rotation_factored(d: int, block_d: int, device: torch.device) -> tuple[int, torch.Tensor | None]:
+    """(NB, operand) for ``_rotate_rows_factored``: Hadamard blocks of 32·NB columns; (0, None)
+    when the blocks are narrower than 32 (head_dim 40, 80: the full R then)."""
+    n = hadamard_block(d)
+    if n < 32:
+        return 0, None
+    key = ("factored", d, block_d, str(device))
+    if key not in _ROTATIONS:
+        r = qk_rotation(d)
+        rows = torch.arange(d)
+        signs = torch.zeros(block_d)
+        signs[:d] = r[rows, rows // n * n]  # R[i, first column of i's block] = s[i]·H[., 0] = s[i]
+        i = torch.arange(32)
+        bits = i[:, None] & i[None, :]
+        parity = sum((bits >> k) & 1 for k in range(5)) & 1
+        h32 = 1.0 - 2.0 * parity.float()  # Sylvester H_32: (-1)^popcount(i & j)
+        _ROTATIONS[key] = torch.cat([h32.flatten(), signs]).to(torch.bfloat16).to(device)
+    return n // 32, _ROTATIONS[key]
 
 
 def _parts(dtype: torch.dtype) -> int:
@@ -713,7 +764,7 @@ def _decode_gqa_kernel(
     MASK_D: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
     EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
     RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr,
-    QPARTS: tl.constexpr = 0, QM: tl.constexpr = 16,
+    QPARTS: tl.constexpr = 0, QM: tl.constexpr = 16, ROT_NB: tl.constexpr = 0,
 ):  # fmt: skip
     """One program per (batch, kv head, split): all GROUP_C query heads of the KV head at once.
 
@@ -737,7 +788,10 @@ def _decode_gqa_kernel(
             Q + b.to(tl.int64) * stride_qb + (hk * GROUP_C + offs_r)[:, None] * stride_qh + offs_d[None, :] * stride_qd,
             mask=(offs_r < GROUP_C)[:, None] & (offs_d < D)[None, :], other=0.0,
         )  # fmt: skip
-        y = _rotate_rows(q, ROT, offs_d, BLOCK_D, QPARTS, INTERP)
+        if ROT_NB > 0:  # ROT is the 2 KB factored operand
+            y = _rotate_rows_factored(q, ROT, offs_d, BLOCK_D, ROT_NB, QPARTS, INTERP)
+        else:
+            y = _rotate_rows(q, ROT, offs_d, BLOCK_D, QPARTS, INTERP)
         if QM == GP:
             qf = y
         else:
@@ -908,14 +962,16 @@ def mx_attention_decode(
             raise ValueError("the gqa decode kernel needs block_n a multiple of 32")
         db, pp = bd // 32, block_n // 32
         gp = max(triton.next_power_of_2(group), triton.cdiv(16, db), triton.cdiv(16, 2 * pp))
-        rot = _rotation_operand(d, bd, q.device) if qk_rotation else q
+        rot_nb, rot = _rotation_factored(d, bd, q.device) if qk_rotation and FACTORED_ROTATION else (0, None)
+        if rot is None:
+            rot = _rotation_operand(d, bd, q.device) if qk_rotation else q
         _decode_gqa_kernel[(b * hkv, nsplit)](
             q, k_data, k_scale, v_data, v_scale, ml, acc, mask if mask is not None else q, rot,
             q.stride(0), q.stride(1), q.stride(3), *common, vp, vsp,
             hkv, length, d, dp, chunk, nsplit, scale * LOG2E,
             GROUP_C=group, GP=gp, BLOCK_N=block_n, BLOCK_D=bd, MASK_D=bd != d,
             HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **fmt,
-            QPARTS=_parts(q.dtype) if qk_rotation else 0, QM=max(16, gp),
+            QPARTS=_parts(q.dtype) if qk_rotation else 0, QM=max(16, gp), ROT_NB=rot_nb,
             num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg and on_gpu else {}),
         )  # fmt: skip
     else:

@@ -319,8 +319,10 @@ def test_cache_crop_legacy_positive_and_noop():
     assert layer.get_seq_length() == 33
 
 
-@pytest.mark.parametrize("hq,hkv,n,d", [(4, 2, 45, 64), (3, 1, 70, 40), (2, 2, 1, 64)])
+@pytest.mark.parametrize("hq,hkv,n,d", [(4, 2, 45, 64), (3, 1, 70, 40), (2, 2, 1, 64), (4, 1, 33, 96), (2, 1, 40, 192)])
 def test_decode_kernel_equals_reference(hq, hkv, n, d):
+    """Incl. the factored Q rotation (Hadamard blocks of 32 at d=96 with a padded block, 64 at
+    192) and the full-R one (d=40: blocks of 8)."""
     b = 2
     q, k, v = _qkv(b, hq, hkv, 1, n, d)
     layer = MXFP8CacheLayer()
