@@ -1001,4 +1001,6 @@ def _decode_config(variant: str, on_gpu: bool) -> tuple[int, int, int, int]:
     # 528 programs (4 per SM): 16k 72.9 -> 52.8 µs (0.90x -> 1.24x bf16 SDPA). Small programs
     # let more of them share an SM, which hides the latency of the per-tile instruction chain
     # (Nsight: 2 warps per scheduler issued 0.27 instructions/cycle with 4-warp programs).
+    # Re-checked after the scales-ahead loads and the paged V (session 4, dec_sweep5/6.json): still
+    # best at 16k and 32k; register caps (maxnreg 128/168) with more programs per SM are slower.
     return 64, 2, 3, 528
