@@ -68,6 +68,7 @@ from mxq.kernels.reference import (
     hadamard_block,
     mx_attention_reference,  # noqa: F401  (re-export)
     qk_rotation,
+    sylvester_hadamard,
 )
 
 LOG2E = 1.4426950408889634
@@ -183,11 +184,7 @@ def _rotation_factored(d: int, block_d: int, device: torch.device) -> tuple[int,
         rows = torch.arange(d)
         signs = torch.zeros(block_d)
         signs[:d] = r[rows, rows // n * n]  # R[i, first column of i's block] = s[i]·H[., 0] = s[i]
-        i = torch.arange(32)
-        bits = i[:, None] & i[None, :]
-        parity = sum((bits >> k) & 1 for k in range(5)) & 1
-        h32 = 1.0 - 2.0 * parity.float()  # Sylvester H_32: (-1)^popcount(i & j)
-        _ROTATIONS[key] = torch.cat([h32.flatten(), signs]).to(torch.bfloat16).to(device)
+        _ROTATIONS[key] = torch.cat([sylvester_hadamard(32).flatten(), signs]).to(torch.bfloat16).to(device)
     return n // 32, _ROTATIONS[key]
 
 
@@ -661,7 +658,6 @@ def _gqa_scales(
     not pipelined by the compiler, and its latency would sit in every tile's chain)."""
     DB: tl.constexpr = BLOCK_D // 32
     PP: tl.constexpr = BLOCK_N // 32
-    start_n = tl.multiple_of(start_n, BLOCK_N)
     cols = start_n + tl.arange(0, BLOCK_N)
     offs_j = tl.arange(0, DB)
     offs_d = tl.arange(0, BLOCK_D)

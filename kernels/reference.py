@@ -81,6 +81,14 @@ def hadamard_block(d: int) -> int:
     return d & -d
 
 
+def sylvester_hadamard(n: int) -> torch.Tensor:
+    """Sylvester's Hadamard matrix of size n (a power of two), float32: H[i, j] = (-1)^popcount(i & j)."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
 def qk_rotation(d: int, device: torch.device | str | None = None) -> torch.Tensor:
     """The Q/K rotation for head_dim ``d``: a float32 [d, d] matrix of ±1 and 0, R·Rᵀ = n·I.
 
@@ -93,9 +101,7 @@ def qk_rotation(d: int, device: torch.device | str | None = None) -> torch.Tenso
     which is what makes FP8 Q·K accurate (FlashAttention-3's "incoherent processing").
     """
     n = hadamard_block(d)
-    h = torch.ones(1, 1)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    h = sylvester_hadamard(n)
     g = torch.Generator().manual_seed(ROTATION_SEED)
     signs = torch.randint(0, 2, (d,), generator=g).float() * 2 - 1
     r = signs[:, None] * torch.block_diag(*[h] * (d // n))
