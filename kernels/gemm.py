@@ -59,6 +59,7 @@ class GemmConfig:
     tma_w: bool = False  # weight tiles through TMA
     scale_gather: bool = False  # scales loaded per element instead of broadcast by reshape
     deq_bf16: bool = False  # apply the scale with a bf16 multiply instead of fp32 (bf16 dots only)
+    deq_bits: bool = False  # fp8 -> bf16 by bit moves (no conversion instruction), see _fp8_bits_dequant
     peel: bool = True  # first K step before the loop (lets ptxas pipeline the wgmmas, see kernel)
     zero_dot: bool = False  # (peel=False) start the accumulator with a wgmma of zero tiles instead
     quant_x: bool = False  # W8A8: round X inside this kernel (dispatch), else a quantizer launch first
@@ -73,13 +74,76 @@ def _e8m0_to_f32(s):
     return tl.where(si == 255, float("nan"), f)
 
 
+# fp8 -> bf16 bit moves for _fp8_bits_dequant, 2 elements per call ($1: 2 fp8 bytes as loaded,
+# element 0 in the low byte; $0: both as bf16x2). PRMT puts byte i at bits 8..15 of 16-bit lane i
+# (x = b << 8), then lane = (x & 0x8000) | ((x >> 4) & 0x07F0): E4M3 eeee.mmm lands in bf16
+# exponent bits 10..7 and mantissa bits 6..4, a bf16 worth the fp8 value times 2**-120 (E5M2:
+# >> 3, 0x0FE0, times 2**-112). Pairs, not quads: the 2-byte shared-memory loads of the wgmma
+# operand layout feed it as they are (4-byte packing cost ~50 PRMT per 64-wide K step, sm_90 SASS).
+_E4M3_ASM = """{
+.reg .b32 a, t;
+cvt.u32.u16 a, $1;
+prmt.b32 a, a, 0, 0x1404;
+shr.b32 t, a, 4;
+and.b32 t, t, 0x07F007F0;
+and.b32 a, a, 0x80008000;
+or.b32 $0, a, t;
+}"""
+E4M3_TO_BF16_ASM = tl.constexpr(_E4M3_ASM)
+E5M2_TO_BF16_ASM = tl.constexpr(_E4M3_ASM.replace("t, a, 4", "t, a, 3").replace("0x07F007F0", "0x0FE00FE0"))
+
+
+@triton.jit
+def _fp8_bits_dequant(w, sc, BLOCK_N: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr, E5M2: tl.constexpr, DOT: tl.constexpr):
+    """fp8 tile [BLOCK_N, NB*BS] times its E8M0 scales [BLOCK_N, NB] -> DOT, without an fp8
+    conversion instruction: the fp8 sign, exponent and mantissa bits are moved into bf16 fields
+    (a bf16 whose value is the fp8 value times 2**-(127 - fp8 bias); fp8 subnormals land on bf16
+    subnormals), then two exact power-of-two multiplies apply 2**(s - 127 + 127 - bias): the first
+    for scale bytes up to 127 + bias - 120 (every real weight), the second (1 there) for larger
+    bytes, NaN for byte 255. Equal to w * 2**(s - 127) computed in fp32 (the fp32 route), up to
+    bf16 subnormal results (blocks scaled below ~2**-120). Replaces cvt e4m3 -> f16 -> bf16, whose
+    f16 -> bf16 step is one slow-pipe F2F per element on sm_90 (kernels/NOTES.md)."""
+    s = sc.to(tl.uint16)
+    # f1 = 2**(s - 127 + 127 - bias) as bf16 bits for s <= 254 - (127 - bias); f2 the rest.
+    if E5M2:
+        f1 = (tl.minimum(s, 142) + 112) << 7
+        f2 = (tl.maximum(s, 142) - 15) << 7
+    else:
+        f1 = (tl.minimum(s, 134) + 120) << 7
+        f2 = (tl.maximum(s, 134) - 7) << 7
+    f1 = f1.to(tl.uint16)
+    f2 = tl.where(s == 255, 0x7FC0, f2).to(tl.uint16)
+    b = w.to(tl.uint8, bitcast=True)
+    if DOT == tl.bfloat16:
+        if E5M2:
+            v = tl.inline_asm_elementwise(E5M2_TO_BF16_ASM, "=r,h", [b], dtype=tl.bfloat16, is_pure=True, pack=2)
+        else:
+            v = tl.inline_asm_elementwise(E4M3_TO_BF16_ASM, "=r,h", [b], dtype=tl.bfloat16, is_pure=True, pack=2)
+        v = tl.reshape(v, (BLOCK_N, NB, BS))
+        wf = v * f1.to(tl.bfloat16, bitcast=True)[:, :, None] * f2.to(tl.bfloat16, bitcast=True)[:, :, None]
+    else:
+        # fp32 dots (the interpreter, which runs no PTX; fp16/fp32 X): the same bit moves in plain
+        # integer ops, widened to fp32 (bf16 = the upper half of an fp32; the interpreter's bf16
+        # emulation mishandles subnormals) and multiplied exactly in fp32.
+        b = b.to(tl.uint32)
+        if E5M2:
+            bits = ((b & 0x7F) << 5) | ((b & 0x80) << 8)
+        else:
+            bits = ((b & 0x7F) << 4) | ((b & 0x80) << 8)
+        v = tl.reshape((bits << 16).to(tl.float32, bitcast=True), (BLOCK_N, NB, BS))
+        g1 = (f1.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        g2 = (f2.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        wf = v * g1[:, :, None] * g2[:, :, None]
+    return tl.reshape(wf, (BLOCK_N, NB * BS)).to(DOT)
+
+
 @triton.jit
 def _mx_gemm_operands(
     x_ptr, w_ptr, s_ptrs, sc_next, w_ptrs, x_ptrs, i, k_lo, k_hi, pid_m, pid_n, offs_k, offs_b,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BS: tl.constexpr,
     DOT: tl.constexpr, EVEN_K: tl.constexpr, TMA_X: tl.constexpr, TMA_W: tl.constexpr,
-    SCALE_GATHER: tl.constexpr, DEQ_BF16: tl.constexpr, PREFETCH_S: tl.constexpr,
-    QUANT: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr,
+    SCALE_GATHER: tl.constexpr, DEQ_BF16: tl.constexpr, DEQ_BITS: tl.constexpr, W_E5M2: tl.constexpr,
+    PREFETCH_S: tl.constexpr, QUANT: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr,
     EMIN: tl.constexpr, RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     """One K step's operands: the dequantized weight tile [BLOCK_N, BLOCK_K] (dot dtype, in
@@ -128,14 +192,17 @@ def _mx_gemm_operands(
             sc = tl.load(s_ptrs)
         else:
             sc = tl.load(s_ptrs, mask=((k + offs_b * BS) < k_hi)[None, :], other=127)
-        if DEQ_BF16:
+        if DEQ_BITS:
+            wd = _fp8_bits_dequant(w, sc, BLOCK_N, NB, BS, W_E5M2, DOT)
+        elif DEQ_BF16:
             # fp8 -> bf16 is exact and a power-of-two product is exact in bf16 (same exponent
             # range as fp32): half the conversion work of the fp32 route.
             sb = _e8m0_to_f32(sc).to(tl.bfloat16)
             wf = tl.reshape(w.to(tl.bfloat16), (BLOCK_N, NB, BS)) * sb[:, :, None]
+            wd = tl.reshape(wf, (BLOCK_N, BLOCK_K)).to(DOT)
         else:
             wf = tl.reshape(w.to(tl.float32), (BLOCK_N, NB, BS)) * _e8m0_to_f32(sc)[:, :, None]
-        wd = tl.reshape(wf, (BLOCK_N, BLOCK_K)).to(DOT)
+            wd = tl.reshape(wf, (BLOCK_N, BLOCK_K)).to(DOT)
     return wd, xt.to(DOT), sc_next
 
 
@@ -148,7 +215,8 @@ def _mx_gemm_kernel(
     GROUP: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     TMA_X: tl.constexpr = False, TMA_W: tl.constexpr = False, SCALE_GATHER: tl.constexpr = False,
-    DEQ_BF16: tl.constexpr = False, PREFETCH_S: tl.constexpr = False, PEEL: tl.constexpr = True,
+    DEQ_BF16: tl.constexpr = False, DEQ_BITS: tl.constexpr = False, W_E5M2: tl.constexpr = False,
+    PREFETCH_S: tl.constexpr = False, PEEL: tl.constexpr = True,
     ZERO_DOT: tl.constexpr = False,
     QUANT: tl.constexpr = False, EMAX: tl.constexpr = 8, MBITS: tl.constexpr = 3, MAXN: tl.constexpr = 448.0,
     EMIN: tl.constexpr = -6, RULE: tl.constexpr = 1, HW_CVT: tl.constexpr = False,
@@ -204,7 +272,7 @@ def _mx_gemm_kernel(
         wd, xt, sc_next = _mx_gemm_operands(
             x_ptr, w_ptr, s_ptrs, sc_next, w_ptrs, x_ptrs, 0, k_lo, k_hi, pid_m, pid_n, offs_k, offs_b,
             BLOCK_M, BLOCK_N, BLOCK_K, BS, DOT, EVEN_K, TMA_X, TMA_W, SCALE_GATHER, DEQ_BF16,
-            PREFETCH_S, QUANT, EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8,
+            DEQ_BITS, W_E5M2, PREFETCH_S, QUANT, EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8,
         )  # fmt: skip
         acc = tl.dot(wd, xt, input_precision=PRECISION, out_dtype=tl.float32)
         first = 1
@@ -218,7 +286,7 @@ def _mx_gemm_kernel(
         wd, xt, sc_next = _mx_gemm_operands(
             x_ptr, w_ptr, s_ptrs, sc_next, w_ptrs, x_ptrs, i, k_lo, k_hi, pid_m, pid_n, offs_k, offs_b,
             BLOCK_M, BLOCK_N, BLOCK_K, BS, DOT, EVEN_K, TMA_X, TMA_W, SCALE_GATHER, DEQ_BF16,
-            PREFETCH_S, QUANT, EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8,
+            DEQ_BITS, W_E5M2, PREFETCH_S, QUANT, EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8,
         )  # fmt: skip
         acc = tl.dot(wd, xt, acc, input_precision=PRECISION)
 
@@ -612,7 +680,7 @@ def mx_gemm(
         GROUP=cfg.group, DOT=dot, PRECISION=precision,
         HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_K=even_k,
         TMA_X=tma_x, TMA_W=tma_w, SCALE_GATHER=cfg.scale_gather, DEQ_BF16=cfg.deq_bf16 and dot == tl.bfloat16,
-        PREFETCH_S=PREFETCH, PEEL=cfg.peel, ZERO_DOT=cfg.zero_dot and not cfg.peel,
+        DEQ_BITS=cfg.deq_bits, W_E5M2=weight.dtype == torch.float8_e5m2, PREFETCH_S=PREFETCH, PEEL=cfg.peel, ZERO_DOT=cfg.zero_dot and not cfg.peel,
         QUANT=quant, EMAX=ae.emax, MBITS=ae.mbits, MAXN=ae.max_normal, EMIN=1 - ae.bias,
         RULE=_RULE_ID[act_rule], HW_CVT=hw_cvt(x.device), FP8=fp8_dtype(ae),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

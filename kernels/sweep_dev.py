@@ -487,6 +487,74 @@ def part_dec2(ms=(4, 16)):
     RES["dec2"] = rows
 
 
+def part_deq(ms=(16, 256, 2048)):
+    """Session 5: fp8 -> bf16 by bit moves (deq_bits) against the cvt route, with and without the
+    serialized-wgmma loop (zero_dot / peel), on the 8B shapes. Each variant is checked on 3 fresh
+    inputs (a moving error is a race), then timed (quantizer + GEMM, CUDA graphs over weight
+    copies). Run once per ptxas (TRITON_PTXAS_PATH): ptxas < 13.3 lets the next K step's
+    dequant overwrite the registers of a wgmma still in flight (triton-lang/triton#9433)."""
+    import dataclasses
+
+    from mxq.eval.bench_gemm import LLAMA_SHAPES
+    from mxq.kernels import gemm as G
+    from mxq.kernels.quantize import fake_quantize_mx_rows
+
+    R = dataclasses.replace
+    C = G.GemmConfig
+    rows = []
+    RES["ptxas"] = os.environ.get("TRITON_PTXAS_PATH", "bundled")
+    for layer, (n, k) in LLAMA_SHAPES["8b"].items():
+        ws, w64 = _weights(n, k, _copies(n * k))
+        wd = w64.float()
+        wb = [wd.to(torch.bfloat16) for _ in range(_copies(2 * n * k))]
+        for m in ms:
+            base = G.pick_config(m, n, k, torch.device("cuda"))
+            if m >= 2048:
+                kw = dict(tma_x=True, tma_w=True, deq_bf16=True)
+                tiles = [("256x128x64s3", C(256, 128, 64, 8, 3, **kw)), ("128x128x64s4", C(128, 128, 64, 8, 4, **kw)),
+                         ("128x256x64s3", C(128, 256, 64, 8, 3, **kw)), ("128x64x64w4", C(128, 64, 64, 4, 4, **kw))]
+            else:
+                tiles = [("base", base)]
+            variants = []
+            for tname, t in tiles:
+                variants += [(f"{tname}_old", R(t, peel=False, zero_dot=False)), (f"{tname}_old_bits", R(t, peel=False, zero_dot=False, deq_bits=True)),
+                             (f"{tname}_zdot", R(t, peel=False, zero_dot=True)), (f"{tname}_zdot_bits", R(t, peel=False, zero_dot=True, deq_bits=True)),
+                             (f"{tname}_peel_bits", R(t, peel=True, deq_bits=True))]
+            r = dict(layer=layer, n=n, k=k, m=m)
+            xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+            r["cublas"] = _try_graph([lambda w=w: xs[0] @ w.t() for w in wb])
+            for name, c in variants:
+                quant = c.quant_x
+
+                def f(p, x, c=c, quant=quant):
+                    if quant:
+                        return G.mx_gemm(x, p[0], p[1], None, config=c, act_elem=E4M3)
+                    return G.mx_gemm(fake_quantize_mx_rows(x, E4M3, out_dtype=torch.bfloat16), p[0], p[1], None, config=c)
+
+                try:
+                    errs = []
+                    for x in xs:
+                        ref = fake_quantize_mx_rows(x, E4M3, out_dtype=torch.float32) @ wd.t()
+                        errs.append(((f(ws[0], x).float() - ref).norm() / ref.norm()).item())
+                except Exception as e:  # noqa: BLE001
+                    r[name] = f"error: {e!r}"[:200]
+                    continue
+                t = _try_graph([lambda p=p, f=f: f(p, xs[0]) for p in ws])
+                r[name] = dict(us=t, errs=errs, cfg=str(c))
+            ok = {kk: v["us"] for kk, v in r.items() if isinstance(v, dict) and isinstance(v.get("us"), float) and max(v["errs"]) < 5e-3}
+            r["best"] = min(ok, key=ok.get) if ok else None
+            if r["best"] and isinstance(r["cublas"], float):
+                r["best_x_cublas"] = r["cublas"] / ok[r["best"]]
+            brief = {kk: (round(v["us"], 1) if isinstance(v.get("us"), float) else v.get("us"), f"{max(v['errs']):.0e}")
+                     for kk, v in r.items() if isinstance(v, dict)}
+            log("deq", layer, f"M={m}", "cublas", r["cublas"], "best", r["best"], r.get("best_x_cublas"))
+            log("   all", brief)
+            rows.append(r)
+        del ws, wb, w64, wd
+        torch.cuda.empty_cache()
+    RES["deq"] = rows
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="sweep.json")

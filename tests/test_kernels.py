@@ -12,10 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mxq.formats import E4M3, E5M2, ScaleRule, dequantize_mx, fake_quantize_mx, quantize_mx
+from mxq.formats import E4M3, E5M2, MXTensor, ScaleRule, dequantize_mx, fake_quantize_mx, quantize_mx
 from mxq.kernels import mx_linear, mx_linear_reference, pack_weight
 
 triton = pytest.importorskip("triton")
+tl = triton.language
 
 from mxq.kernels import gemm as G  # noqa: E402
 from mxq.kernels.dispatch import mx_linear_triton  # noqa: E402
@@ -143,6 +144,9 @@ def test_mx_gemm_configs_and_split_k(split_k, gather):
         xx = x.to(xd)
         cfg = G.GemmConfig(16, 32, 64, num_stages=1, split_k=split_k, scale_gather=gather, tma_x=True, tma_w=True, deq_bf16=True)
         _assert_gemm_close(G.mx_gemm(xx, w, ws, None, config=cfg), xx, w64, None, None)
+        if not gather:  # fp8 -> bf16 by bit moves
+            cfg = G.GemmConfig(16, 32, 64, num_stages=1, split_k=split_k, tma_x=True, tma_w=True, deq_bits=True)
+            _assert_gemm_close(G.mx_gemm(xx, w, ws, None, config=cfg), xx, w64, None, None)
         # The un-peeled loop (accumulator zero-initialised before it) computes the same.
         for zd in (False, True):
             cfg = G.GemmConfig(16, 32, 64, num_stages=1, split_k=split_k, scale_gather=gather, peel=False, zero_dot=zd)
@@ -166,6 +170,53 @@ def test_mx_gemm_quant_inside(m, n, k, act):
             _assert_gemm_close(y, x, w64, bias, elem, rule)
     with pytest.raises(ValueError, match="MSE"):
         G.mx_gemm(x, w, ws, None, act_elem=E4M3, act_rule=ScaleRule.MSE)
+
+
+@triton.jit
+def _deq_bits_probe(w_ptr, s_ptr, y_ptr, BLOCK_N: tl.constexpr, NB: tl.constexpr, E5M2: tl.constexpr, DOT: tl.constexpr):
+    rows = tl.arange(0, BLOCK_N)[:, None]
+    w = tl.load(w_ptr + rows * (NB * 32) + tl.arange(0, NB * 32)[None, :])
+    sc = tl.load(s_ptr + rows * NB + tl.arange(0, NB)[None, :])
+    y = G._fp8_bits_dequant(w, sc, BLOCK_N, NB, 32, E5M2, DOT)
+    tl.store(y_ptr + rows * (NB * 32) + tl.arange(0, NB * 32)[None, :], y)
+
+
+def _finite_codes(elem) -> torch.Tensor:
+    codes = torch.arange(256, dtype=torch.int32)
+    mag = codes & 0x7F
+    bad = (mag == 0x7F) if elem is E4M3 else (mag >= 0x7C)  # NaN (E4M3); Inf/NaN (E5M2)
+    return codes[~bad].to(torch.uint8)
+
+
+@pytest.mark.parametrize("elem", [E4M3, E5M2])
+def test_deq_bits_every_code_and_scale(elem):
+    """The bit-move dequant (deq_bits) against the format core's decode: every finite fp8 code
+    under scale bytes across the whole range: 0 (2**-127), tiny, typical, the largest the first
+    power-of-two factor holds (134 / 142), past it, 254 and 255 (NaN). Bit-exact in fp32 (the
+    interpreter path); on a GPU the bf16 path equals the exact value rounded once to bf16."""
+    gen = torch.Generator().manual_seed(101)
+    codes = _finite_codes(elem)
+    scales = torch.tensor([0, 1, 5, 60, 100, 115, 127, 133, 134, 135, 142, 143, 200, 254, 255, 120], dtype=torch.uint8)
+    n, nb = len(scales), 8
+    data = codes[torch.randint(len(codes), (n, nb * 32), generator=gen)]
+    data[:, : len(codes)] = codes  # every code under every scale (first blocks)
+    sc = scales[:, None].repeat(1, nb)
+    sc[:, -1] = scales[torch.randperm(n, generator=gen)]  # mixed scales within a row
+    w = data.view(torch.float8_e4m3fn if elem is E4M3 else torch.float8_e5m2)
+    ref = dequantize_mx(MXTensor(w, sc, w.shape, -1, 32, elem), torch.float32)
+    for dot in [tl.float32, tl.bfloat16] if CUDA else [tl.float32]:
+        y = torch.empty(n, nb * 32, dtype=torch.float32 if dot == tl.float32 else torch.bfloat16, device=DEV)
+        _deq_bits_probe[(1,)](w.to(DEV), sc.to(DEV), y, BLOCK_N=n, NB=nb, E5M2=elem is E5M2, DOT=dot)
+        got = y.cpu()
+        want = ref if dot == tl.float32 else ref.to(torch.bfloat16)
+        same = (got.float() == want.float()) | (got.isnan() & want.isnan())
+        bad = ~same
+        assert same.all(), (
+            f"{elem.name} {dot}: {int(bad.sum())} of {same.numel()} differ, e.g. codes {data[bad][:4].tolist()} "
+            f"scales {sc.repeat_interleave(32, 1)[bad][:4].tolist()}: {got[bad][:4].tolist()} vs {want[bad][:4].tolist()}"
+        )
+        nan_rows = sc.repeat_interleave(32, 1) == 255
+        assert got[nan_rows].isnan().all() and not got[~nan_rows].isnan().any()
 
 
 def test_mx_gemm_quant_inside_nonfinite():
