@@ -39,9 +39,12 @@ except ImportError:  # older triton: pointer loads only
     TensorDescriptor = None
 
 from mxq.formats import E4M3, E5M2, ElemFormat, ScaleRule
+from mxq.kernels import toolchain as _toolchain
 from mxq.kernels.quantize import _RULE_ID, fp8_dtype, hw_cvt, mx_round_dequant
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+if not INTERPRET:
+    _toolchain.prefer_fixed_ptxas()  # a ptxas >= 13.3 where installed (see kernels/toolchain.py)
 # Load the next K step's scales (and, in the decode kernel, weights) one iteration ahead.
 PREFETCH = os.environ.get("MXQ_PREFETCH", "1") == "1"
 
@@ -576,11 +579,19 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-# How the 8-warp TMA-activation (prefill) configs start their accumulator. Without the ptxas
-# serialization (C7515) — first K step peeled, or a zero-tile wgmma before the loop — 256x128x64
-# (s3) and 128x128x64 (s4) tiles gave inf on every run at M = 2048 (H200, session 4), though
-# 8-13 % faster; 256x128x128 (s2) was right but slower than the old loop. So they keep the old loop.
+# How the prefill (TMA activation) configs start their accumulator. The old loop (accumulator
+# zeroed before it) makes ptxas serialize every wgmma (C7515), which hides a register hazard: with
+# the wgmmas in flight (zero-tile start or first K step peeled), ptxas < 13.3 lets the next K
+# step's dequant overwrite the registers of a wgmma still reading them (triton-lang/triton#9433;
+# inf/garbage at M = 2048 and at N = 14336, H200, sessions 4-5). With ptxas >= 13.3 the zero-tile
+# start is right on every tested shape and 16-24 % faster at M = 2048 (kernels/NOTES.md session 5),
+# so it is used when Triton assembles with such a ptxas (kernels/toolchain.py).
 PREFILL_LOOP = dict(peel=False, zero_dot=False)
+PREFILL_ASYNC = dict(peel=False, zero_dot=True)
+
+
+def _prefill_loop() -> dict:
+    return PREFILL_ASYNC if _toolchain.wgmma_async_ok() else PREFILL_LOOP
 
 
 def pick_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
@@ -609,17 +620,16 @@ def pick_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
         while tiles * split < 2 * sms and k // (split * 2) >= 4 * block_k and split < 8:
             split *= 2
         return GemmConfig(block_m, block_n, block_k, warps, stages, split_k=split, tma_w=True, quant_x=quant_x, peel=peel)
+    loop = _prefill_loop()
     if m <= 512 and n < 16384:
         # 256x128 tiles leave most SMs idle here (N/128 programs); 128x64 won the M=256 sweep.
-        # zero_dot (accumulator started by a zero-tile wgmma) was 10-26 % faster at M=256 and right
-        # on qkv/o/down, but gave garbage (~1e38) at N=14336 (Llama gate/up unfused), M=300, bf16
-        # W8A16 (H200, tests/test_e2e.py::test_gpu_mx_linear_model_shapes): old loop until understood.
-        return GemmConfig(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4, tma_x=True, tma_w=True, deq_bf16=True, **PREFILL_LOOP)
-    if n % 128 == 0:
-        return GemmConfig(block_m=256, block_n=128, block_k=64, num_warps=8, num_stages=3, tma_x=True, tma_w=True, deq_bf16=True, **PREFILL_LOOP)
-    # 256-wide activation tiles gave wrong results when N is not a multiple of BLOCK_N
-    # (H200, triton 3.6; cause not found yet, see NOTES.md): 128-wide tiles there.
-    return GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, tma_x=True, tma_w=True, deq_bf16=True, **PREFILL_LOOP)
+        return GemmConfig(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4, tma_x=True, tma_w=True, deq_bf16=True, **loop)
+    if n % 128 == 0 or loop is PREFILL_ASYNC:
+        return GemmConfig(block_m=256, block_n=128, block_k=64, num_warps=8, num_stages=3, tma_x=True, tma_w=True, deq_bf16=True, **loop)
+    # 256-wide activation tiles with the serialized loop gave wrong results when N is not a
+    # multiple of BLOCK_N (H200, triton 3.6 + ptxas 12.8; right with ptxas 13.5 and the zero-tile
+    # start, session 5): 128-wide tiles there.
+    return GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, tma_x=True, tma_w=True, deq_bf16=True, **loop)
 
 
 def mx_gemm(
@@ -652,12 +662,12 @@ def mx_gemm(
     if config is None and x.dtype != torch.bfloat16 and not quant and cfg.block_m > 64:
         # fp32 operands (exact W8A16 for fp16/fp32 X): fp32 tiles need 2x the shared memory.
         cfg = GemmConfig(block_m=64, block_n=128, block_k=32, num_warps=4, num_stages=3)
-    if config is None and cfg.num_warps == 8 and y.dtype == torch.float32:
+    if config is None and cfg.num_warps == 8 and y.dtype == torch.float32 and not cfg.zero_dot:
         # The 8-warp prefill epilogues (256x128x64 and 128x128x64) give inf/garbage with a float32
         # output at M=2048 (H200, triton 3.6, tests/test_e2e.py::test_gpu_mx_linear_model_shapes;
         # like the bias case, NOTES.md item 7); the 4-warp 128x64x64 tile was right on every shape.
         cfg = GemmConfig(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4, tma_x=cfg.tma_x,
-                         tma_w=cfg.tma_w, deq_bf16=cfg.deq_bf16, **PREFILL_LOOP)  # fmt: skip
+                         tma_w=cfg.tma_w, deq_bf16=cfg.deq_bf16, **_prefill_loop())  # fmt: skip
     if cfg.block_k % block_size:
         raise ValueError(f"block_k={cfg.block_k} must be a multiple of block_size={block_size}")
     if INTERPRET or (x.dtype != torch.bfloat16 and not quant):

@@ -1,12 +1,18 @@
-"""Read a kernel's machine code without a GPU (kernels/NOTES.md, attention session 4).
+"""Read a kernel's machine code without a GPU (kernels/NOTES.md, attention session 4, GEMM session 5).
 
     python -m mxq.kernels.sass_dev [--block-n 64] [--warps 2] [--stages 3] [--maxnreg N] [--out DIR]
+    python -m mxq.kernels.sass_dev --kernel gemm [--tile 256x128x64] [--warps 8] [--stages 3]
+        [--loop old|zero_dot|peel] [--deq bf16|bits|fp32] [--ptxas PATH] [--out DIR]
 
-Compiles the decode kernel (``attention._decode_gqa_kernel``, B=4 Hq=32 Hkv=8 D=128 bf16, E4M3,
-Q/K rotation on) for sm_90 on the CPU machine — Triton's compiler and ``cuobjdump`` need no
-GPU — and prints the registers per thread and, for the main loop (the first backward branch),
-the SASS instruction count per warp per tile with its opcode histogram. Integer arguments are
-marked divisible by 16 the way the launcher specializes them at that shape (without it the
+Compiles a kernel for sm_90 on the CPU machine — Triton's compiler, ptxas and ``cuobjdump`` need
+no GPU — and prints the registers per thread and, for the main loop (the first backward branch),
+the SASS instruction count per warp per iteration with its opcode histogram. ``decode``: the
+attention decode kernel (``attention._decode_gqa_kernel``, B=4 Hq=32 Hkv=8 D=128 bf16, E4M3, Q/K
+rotation on). ``gemm``: ``gemm._mx_gemm_kernel`` with TMA tiles as the prefill dispatch runs it,
+and also the wgmma register hazards in its loop (``wgmma_register_hazards``): registers of a
+wgmma's left operand written while that wgmma may still be in flight. ``--ptxas`` makes Triton use that ptxas
+(default: Triton's choice, which mxq points at a ptxas >= 13.3 where one is installed). Integer arguments are marked
+divisible by 16 the way the launcher specializes them at the benchmark shapes (without it the
 compiler cannot prove 16-byte alignment and the code differs from what runs). DIR gets the
 TTGIR, PTX and SASS for reading.
 """
@@ -57,6 +63,80 @@ def compile_decode(block_n=64, warps=2, stages=3, maxnreg=None, gp=4, block_d=12
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
+def compile_gemm(block_m=256, block_n=128, block_k=64, warps=8, stages=3, loop="zero_dot", deq="bf16", tma_x=True, tma_w=True, split_k=1):
+    """``_mx_gemm_kernel`` for sm_90 as the dispatch launches it (bf16 X, E4M3 W, no bias)."""
+    from mxq.kernels import gemm as G
+
+    fn = G._mx_gemm_kernel
+    names = fn.arg_names
+    cons = dict(
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BS=32, GROUP=8, DOT=tl.bfloat16, PRECISION="tf32",
+        HAS_BIAS=False, SPLIT_K=split_k, EVEN_K=True, TMA_X=tma_x, TMA_W=tma_w, SCALE_GATHER=False,
+        DEQ_BF16=deq == "bf16", DEQ_BITS=deq == "bits", W_E5M2=False, PREFETCH_S=True,
+        PEEL=loop == "peel", ZERO_DOT=loop == "zero_dot", QUANT=False,
+    )  # fmt: skip
+    ptrs = {
+        "x_ptr": f"tensordesc<bf16[{block_m}, {block_k}]>" if tma_x else "*bf16",
+        "w_ptr": f"tensordesc<fp8e4nv[{block_n}, {block_k}]>" if tma_w else "*fp8e4nv",
+        "s_ptr": "*u8", "b_ptr": "*u8", "y_ptr": "*bf16" if split_k == 1 else "*fp32",
+    }  # fmt: skip
+    sig = {n: "constexpr" if n in cons else ptrs.get(n, "i32") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n] == "i32" or sig[n].startswith("*")}
+    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in cons.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+
+
+_INS = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)\s*([^;]*);")
+
+
+def _main_loop(sass: str) -> list[tuple[int, str, list[str]]]:
+    """(address, opcode, operands) of the instructions between the first backward branch and its target."""
+    seq = []
+    for line in sass.splitlines():
+        m = _INS.match(line)
+        if m:
+            seq.append((int(m.group(1), 16), m.group(3), [x.strip() for x in m.group(4).split(",")]))
+    for addr, op, args in seq:
+        target = args[-1].split()[-1] if args and args[-1] else ""
+        if op == "BRA" and target.startswith("0x") and int(target, 16) < addr:
+            return [ins for ins in seq if int(target, 16) <= ins[0] <= addr]
+    return []
+
+
+def wgmma_register_hazards(sass: str) -> list[tuple[str, str, str]]:
+    """Writes to a register of a wgmma's left operand (4 registers, bf16 m64nNk16) while that wgmma
+    may still be in flight, in the main loop run twice (the second pass sees the state the loop
+    carries). HGMMAs up to one marked ``gsb0`` form a group (a ``wgmma.commit_group``);
+    ``WARPGROUP.DEPBAR.LE gsb0, N`` waits until at most N groups, the newest, are in flight. PTX
+    calls such a write undefined behaviour; it is the hazard ptxas < 13.3 leaves in pipelined
+    register-operand loops (triton-lang/triton#9433)."""
+    body = _main_loop(sass)
+    groups: collections.deque = collections.deque()  # committed groups: sets of A registers
+    open_group: set = set()
+    found = []
+    for _ in range(2):
+        for addr, op, args in body:
+            if op.startswith("HGMMA"):
+                m = re.match(r"R(\d+)$", args[1]) if len(args) > 1 else None
+                if m:
+                    open_group |= set(range(int(m.group(1)), int(m.group(1)) + 4))
+                if "gsb0" in args:
+                    groups.append(open_group)
+                    open_group = set()
+                continue
+            if op.startswith("WARPGROUP.DEPBAR"):
+                while len(groups) > int(args[-1], 16):
+                    groups.popleft()
+                continue
+            m = re.match(r"R(\d+)$", args[0]) if args and args[0] else None
+            if m and not op.startswith(("ST", "RED", "ATOM", "BAR", "BRA", "SYNCS")):
+                r = int(m.group(1))
+                regs = {r, r + 1} if (".64" in op or "WIDE" in op) else {r}
+                if any(regs & g for g in groups) or regs & open_group:
+                    found.append((hex(addr), op, args[0]))
+    return found
+
+
 def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
@@ -80,15 +160,30 @@ def main_loop_histogram(sass: str) -> tuple[int, collections.Counter]:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--block-n", type=int, default=64)
-    ap.add_argument("--warps", type=int, default=2)
+    ap.add_argument("--kernel", choices=("decode", "gemm"), default="decode")
+    ap.add_argument("--block-n", type=int, default=64, help="decode: keys per tile")
+    ap.add_argument("--tile", default="256x128x64", help="gemm: BLOCK_M x BLOCK_N x BLOCK_K")
+    ap.add_argument("--loop", choices=("old", "zero_dot", "peel"), default="zero_dot", help="gemm: accumulator start")
+    ap.add_argument("--deq", choices=("bf16", "bits", "fp32"), default="bf16", help="gemm: weight dequant route")
+    ap.add_argument("--split-k", type=int, default=1, help="gemm: K splits (fp32 partials out)")
+    ap.add_argument("--pointer-x", action="store_true", help="gemm: activation tiles by pointer loads, not TMA (decode tiles)")
+    ap.add_argument("--warps", type=int, default=None, help="default 2 (decode), 8 (gemm)")
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--maxnreg", type=int, default=None)
+    ap.add_argument("--ptxas", default=None, help="assemble with this ptxas instead of Triton's")
     ap.add_argument("--out", default=None, help="folder for k.ttgir, k.ptx, k.sass")
     args = ap.parse_args()
-    k = compile_decode(args.block_n, args.warps, args.stages, args.maxnreg)
+    if args.ptxas:  # before Triton compiles anything: the PTX version it emits follows its ptxas
+        os.environ["TRITON_PTXAS_PATH"] = args.ptxas
     out = args.out or tempfile.mkdtemp(prefix="mxq_sass_")
     os.makedirs(out, exist_ok=True)
+    if args.kernel == "decode":
+        k = compile_decode(args.block_n, args.warps or 2, args.stages, args.maxnreg)
+        unit = f"{args.block_n}-key tile"
+    else:
+        bm, bn, bk = (int(v) for v in args.tile.split("x"))
+        k = compile_gemm(bm, bn, bk, args.warps or 8, args.stages, args.loop, args.deq, not args.pointer_x, True, args.split_k)
+        unit = f"{bk}-wide K step"
     for ext in ("ttgir", "ptx"):
         with open(os.path.join(out, f"k.{ext}"), "w") as f:
             f.write(k.asm[ext])
@@ -102,9 +197,12 @@ def main():
     regs = re.findall(r"REG:(\d+)", res)
     n, ops = main_loop_histogram(sass)
     print(f"registers/thread {regs[0] if regs else '?'}, shared {k.metadata.shared} B, files in {out}")
-    print(f"main loop: {n} instructions per warp per {args.block_n}-key tile")
+    print(f"main loop: {n} instructions per warp per {unit}")
     for op, c in ops.most_common(20):
         print(f"  {op:10s} {c}")
+    if args.kernel == "gemm":
+        hz = wgmma_register_hazards(sass)
+        print(f"wgmma register hazards: {len(hz)}" + (f" (first: {hz[0]})" if hz else ""))
 
 
 if __name__ == "__main__":

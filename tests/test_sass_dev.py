@@ -42,3 +42,72 @@ def test_decode_kernel_compiles_for_sm90(tmp_path):
     assert "mma.sync" in ptx and "cp.async" in ptx and "cvt.rn.f16x2.e4m3x2" in ptx
     ops = sass_dev.main_loop_histogram((tmp_path / "k.sass").read_text())[1]
     assert ops["HMMA"] == 64  # K 64x128 and V 128x64 tiles against 16 columns: m16n8k16 on 2 warps
+
+
+def _cli(*args) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_PTXAS_PATH")}
+    out = subprocess.run(
+        [sys.executable, "-m", "mxq.kernels.sass_dev", *args], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+def _hazards(out: str) -> int:
+    return int(re.search(r"wgmma register hazards: (\d+)", out).group(1))
+
+
+def test_wgmma_register_hazards_model():
+    """Groups end at gsb0; DEPBAR.LE N leaves the N newest groups in flight; the loop runs twice."""
+    loop = [
+        "        /*0100*/                   LDS.U16 R8, [R2] ;",  # pass 2: R8 belongs to a group in flight
+        "        /*0110*/                   HGMMA.64x16x16.F32.BF16 R24, R8, gdesc[UR4], R24 ;",
+        "        /*0120*/                   HGMMA.64x16x16.F32.BF16 R24, R12, gdesc[UR4], R24, gsb0 ;",
+        "        /*0130*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;",
+        "        /*0140*/                   PRMT R16, R3, 0x5410, R4 ;",  # R16 is no operand: fine
+        "        /*0150*/              @P0 BRA 0x100 ;",
+    ]
+    assert [h[2] for h in sass_dev.wgmma_register_hazards("\n".join(loop))] == ["R8"]
+    loop[3] = loop[3].replace("0x1", "0x0")  # the group retired before the next write
+    assert sass_dev.wgmma_register_hazards("\n".join(loop)) == []
+
+
+def test_gemm_prefill_register_hazard_follows_ptxas(tmp_path):
+    """The pipelined prefill loop (zero-tile accumulator start, 256x128x64, 8 warps) compiled for
+    sm_90: ptxas < 13.3 (Triton 3.6 bundles 12.8) writes the next K step's dequantized weights into
+    registers a wgmma may still read (triton-lang/triton#9433; the inf/garbage seen on the H200);
+    ptxas >= 13.3 orders those writes after the waits. The serialized loop is clean with either:
+    this is what kernels/toolchain.py gates the dispatch on."""
+    from mxq.kernels import toolchain
+
+    bundled = os.path.join(os.path.dirname(sass_dev.triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    version = toolchain.ptxas_version(bundled)
+    assert version is not None
+    hz = _hazards(_cli("--kernel", "gemm", "--loop", "zero_dot", "--ptxas", bundled, "--out", str(tmp_path / "a")))
+    assert (hz > 0) if version < toolchain.MIN_SAFE_PTXAS else (hz == 0)
+    assert _hazards(_cli("--kernel", "gemm", "--loop", "old", "--ptxas", bundled, "--out", str(tmp_path / "b"))) == 0
+    fixed = [p for p in toolchain.candidate_ptxas() if (toolchain.ptxas_version(p) or (0, 0)) >= toolchain.MIN_SAFE_PTXAS]
+    if not fixed:
+        pytest.skip("no ptxas >= 13.3 installed (pip install nvidia-cuda-nvcc)")
+    for tile in ("256x128x64", "128x64x64"):
+        warps = "8" if tile.startswith("256") else "4"
+        out = _cli("--kernel", "gemm", "--tile", tile, "--warps", warps, "--loop", "zero_dot", "--ptxas", fixed[0],
+                   "--out", str(tmp_path / tile))  # fmt: skip
+        assert _hazards(out) == 0, tile
+
+
+def test_prefer_fixed_ptxas_respects_the_user(monkeypatch, tmp_path):
+    from mxq.kernels import toolchain
+
+    fake = tmp_path / "ptxas"
+    fake.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 13.4, V13.4.1'\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(toolchain, "candidate_ptxas", lambda: [str(fake)])
+    monkeypatch.setenv("TRITON_PTXAS_PATH", "/somewhere/ptxas")
+    assert toolchain.prefer_fixed_ptxas() is None and os.environ["TRITON_PTXAS_PATH"] == "/somewhere/ptxas"
+    monkeypatch.delenv("TRITON_PTXAS_PATH")
+    monkeypatch.setenv("MXQ_PTXAS", "0")
+    assert toolchain.prefer_fixed_ptxas() is None and "TRITON_PTXAS_PATH" not in os.environ
+    monkeypatch.delenv("MXQ_PTXAS")
+    assert toolchain.prefer_fixed_ptxas() == str(fake) and os.environ["TRITON_PTXAS_PATH"] == str(fake)
+    assert toolchain.ptxas_version(str(fake)) == (13, 4)

@@ -1,0 +1,87 @@
+"""Which ptxas Triton assembles our kernels with, and whether its wgmma code is safe to pipeline.
+
+The MX GEMM feeds wgmma its left operand (the dequantized weight) from registers. When the K
+loop keeps several wgmmas in flight, the next K step's dequant writes new values into registers
+that a previous wgmma may still be reading. PTX leaves that hazard to the assembler, and ptxas
+before CUDA 13.3 does not guard it (triton-lang/triton#9433: our zero-tile-start prefill loop
+gave inf/garbage with ptxas 12.8, the one Triton 3.6 bundles; 13.3+ orders the register writes
+after the matching ``wgmma.wait_group``). ``python -m mxq.kernels.sass_dev --kernel gemm`` shows
+it in the machine code on a CPU machine (``wgmma_register_hazards``).
+
+So the GEMM dispatch uses the pipelined (async-wgmma) prefill loop only when the ptxas Triton
+uses is 13.3 or newer, and otherwise the loop whose wgmmas ptxas serializes (about 20 % slower at
+M = 2048, kernels/NOTES.md session 5). ``prefer_fixed_ptxas`` (called when the GEMM module is
+imported) points Triton at a ptxas >= 13.3 from the ``nvidia-cuda-nvcc`` wheel (``pip install
+mxq[cuda]``) or ``$CUDA_HOME`` when the user has not chosen one through ``TRITON_PTXAS_PATH``;
+``MXQ_PTXAS=0`` leaves Triton's choice alone. This affects every Triton kernel the process
+compiles afterwards, as setting ``TRITON_PTXAS_PATH`` by hand would.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import re
+import subprocess
+
+MIN_SAFE_PTXAS = (13, 3)
+
+
+@functools.cache
+def ptxas_version(path: str) -> tuple[int, int] | None:
+    """(major, minor) of the ptxas at ``path``, None if it does not run."""
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"release (\d+)\.(\d+)", out)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def candidate_ptxas() -> list[str]:
+    """ptxas binaries installed beside Triton's own: the nvidia-cuda-nvcc wheel, $CUDA_HOME."""
+    found = []
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        for sub in sorted(os.listdir(root), reverse=True) if os.path.isdir(root) else []:
+            path = os.path.join(root, sub, "bin", "ptxas")
+            if os.path.isfile(path):
+                found.append(path)
+    for env in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(env):
+            found.append(os.path.join(os.environ[env], "bin", "ptxas"))
+    return [p for p in found if os.path.isfile(p) and os.access(p, os.X_OK)]
+
+
+def prefer_fixed_ptxas() -> str | None:
+    """Point Triton at a ptxas >= 13.3 if none was chosen and one is installed; the path or None."""
+    if os.environ.get("TRITON_PTXAS_PATH") or os.environ.get("MXQ_PTXAS", "1") == "0":
+        return None
+    for path in candidate_ptxas():
+        version = ptxas_version(path)
+        if version is not None and version >= MIN_SAFE_PTXAS:
+            os.environ["TRITON_PTXAS_PATH"] = path
+            return path
+    return None
+
+
+def triton_ptxas() -> str | None:
+    """The ptxas Triton will use for sm_90 (its knob: TRITON_PTXAS_PATH, else the bundled one)."""
+    try:
+        import triton
+
+        return triton.knobs.nvidia.ptxas.path
+    except Exception:  # noqa: BLE001  (no CUDA backend, older Triton)
+        return None
+
+
+@functools.cache
+def _async_ok(path: str | None) -> bool:
+    version = ptxas_version(path) if path else None
+    return version is not None and version >= MIN_SAFE_PTXAS
+
+
+def wgmma_async_ok() -> bool:
+    """Whether register-operand wgmmas may stay in flight across K steps (ptxas >= 13.3)."""
+    return _async_ok(triton_ptxas())
