@@ -25,7 +25,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from mxq.attention import MXFP8CacheLayer
 from mxq.kernels.attention import mx_attention_decode, mx_attention_prefill, mx_attention_reference
 
-
 ROT = {"qk_rotation": True}
 
 
