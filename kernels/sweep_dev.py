@@ -487,7 +487,12 @@ def part_dec2(ms=(4, 16)):
     RES["dec2"] = rows
 
 
-def part_deq(ms=(16, 256, 2048)):
+def part_tiles():
+    """Session 5, with ptxas >= 13.3 (the pipelined loop): prefill tiles at M = 2048 and 8192."""
+    part_deq(ms=(2048, 8192), layers=("o", "gate_up"), tiles_override=True)
+
+
+def part_deq(ms=(16, 256, 2048), layers=None, tiles_override=False):
     """Session 5: fp8 -> bf16 by bit moves (deq_bits) against the cvt route, with and without the
     serialized-wgmma loop (zero_dot / peel), on the 8B shapes. Each variant is checked on 3 fresh
     inputs (a moving error is a race), then timed (quantizer + GEMM, CUDA graphs over weight
@@ -504,19 +509,29 @@ def part_deq(ms=(16, 256, 2048)):
     rows = []
     RES["ptxas"] = os.environ.get("TRITON_PTXAS_PATH", "bundled")
     for layer, (n, k) in LLAMA_SHAPES["8b"].items():
+        if layers and layer not in layers:
+            continue
         ws, w64 = _weights(n, k, _copies(n * k))
         wd = w64.float()
         wb = [wd.to(torch.bfloat16) for _ in range(_copies(2 * n * k))]
         for m in ms:
             base = G.pick_config(m, n, k, torch.device("cuda"))
-            if m >= 2048:
+            if tiles_override:
+                kw = dict(tma_x=True, tma_w=True, deq_bf16=True, peel=False, zero_dot=True)
+                tiles = [("256x128x64s3", C(256, 128, 64, 8, 3, **kw)), ("256x128x64s4", C(256, 128, 64, 8, 4, **kw)),
+                         ("256x128x128s2", C(256, 128, 128, 8, 2, **kw)), ("128x256x64s3", C(128, 256, 64, 8, 3, **kw)),
+                         ("256x128x64s3g16", C(256, 128, 64, 8, 3, group=16, **kw)), ("128x128x64s5", C(128, 128, 64, 8, 5, **kw)),
+                         ("128x128x128s3w4", C(128, 128, 128, 4, 3, **kw))]
+                variants = [(t, c) for t, c in tiles] + [(t + "_bits", R(c, deq_bits=True, deq_bf16=False)) for t, c in tiles[:4]]
+            elif m >= 2048:
                 kw = dict(tma_x=True, tma_w=True, deq_bf16=True)
                 tiles = [("256x128x64s3", C(256, 128, 64, 8, 3, **kw)), ("128x128x64s4", C(128, 128, 64, 8, 4, **kw)),
                          ("128x256x64s3", C(128, 256, 64, 8, 3, **kw)), ("128x64x64w4", C(128, 64, 64, 4, 4, **kw))]
             else:
                 tiles = [("base", base)]
-            variants = []
-            for tname, t in tiles:
+            if not tiles_override:
+                variants = []
+            for tname, t in tiles if not tiles_override else []:
                 variants += [(f"{tname}_old", R(t, peel=False, zero_dot=False)), (f"{tname}_old_bits", R(t, peel=False, zero_dot=False, deq_bits=True)),
                              (f"{tname}_zdot", R(t, peel=False, zero_dot=True)), (f"{tname}_zdot_bits", R(t, peel=False, zero_dot=True, deq_bits=True)),
                              (f"{tname}_peel_bits", R(t, peel=True, deq_bits=True))]
