@@ -492,7 +492,12 @@ def part_tiles():
     part_deq(ms=(2048, 8192), layers=("o", "gate_up"), tiles_override=True)
 
 
-def part_deq(ms=(16, 256, 2048), layers=None, tiles_override=False):
+def part_m256b():
+    """Session 5, with ptxas >= 13.3: M = 256 tiles and K splits with the pipelined loop."""
+    part_deq(ms=(256,), tiles_override="m256", key="m256b")
+
+
+def part_deq(ms=(16, 256, 2048), layers=None, tiles_override=False, key="deq"):
     """Session 5: fp8 -> bf16 by bit moves (deq_bits) against the cvt route, with and without the
     serialized-wgmma loop (zero_dot / peel), on the 8B shapes. Each variant is checked on 3 fresh
     inputs (a moving error is a race), then timed (quantizer + GEMM, CUDA graphs over weight
@@ -516,7 +521,13 @@ def part_deq(ms=(16, 256, 2048), layers=None, tiles_override=False):
         wb = [wd.to(torch.bfloat16) for _ in range(_copies(2 * n * k))]
         for m in ms:
             base = G.pick_config(m, n, k, torch.device("cuda"))
-            if tiles_override:
+            if tiles_override == "m256":
+                kw = dict(tma_x=True, tma_w=True, deq_bf16=True, peel=False, zero_dot=True)
+                variants = [("128x64x64w4", C(128, 64, 64, 4, 4, **kw)), ("128x64x64w4k2", C(128, 64, 64, 4, 4, split_k=2, **kw)),
+                            ("128x128x64w8", C(128, 128, 64, 8, 4, **kw)), ("128x128x64w8k2", C(128, 128, 64, 8, 4, split_k=2, **kw)),
+                            ("256x128x64w8k2", C(256, 128, 64, 8, 3, split_k=2, **kw)), ("256x128x64w8k4", C(256, 128, 64, 8, 3, split_k=4, **kw)),
+                            ("64x128x64w4", C(64, 128, 64, 4, 4, **kw)), ("64x128x128w4k2", C(64, 128, 128, 4, 3, split_k=2, **kw))]
+            elif tiles_override:
                 kw = dict(tma_x=True, tma_w=True, deq_bf16=True, peel=False, zero_dot=True)
                 tiles = [("256x128x64s3", C(256, 128, 64, 8, 3, **kw)), ("256x128x64s4", C(256, 128, 64, 8, 4, **kw)),
                          ("256x128x128s2", C(256, 128, 128, 8, 2, **kw)), ("128x256x64s3", C(128, 256, 64, 8, 3, **kw)),
@@ -567,7 +578,7 @@ def part_deq(ms=(16, 256, 2048), layers=None, tiles_override=False):
             rows.append(r)
         del ws, wb, w64, wd
         torch.cuda.empty_cache()
-    RES["deq"] = rows
+    RES[key] = rows
 
 
 def main():
