@@ -621,8 +621,19 @@ def pick_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
             split *= 2
         return GemmConfig(block_m, block_n, block_k, warps, stages, split_k=split, tma_w=True, quant_x=quant_x, peel=peel)
     loop = _prefill_loop()
+    if 128 < m <= 512 and loop is PREFILL_ASYNC:
+        # Pipelined loop (ptxas >= 13.3), M = 256 sweep (session 5, H200): 256x128 tiles with K split
+        # until the tiles x splits fill the SMs once: 8B down 110.6 -> 64.0 µs (128x64 -> 256x128
+        # split 4), o 36.4 -> 29.7, qkv 45.9 -> 40.6 (split 2); gate_up (224 tiles) unsplit.
+        tiles = triton.cdiv(m, 256) * triton.cdiv(n, 128)
+        split = 1
+        while tiles * split * 2 <= sms and k // (split * 2) >= 8 * 64 and split < 8:
+            split *= 2
+        return GemmConfig(block_m=256, block_n=128, block_k=64, num_warps=8, num_stages=3, split_k=split,
+                          tma_x=True, tma_w=True, deq_bf16=True, **loop)  # fmt: skip
     if m <= 512 and n < 16384:
-        # 256x128 tiles leave most SMs idle here (N/128 programs); 128x64 won the M=256 sweep.
+        # 256x128 tiles leave most SMs idle here (N/128 programs); 128x64 won the M=256 sweep of
+        # session 3 (serialized loop). M 65..128 keeps it with either loop (not swept since).
         return GemmConfig(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4, tma_x=True, tma_w=True, deq_bf16=True, **loop)
     if n % 128 == 0 or loop is PREFILL_ASYNC:
         return GemmConfig(block_m=256, block_n=128, block_k=64, num_warps=8, num_stages=3, tma_x=True, tma_w=True, deq_bf16=True, **loop)
