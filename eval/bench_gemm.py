@@ -264,11 +264,17 @@ def main(argv=None) -> int:
         return 2
     import triton
 
+    from mxq.kernels import gemm as _gemm  # noqa: F401  (points Triton at a ptxas >= 13.3 if installed)
+    from mxq.kernels import toolchain
+
+    ptxas = toolchain.triton_ptxas()
     res = {
         "env": dict(
             device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
             torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
             python=platform.python_version(), date=datetime.date.today().isoformat(),
+            ptxas=f"{ptxas} {toolchain.ptxas_version(ptxas) if ptxas else None}",
+            pipelined_prefill=toolchain.wgmma_async_ok(),
         ),
     }  # fmt: skip
     print(json.dumps(res["env"]), flush=True)
