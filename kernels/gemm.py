@@ -104,8 +104,11 @@ def _fp8_bits_dequant(w, sc, BLOCK_N: tl.constexpr, NB: tl.constexpr, BS: tl.con
     subnormals), then two exact power-of-two multiplies apply 2**(s - 127 + 127 - bias): the first
     for scale bytes up to 127 + bias - 120 (every real weight), the second (1 there) for larger
     bytes, NaN for byte 255. Equal to w * 2**(s - 127) computed in fp32 (the fp32 route), up to
-    bf16 subnormal results (blocks scaled below ~2**-120). Replaces cvt e4m3 -> f16 -> bf16, whose
-    f16 -> bf16 step is one slow-pipe F2F per element on sm_90 (kernels/NOTES.md)."""
+    bf16 subnormal results (blocks scaled below ~2**-120). An fp8 NaN code under a finite scale
+    decodes as a finite value here (mxq.formats writes NaN only as a whole block, scale byte 255).
+    Replaces cvt e4m3 -> f16 -> bf16 (one slow-pipe F2F per element on sm_90), but measured equal or
+    slower on the dispatched tiles (more issue slots; kernels/NOTES.md session 5): a config option,
+    not dispatched."""
     s = sc.to(tl.uint16)
     # f1 = 2**(s - 127 + 127 - bias) as bf16 bits for s <= 254 - (127 - bias); f2 the rest.
     if E5M2:
@@ -677,6 +680,7 @@ def mx_gemm(
         # The 8-warp prefill epilogues (256x128x64 and 128x128x64) give inf/garbage with a float32
         # output at M=2048 (H200, triton 3.6, tests/test_e2e.py::test_gpu_mx_linear_model_shapes;
         # like the bias case, NOTES.md item 7); the 4-warp 128x64x64 tile was right on every shape.
+        # The pipelined loop (zero_dot, ptxas >= 13.3) was right with fp32 output there (session 5).
         cfg = GemmConfig(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4, tma_x=cfg.tma_x,
                          tma_w=cfg.tma_w, deq_bf16=cfg.deq_bf16, **_prefill_loop())  # fmt: skip
     if cfg.block_k % block_size:
