@@ -90,16 +90,17 @@ _INS = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)\s*([^
 
 
 def _main_loop(sass: str) -> list[tuple[int, str, list[str]]]:
-    """(address, opcode, operands) of the instructions between the first backward branch and its target."""
+    """(address, opcode, operands) of the instructions between the first conditional backward branch
+    and its target."""
     seq = []
     for line in sass.splitlines():
         m = _INS.match(line)
         if m:
-            seq.append((int(m.group(1), 16), m.group(3), [x.strip() for x in m.group(4).split(",")]))
-    for addr, op, args in seq:
+            seq.append((int(m.group(1), 16), m.group(3), [x.strip() for x in m.group(4).split(",")], m.group(2)))
+    for addr, op, args, pred in seq:
         target = args[-1].split()[-1] if args and args[-1] else ""
-        if op == "BRA" and target.startswith("0x") and int(target, 16) < addr:
-            return [ins for ins in seq if int(target, 16) <= ins[0] <= addr]
+        if op == "BRA" and pred and target.startswith("0x") and int(target, 16) < addr:
+            return [ins[:3] for ins in seq if int(target, 16) <= ins[0] <= addr]
     return []
 
 
@@ -143,19 +144,8 @@ def _tool(name: str) -> str:
 
 def main_loop_histogram(sass: str) -> tuple[int, collections.Counter]:
     """Instruction count and opcode histogram between the first backward branch and its target."""
-    lines = sass.splitlines()
-    ins = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)")
-    for line in lines:
-        m = re.match(r"\s*/\*([0-9a-f]+)\*/\s+@!?P\d BRA 0x([0-9a-f]+)", line)
-        if m and int(m.group(2), 16) < int(m.group(1), 16):
-            lo, hi = int(m.group(2), 16), int(m.group(1), 16)
-            ops = collections.Counter()
-            for other in lines:
-                mm = ins.match(other)
-                if mm and lo <= int(mm.group(1), 16) <= hi:
-                    ops[mm.group(3).split(".")[0]] += 1
-            return sum(ops.values()), ops
-    return 0, collections.Counter()
+    ops = collections.Counter(op.split(".")[0] for _, op, _ in _main_loop(sass))
+    return sum(ops.values()), ops
 
 
 def main():

@@ -12,6 +12,7 @@ Timing: CUDA graphs over weight copies (eval/bench_gemm.py), median.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -487,30 +488,66 @@ def part_dec2(ms=(4, 16)):
     RES["dec2"] = rows
 
 
+def _deq_variants(m, base):
+    """Session 5 A/B: each tile with the serialized / zero-tile-start / peeled loop, cvt or bit dequant."""
+    from mxq.kernels.gemm import GemmConfig as C
+
+    if m >= 2048:
+        kw = dict(tma_x=True, tma_w=True, deq_bf16=True)
+        tiles = [("256x128x64s3", C(256, 128, 64, 8, 3, **kw)), ("128x128x64s4", C(128, 128, 64, 8, 4, **kw)),
+                 ("128x256x64s3", C(128, 256, 64, 8, 3, **kw)), ("128x64x64w4", C(128, 64, 64, 4, 4, **kw))]
+    else:
+        tiles = [("base", base)]
+    R = dataclasses.replace
+    return [v for name, t in tiles for v in (
+        (f"{name}_old", R(t, peel=False, zero_dot=False)), (f"{name}_old_bits", R(t, peel=False, zero_dot=False, deq_bits=True)),
+        (f"{name}_zdot", R(t, peel=False, zero_dot=True)), (f"{name}_zdot_bits", R(t, peel=False, zero_dot=True, deq_bits=True)),
+        (f"{name}_peel_bits", R(t, peel=True, deq_bits=True)))]  # fmt: skip
+
+
+def _tile_variants(m, base):
+    """Prefill tiles with the pipelined loop; the first four also with the bit dequant."""
+    from mxq.kernels.gemm import GemmConfig as C
+
+    kw = dict(tma_x=True, tma_w=True, deq_bf16=True, peel=False, zero_dot=True)
+    tiles = [("256x128x64s3", C(256, 128, 64, 8, 3, **kw)), ("256x128x64s4", C(256, 128, 64, 8, 4, **kw)),
+             ("256x128x128s2", C(256, 128, 128, 8, 2, **kw)), ("128x256x64s3", C(128, 256, 64, 8, 3, **kw)),
+             ("256x128x64s3g16", C(256, 128, 64, 8, 3, group=16, **kw)), ("128x128x64s5", C(128, 128, 64, 8, 5, **kw)),
+             ("128x128x128s3w4", C(128, 128, 128, 4, 3, **kw))]  # fmt: skip
+    return tiles + [(t + "_bits", dataclasses.replace(c, deq_bits=True, deq_bf16=False)) for t, c in tiles[:4]]
+
+
+def _m256_variants(m, base):
+    """M = 256 tiles and K splits with the pipelined loop."""
+    from mxq.kernels.gemm import GemmConfig as C
+
+    kw = dict(tma_x=True, tma_w=True, deq_bf16=True, peel=False, zero_dot=True)
+    return [("128x64x64w4", C(128, 64, 64, 4, 4, **kw)), ("128x64x64w4k2", C(128, 64, 64, 4, 4, split_k=2, **kw)),
+            ("128x128x64w8", C(128, 128, 64, 8, 4, **kw)), ("128x128x64w8k2", C(128, 128, 64, 8, 4, split_k=2, **kw)),
+            ("256x128x64w8k2", C(256, 128, 64, 8, 3, split_k=2, **kw)), ("256x128x64w8k4", C(256, 128, 64, 8, 3, split_k=4, **kw)),
+            ("64x128x64w4", C(64, 128, 64, 4, 4, **kw)), ("64x128x128w4k2", C(64, 128, 128, 4, 3, split_k=2, **kw))]  # fmt: skip
+
+
 def part_tiles():
     """Session 5, with ptxas >= 13.3 (the pipelined loop): prefill tiles at M = 2048 and 8192."""
-    part_deq(ms=(2048, 8192), layers=("o", "gate_up"), tiles_override=True)
+    part_deq(ms=(2048, 8192), layers=("o", "gate_up"), variants_of=_tile_variants)
 
 
 def part_m256b():
     """Session 5, with ptxas >= 13.3: M = 256 tiles and K splits with the pipelined loop."""
-    part_deq(ms=(256,), tiles_override="m256", key="m256b")
+    part_deq(ms=(256,), variants_of=_m256_variants, key="m256b")
 
 
-def part_deq(ms=(16, 256, 2048), layers=None, tiles_override=False, key="deq"):
+def part_deq(ms=(16, 256, 2048), layers=None, variants_of=_deq_variants, key="deq"):
     """Session 5: fp8 -> bf16 by bit moves (deq_bits) against the cvt route, with and without the
     serialized-wgmma loop (zero_dot / peel), on the 8B shapes. Each variant is checked on 3 fresh
     inputs (a moving error is a race), then timed (quantizer + GEMM, CUDA graphs over weight
     copies). Run once per ptxas (TRITON_PTXAS_PATH): ptxas < 13.3 lets the next K step's
     dequant overwrite the registers of a wgmma still in flight (triton-lang/triton#9433)."""
-    import dataclasses
-
     from mxq.eval.bench_gemm import LLAMA_SHAPES
     from mxq.kernels import gemm as G
     from mxq.kernels.quantize import fake_quantize_mx_rows
 
-    R = dataclasses.replace
-    C = G.GemmConfig
     rows = []
     RES["ptxas"] = os.environ.get("TRITON_PTXAS_PATH", "bundled")
     for layer, (n, k) in LLAMA_SHAPES["8b"].items():
@@ -520,32 +557,7 @@ def part_deq(ms=(16, 256, 2048), layers=None, tiles_override=False, key="deq"):
         wd = w64.float()
         wb = [wd.to(torch.bfloat16) for _ in range(_copies(2 * n * k))]
         for m in ms:
-            base = G.pick_config(m, n, k, torch.device("cuda"))
-            if tiles_override == "m256":
-                kw = dict(tma_x=True, tma_w=True, deq_bf16=True, peel=False, zero_dot=True)
-                variants = [("128x64x64w4", C(128, 64, 64, 4, 4, **kw)), ("128x64x64w4k2", C(128, 64, 64, 4, 4, split_k=2, **kw)),
-                            ("128x128x64w8", C(128, 128, 64, 8, 4, **kw)), ("128x128x64w8k2", C(128, 128, 64, 8, 4, split_k=2, **kw)),
-                            ("256x128x64w8k2", C(256, 128, 64, 8, 3, split_k=2, **kw)), ("256x128x64w8k4", C(256, 128, 64, 8, 3, split_k=4, **kw)),
-                            ("64x128x64w4", C(64, 128, 64, 4, 4, **kw)), ("64x128x128w4k2", C(64, 128, 128, 4, 3, split_k=2, **kw))]
-            elif tiles_override:
-                kw = dict(tma_x=True, tma_w=True, deq_bf16=True, peel=False, zero_dot=True)
-                tiles = [("256x128x64s3", C(256, 128, 64, 8, 3, **kw)), ("256x128x64s4", C(256, 128, 64, 8, 4, **kw)),
-                         ("256x128x128s2", C(256, 128, 128, 8, 2, **kw)), ("128x256x64s3", C(128, 256, 64, 8, 3, **kw)),
-                         ("256x128x64s3g16", C(256, 128, 64, 8, 3, group=16, **kw)), ("128x128x64s5", C(128, 128, 64, 8, 5, **kw)),
-                         ("128x128x128s3w4", C(128, 128, 128, 4, 3, **kw))]
-                variants = [(t, c) for t, c in tiles] + [(t + "_bits", R(c, deq_bits=True, deq_bf16=False)) for t, c in tiles[:4]]
-            elif m >= 2048:
-                kw = dict(tma_x=True, tma_w=True, deq_bf16=True)
-                tiles = [("256x128x64s3", C(256, 128, 64, 8, 3, **kw)), ("128x128x64s4", C(128, 128, 64, 8, 4, **kw)),
-                         ("128x256x64s3", C(128, 256, 64, 8, 3, **kw)), ("128x64x64w4", C(128, 64, 64, 4, 4, **kw))]
-            else:
-                tiles = [("base", base)]
-            if not tiles_override:
-                variants = []
-            for tname, t in tiles if not tiles_override else []:
-                variants += [(f"{tname}_old", R(t, peel=False, zero_dot=False)), (f"{tname}_old_bits", R(t, peel=False, zero_dot=False, deq_bits=True)),
-                             (f"{tname}_zdot", R(t, peel=False, zero_dot=True)), (f"{tname}_zdot_bits", R(t, peel=False, zero_dot=True, deq_bits=True)),
-                             (f"{tname}_peel_bits", R(t, peel=True, deq_bits=True))]
+            variants = variants_of(m, G.pick_config(m, n, k, torch.device("cuda")))
             r = dict(layer=layer, n=n, k=k, m=m)
             xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
             r["cublas"] = _try_graph([lambda w=w: xs[0] @ w.t() for w in wb])
