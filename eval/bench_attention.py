@@ -24,6 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mxq.attention import MXFP8CacheLayer
 from mxq.kernels.attention import mx_attention_decode, mx_attention_prefill, mx_attention_reference
+from mxq.kernels.toolchain import triton_ptxas
 
 ROT = {"qk_rotation": True}
 
@@ -114,8 +115,9 @@ def decode(ctxs, results, sweep=True):
                 continue
             if variant not in best or ms < best[variant][0]:
                 best[variant] = (ms, kw, err)
-        default_ms = _bench(lambda: mx_attention_decode(*args, **ROT), graph=True)
-        err = _rel(mx_attention_decode(*args, **ROT), want)
+        cnt = dict(counters=layer.decode_counters())  # as the cache layer calls it (fused merge)
+        default_ms = _bench(lambda: mx_attention_decode(*args, **cnt, **ROT), graph=True)
+        err = _rel(mx_attention_decode(*args, **cnt, **ROT), want)
         best["default"] = (default_ms, {"default": True}, err)  # the shipped settings compete too
         ms_mx, kw_best, err_best = min(best.values(), key=lambda t: t[0])
         mx_bytes = 2 * b * hkv * n * d * (1 + 1 / 32)
@@ -170,7 +172,7 @@ def main():
     ROT["qk_rotation"] = not args.no_rotation
     results = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-        "date": time.strftime("%Y-%m-%d"), "qk_rotation": ROT["qk_rotation"], "prefill": [], "decode": [], "decode_configs": [], "tiles": [],
+        "date": time.strftime("%Y-%m-%d"), "ptxas": str(triton_ptxas()), "qk_rotation": ROT["qk_rotation"], "prefill": [], "decode": [], "decode_configs": [], "tiles": [],
     }  # fmt: skip
     results["out"] = args.out
     print(f"# {results['device']}  torch {results['torch']}  triton {results['triton']}  {results['date']}")

@@ -761,6 +761,7 @@ def _decode_gqa_kernel(
     EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
     RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr,
     QPARTS: tl.constexpr = 0, QM: tl.constexpr = 16, ROT_NB: tl.constexpr = 0,
+    FUSE_MERGE: tl.constexpr = False, COUNT=None, Out=None, stride_ob=0, stride_oh=0, MERGE_CHUNK: tl.constexpr = 4,
 ):  # fmt: skip
     """One program per (batch, kv head, split): all GROUP_C query heads of the KV head at once.
 
@@ -839,10 +840,71 @@ def _decode_gqa_kernel(
             GP, BLOCK_N, BLOCK_D, GROUP_C, True, MASK_D, HAS_MASK, MASK_BOOL, INTERP,
         )  # fmt: skip
 
-    row = (b * Hkv * GROUP_C + heads) * NSPLIT + split
-    tl.store(ML + row * 2, m_i, mask=gmask)
-    tl.store(ML + row * 2 + 1, l_i, mask=gmask)
-    tl.store(ACC + row[None, :] * BLOCK_D + offs_d[:, None], acc, mask=gmask[None, :])
+    if FUSE_MERGE:
+        _merge_splits(
+            acc, m_i, l_i, ML, ACC, COUNT + pid, Out + b.to(tl.int64) * stride_ob + hk * GROUP_C * stride_oh, stride_oh,
+            b * Hkv * GROUP_C + hk * GROUP_C, split, NSPLIT, D, GP, GROUP_C, BLOCK_D, MERGE_CHUNK,
+        )  # fmt: skip
+    else:
+        row = (b * Hkv * GROUP_C + heads) * NSPLIT + split
+        tl.store(ML + row * 2, m_i, mask=gmask)
+        tl.store(ML + row * 2 + 1, l_i, mask=gmask)
+        tl.store(ACC + row[None, :] * BLOCK_D + offs_d[:, None], acc, mask=gmask[None, :])
+
+
+@triton.jit
+def _merge_splits(
+    acc, m_i, l_i, ML, ACC, count_ptr, out_base, stride_oh, head0, split, NSPLIT, D,
+    GP: tl.constexpr, GROUP_C: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_S: tl.constexpr,
+):  # fmt: skip
+    """The split-KV merge inside the decode kernel: every split stores its partial (m, l, acc);
+    the program that finishes last for this (batch, kv head) merges them all and writes the
+    output. Last = the one whose ticket from an atomic counter is NSPLIT - 1; it resets the
+    counter to 0, so the same counter serves the next call and every CUDA-graph replay.
+    acc is [BLOCK_D, GP] (channels x query heads of this kv head); m, l in the log2 domain."""
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, BLOCK_D)
+    gmask = offs_g < GROUP_C
+    heads = head0 + offs_g
+    omask = gmask[None, :] & (offs_d < D)[:, None]
+    optrs = out_base + offs_g[None, :] * stride_oh + offs_d[:, None]
+    if NSPLIT == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[None, :]
+        tl.store(optrs, out.to(out_base.dtype.element_ty), mask=omask)
+    else:
+        row = heads * NSPLIT + split
+        tl.store(ML + row * 2, m_i, mask=gmask)
+        tl.store(ML + row * 2 + 1, l_i, mask=gmask)
+        tl.store(ACC + row[None, :] * BLOCK_D + offs_d[:, None], acc, mask=gmask[None, :])
+        tl.debug_barrier()  # every thread's stores happen before the release below
+        ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+        if ticket == NSPLIT - 1:
+            # Chunks of CHUNK_S splits: their loads are independent, so they are in flight at once.
+            offs_s = tl.arange(0, CHUNK_S)
+            mx = tl.full([GP], float("-inf"), tl.float32)
+            for s0 in range(0, NSPLIT, CHUNK_S):
+                r = heads[None, :] * NSPLIT + (s0 + offs_s)[:, None]
+                ok = gmask[None, :] & ((s0 + offs_s) < NSPLIT)[:, None]
+                ms = tl.load(ML + r * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
+                mx = tl.maximum(mx, tl.max(ms, 0))
+            mx = tl.where(mx == float("-inf"), 0.0, mx)
+            lt = tl.zeros([GP], tl.float32)
+            tot = tl.zeros([BLOCK_D, GP], tl.float32)
+            for s0 in range(0, NSPLIT, CHUNK_S):
+                r = heads[None, :] * NSPLIT + (s0 + offs_s)[:, None]  # [CHUNK_S, GP]
+                ok = gmask[None, :] & ((s0 + offs_s) < NSPLIT)[:, None]
+                ms = tl.load(ML + r * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
+                ls = tl.load(ML + r * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
+                w = tl.math.exp2(ms - mx[None, :])  # [CHUNK_S, GP]
+                lt += tl.sum(ls * w, 0)
+                a = tl.load(
+                    ACC + r[:, None, :] * BLOCK_D + offs_d[None, :, None], mask=ok[:, None, :], other=0.0,
+                    cache_modifier=".cg",
+                )  # fmt: skip
+                tot += tl.sum(a * w[:, None, :], 0)
+            out = tot / tl.where(lt > 0, lt, 1.0)[None, :]
+            tl.store(optrs, out.to(out_base.dtype.element_ty), mask=omask)
+            tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -889,6 +951,8 @@ def mx_attention_decode(
     num_stages: int | None = None,
     maxnreg: int | None = None,
     qk_rotation: bool = False,
+    merge: str | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence against an MXFP8 cache; result [B, Hq, 1, D] in q.dtype.
 
@@ -906,6 +970,13 @@ def mx_attention_decode(
     the products) or "dequant" (the first kernel: every element scaled, bf16 MMAs). ``block_n``,
     ``chunk`` (keys per split), ``num_warps``, ``num_stages``, ``maxnreg`` (register cap per
     thread, so more programs fit on an SM): tuning, defaults from the H200 sweep.
+
+    ``merge``: how the split-KV partials are combined: "fused" (default for "gqa": the split that
+    finishes last for a (batch, kv head) merges them inside the decode kernel, one launch) or
+    "kernel" (a second kernel). ``counters``: int32 zeros, at least B*Hkv of them, for the fused
+    merge's arrival counts (each call leaves them at zero again); the cache layer owns one per
+    layer so CUDA graphs replay it. Without it a zeroed one is allocated per call. Two calls
+    running at the same time on different streams need different counters.
     """
     elem, rule = as_elem_format(elem), as_scale_rule(rule)
     b, hq, sq, d = q.shape
@@ -936,8 +1007,17 @@ def mx_attention_decode(
     if chunk % block_n:
         raise ValueError(f"chunk {chunk} is not a multiple of block_n {block_n}")
     nsplit = max(1, triton.cdiv(length, chunk))
+    merge = merge or ("fused" if variant == "gqa" else "kernel")
+    if merge not in ("fused", "kernel") or (merge == "fused" and variant != "gqa"):
+        raise ValueError(f"merge={merge!r} with variant={variant!r}: 'fused' needs the gqa kernel, or use 'kernel'")
+    fused = merge == "fused"
     ml = torch.empty((b * hq * nsplit, 2), dtype=torch.float32, device=q.device)
     acc = torch.empty((b * hq * nsplit, bd), dtype=torch.float32, device=q.device)
+    if fused:
+        if counters is None:
+            counters = torch.zeros(b * hkv, dtype=torch.int32, device=q.device)
+        elif counters.dtype != torch.int32 or counters.numel() < b * hkv or counters.device != q.device:
+            raise ValueError(f"counters must be int32 on {q.device} with at least {b * hkv} elements")
     if out is None:
         out = torch.empty((b, 1, hq, d), dtype=q.dtype, device=q.device).transpose(1, 2)
     if qk_rotation:
@@ -968,6 +1048,7 @@ def mx_attention_decode(
             GROUP_C=group, GP=gp, BLOCK_N=block_n, BLOCK_D=bd, MASK_D=bd != d,
             HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **fmt,
             QPARTS=_parts(q.dtype) if qk_rotation else 0, QM=max(16, gp), ROT_NB=rot_nb,
+            FUSE_MERGE=fused, COUNT=counters if fused else ml, Out=out, stride_ob=out.stride(0), stride_oh=out.stride(1),
             num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg and on_gpu else {}),
         )  # fmt: skip
     else:
@@ -979,10 +1060,11 @@ def mx_attention_decode(
             HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **fmt,
             num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
-    _decode_merge_kernel[(b * hq,)](
-        ml, acc, out, hq, d, nsplit, out.stride(0), out.stride(1),
-        SPLIT_PAD=triton.next_power_of_2(nsplit), BLOCK_D=bd, num_warps=4,
-    )  # fmt: skip
+    if not fused:
+        _decode_merge_kernel[(b * hq,)](
+            ml, acc, out, hq, d, nsplit, out.stride(0), out.stride(1),
+            SPLIT_PAD=triton.next_power_of_2(nsplit), BLOCK_D=bd, num_warps=4,
+        )  # fmt: skip
     return out
 
 

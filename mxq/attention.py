@@ -145,6 +145,7 @@ class MXFP8CacheLayer(DynamicLayer):
         self.v_tail = None  # bf16 values of the partial last page [B, Hkv, length % 32, D]
         self.v_prev = None  # bf16 values of the last full page [B, Hkv, 32, D] (for crop)
         self.rotated = _rotation_on()  # K is stored as K·qk_rotation(D)
+        self.counters = None  # int32 arrival counts of the decode kernel's fused merge (zero between calls)
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -195,6 +196,13 @@ class MXFP8CacheLayer(DynamicLayer):
             self.v_prev = vals[:, :, end_full - PAGE : end_full].clone()
         self.v_tail = vals[:, :, end_full:].clone() if keep else None
         return MXFP8KV(self, fresh), MXFP8KV(self, fresh)
+
+    def decode_counters(self) -> torch.Tensor:
+        """The fused split merge's counters for this layer's decode calls (B*Hkv int32, zero)."""
+        need = self.k_data.shape[0] * self.k_data.shape[1]
+        if self.counters is None or self.counters.numel() < need or self.counters.device != self.k_data.device:
+            self.counters = torch.zeros(need, dtype=torch.int32, device=self.k_data.device)
+        return self.counters
 
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) as float32 [B, Hkv, length, D]: the exact MX values the cache holds (K rotated if ``rotated``)."""
@@ -308,7 +316,7 @@ def mxfp8_attention_forward(
         if sq == 1 and _use_triton(query):
             _kattn.mx_attention_decode(
                 query, layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, layer.length,
-                attention_mask=attention_mask, out=out.transpose(1, 2), **cfg,
+                attention_mask=attention_mask, out=out.transpose(1, 2), counters=layer.decode_counters(), **cfg,
             )  # fmt: skip
             return out, None
         if key.fresh is not None:

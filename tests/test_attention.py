@@ -359,6 +359,32 @@ def test_decode_variants_equal_reference(variant, block_n, chunk, hq, hkv, d):
     assert _rel(got, want) < 3e-5
 
 
+@pytest.mark.parametrize("hq,hkv,d,n,chunk", [(8, 2, 128, 150, 32), (3, 1, 64, 97, 64), (4, 4, 64, 40, 64)])
+def test_decode_fused_merge(hq, hkv, d, n, chunk):
+    """The merge inside the decode kernel (last split merges) equals the merge kernel and the
+    reference; a caller's counters come back zero after every call, so they can be reused
+    (graph replays); one split writes the output directly. Wrong counters: one-line error."""
+    b = 2
+    q, k, v = _qkv(b, hq, hkv, 1, n, d)
+    layer = MXFP8CacheLayer()
+    layer.update(k, v)
+    kd, vd = layer.dequantize()
+    args = (q, layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, layer.length)
+    rot = dict(qk_rotation=layer.rotated, chunk=chunk)
+    counters = torch.zeros(b * hkv + 3, dtype=torch.int32)
+    want = _independent(q, kd, vd, rotate=layer.rotated, k_rotated=True)
+    two = mx_attention_decode(*args, merge="kernel", **rot)
+    for _ in range(2):
+        got = mx_attention_decode(*args, merge="fused", counters=counters, **rot)
+        assert not counters.any()
+        assert _rel(got, want) < 3e-5
+        assert _rel(got, two) < 1e-6
+    with pytest.raises(ValueError, match="counters must be int32"):
+        mx_attention_decode(*args, counters=torch.zeros(b * hkv - 1, dtype=torch.int32), **rot)
+    with pytest.raises(ValueError, match="'fused' needs the gqa kernel"):
+        mx_attention_decode(*args, variant="dequant", merge="fused", **rot)
+
+
 def _rows(layer):
     """The cache's V pages as rows of Vᵀ (fp8 [B, Hkv, D, C], scales [B, Hkv, D, C/32]), the other layout the decode kernels read."""
     b, h, npg, d, _ = layer.v_data.shape
