@@ -879,15 +879,10 @@ def _merge_splits(
         tl.debug_barrier()  # every thread's stores happen before the release below
         ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
         if ticket == NSPLIT - 1:
-            # Chunks of CHUNK_S splits: their loads are independent, so they are in flight at once.
+            # One online merge step per CHUNK_S splits (all of them at the usual split counts): a
+            # chunk's loads are independent, so one L2 round trip per chunk, not per split.
             offs_s = tl.arange(0, CHUNK_S)
             mx = tl.full([GP], float("-inf"), tl.float32)
-            for s0 in range(0, NSPLIT, CHUNK_S):
-                r = heads[None, :] * NSPLIT + (s0 + offs_s)[:, None]
-                ok = gmask[None, :] & ((s0 + offs_s) < NSPLIT)[:, None]
-                ms = tl.load(ML + r * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
-                mx = tl.maximum(mx, tl.max(ms, 0))
-            mx = tl.where(mx == float("-inf"), 0.0, mx)
             lt = tl.zeros([GP], tl.float32)
             tot = tl.zeros([BLOCK_D, GP], tl.float32)
             for s0 in range(0, NSPLIT, CHUNK_S):
@@ -895,13 +890,17 @@ def _merge_splits(
                 ok = gmask[None, :] & ((s0 + offs_s) < NSPLIT)[:, None]
                 ms = tl.load(ML + r * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
                 ls = tl.load(ML + r * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
-                w = tl.math.exp2(ms - mx[None, :])  # [CHUNK_S, GP]
-                lt += tl.sum(ls * w, 0)
                 a = tl.load(
                     ACC + r[:, None, :] * BLOCK_D + offs_d[None, :, None], mask=ok[:, None, :], other=0.0,
                     cache_modifier=".cg",
                 )  # fmt: skip
-                tot += tl.sum(a * w[:, None, :], 0)
+                m_new = tl.maximum(mx, tl.max(ms, 0))
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.math.exp2(mx - m_use)
+                w = tl.math.exp2(ms - m_use[None, :])  # [CHUNK_S, GP]
+                lt = lt * alpha + tl.sum(ls * w, 0)
+                tot = tot * alpha[None, :] + tl.sum(a * w[:, None, :], 0)
+                mx = m_new
             out = tot / tl.where(lt > 0, lt, 1.0)[None, :]
             tl.store(optrs, out.to(out_base.dtype.element_ty), mask=omask)
             tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
@@ -1048,7 +1047,7 @@ def mx_attention_decode(
             GROUP_C=group, GP=gp, BLOCK_N=block_n, BLOCK_D=bd, MASK_D=bd != d,
             HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **fmt,
             QPARTS=_parts(q.dtype) if qk_rotation else 0, QM=max(16, gp), ROT_NB=rot_nb,
-            FUSE_MERGE=fused, COUNT=counters if fused else ml, Out=out, stride_ob=out.stride(0), stride_oh=out.stride(1),
+            FUSE_MERGE=fused, MERGE_CHUNK=min(16, triton.next_power_of_2(nsplit)), COUNT=counters if fused else ml, Out=out, stride_ob=out.stride(0), stride_oh=out.stride(1),
             num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg and on_gpu else {}),
         )  # fmt: skip
     else:

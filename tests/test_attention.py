@@ -359,7 +359,7 @@ def test_decode_variants_equal_reference(variant, block_n, chunk, hq, hkv, d):
     assert _rel(got, want) < 3e-5
 
 
-@pytest.mark.parametrize("hq,hkv,d,n,chunk", [(8, 2, 128, 150, 32), (3, 1, 64, 97, 64), (4, 4, 64, 40, 64)])
+@pytest.mark.parametrize("hq,hkv,d,n,chunk", [(8, 2, 128, 150, 32), (3, 1, 64, 97, 64), (4, 4, 64, 40, 64), (4, 2, 64, 600, 32)])
 def test_decode_fused_merge(hq, hkv, d, n, chunk):
     """The merge inside the decode kernel (last split merges) equals the merge kernel and the
     reference; a caller's counters come back zero after every call, so they can be reused
