@@ -160,9 +160,6 @@ def _rotate_kernel(
 
 
 _ROTATIONS: dict = {}
-# decode: build the query operand inside the first loop iteration (after the first K/V tile loads
-# are issued) instead of before the loop; ``lazy_q=`` per call
-LAZY_Q = False
 FACTORED_ROTATION = True  # decode: q·R from H_32 and the signs (2 KB) instead of R (32 KB at D=128)
 
 
@@ -814,7 +811,6 @@ def _decode_gqa_kernel(
     RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr,
     QPARTS: tl.constexpr = 0, QM: tl.constexpr = 16, ROT_NB: tl.constexpr = 0,
     FUSE_MERGE: tl.constexpr = False, COUNT=None, Out=None, stride_ob=0, stride_oh=0, MERGE_CHUNK: tl.constexpr = 4,
-    LAZY_Q: tl.constexpr = False,
 ):  # fmt: skip
     """One program per (batch, kv head, split): all GROUP_C query heads of the KV head at once.
 
@@ -835,16 +831,10 @@ def _decode_gqa_kernel(
     lo = split * CHUNK
     hi = tl.minimum(lo + CHUNK, L)
     n_full = tl.maximum(lo, lo + (hi - lo) // BLOCK_N * BLOCK_N)
-    if LAZY_Q:
-        # The query operand is built inside the first iteration, so the loads the compiler issues
-        # before the loop (the first K/V tiles) are in flight while it is built.
-        qb = tl.zeros([BLOCK_D, GP * DB], tl.float16)
-        cq = tl.zeros([GP, DB], tl.float32)
-    else:
-        qb, cq = _decode_q(
-            Q, ROT, b, hk, stride_qb, stride_qh, stride_qd, D, GROUP_C, GP, BLOCK_D, DB,
-            EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8, INTERP, QPARTS, QM, ROT_NB,
-        )  # fmt: skip
+    qb, cq = _decode_q(
+        Q, ROT, b, hk, stride_qb, stride_qh, stride_qd, D, GROUP_C, GP, BLOCK_D, DB,
+        EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8, INTERP, QPARTS, QM, ROT_NB,
+    )  # fmt: skip
 
     kbase = KD + b.to(tl.int64) * stride_kb + hk * stride_kh
     ksbase = KS + b.to(tl.int64) * stride_ksb + hk * stride_ksh
@@ -857,12 +847,6 @@ def _decode_gqa_kernel(
     acc = tl.zeros([BLOCK_D, GP], dtype=tl.float32)
     ke, ve = _gqa_scales(ksbase, vsbase, lo, L, DP, D, stride_ksn, stride_vsd, stride_vsp, BLOCK_N, BLOCK_D, MASK_D)
     for start_n in range(lo, n_full, BLOCK_N):
-        if LAZY_Q:
-            if start_n == lo:
-                qb, cq = _decode_q(
-                    Q, ROT, b, hk, stride_qb, stride_qh, stride_qd, D, GROUP_C, GP, BLOCK_D, DB,
-                    EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8, INTERP, QPARTS, QM, ROT_NB,
-                )  # fmt: skip
         ke_next, ve_next = _gqa_scales(
             ksbase, vsbase, start_n + BLOCK_N, L, DP, D, stride_ksn, stride_vsd, stride_vsp, BLOCK_N, BLOCK_D, MASK_D
         )  # fmt: skip
@@ -872,12 +856,6 @@ def _decode_gqa_kernel(
             GP, BLOCK_N, BLOCK_D, GROUP_C, False, MASK_D, HAS_MASK, MASK_BOOL, INTERP,
         )  # fmt: skip
         ke, ve = ke_next, ve_next
-    if LAZY_Q:
-        if n_full == lo:  # no full tile: the loop above did not build it
-            qb, cq = _decode_q(
-                Q, ROT, b, hk, stride_qb, stride_qh, stride_qd, D, GROUP_C, GP, BLOCK_D, DB,
-                EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8, INTERP, QPARTS, QM, ROT_NB,
-            )  # fmt: skip
     for start_n in range(n_full, hi, BLOCK_N):  # at most one partial tile; its scales are loaded
         acc, m_i, l_i = _gqa_tile(
             acc, m_i, l_i, qb, cq, kbase, ke, vbase, ve, mbase, start_n,
@@ -997,7 +975,6 @@ def mx_attention_decode(
     qk_rotation: bool = False,
     merge: str | None = None,
     counters: torch.Tensor | None = None,
-    lazy_q: bool | None = None,
 ) -> torch.Tensor:
     """One query token per sequence against an MXFP8 cache; result [B, Hq, 1, D] in q.dtype.
 
@@ -1093,7 +1070,7 @@ def mx_attention_decode(
             GROUP_C=group, GP=gp, BLOCK_N=block_n, BLOCK_D=bd, MASK_D=bd != d,
             HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **fmt,
             QPARTS=_parts(q.dtype) if qk_rotation else 0, QM=max(16, gp), ROT_NB=rot_nb,
-            LAZY_Q=LAZY_Q if lazy_q is None else lazy_q, FUSE_MERGE=fused, MERGE_CHUNK=min(16, triton.next_power_of_2(nsplit)), COUNT=counters if fused else ml, Out=out, stride_ob=out.stride(0), stride_oh=out.stride(1),
+            FUSE_MERGE=fused, MERGE_CHUNK=min(16, triton.next_power_of_2(nsplit)), COUNT=counters if fused else ml, Out=out, stride_ob=out.stride(0), stride_oh=out.stride(1),
             num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg and on_gpu else {}),
         )  # fmt: skip
     else:

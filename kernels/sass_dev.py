@@ -43,14 +43,14 @@ _PTRS = {
 _NOT_DIV16 = {"Hkv", "stride_ksn", "stride_mb", "stride_mh", "stride_mn"}
 
 
-def compile_decode(block_n=64, warps=2, stages=3, maxnreg=None, gp=4, block_d=128, fuse_merge=True, lazy_q=False):
+def compile_decode(block_n=64, warps=2, stages=3, maxnreg=None, gp=4, block_d=128, fuse_merge=True):
     fn = A._decode_gqa_kernel
     names = fn.arg_names
     cons = dict(
         GROUP_C=4, GP=gp, BLOCK_N=block_n, BLOCK_D=block_d, MASK_D=False, HAS_MASK=False, MASK_BOOL=False,
         EMAX=E4M3.emax, MBITS=E4M3.mbits, MAXN=E4M3.max_normal, EMIN=1 - E4M3.bias,
         RULE=_RULE_ID[ScaleRule.RCEIL], HW_CVT=True, FP8=tl.float8e4nv, INTERP=False,
-        QPARTS=1, QM=16, ROT_NB=block_d // 32, stride_qd=1, FUSE_MERGE=fuse_merge, MERGE_CHUNK=16, LAZY_Q=lazy_q,
+        QPARTS=1, QM=16, ROT_NB=block_d // 32, stride_qd=1, FUSE_MERGE=fuse_merge, MERGE_CHUNK=16,
     )  # fmt: skip
     sig = {n: "constexpr" if n in cons else _PTRS.get(n, "fp32" if n == "qk_scale" else "i32") for n in names}
     attrs = {
@@ -160,7 +160,6 @@ def main():
     ap.add_argument("--warps", type=int, default=None, help="default 2 (decode), 8 (gemm)")
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--maxnreg", type=int, default=None)
-    ap.add_argument("--lazy-q", action="store_true", help="decode: query operand built in the first iteration")
     ap.add_argument("--merge", choices=("fused", "kernel"), default="fused", help="decode: split merge in the kernel or not")
     ap.add_argument("--ptxas", default=None, help="assemble with this ptxas instead of Triton's")
     ap.add_argument("--out", default=None, help="folder for k.ttgir, k.ptx, k.sass")
@@ -170,7 +169,7 @@ def main():
     out = args.out or tempfile.mkdtemp(prefix="mxq_sass_")
     os.makedirs(out, exist_ok=True)
     if args.kernel == "decode":
-        k = compile_decode(args.block_n, args.warps or 2, args.stages, args.maxnreg, fuse_merge=args.merge == "fused", lazy_q=args.lazy_q)
+        k = compile_decode(args.block_n, args.warps or 2, args.stages, args.maxnreg, fuse_merge=args.merge == "fused")
         unit = f"{args.block_n}-key tile"
     else:
         bm, bn, bk = (int(v) for v in args.tile.split("x"))
