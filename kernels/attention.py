@@ -865,8 +865,8 @@ def _decode_gqa_kernel(
 
     if FUSE_MERGE:
         _merge_splits(
-            acc, m_i, l_i, ML, ACC, COUNT + pid, Out + b.to(tl.int64) * stride_ob + hk * GROUP_C * stride_oh, stride_oh,
-            b * Hkv * GROUP_C + hk * GROUP_C, split, NSPLIT, D, GP, GROUP_C, BLOCK_D, MERGE_CHUNK,
+            acc, m_i, l_i, ML, ACC, COUNT + pid, Out + b.to(tl.int64) * stride_ob + hk * GROUP_C * stride_oh,
+            stride_oh, (b * Hkv + hk) * GROUP_C, split, NSPLIT, D, GP, GROUP_C, BLOCK_D, MERGE_CHUNK,
         )  # fmt: skip
     else:
         row = (b * Hkv * GROUP_C + heads) * NSPLIT + split
@@ -1005,10 +1005,11 @@ def mx_attention_decode(
     ``merge``: how the split-KV partials are combined: "fused" (the split that finishes last for a
     (batch, kv head) merges them inside the decode kernel: one launch) or "kernel" (a second
     kernel). Default: "kernel" while a CUDA graph is being captured (0.5-2 µs less GPU time per
-    call on an H200), "fused" otherwise (eager calls are launch-bound: one Triton launch fewer). ``counters``: int32 zeros, at least B*Hkv of them, for the fused
-    merge's arrival counts (each call leaves them at zero again); the cache layer owns one per
-    layer so CUDA graphs replay it. Without it a zeroed one is allocated per call. Two calls
-    running at the same time on different streams need different counters.
+    call on an H200), "fused" otherwise (eager calls are launch-bound: one Triton launch fewer,
+    ~20 µs of CPU). ``counters``: int32 zeros, at least B*Hkv of them, for the fused merge's
+    arrival counts (each call leaves them at zero again); the cache layer owns one per layer so
+    CUDA graphs replay it. Without it a zeroed one is allocated per call. Two calls running at
+    the same time on different streams need different counters.
     """
     elem, rule = as_elem_format(elem), as_scale_rule(rule)
     b, hq, sq, d = q.shape
@@ -1083,7 +1084,8 @@ def mx_attention_decode(
             GROUP_C=group, GP=gp, BLOCK_N=block_n, BLOCK_D=bd, MASK_D=bd != d,
             HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **fmt,
             QPARTS=_parts(q.dtype) if qk_rotation else 0, QM=max(16, gp), ROT_NB=rot_nb,
-            FUSE_MERGE=fused, MERGE_CHUNK=min(16, _pow2(nsplit)), COUNT=counters if fused else ml, Out=out, stride_ob=out.stride(0), stride_oh=out.stride(1),
+            FUSE_MERGE=fused, MERGE_CHUNK=min(16, _pow2(nsplit)), COUNT=counters if fused else ml,
+            Out=out, stride_ob=out.stride(0), stride_oh=out.stride(1),
             num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg and on_gpu else {}),
         )  # fmt: skip
     else:
