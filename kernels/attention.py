@@ -824,7 +824,6 @@ def _decode_gqa_kernel(
     b = pid // Hkv
     hk = pid % Hkv
     offs_g = tl.arange(0, GP)
-    offs_d = tl.arange(0, BLOCK_D)
     heads = hk * GROUP_C + offs_g
     gmask = offs_g < GROUP_C
 
@@ -869,10 +868,15 @@ def _decode_gqa_kernel(
             stride_oh, (b * Hkv + hk) * GROUP_C, split, NSPLIT, D, GP, GROUP_C, BLOCK_D, MERGE_CHUNK,
         )  # fmt: skip
     else:
-        row = (b * Hkv * GROUP_C + heads) * NSPLIT + split
-        tl.store(ML + row * 2, m_i, mask=gmask)
-        tl.store(ML + row * 2 + 1, l_i, mask=gmask)
-        tl.store(ACC + row[None, :] * BLOCK_D + offs_d[:, None], acc, mask=gmask[None, :])
+        _store_partial(acc, m_i, l_i, ML, ACC, (b * Hkv * GROUP_C + heads) * NSPLIT + split, gmask, BLOCK_D)
+
+
+@triton.jit
+def _store_partial(acc, m_i, l_i, ML, ACC, row, gmask, BLOCK_D: tl.constexpr):
+    """One split's partial result for the merge: (m, l) per query head, acc [BLOCK_D, GP] as rows."""
+    tl.store(ML + row * 2, m_i, mask=gmask)
+    tl.store(ML + row * 2 + 1, l_i, mask=gmask)
+    tl.store(ACC + row[None, :] * BLOCK_D + tl.arange(0, BLOCK_D)[:, None], acc, mask=gmask[None, :])
 
 
 @triton.jit
@@ -895,10 +899,7 @@ def _merge_splits(
         out = acc / tl.where(l_i > 0, l_i, 1.0)[None, :]
         tl.store(optrs, out.to(out_base.dtype.element_ty), mask=omask)
     else:
-        row = heads * NSPLIT + split
-        tl.store(ML + row * 2, m_i, mask=gmask)
-        tl.store(ML + row * 2 + 1, l_i, mask=gmask)
-        tl.store(ACC + row[None, :] * BLOCK_D + offs_d[:, None], acc, mask=gmask[None, :])
+        _store_partial(acc, m_i, l_i, ML, ACC, heads * NSPLIT + split, gmask, BLOCK_D)
         tl.debug_barrier()  # every thread's stores happen before the release below
         ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
         if ticket == NSPLIT - 1:
