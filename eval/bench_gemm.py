@@ -106,7 +106,7 @@ def bench_quantize(sizes=((4096, 4096), (8192, 8192), (16384, 8192))) -> list[di
 def bench_gemm(models, ms, sweep: bool, sweep_ms=(1, 16, 64, 2048)) -> tuple[list[dict], list[dict]]:
     from mxq.formats import E4M3, ScaleRule, dequantize_mx, quantize_mx
     from mxq.kernels import gemm as G
-    from mxq.kernels.dispatch import mx_linear_triton
+    from mxq.kernels.dispatch import mx_linear_triton, path_name
     from mxq.kernels.quantize import fake_quantize_mx_rows, quantize_mx_rows
 
     rows, sweeps = [], []
@@ -159,7 +159,7 @@ def bench_gemm(models, ms, sweep: bool, sweep_ms=(1, 16, 64, 2048)) -> tuple[lis
                 row["mxq_w8a16_us"] = _try(None, [lambda p=p: mx_linear_triton(x, p.data, p.scales, None) for p in packs])
                 row["mxq_quant_only_us"] = _try(None, [lambda: fake_quantize_mx_rows(x, E4M3, out_dtype=torch.bfloat16)])
                 row["mxq_w8a16_eager_us"] = _bench(lambda: mx_linear_triton(x, p0.data, p0.scales, None))
-                row["config"] = str(G.pick_config(m, n, k, x.device))
+                row["config"] = path_name(m, n, k, x.device)
                 flops = 2 * m * n * k
                 for key in ("mxq_w8a8", "mxq_w8a16", "cublas_bf16"):
                     if isinstance(row[f"{key}_us"], float):
@@ -227,7 +227,7 @@ def _row_line(r) -> str:
 
 def print_tables(res: dict) -> None:
     print("\n## GEMM: speed-up of mxq over each baseline (baseline time / mxq time; > 1 = mxq faster)")
-    hdr = "| model | layer | M | N | K | W8A8 µs | ×cuBLAS bf16 | ×scaled_mm rowwise | ×strongest | ×dot_scaled | W8A16 µs | W8A16 ×cuBLAS | W8A8 TFLOP/s |"
+    hdr = "| model | layer | M | N | K | W8A8 µs | ×cuBLAS bf16 | ×scaled_mm rowwise | ×strongest | ×dot_scaled | W8A16 µs | W8A16 ×cuBLAS | W8A8 TFLOP/s | W8A8 path |"
     print(hdr)
     print("|" + "---|" * (hdr.count("|") - 1))
     for r in res["gemm"]:
@@ -239,7 +239,7 @@ def print_tables(res: dict) -> None:
             f"{_fmt(_ratio(r['scaled_mm_rowwise_us'], r['mxq_w8a8_us']), '.2f')} | "
             f"{_fmt(_ratio(strongest, r['mxq_w8a8_us']), '.2f')} | "
             f"{_fmt(_ratio(r['dot_scaled_w8a8_us'], r['mxq_w8a8_us']), '.2f')} | {_fmt(r['mxq_w8a16_us'])} | "
-            f"{_fmt(_ratio(r['cublas_bf16_us'], r['mxq_w8a16_us']), '.2f')} | {_fmt(r['mxq_w8a8_tflops'], '.0f')} |"
+            f"{_fmt(_ratio(r['cublas_bf16_us'], r['mxq_w8a16_us']), '.2f')} | {_fmt(r['mxq_w8a8_tflops'], '.0f')} | {r.get('config', '-')} |"
         )
     if res.get("quantize"):
         print("\n## Activation quantization (bf16 in), fraction of copy bandwidth")

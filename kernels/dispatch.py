@@ -2,7 +2,9 @@
 
 - CUDA, compute capability >= 10 (Blackwell): ``tl.dot_scaled``, the native MX MMA.
 - other CUDA devices (Hopper, sm_90): M <= ``gemm.GEMV_MAX_M``: the CUDA-core decode kernel
-  ``gemm.mx_gemv`` (W8A8 rounds X inside it); larger M: the exact emulation in ``gemm.mx_gemm``;
+  ``gemm.mx_gemv`` (W8A8 rounds X inside it); W8A8 up to ``DECODE_F8_DISPATCH_M`` rows on fp8
+  tensor cores (sm_89+): ``gemm_decode.mx_decode_gemm`` (X quantized to MXFP8 first, one fp8 MMA
+  per 32-block, no weight conversion); larger M: the exact emulation in ``gemm.mx_gemm``;
   W8A8 rounds X inside it up to ``gemm.GEMM_QUANT_MAX_M`` rows, above that first
   (``quantize.fake_quantize_mx_rows``, bf16 out, exact) in a separate launch.
 - CPU, or Triton absent: ``mx_linear_reference`` (the function every path must compute).
@@ -22,17 +24,22 @@ from mxq.kernels.reference import mx_linear_reference
 
 try:
     from mxq.kernels import gemm as _gemm
+    from mxq.kernels import gemm_decode as _decode
     from mxq.kernels import quantize as _quantize
 
     HAS_TRITON = True
 except ImportError:  # no triton wheel (macOS, Windows): the reference runs everywhere
-    _gemm = _quantize = None
+    _gemm = _decode = _quantize = None
     HAS_TRITON = False
 
 _CAPABILITY: dict[int, tuple[int, int]] = {}
 
 # MXQ_KERNELS=reference runs the torch reference on every device (A/B checks of the fast path).
 FORCE_REFERENCE = os.environ.get("MXQ_KERNELS", "").lower() == "reference"
+# Largest M whose W8A8 runs on fp8 tensor cores (gemm_decode). H200, Llama-3 8B/70B shapes
+# (kernels/NOTES.md session 7): 1.0-1.7x the emulation at M = 4 and 16; M <= 2 stays on the
+# CUDA-core kernel (faster on 6 of 8 shapes at M = 1); M > 16 not measured faster yet.
+DECODE_F8_DISPATCH_M = 16
 
 
 def _capability(device: torch.device) -> tuple[int, int]:
@@ -74,11 +81,25 @@ def mx_linear(
         return mx_linear_reference(
             x, weight, weight_scale, bias, act_elem=act_elem, act_rule=act_rule, block_size=block_size
         )
-    native = _capability(x.device)[0] >= 10
+    cap = _capability(x.device)
     return mx_linear_triton(
         x, weight, weight_scale, bias, act_elem=act_elem, act_rule=act_rule,
-        block_size=block_size, native=native,
+        block_size=block_size, native=cap[0] >= 10, fp8_mma=cap >= (8, 9),
     )  # fmt: skip
+
+
+def path_name(m: int, n: int, k: int, device: torch.device, w8a8: bool = True) -> str:
+    """Which kernel and tiles ``mx_linear`` uses for this shape on ``device`` (benchmark tables)."""
+    if not (HAS_TRITON and device.type == "cuda") or FORCE_REFERENCE:
+        return "torch reference"
+    cap = _capability(device)
+    if cap[0] >= 10:
+        return "tl.dot_scaled"
+    if m <= _gemm.GEMV_MAX_M:
+        return f"CUDA-core gemv {_gemm.pick_gemv_config(m, n, k, device)}"
+    if w8a8 and cap >= (8, 9) and m <= DECODE_F8_DISPATCH_M:
+        return f"fp8 MMA decode {_decode.pick_decode_f8_config(m, n, k, device)}"
+    return f"emulation {_gemm.pick_config(m, n, k, device)}"
 
 
 def mx_linear_triton(
@@ -91,11 +112,13 @@ def mx_linear_triton(
     act_rule: ScaleRule = ScaleRule.RCEIL,
     block_size: int = 32,
     native: bool = False,
+    fp8_mma: bool = True,
 ) -> torch.Tensor:
     """The Triton path on any device Triton runs on (also the CPU interpreter, for tests).
 
     ``native`` selects ``tl.dot_scaled`` (sm_100+); it falls back to the emulation where
     dot_scaled cannot take the operands (block_size != 32, fp32 activations in W8A16).
+    ``fp8_mma``: the device has fp8 MMA (sm_89+), for the small-M W8A8 path.
     """
     k = x.shape[-1]
     lead = x.shape[:-1]
@@ -116,6 +139,14 @@ def mx_linear_triton(
         y = _gemm.mx_gemv(
             x2, weight, weight_scale, bias, out_dtype=x.dtype, block_size=block_size,
             act_elem=act_elem, act_rule=act_rule,
+        )  # fmt: skip
+    elif (
+        act_elem is not None and fp8_mma and block_size == 32 and x2.shape[0] <= DECODE_F8_DISPATCH_M
+        and (act_rule is not ScaleRule.MSE or k % 128 == 0)
+    ):  # fmt: skip
+        # Small decode batches, W8A8: fp8 tensor cores, the weight never converted.
+        y = _decode.mx_decode_gemm(
+            x2, weight, weight_scale, bias, act_elem=act_elem, act_rule=act_rule, out_dtype=x.dtype,
         )  # fmt: skip
     elif x2.shape[0] <= _gemm.GEMV_ROWS_MAX_M:
         # Small decode batches: CUDA cores, per-row partials in registers. X goes in as fp32 (the

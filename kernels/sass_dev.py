@@ -86,6 +86,27 @@ def compile_gemm(block_m=256, block_n=128, block_k=64, warps=8, stages=3, loop="
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
 
 
+def compile_decode_f8(block_m=16, block_n=128, kb=4, warps=4, stages=4, split=4, tma_w=True, fused=True, qx=False):
+    """``gemm_decode._mx_decode_f8_kernel`` for sm_90 as mx_decode_gemm launches it (bf16 X, E4M3 W and X)."""
+    from mxq.kernels import gemm_decode as G
+
+    fn = G._mx_decode_f8_kernel
+    names = fn.arg_names
+    cons = dict(
+        BLOCK_M=block_m, BLOCK_N=block_n, KB=kb, BS=32, S32=kb == 4, QX=qx, SPLIT=split, FUSED=fused, HAS_BIAS=False, EVEN_K=True,
+        TMA_W=tma_w, EMAX=E4M3.emax, MBITS=E4M3.mbits, MAXN=E4M3.max_normal, EMIN=1 - E4M3.bias,
+        RULE=_RULE_ID[ScaleRule.RCEIL], HW_CVT=True, FP8=tl.float8e4nv,
+    )  # fmt: skip
+    ptrs = {
+        "x_ptr": "*fp8e4nv" if qx else "*bf16", "xs_ptr": "*u8", "w_ptr": f"tensordesc<fp8e4nv[{block_n}, 32]>" if tma_w else "*fp8e4nv",
+        "s_ptr": "*u8", "b_ptr": "*u8", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
+    }  # fmt: skip
+    sig = {n: "constexpr" if n in cons else ptrs.get(n, "i32") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if (sig[n] == "i32" and n != "M") or sig[n].startswith("*")}
+    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in cons.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+
+
 _INS = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)\s*([^;]*);")
 
 
@@ -150,12 +171,13 @@ def main_loop_histogram(sass: str) -> tuple[int, collections.Counter]:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernel", choices=("decode", "gemm"), default="decode")
+    ap.add_argument("--kernel", choices=("decode", "gemm", "decode_f8"), default="decode")
     ap.add_argument("--block-n", type=int, default=64, help="decode: keys per tile")
     ap.add_argument("--tile", default="256x128x64", help="gemm: BLOCK_M x BLOCK_N x BLOCK_K")
     ap.add_argument("--loop", choices=("old", "zero_dot", "peel"), default="zero_dot", help="gemm: accumulator start")
     ap.add_argument("--deq", choices=("bf16", "bits", "fp32"), default="bf16", help="gemm: weight dequant route")
     ap.add_argument("--split-k", type=int, default=1, help="gemm: K splits (fp32 partials out)")
+    ap.add_argument("--quant-x", action="store_true", help="decode_f8: X quantized first (fp8 tiles loaded as they are)")
     ap.add_argument("--pointer-x", action="store_true", help="gemm: activation tiles by pointer loads, not TMA (decode tiles)")
     ap.add_argument("--warps", type=int, default=None, help="default 2 (decode), 8 (gemm)")
     ap.add_argument("--stages", type=int, default=3)
@@ -171,6 +193,10 @@ def main():
     if args.kernel == "decode":
         k = compile_decode(args.block_n, args.warps or 2, args.stages, args.maxnreg, fuse_merge=args.merge == "fused")
         unit = f"{args.block_n}-key tile"
+    elif args.kernel == "decode_f8":
+        bm, bn, kb = (int(v) for v in args.tile.split("x"))
+        k = compile_decode_f8(bm, bn, kb, args.warps or 4, args.stages, args.split_k, not args.pointer_x, qx=args.quant_x)
+        unit = f"{kb * 32}-wide K step"
     else:
         bm, bn, bk = (int(v) for v in args.tile.split("x"))
         k = compile_gemm(bm, bn, bk, args.warps or 8, args.stages, args.loop, args.deq, not args.pointer_x, True, args.split_k)

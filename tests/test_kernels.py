@@ -61,8 +61,19 @@ def _weight(n: int, k: int, elem, gen: torch.Generator):
     return t.data, t.scales, dequantize_mx(t, torch.float64)
 
 
-def _assert_gemm_close(y, x, w64, bias, act_elem, act_rule=ScaleRule.RCEIL):
-    """|y - exact| <= one output rounding + fp32 accumulation error, for every element."""
+def _dispatch_acc(m, act_elem):
+    """The accumulation bound of the path ``mx_linear`` takes: fp8 tensor cores (gemm_decode,
+    W8A8, 3 <= M <= 16) sum a block in fewer bits than fp32; elsewhere fp32 (None)."""
+    from mxq.kernels.dispatch import DECODE_F8_DISPATCH_M
+
+    if act_elem is None or G.INTERPRET or not G.GEMV_MAX_M < m <= DECODE_F8_DISPATCH_M:
+        return None
+    return 2.0**-12
+
+
+def _assert_gemm_close(y, x, w64, bias, act_elem, act_rule=ScaleRule.RCEIL, acc_rel=None):
+    """|y - exact| <= one output rounding + fp32 accumulation error, for every element
+    (``acc_rel``: a coarser accumulation, relative to the sum of |products|)."""
     xf = x.to(torch.float32)
     if act_elem is not None:
         xf = fake_quantize_mx(xf, -1, act_elem, 32, act_rule)
@@ -72,7 +83,7 @@ def _assert_gemm_close(y, x, w64, bias, act_elem, act_rule=ScaleRule.RCEIL):
         exact = exact + bias.to(torch.float64)
     mag = x64.abs() @ w64.abs().t()
     k = x64.shape[1]
-    bound = EPS[y.dtype] * exact.abs() + 2 * k * 2.0**-24 * mag + 1e-30
+    bound = EPS[y.dtype] * exact.abs() + (acc_rel if acc_rel is not None else 2 * k * 2.0**-24) * mag + 1e-30
     err = (y.reshape(exact.shape).to(torch.float64) - exact).abs()
     worst = (err - bound).max().item()
     assert torch.isfinite(y).all()
@@ -140,7 +151,7 @@ def test_mx_linear_triton_matches_reference(m, n, k, xdtype, act_elem):
     bias = (torch.randn(n, generator=gen)).to(xdtype).to(DEV)
     y = mx_linear_triton(x, w, ws, bias, act_elem=act_elem)
     assert y.dtype == xdtype and y.shape == (m, n)
-    _assert_gemm_close(y, x, w64, bias, act_elem)
+    _assert_gemm_close(y, x, w64, bias, act_elem, acc_rel=_dispatch_acc(m, act_elem))
 
 
 @pytest.mark.parametrize("split_k,gather", [(1, False), (3, False), (2, True)])
@@ -250,7 +261,7 @@ def test_mx_linear_leading_dims_rules_and_packed():
     for rule in (ScaleRule.FLOOR, ScaleRule.MSE):
         y = mx_linear_triton(x, w, ws, None, act_elem=E5M2, act_rule=rule)
         assert y.shape == (2, 3, n)
-        _assert_gemm_close(y, x, w64, None, E5M2, rule)
+        _assert_gemm_close(y, x, w64, None, E5M2, rule, acc_rel=_dispatch_acc(6, E5M2))
     packed = pack_weight(w, ws)
     ref = mx_linear_reference(x, w, ws)
     # The dispatcher takes the packed weight; on CPU it is exactly the reference.
@@ -329,7 +340,7 @@ def test_gpu_mx_linear(m, n, k):
     bias = torch.randn(n, generator=gen).to(torch.bfloat16).cuda()
     for act in (None, E4M3):
         y = mx_linear(x, w, ws, bias, act_elem=act)
-        _assert_gemm_close(y, x, w64, bias, act)
+        _assert_gemm_close(y, x, w64, bias, act, acc_rel=_dispatch_acc(m, act))
 
 
 @gpu
@@ -523,3 +534,74 @@ def test_gpu_gemv_rows_variants(cfg):
             x = _activations(m, 2080, xd, gen, special=False, decades=(-2, 1))
             b = torch.randn(1000, generator=gen).to(xd).cuda()
             _assert_gemm_close(G.mx_gemv_rows(x, w, ws, b, config=cfg, out_dtype=torch.bfloat16), x, w64, b, None)
+
+
+# --------------------------------------------------------------------------------------
+# W8A8 decode on fp8 tensor cores (gemm_decode): one fp8 MMA per 32-block, X rounded inside
+# --------------------------------------------------------------------------------------
+
+from mxq.kernels import gemm_decode as D  # noqa: E402
+
+# The tensor core sums a block's 32 fp8 products with fewer bits than fp32 (module doc of
+# gemm_decode); the interpreter computes the dot in fp32, so there the usual bound applies.
+F8_ACC = None if G.INTERPRET else 2.0**-12
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 70, 96), (3, 100, 384), (17, 33, 224), (40, 64, 512)])
+@pytest.mark.parametrize("wel,act", [(E4M3, (E4M3, ScaleRule.RCEIL)), (E5M2, (E4M3, ScaleRule.FLOOR)), (E4M3, (E5M2, ScaleRule.EVEN))])
+def test_decode_f8_matches_reference(m, n, k, wel, act):
+    gen = torch.Generator().manual_seed(m * 31 + n + k)
+    w, ws, w64 = _weight(n, k, wel, gen)
+    x = _activations(m, k, torch.bfloat16, gen, special=False, decades=(-2, 1))
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16).to(DEV)
+    act_elem, rule = act
+    variants = ((1, True, None, 2, False), (2, True, torch.float32, 2, False), (3, True, None, 4, True), (3, False, torch.float32, 4, False))
+    for split, fused, out, kb, qx in variants:
+        # kb = 4 with K % 128 == 0 takes the int32 scale words; quant_x the quantizer launch
+        cfg = D.DecodeF8Config(block_n=64, kb=kb, split_k=split, fused=fused, tma_w=split != 2, quant_x=qx)
+        y = D.mx_decode_gemm(x, w, ws, bias if split != 2 else None, act_elem=act_elem, act_rule=rule, out_dtype=out, config=cfg)
+        assert y.dtype == (out or torch.bfloat16) and y.shape == (m, n)
+        _assert_gemm_close(y, x, w64, bias if split != 2 else None, act_elem, rule, acc_rel=F8_ACC)
+    counters = D.split_counters(torch.device(DEV), 1)
+    assert counters is not None and not counters.any(), "fused split-K must leave its tickets at zero"
+
+
+def test_decode_f8_nonfinite_and_errors():
+    """A NaN/Inf activation block makes its row NaN (as the reference); bad calls are one-line errors."""
+    gen = torch.Generator().manual_seed(5)
+    n, k = 48, 128
+    w, ws, w64 = _weight(n, k, E4M3, gen)
+    x = _activations(5, k, torch.float32, gen, special=True)
+    y = D.mx_decode_gemm(x, w, ws, None, out_dtype=torch.float32, config=D.DecodeF8Config(block_n=64, kb=2, split_k=2))
+    ref = mx_linear_reference(x.cpu(), w.cpu(), ws.cpu(), None, act_elem=E4M3)
+    assert torch.equal(torch.isnan(y.cpu()), torch.isnan(ref))
+    assert torch.isnan(y[:2]).all() and torch.isfinite(y[2:]).all()
+    _assert_gemm_close(y[2:], x[2:], w64, None, E4M3, acc_rel=F8_ACC)
+    # MSE (and quant_x) quantize X first with the quantizer kernel; the kernel's own rounding
+    # (kb = 2 here) has no MSE.
+    y = D.mx_decode_gemm(x[2:], w, ws, act_rule=ScaleRule.MSE, out_dtype=torch.float32)
+    _assert_gemm_close(y, x[2:], w64, None, E4M3, ScaleRule.MSE, acc_rel=F8_ACC)
+    with pytest.raises(ValueError, match="MSE"):
+        D.mx_decode_gemm(x, w, ws, act_rule=ScaleRule.MSE, config=D.DecodeF8Config(kb=2))
+    with pytest.raises(ValueError, match="M <= 64"):
+        D.mx_decode_gemm(torch.zeros(65, k, device=DEV), w, ws)
+    with pytest.raises(ValueError, match="block_size=32"):
+        D.mx_decode_gemm(x, w, ws[:, : k // 64].contiguous(), block_size=64)
+    assert D.mx_decode_gemm(x[:0], w, ws).shape == (0, n)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (5, 1000, 2080), (16, 6144, 4096), (33, 14336, 4096), (64, 4096, 14336)])
+def test_gpu_decode_f8(m, n, k):
+    """Model shapes and awkward ones, the dispatched config, bf16 and fp32 out, with bias;
+    then the tensor core's in-block accumulation measured against float64."""
+    gen = torch.Generator().manual_seed(m + n)
+    w, ws, w64 = _weight(n, k, E4M3, gen)
+    x = _activations(m, k, torch.bfloat16, gen, special=False, decades=(-2, 1))
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16).to(DEV)
+    for out in (None, torch.float32):
+        y = D.mx_decode_gemm(x, w, ws, bias, out_dtype=out)
+        _assert_gemm_close(y, x, w64, bias, E4M3, acc_rel=F8_ACC)
+    y = D.mx_decode_gemm(x, w, ws, bias, out_dtype=torch.float32, config=D.DecodeF8Config(split_k=4, fused=False))
+    _assert_gemm_close(y, x, w64, bias, E4M3, acc_rel=F8_ACC)

@@ -1,0 +1,281 @@
+"""W8A8 decode GEMM on fp8 tensor cores: Y [M, N] = MX(X) · dequant(W)ᵀ for small M (Hopper).
+
+The emulation in ``gemm.py`` converts every weight element to bf16 in registers before its
+wgmma: at decode sizes that conversion, not the weight stream, bounds the kernel (NOTES.md,
+sessions 2-5). Here no weight element is converted. The MX block is 32 wide along K, and so
+is one fp8 wgmma (k32), so each 32-block's product is one MMA of raw fp8 bytes:
+
+    Yᵀ[n, m] = Σ_b  2**sw[n, b] · 2**sx[m, b] · Σ_{k in block b} w[n, k] · q[m, k]
+
+W's [BLOCK_N, 32] tiles go from memory (TMA) to the MMA untouched. X is MXFP8 too: quantized
+by the quantizer kernel first (``quant_x``, the dispatched default: its fp8 tiles then also go
+to the MMA as loaded) or rounded to fp8 block by block inside this kernel (the same exponent and
+rounding as ``quantize.py``, bit for bit). Each block product, started from zero, is scaled by
+the two powers of two (scale bytes read as one int32 word per row and 4 blocks, a step ahead)
+and added to an fp32 accumulator. The only per-element work is on the accumulator
+(BLOCK_N x M per block), not on the weight (BLOCK_N x 32).
+
+Numerics: every product w·q is exact; the 32 products of one block are summed inside the
+tensor core, which on Hopper keeps fewer bits than fp32 for fp8 inputs (about 2**-13 relative
+to the block's largest term, measured in tests/test_gemm_decode.py on the GPU); the block sums
+are accumulated in fp32. So the result equals the exact MX product up to accumulation order
+and that in-block truncation — far below the bf16 output rounding (2**-9). The prefill path
+(gemm.mx_gemm) stays exact; W8A16 (X not rounded) cannot take this route and stays there too.
+
+Split-K: when N / BLOCK_N programs leave SMs idle, K is split; every split stores its fp32
+partial, takes a ticket from an atomic counter per N tile, and the split whose ticket is the
+last one sums all partials in split order (deterministic), adds the bias, writes Y and resets
+the counter — one launch, no reduction kernel (the same protocol as the attention decode merge).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from mxq.formats import E4M3, ElemFormat, ScaleRule
+from mxq.kernels.gemm import (
+    INTERPRET,
+    _check_gemm_args,
+    _e8m0_to_f32,
+    _operands_and_output,
+    _sm_count,
+    _split_k_finish,
+    _tma,
+)
+from mxq.kernels.quantize import (
+    _RULE_ID,
+    _mx_fast_exponent,
+    _mx_scaled,
+    _pow2_f32,
+    _round_to_elem,
+    fp8_dtype,
+    hw_cvt,
+    quantize_mx_rows,
+)
+
+
+@triton.jit
+def _mx_decode_f8_kernel(
+    x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
+    M, N, K, K_SPLIT,
+    stride_xm, stride_xsm4, stride_wn, stride_sn, stride_sn4, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr, BS: tl.constexpr, S32: tl.constexpr, QX: tl.constexpr,
+    SPLIT: tl.constexpr, FUSED: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    TMA_W: tl.constexpr,
+    EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
+    RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr,
+):  # fmt: skip
+    """Yᵀ tile [BLOCK_N, BLOCK_M] over this program's K range, KB 32-blocks per loop step."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    rn = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    rm = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
+    offs_b = tl.arange(0, BS)
+    k_lo = pid_k * K_SPLIT
+    k_hi = min(k_lo + K_SPLIT, K)
+    n_iter = tl.cdiv(k_hi - k_lo, KB * BS)
+    w_ptrs = w_ptr
+    if not TMA_W:
+        w_ptrs = w_ptr + rn[:, None] * stride_wn + (k_lo + offs_b)[None, :]
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + (k_lo + offs_b)[None, :]
+    s_ptrs = s_ptr + rn * stride_sn + k_lo // BS
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if S32:
+        # The KB = 4 scale bytes of a step as one int32 word per row, loaded one step ahead: a
+        # plain load in the loop would put a full memory latency before every block's rescale.
+        s32 = s_ptr.to(tl.pointer_type(tl.int32)) + rn * stride_sn4 + k_lo // (4 * BS)
+        sv = tl.load(s32)
+    else:
+        sv = tl.zeros((BLOCK_N,), dtype=tl.int32)
+    if QX:  # X's scale bytes likewise (QX implies S32)
+        xs32 = xs_ptr.to(tl.pointer_type(tl.int32)) + rm * stride_xsm4 + k_lo // (4 * BS)
+        xv = tl.load(xs32)
+    else:
+        xv = tl.zeros((BLOCK_M,), dtype=tl.int32)
+    for i in range(n_iter):
+        if S32:
+            cur = sv
+            nxt = (i + 1) < n_iter
+            sv = tl.load(s32 + (i + 1), mask=nxt & (offs_n >= 0), other=0x7F7F7F7F)
+        if QX:
+            xcur = xv
+            xv = tl.load(xs32 + (i + 1), mask=((i + 1) < n_iter) & (offs_m >= 0), other=0x7F7F7F7F)
+        # All KB block products first, then the rescale.
+        ps = ()
+        sxs = ()
+        for j in tl.static_range(KB):
+            k = k_lo + (i * KB + j) * BS
+            kmask = (k + offs_b) < k_hi
+            if TMA_W:
+                w = w_ptr.load([pid_n * BLOCK_N, k])  # zero fill past K (only the last split)
+            elif EVEN_K:
+                w = tl.load(w_ptrs + (i * KB + j) * BS)
+            else:
+                w = tl.load(w_ptrs + (i * KB + j) * BS, mask=kmask[None, :], other=0.0)
+            if EVEN_K:
+                x = tl.load(x_ptrs + (i * KB + j) * BS)
+            else:
+                x = tl.load(x_ptrs + (i * KB + j) * BS, mask=kmask[None, :], other=0.0)
+            if QX:  # X already MX (quantizer launch): its fp8 tile goes to the MMA as loaded
+                q = x
+                sxs = sxs + (_e8m0_to_f32((xcur >> (8 * j)) & 0xFF),)
+            else:
+                # X's block to MX: the exponent from the amax bits, the elements rounded to fp8.
+                xf = tl.reshape(x.to(tl.float32), (BLOCK_M, 1, BS))
+                e, nonfinite = _mx_fast_exponent(xf, EMAX, MBITS, RULE)
+                if HW_CVT:
+                    q = _mx_scaled(xf, e, MAXN, RULE).to(FP8, fp_downcast_rounding="rtne")
+                else:  # interpreter: exact grid values by arithmetic, then an exact cast
+                    q = _round_to_elem(xf, e, MAXN, MBITS, EMIN).to(FP8)
+                q = tl.reshape(q, (BLOCK_M, BS))
+                sxs = sxs + (tl.reshape(tl.where(nonfinite, float("nan"), _pow2_f32(e)), (BLOCK_M,)),)
+            ps = ps + (tl.dot(w, tl.trans(q), out_dtype=tl.float32),)  # [BLOCK_N, BLOCK_M], raw fp8 bytes
+        for j in tl.static_range(KB):
+            if S32:
+                sw = _e8m0_to_f32((cur >> (8 * j)) & 0xFF)
+            else:
+                k = k_lo + (i * KB + j) * BS
+                sw = _e8m0_to_f32(tl.load(s_ptrs + i * KB + j, mask=(k < k_hi) & (offs_n >= 0), other=127))
+            acc += (ps[j] * sw[:, None]) * sxs[j][None, :]
+
+    nmask = offs_n < N
+    mask_t = nmask[:, None] & (offs_m < M)[None, :]
+    y_offs_t = offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
+    if SPLIT == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptr + y_offs_t, acc.to(y_ptr.dtype.element_ty), mask=mask_t)
+    else:
+        # fp32 partial [SPLIT, M, N] (stored from the accumulator layout, transposed addresses).
+        tl.store(ws_ptr + pid_k.to(tl.int64) * M * N + y_offs_t, acc, mask=mask_t)
+        if FUSED:
+            tl.debug_barrier()  # every thread's partial is stored before the release below
+            ticket = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if ticket == SPLIT - 1:
+                tot = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                for s in tl.static_range(SPLIT):  # split order: the same sum whoever is last
+                    tot += tl.load(ws_ptr + s * M * N + y_offs_t, mask=mask_t, other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    tot += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[:, None]
+                tl.store(y_ptr + y_offs_t, tot.to(y_ptr.dtype.element_ty), mask=mask_t)
+                tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+
+
+@dataclass(frozen=True)
+class DecodeF8Config:
+    """Tiles of ``_mx_decode_f8_kernel``."""
+
+    block_n: int = 128  # weight rows per program (the MMA's M side: 64 per warpgroup)
+    kb: int = 4  # 32-wide K blocks per loop step
+    num_warps: int = 4
+    num_stages: int = 2
+    split_k: int = 1
+    tma_w: bool = True
+    fused: bool = True  # split-K partials summed by the last split (else a reduction launch)
+    quant_x: bool = False  # X MX-quantized by a quantizer launch first (else rounded in the kernel)
+
+
+# Largest M on this path (W8A8 decode); the MMA's N side is max(16, next_pow2(M)).
+DECODE_F8_MAX_M = 64
+_COUNTERS: dict[int, torch.Tensor] = {}
+
+
+def split_counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """Zeroed int32 tickets (one per N tile) shared by every fused split-K launch on ``device``;
+    each launch leaves them at zero. None while a CUDA graph is being captured and none exist
+    yet (an allocation there would be uninitialised until the first replay): the caller then
+    sums the partials with the reduction kernel. Launches on two streams at once must not
+    share them (one stream per device, as inference runs)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device() if device.type == "cuda" else -1
+    buf = _COUNTERS.get(idx)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[idx] = buf
+    return buf
+
+
+def pick_decode_f8_config(m: int, n: int, k: int, device: torch.device) -> DecodeF8Config:
+    """Tiles from the shape alone. X quantized first, 2 stages (H200 sweep, kernels/NOTES.md
+    session 7); K split into the most pieces (<= 16, a power of two) that keep >= 8 steps of
+    128 per split and <= 4 programs per SM: the best measured split on all 8 Llama-3 8B/70B shapes."""
+    if INTERPRET or device.type != "cuda":
+        return DecodeF8Config(block_n=64, kb=4, split_k=2 if k >= 256 else 1, tma_w=False, quant_x=True)
+    sms = _sm_count(device)
+    cfg = DecodeF8Config(quant_x=True)
+    tiles = triton.cdiv(n, cfg.block_n)
+    steps = triton.cdiv(k, cfg.kb * 32)
+    split = 1
+    while split < 16 and steps // (split * 2) >= 8 and tiles * split * 2 <= 4 * sms:
+        split *= 2
+    return DecodeF8Config(cfg.block_n, cfg.kb, cfg.num_warps, cfg.num_stages, split, cfg.tma_w, cfg.fused, cfg.quant_x)
+
+
+def mx_decode_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    act_elem: ElemFormat = E4M3,
+    act_rule: ScaleRule = ScaleRule.RCEIL,
+    out_dtype: torch.dtype | None = None,
+    config: DecodeF8Config | None = None,
+    block_size: int = 32,
+) -> torch.Tensor:
+    """W8A8 Y [M, N] = MX(X) · dequant(W)ᵀ (+ bias) for M <= 64 on fp8 tensor cores (module doc).
+
+    X (bf16/fp16/fp32) is MX-rounded along K with ``act_elem`` / ``act_rule``: inside the kernel,
+    or (``config.quant_x``, and always for ScaleRule.MSE) by ``quantize.quantize_mx_rows`` first,
+    whose fp8 tiles then go to the MMA as loaded.
+    """
+    m, k = _check_gemm_args(x, weight, weight_scale, bias, block_size)
+    n = weight.shape[0]
+    if block_size != 32:
+        raise ValueError(f"mx_decode_gemm needs block_size=32 (one fp8 MMA per block), got {block_size}")
+    if m > DECODE_F8_MAX_M:
+        raise ValueError(f"mx_decode_gemm is for M <= {DECODE_F8_MAX_M}, got M={m}")
+    x, weight, weight_scale, y, done = _operands_and_output(x, weight, weight_scale, bias, out_dtype, n)
+    if done:
+        return y
+    cfg = config or pick_decode_f8_config(m, n, k, x.device)
+    step = cfg.kb * block_size
+    split = max(1, min(cfg.split_k, triton.cdiv(k, step)))
+    k_split = triton.cdiv(triton.cdiv(k, split), step) * step
+    split = triton.cdiv(k, k_split)
+    even_k = k % step == 0
+    tiles = triton.cdiv(n, cfg.block_n)
+    counters = split_counters(x.device, tiles) if split > 1 and cfg.fused else None
+    fused = counters is not None
+    ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
+    tma_w, w_arg = _tma(weight, [cfg.block_n, block_size], cfg.tma_w)
+    # Scales as one int32 word per row and step where every step's bytes are whole aligned words.
+    s32 = cfg.kb == 4 and even_k and weight_scale.stride(0) % 4 == 0 and weight_scale.data_ptr() % 4 == 0
+    qx = (cfg.quant_x or act_rule is ScaleRule.MSE) and s32
+    if act_rule is ScaleRule.MSE and not qx:
+        raise ValueError("mx_decode_gemm takes ScaleRule.MSE only with kb=4 and K % 128 == 0 (X quantized first)")
+    if qx:
+        x, xs = quantize_mx_rows(x, act_elem, act_rule, block_size)  # [M, K] fp8 + [M, K/32] scales
+    else:
+        xs = weight_scale
+    _mx_decode_f8_kernel[(tiles, split)](
+        x, xs, w_arg, weight_scale, bias if bias is not None else weight_scale, y, ws,
+        counters if fused else weight_scale,
+        m, n, k, k_split,
+        x.stride(0), xs.stride(0) // 4, weight.stride(0), weight_scale.stride(0), weight_scale.stride(0) // 4, n,
+        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg.block_n, KB=cfg.kb, BS=block_size, S32=s32, QX=qx,
+        SPLIT=split, FUSED=fused, HAS_BIAS=bias is not None, EVEN_K=even_k, TMA_W=tma_w,
+        EMAX=act_elem.emax, MBITS=act_elem.mbits, MAXN=act_elem.max_normal, EMIN=1 - act_elem.bias,
+        RULE=_RULE_ID[act_rule], HW_CVT=hw_cvt(x.device), FP8=fp8_dtype(act_elem),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if split > 1 and not fused:
+        _split_k_finish(ws, y, bias, split)
+    return y
