@@ -203,19 +203,21 @@ def split_counters(device: torch.device, n: int) -> torch.Tensor | None:
 
 
 def pick_decode_f8_config(m: int, n: int, k: int, device: torch.device) -> DecodeF8Config:
-    """Tiles from the shape alone. X quantized first, 2 stages (H200 sweep, kernels/NOTES.md
-    session 7); K split into the most pieces (<= 16, a power of two) that keep >= 8 steps of
-    128 per split and <= 4 programs per SM: the best measured split on all 8 Llama-3 8B/70B shapes."""
+    """Tiles from the shape alone (H200 sweeps, kernels/NOTES.md session 7). X quantized first;
+    K split into the most pieces (<= 16, a power of two) that keep >= 8 steps of 128 per split
+    and <= 4 programs per SM (the best measured split on all 8 Llama-3 8B/70B shapes); 3 stages
+    when that is at most one program per SM (8B o: 17.5 -> 13.1 µs), else 2 (more programs fit)."""
     if INTERPRET or device.type != "cuda":
         return DecodeF8Config(block_n=64, kb=4, split_k=2 if k >= 256 else 1, tma_w=False, quant_x=True)
     sms = _sm_count(device)
-    cfg = DecodeF8Config(quant_x=True)
-    tiles = triton.cdiv(n, cfg.block_n)
-    steps = triton.cdiv(k, cfg.kb * 32)
+    block_n, kb = 128, 4
+    tiles = triton.cdiv(n, block_n)
+    steps = triton.cdiv(k, kb * 32)
     split = 1
     while split < 16 and steps // (split * 2) >= 8 and tiles * split * 2 <= 4 * sms:
         split *= 2
-    return DecodeF8Config(cfg.block_n, cfg.kb, cfg.num_warps, cfg.num_stages, split, cfg.tma_w, cfg.fused, cfg.quant_x)
+    stages = 3 if tiles * split <= sms else 2
+    return DecodeF8Config(block_n=block_n, kb=kb, num_stages=stages, split_k=split, quant_x=True)
 
 
 def mx_decode_gemm(
