@@ -16,6 +16,8 @@ The result equals an fp32 product of the dequantized operands up to accumulation
 - Decode (small M): the same kernel with a narrow activation tile (16..64) is a weight
   stream; when N / BLOCK_N programs leave SMs idle, K is split and fp32 partials are summed
   (with the bias and the cast) by ``_splitk_reduce_kernel``.
+  W8A8 at 3 <= M <= 16 runs on fp8 tensor cores instead (``gemm_decode.py``, no weight
+  conversion); M <= 2 on the CUDA-core kernel ``_mx_gemv_kernel`` below.
 - sm_100+: ``_dot_scaled_kernel`` uses ``tl.dot_scaled``, the native MX MMA there. On Hopper
   Triton emulates it by upcasting both operands (slow); it is kept as a baseline.
 

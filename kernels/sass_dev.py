@@ -3,6 +3,7 @@
     python -m mxq.kernels.sass_dev [--block-n 64] [--warps 2] [--stages 3] [--maxnreg N] [--out DIR]
     python -m mxq.kernels.sass_dev --kernel gemm [--tile 256x128x64] [--warps 8] [--stages 3]
         [--loop old|zero_dot|peel] [--deq bf16|bits|fp32] [--ptxas PATH] [--out DIR]
+    python -m mxq.kernels.sass_dev --kernel decode_f8 [--tile 16x128x4] [--split-k 4] [--quant-x] [--stages 2]
 
 Compiles a kernel for sm_90 on the CPU machine — Triton's compiler, ptxas and ``cuobjdump`` need
 no GPU — and prints the registers per thread and, for the main loop (the first backward branch),
@@ -10,7 +11,8 @@ the SASS instruction count per warp per iteration with its opcode histogram. ``d
 attention decode kernel (``attention._decode_gqa_kernel``, B=4 Hq=32 Hkv=8 D=128 bf16, E4M3, Q/K
 rotation on). ``gemm``: ``gemm._mx_gemm_kernel`` with TMA tiles as the prefill dispatch runs it,
 and also the wgmma register hazards in its loop (``wgmma_register_hazards``): registers of a
-wgmma's left operand written while that wgmma may still be in flight. ``--ptxas`` makes Triton use that ptxas
+wgmma's left operand written while that wgmma may still be in flight. ``decode_f8``: the fp8
+tensor-core decode GEMM (``gemm_decode._mx_decode_f8_kernel``; tile = BLOCK_M x BLOCK_N x blocks per step). ``--ptxas`` makes Triton use that ptxas
 (default: Triton's choice, which mxq points at a ptxas >= 13.3 where one is installed). Integer arguments are marked
 divisible by 16 the way the launcher specializes them at the benchmark shapes (without it the
 compiler cannot prove 16-byte alignment and the code differs from what runs). DIR gets the

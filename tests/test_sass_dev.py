@@ -96,6 +96,19 @@ def test_gemm_prefill_register_hazard_follows_ptxas(tmp_path):
         assert _hazards(out) == 0, tile
 
 
+def test_decode_f8_converts_no_weight_element(tmp_path):
+    """The fp8 tensor-core decode GEMM (kernels/gemm_decode.py, dispatched W8A8 at 3 <= M <= 16)
+    compiled for sm_90: per step of 4 MX blocks and 128 weight rows, 8 fp8 wgmmas (m64n16k32,
+    one per block per warpgroup half) and no conversion instruction in the loop (the weight
+    goes from TMA to the MMA as fp8 bytes; only the accumulator is rescaled)."""
+    out = _cli("--kernel", "decode_f8", "--tile", "16x128x4", "--split-k", "4", "--quant-x", "--stages", "2",
+               "--out", str(tmp_path))  # fmt: skip
+    ops = sass_dev.main_loop_histogram((tmp_path / "k.sass").read_text())[1]
+    assert ops["QGMMA"] == 8 and ops["HGMMA"] == 0
+    assert not any(ops[o] for o in ("F2FP", "F2F", "HADD2", "I2F")), dict(ops)
+    assert "registers/thread" in out
+
+
 def test_prefer_fixed_ptxas_respects_the_user(monkeypatch, tmp_path):
     from mxq.kernels import toolchain
 
