@@ -44,6 +44,7 @@ from mxq.kernels.gemm import (
     _operands_and_output,
     _sm_count,
     _split_k_finish,
+    _split_k_plan,
     _tma,
 )
 from mxq.kernels.quantize import (
@@ -248,15 +249,10 @@ def mx_decode_gemm(
     if done:
         return y
     cfg = config or pick_decode_f8_config(m, n, k, x.device)
-    step = cfg.kb * block_size
-    split = max(1, min(cfg.split_k, triton.cdiv(k, step)))
-    k_split = triton.cdiv(triton.cdiv(k, split), step) * step
-    split = triton.cdiv(k, k_split)
-    even_k = k % step == 0
+    split, k_split, even_k, ws = _split_k_plan(y, k, cfg.split_k, cfg.kb * block_size)
     tiles = triton.cdiv(n, cfg.block_n)
     counters = split_counters(x.device, tiles) if split > 1 and cfg.fused else None
     fused = counters is not None
-    ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     tma_w, w_arg = _tma(weight, [cfg.block_n, block_size], cfg.tma_w)
     # Scales as one int32 word per row and step where every step's bytes are whole aligned words.
     s32 = cfg.kb == 4 and even_k and weight_scale.stride(0) % 4 == 0 and weight_scale.data_ptr() % 4 == 0

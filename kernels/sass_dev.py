@@ -65,12 +65,26 @@ def compile_decode(block_n=64, warps=2, stages=3, maxnreg=None, gp=4, block_d=12
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
+def _compile_sm90(fn, cons: dict, ptrs: dict, warps: int, stages: int, not_div16=frozenset()):
+    """Compile ``fn`` for sm_90: ``cons`` constexprs, ``ptrs`` pointer/descriptor types, every other
+    argument i32; integers and pointers marked divisible by 16 (as the launcher specializes them at
+    the benchmark shapes) except ``not_div16``."""
+    names = fn.arg_names
+    sig = {n: "constexpr" if n in cons else ptrs.get(n, "i32") for n in names}
+    attrs = {
+        (names.index(n),): [["tt.divisibility", 16]]
+        for n in names
+        if (sig[n] == "i32" and n not in not_div16) or sig[n].startswith("*")
+    }
+    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in cons.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+
+
 def compile_gemm(block_m=256, block_n=128, block_k=64, warps=8, stages=3, loop="zero_dot", deq="bf16", tma_x=True, tma_w=True, split_k=1):
     """``_mx_gemm_kernel`` for sm_90 as the dispatch launches it (bf16 X, E4M3 W, no bias)."""
     from mxq.kernels import gemm as G
 
     fn = G._mx_gemm_kernel
-    names = fn.arg_names
     cons = dict(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BS=32, GROUP=8, DOT=tl.bfloat16, PRECISION="tf32",
         HAS_BIAS=False, SPLIT_K=split_k, EVEN_K=True, TMA_X=tma_x, TMA_W=tma_w, SCALE_GATHER=False,
@@ -82,10 +96,7 @@ def compile_gemm(block_m=256, block_n=128, block_k=64, warps=8, stages=3, loop="
         "w_ptr": f"tensordesc<fp8e4nv[{block_n}, {block_k}]>" if tma_w else "*fp8e4nv",
         "s_ptr": "*u8", "b_ptr": "*u8", "y_ptr": "*bf16" if split_k == 1 else "*fp32",
     }  # fmt: skip
-    sig = {n: "constexpr" if n in cons else ptrs.get(n, "i32") for n in names}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n] == "i32" or sig[n].startswith("*")}
-    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in cons.items()}, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    return _compile_sm90(fn, cons, ptrs, warps, stages)
 
 
 def compile_decode_f8(block_m=16, block_n=128, kb=4, warps=4, stages=4, split=4, tma_w=True, fused=True, qx=False):
@@ -93,7 +104,6 @@ def compile_decode_f8(block_m=16, block_n=128, kb=4, warps=4, stages=4, split=4,
     from mxq.kernels import gemm_decode as G
 
     fn = G._mx_decode_f8_kernel
-    names = fn.arg_names
     cons = dict(
         BLOCK_M=block_m, BLOCK_N=block_n, KB=kb, BS=32, S32=kb == 4, QX=qx, SPLIT=split, FUSED=fused, HAS_BIAS=False, EVEN_K=True,
         TMA_W=tma_w, EMAX=E4M3.emax, MBITS=E4M3.mbits, MAXN=E4M3.max_normal, EMIN=1 - E4M3.bias,
@@ -103,10 +113,7 @@ def compile_decode_f8(block_m=16, block_n=128, kb=4, warps=4, stages=4, split=4,
         "x_ptr": "*fp8e4nv" if qx else "*bf16", "xs_ptr": "*u8", "w_ptr": f"tensordesc<fp8e4nv[{block_n}, 32]>" if tma_w else "*fp8e4nv",
         "s_ptr": "*u8", "b_ptr": "*u8", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
     }  # fmt: skip
-    sig = {n: "constexpr" if n in cons else ptrs.get(n, "i32") for n in names}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if (sig[n] == "i32" and n != "M") or sig[n].startswith("*")}
-    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in cons.items()}, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    return _compile_sm90(fn, cons, ptrs, warps, stages, not_div16={"M"})
 
 
 _INS = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)\s*([^;]*);")
