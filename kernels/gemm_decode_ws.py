@@ -1,0 +1,304 @@
+"""W8A8 decode GEMM on fp8 tensor cores, warp-specialized (Gluon, Hopper sm_90).
+
+The same function as ``gemm_decode._mx_decode_f8_kernel`` (read its module doc first):
+
+    Yᵀ[n, m] = Σ_b  2**sw[n, b] · 2**sx[m, b] · Σ_{k in block b} w[n, k] · q[m, k]
+
+one fp8 wgmma (k32) per MX block on the raw bytes of W and of X (quantized first by
+``quantize_mx_rows``), each block product scaled by its two powers of two into an fp32
+accumulator. What differs is the schedule, which plain Triton does not let us write
+(kernels/NOTES.md session 7: that kernel is latency bound, 1.3-3.1 TB/s):
+
+- a **loader warp** streams W and X tiles through a ring of shared-memory stages with TMA and
+  mbarriers, as far ahead as the ring allows, independent of the math;
+- the **math warpgroup** issues the KB block products of step i asynchronously and, while the
+  tensor core runs them, rescales the products of step i-1 into the accumulator; then it waits,
+  releases the stage to the loader and goes on. Scale words (4 blocks = one int32 per row) are
+  loaded straight into the accumulator's row / column layouts, a step before they are used: no
+  layout conversion, no shared-memory round trip, no barrier per block.
+
+Split-K as in ``gemm_decode`` (fp32 partials, an atomic ticket per N tile, the last split sums
+the partials in split order and resets the ticket). Shapes: M <= 16, K % 128 == 0
+(whole int32 scale words per step); other shapes take ``gemm_decode``. This module needs Gluon
+(Triton >= 3.5) and runs only on a GPU: the Triton interpreter cannot run Gluon, so the CPU
+tests compile it for sm_90 (tests/test_sass_dev.py) and the GPU tests compare it with the torch
+reference and with ``mx_decode_gemm``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from mxq.formats import E4M3, ElemFormat, ScaleRule
+
+try:  # Gluon: Triton >= 3.5
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - older Triton
+    HAVE_GLUON = False
+
+BS = 32  # MX block = one fp8 wgmma's K
+KB = 4  # blocks per step: one int32 scale word per row
+# Largest M: the math warpgroup holds 2 x KB block products [BLOCK_N, 16] (in flight + being rescaled)
+# and the accumulator, 144 of its ~232 registers at M <= 16; BLOCK_M 32 would spill.
+WS_MAX_M = 16
+
+
+def _stub(*args, **kwargs):  # pragma: no cover
+    raise RuntimeError("gemm_decode_ws needs Gluon (triton >= 3.5)")
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _e8m0(word, j: gl.constexpr):
+        """Byte j of each int32 scale word -> fp32 2**(byte-127); 0 -> 2**-127, 255 -> NaN."""
+        si = (word >> (8 * j)) & 0xFF
+        f = (si << 23).to(gl.float32, bitcast=True)
+        f = gl.where(si == 0, 5.877471754111438e-39, f)
+        return gl.where(si == 255, float("nan"), f)
+
+    @gluon.jit
+    def _rescale(acc, p0, p1, p2, p3, sw, sx):
+        """acc += Σ_j p_j · 2**sw_j[n] · 2**sx_j[m] for the KB = 4 block products of one step."""
+        acc += p0 * (_e8m0(sw, 0)[:, None] * _e8m0(sx, 0)[None, :])
+        acc += p1 * (_e8m0(sw, 1)[:, None] * _e8m0(sx, 1)[None, :])
+        acc += p2 * (_e8m0(sw, 2)[:, None] * _e8m0(sx, 2)[None, :])
+        acc += p3 * (_e8m0(sw, 3)[:, None] * _e8m0(sx, 3)[None, :])
+        return acc
+
+    @gluon.jit
+    def _issue(w_smem, x_smem, slot, zero):
+        """The KB block products of one stage, asynchronous (tokens; wait before reading)."""
+        p0 = warpgroup_mma(w_smem.index(slot * 4 + 0), x_smem.index(slot * 4 + 0).permute((1, 0)), zero, use_acc=False, is_async=True)
+        p1 = warpgroup_mma(w_smem.index(slot * 4 + 1), x_smem.index(slot * 4 + 1).permute((1, 0)), zero, use_acc=False, is_async=True)
+        p2 = warpgroup_mma(w_smem.index(slot * 4 + 2), x_smem.index(slot * 4 + 2).permute((1, 0)), zero, use_acc=False, is_async=True)
+        p3 = warpgroup_mma(w_smem.index(slot * 4 + 3), x_smem.index(slot * 4 + 3).permute((1, 0)), zero, use_acc=False, is_async=True)
+        return p0, p1, p2, p3
+
+    @gluon.jit
+    def _loader(w_desc, x_desc, w_smem, x_smem, ready, empty, n0, k_lo, n_iter, STAGES: gl.constexpr):
+        """Loader warp: TMA tiles of W [BLOCK_N, 32] and X [BLOCK_M, 32], 4 blocks per stage."""
+        nbytes: gl.constexpr = 4 * (w_desc.block_type.nbytes + x_desc.block_type.nbytes)
+        for i in range(n_iter):
+            s = i % STAGES
+            # a fresh barrier counts as having completed the phase before 0: the first round passes
+            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, nbytes)
+            for j in gl.static_range(4):
+                k = k_lo + (i * 4 + j) * 32
+                tma.async_copy_global_to_shared(w_desc, [n0, k], bar, w_smem.index(s * 4 + j))
+                tma.async_copy_global_to_shared(x_desc, [0, k], bar, x_smem.index(s * 4 + j))
+
+    @gluon.jit
+    def _math(
+        w_smem, x_smem, ready, empty, s_ptr, xs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
+        M, N, stride_sn4, stride_xsm4, stride_ym, pid_n, pid_k, k_lo, n_iter,
+        BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+        FUSED: gl.constexpr, HAS_BIAS: gl.constexpr,
+    ):  # fmt: skip
+        """Math warpgroup: block products of step i in flight while step i-1 is rescaled."""
+        acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 32])
+        row_l: gl.constexpr = gl.SliceLayout(1, acc_l)
+        col_l: gl.constexpr = gl.SliceLayout(0, acc_l)
+        offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=row_l)
+        offs_m = gl.arange(0, BLOCK_M, layout=col_l)
+        nmask = offs_n < N
+        mmask = offs_m < M
+        w0 = k_lo // 128
+        s_ptrs = s_ptr + offs_n.to(gl.int64) * stride_sn4 + w0
+        xs_ptrs = xs_ptr + offs_m * stride_xsm4 + w0
+        zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_l)
+        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_l)
+
+        mbarrier.wait(ready.index(0), 0)
+        q0, q1, q2, q3 = _issue(w_smem, x_smem, 0, zero)
+        sw = gl.load(s_ptrs, mask=nmask, other=0x7F7F7F7F)
+        sx = gl.load(xs_ptrs, mask=mmask, other=0x7F7F7F7F)
+        p0, p1, p2, p3 = warpgroup_mma_wait(num_outstanding=0, deps=(q0, q1, q2, q3))
+        mbarrier.arrive(empty.index(0))
+        for i in range(1, n_iter):
+            s = i % STAGES
+            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            q0, q1, q2, q3 = _issue(w_smem, x_smem, s, zero)
+            sw_next = gl.load(s_ptrs + i, mask=nmask, other=0x7F7F7F7F)
+            sx_next = gl.load(xs_ptrs + i, mask=mmask, other=0x7F7F7F7F)
+            acc = _rescale(acc, p0, p1, p2, p3, sw, sx)  # step i-1, while step i is on the tensor core
+            p0, p1, p2, p3 = warpgroup_mma_wait(num_outstanding=0, deps=(q0, q1, q2, q3))
+            mbarrier.arrive(empty.index(s))
+            sw = sw_next
+            sx = sx_next
+        acc = _rescale(acc, p0, p1, p2, p3, sw, sx)
+
+        mask_t = nmask[:, None] & mmask[None, :]
+        y_offs_t = offs_m.to(gl.int64)[None, :] * stride_ym + offs_n[:, None]
+        if SPLIT == 1:
+            if HAS_BIAS:
+                acc += gl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(gl.float32)[:, None]
+            gl.store(y_ptr + y_offs_t, acc.to(y_ptr.dtype.element_ty), mask=mask_t)
+        else:
+            gl.store(ws_ptr + pid_k.to(gl.int64) * M * N + y_offs_t, acc, mask=mask_t)
+            if FUSED:
+                gl.thread_barrier()  # every thread's partial is stored before the release below
+                ticket = gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+                if ticket == SPLIT - 1:
+                    tot = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_l)
+                    for sp in gl.static_range(SPLIT):  # split order: the same sum whoever is last
+                        tot += gl.load(ws_ptr + sp * M * N + y_offs_t, mask=mask_t, other=0.0, cache_modifier=".cg")
+                    if HAS_BIAS:
+                        tot += gl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(gl.float32)[:, None]
+                    gl.store(y_ptr + y_offs_t, tot.to(y_ptr.dtype.element_ty), mask=mask_t)
+                    gl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+
+    @gluon.jit
+    def _mx_decode_ws_kernel(
+        w_desc, x_desc, s_ptr, xs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
+        M, N, K, K_SPLIT, stride_sn4, stride_xsm4, stride_ym,
+        BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+        FUSED: gl.constexpr, HAS_BIAS: gl.constexpr, LOADER_REGS: gl.constexpr,
+    ):  # fmt: skip
+        """Yᵀ tile [BLOCK_N, BLOCK_M] over this program's K range (4 warps of math + 1 loader warp)."""
+        pid_n = gl.program_id(0)
+        pid_k = gl.program_id(1)
+        k_lo = pid_k * K_SPLIT
+        n_iter = gl.cdiv(gl.minimum(k_lo + K_SPLIT, K) - k_lo, 128)
+        w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES * 4, BLOCK_N, 32], w_desc.layout)
+        x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES * 4, BLOCK_M, 32], x_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=1)
+        gl.warp_specialize(
+            [
+                (_math, (w_smem, x_smem, ready, empty, s_ptr, xs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
+                         M, N, stride_sn4, stride_xsm4, stride_ym, pid_n, pid_k, k_lo, n_iter,
+                         BLOCK_N, BLOCK_M, STAGES, SPLIT, FUSED, HAS_BIAS)),
+                (_loader, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BLOCK_N, k_lo, n_iter, STAGES)),
+            ],
+            [1],
+            [LOADER_REGS],
+        )  # fmt: skip
+        for s in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(s))
+            mbarrier.invalidate(empty.index(s))
+
+else:  # pragma: no cover
+    _mx_decode_ws_kernel = _stub
+
+
+@dataclass(frozen=True)
+class DecodeWSConfig:
+    """Tiles of ``_mx_decode_ws_kernel``."""
+
+    block_n: int = 128  # weight rows per program (the MMA's M side; 4 warps = one warpgroup)
+    stages: int = 4  # ring depth in steps of 4 blocks (a step = BLOCK_N x 128 fp8 bytes of W)
+    split_k: int = 1
+    fused: bool = True
+    # Registers: Triton launches 2 warpgroups (math + the loader's, padded) with ``maxnreg`` each,
+    # then moves the loader's down to ``loader_regs`` and the math warpgroup up by the same amount.
+    # 128 lets 2 programs share an SM (256 threads x 128 x 2 = the 64K register file).
+    maxnreg: int = 128
+    loader_regs: int = 24
+
+
+def ws_supported(m: int, k: int, block_size: int, device: torch.device) -> bool:
+    """Whether this kernel takes the shape: Gluon present, a Hopper GPU (wgmma), M <= WS_MAX_M,
+    K % 128 == 0 (whole scale words per step), MX block 32."""
+    return (
+        HAVE_GLUON
+        and device.type == "cuda"
+        and torch.cuda.get_device_capability(device)[0] == 9
+        and 1 <= m <= WS_MAX_M
+        and k % 128 == 0
+        and block_size == BS
+    )
+
+
+def pick_decode_ws_config(m: int, n: int, k: int, device: torch.device) -> DecodeWSConfig:
+    """Split K until the programs cover the SMs about twice, keeping >= 4 steps per split."""
+    from mxq.kernels.gemm import _sm_count
+
+    sms = _sm_count(device)
+    tiles = triton.cdiv(n, 128)
+    steps = k // 128
+    split = 1
+    while split < 16 and steps // (split * 2) >= 4 and tiles * split < 2 * sms:
+        split *= 2
+    return DecodeWSConfig(block_n=128, stages=4, split_k=split)
+
+
+def mx_decode_gemm_ws(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    act_elem: ElemFormat = E4M3,
+    act_rule: ScaleRule = ScaleRule.RCEIL,
+    out_dtype: torch.dtype | None = None,
+    config: DecodeWSConfig | None = None,
+    block_size: int = 32,
+) -> torch.Tensor:
+    """W8A8 Y [M, N] = MX(X) · dequant(W)ᵀ (+ bias), M <= 16, on a Hopper GPU (module doc).
+
+    X (bf16/fp16/fp32) is MX-quantized along K by ``quantize_mx_rows`` (any ScaleRule), then
+    this kernel runs. Same result as ``gemm_decode.mx_decode_gemm`` up to fp32 accumulation order.
+    """
+    from mxq.kernels.gemm import _check_gemm_args, _operands_and_output, _split_k_plan
+    from mxq.kernels.gemm_decode import split_counters
+    from mxq.kernels.quantize import quantize_mx_rows
+
+    m, k = _check_gemm_args(x, weight, weight_scale, bias, block_size)
+    n = weight.shape[0]
+    if not ws_supported(m, k, block_size, x.device):
+        raise ValueError(
+            f"mx_decode_gemm_ws needs Gluon, a Hopper GPU, M <= {WS_MAX_M}, K % 128 == 0 and block 32; got M={m}, K={k}, "
+            f"block {block_size} on {x.device}"
+        )
+    x, weight, weight_scale, y, done = _operands_and_output(x, weight, weight_scale, bias, out_dtype, n)
+    if done:
+        return y
+    if weight.stride(1) != 1 or weight.stride(0) % 16 or weight.data_ptr() % 16:
+        weight = weight.contiguous()
+    if weight_scale.stride(1) != 1 or weight_scale.stride(0) % 4 or weight_scale.data_ptr() % 4:
+        weight_scale = weight_scale.contiguous()
+    cfg = config or pick_decode_ws_config(m, n, k, x.device)
+    block_m = max(16, triton.next_power_of_2(m))
+    split, k_split, _, ws = _split_k_plan(y, k, cfg.split_k, KB * BS)
+    tiles = triton.cdiv(n, cfg.block_n)
+    counters = split_counters(x.device, tiles) if split > 1 and cfg.fused else None
+    fused = counters is not None
+    xq, xs = quantize_mx_rows(x, act_elem, act_rule, block_size)  # [M, K] fp8, [M, K/32] u8 (contiguous)
+    w_gl = gl.float8e4nv if weight.dtype == torch.float8_e4m3fn else gl.float8e5
+    x_gl = gl.float8e4nv if xq.dtype == torch.float8_e4m3fn else gl.float8e5
+    w_desc = TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [cfg.block_n, BS],
+                              gl.NVMMASharedLayout.get_default_for([cfg.block_n, BS], w_gl))  # fmt: skip
+    x_desc = TensorDescriptor(xq, list(xq.shape), list(xq.stride()), [block_m, BS],
+                              gl.NVMMASharedLayout.get_default_for([block_m, BS], x_gl))  # fmt: skip
+    s32 = weight_scale.view(torch.int32)
+    xs32 = xs.view(torch.int32)
+    _mx_decode_ws_kernel[(tiles, split)](
+        w_desc, x_desc, s32, xs32, bias if bias is not None else s32, y, ws, counters if fused else s32,
+        m, n, k, k_split, s32.stride(0), xs32.stride(0), n,
+        BLOCK_N=cfg.block_n, BLOCK_M=block_m, STAGES=cfg.stages, SPLIT=split, FUSED=fused,
+        HAS_BIAS=bias is not None, LOADER_REGS=cfg.loader_regs, num_warps=4, maxnreg=cfg.maxnreg,
+    )  # fmt: skip
+    if split > 1 and not fused:
+        from mxq.kernels.gemm import _split_k_finish
+
+        _split_k_finish(ws, y, bias, split)
+    return y
