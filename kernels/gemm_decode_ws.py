@@ -80,35 +80,45 @@ if HAVE_GLUON:
         return acc
 
     @gluon.jit
-    def _issue(w_smem, x_smem, slot, zero):
+    def _block(smem, slot, j: gl.constexpr, BOX: gl.constexpr):
+        """Block j (32 K-columns) of stage ``slot``: its own tile (BOX = 32) or a 32-column slice
+        of the stage's one [rows, 128] tile (BOX = 128, 128-byte swizzle)."""
+        if BOX == 32:
+            return smem.index(slot * 4 + j)
+        else:
+            return smem.index(slot).slice(j * 32, 32, dim=1)
+
+    @gluon.jit
+    def _issue(w_smem, x_smem, slot, zero, BOX: gl.constexpr):
         """The KB block products of one stage, asynchronous (tokens; wait before reading)."""
-        p0 = warpgroup_mma(w_smem.index(slot * 4 + 0), x_smem.index(slot * 4 + 0).permute((1, 0)), zero, use_acc=False, is_async=True)
-        p1 = warpgroup_mma(w_smem.index(slot * 4 + 1), x_smem.index(slot * 4 + 1).permute((1, 0)), zero, use_acc=False, is_async=True)
-        p2 = warpgroup_mma(w_smem.index(slot * 4 + 2), x_smem.index(slot * 4 + 2).permute((1, 0)), zero, use_acc=False, is_async=True)
-        p3 = warpgroup_mma(w_smem.index(slot * 4 + 3), x_smem.index(slot * 4 + 3).permute((1, 0)), zero, use_acc=False, is_async=True)
+        p0 = warpgroup_mma(_block(w_smem, slot, 0, BOX), _block(x_smem, slot, 0, BOX).permute((1, 0)), zero, use_acc=False, is_async=True)
+        p1 = warpgroup_mma(_block(w_smem, slot, 1, BOX), _block(x_smem, slot, 1, BOX).permute((1, 0)), zero, use_acc=False, is_async=True)
+        p2 = warpgroup_mma(_block(w_smem, slot, 2, BOX), _block(x_smem, slot, 2, BOX).permute((1, 0)), zero, use_acc=False, is_async=True)
+        p3 = warpgroup_mma(_block(w_smem, slot, 3, BOX), _block(x_smem, slot, 3, BOX).permute((1, 0)), zero, use_acc=False, is_async=True)
         return p0, p1, p2, p3
 
     @gluon.jit
-    def _loader(w_desc, x_desc, w_smem, x_smem, ready, empty, n0, k_lo, n_iter, STAGES: gl.constexpr):
-        """Loader warp: TMA tiles of W [BLOCK_N, 32] and X [BLOCK_M, 32], 4 blocks per stage."""
-        nbytes: gl.constexpr = 4 * (w_desc.block_type.nbytes + x_desc.block_type.nbytes)
+    def _loader(w_desc, x_desc, w_smem, x_smem, ready, empty, n0, k_lo, n_iter, STAGES: gl.constexpr, BOX: gl.constexpr):
+        """Loader warp: TMA tiles of W [BLOCK_N, BOX] and X [BLOCK_M, BOX], 128 K-columns per stage."""
+        NBOX: gl.constexpr = 128 // BOX
+        nbytes: gl.constexpr = NBOX * (w_desc.block_type.nbytes + x_desc.block_type.nbytes)
         for i in range(n_iter):
             s = i % STAGES
             # a fresh barrier counts as having completed the phase before 0: the first round passes
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
             bar = ready.index(s)
             mbarrier.expect(bar, nbytes)
-            for j in gl.static_range(4):
-                k = k_lo + (i * 4 + j) * 32
-                tma.async_copy_global_to_shared(w_desc, [n0, k], bar, w_smem.index(s * 4 + j))
-                tma.async_copy_global_to_shared(x_desc, [0, k], bar, x_smem.index(s * 4 + j))
+            for j in gl.static_range(NBOX):
+                k = k_lo + i * 128 + j * BOX
+                tma.async_copy_global_to_shared(w_desc, [n0, k], bar, w_smem.index(s * NBOX + j))
+                tma.async_copy_global_to_shared(x_desc, [0, k], bar, x_smem.index(s * NBOX + j))
 
     @gluon.jit
     def _math(
         w_smem, x_smem, ready, empty, s_ptr, xs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
         M, N, stride_sn4, stride_xsm4, stride_ym, pid_n, pid_k, k_lo, n_iter,
         BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-        FUSED: gl.constexpr, HAS_BIAS: gl.constexpr,
+        FUSED: gl.constexpr, HAS_BIAS: gl.constexpr, BOX: gl.constexpr,
     ):  # fmt: skip
         """Math warpgroup: block products of step i in flight while step i-1 is rescaled."""
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 32])
@@ -125,7 +135,7 @@ if HAVE_GLUON:
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_l)
 
         mbarrier.wait(ready.index(0), 0)
-        q0, q1, q2, q3 = _issue(w_smem, x_smem, 0, zero)
+        q0, q1, q2, q3 = _issue(w_smem, x_smem, 0, zero, BOX)
         sw = gl.load(s_ptrs, mask=nmask, other=0x7F7F7F7F)
         sx = gl.load(xs_ptrs, mask=mmask, other=0x7F7F7F7F)
         p0, p1, p2, p3 = warpgroup_mma_wait(num_outstanding=0, deps=(q0, q1, q2, q3))
@@ -133,7 +143,7 @@ if HAVE_GLUON:
         for i in range(1, n_iter):
             s = i % STAGES
             mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-            q0, q1, q2, q3 = _issue(w_smem, x_smem, s, zero)
+            q0, q1, q2, q3 = _issue(w_smem, x_smem, s, zero, BOX)
             sw_next = gl.load(s_ptrs + i, mask=nmask, other=0x7F7F7F7F)
             sx_next = gl.load(xs_ptrs + i, mask=mmask, other=0x7F7F7F7F)
             acc = _rescale(acc, p0, p1, p2, p3, sw, sx)  # step i-1, while step i is on the tensor core
@@ -168,15 +178,15 @@ if HAVE_GLUON:
         w_desc, x_desc, s_ptr, xs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
         M, N, K, K_SPLIT, stride_sn4, stride_xsm4, stride_ym,
         BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-        FUSED: gl.constexpr, HAS_BIAS: gl.constexpr, LOADER_REGS: gl.constexpr,
+        FUSED: gl.constexpr, HAS_BIAS: gl.constexpr, LOADER_REGS: gl.constexpr, BOX: gl.constexpr,
     ):  # fmt: skip
         """Yᵀ tile [BLOCK_N, BLOCK_M] over this program's K range (4 warps of math + 1 loader warp)."""
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
         k_lo = pid_k * K_SPLIT
         n_iter = gl.cdiv(gl.minimum(k_lo + K_SPLIT, K) - k_lo, 128)
-        w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES * 4, BLOCK_N, 32], w_desc.layout)
-        x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES * 4, BLOCK_M, 32], x_desc.layout)
+        w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES * (128 // BOX), BLOCK_N, BOX], w_desc.layout)
+        x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES * (128 // BOX), BLOCK_M, BOX], x_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
@@ -186,8 +196,8 @@ if HAVE_GLUON:
             [
                 (_math, (w_smem, x_smem, ready, empty, s_ptr, xs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
                          M, N, stride_sn4, stride_xsm4, stride_ym, pid_n, pid_k, k_lo, n_iter,
-                         BLOCK_N, BLOCK_M, STAGES, SPLIT, FUSED, HAS_BIAS)),
-                (_loader, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BLOCK_N, k_lo, n_iter, STAGES)),
+                         BLOCK_N, BLOCK_M, STAGES, SPLIT, FUSED, HAS_BIAS, BOX)),
+                (_loader, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BLOCK_N, k_lo, n_iter, STAGES, BOX)),
             ],
             [1],
             [LOADER_REGS],
@@ -213,6 +223,7 @@ class DecodeWSConfig:
     # 128 lets 2 programs share an SM (256 threads x 128 x 2 = the 64K register file).
     maxnreg: int = 128
     loader_regs: int = 24
+    box: int = 32  # TMA box width in K bytes: 32 (a tile per block) or 128 (one tile per step, sliced)
 
 
 def ws_supported(m: int, k: int, block_size: int, device: torch.device) -> bool:
@@ -285,17 +296,17 @@ def mx_decode_gemm_ws(
     xq, xs = quantize_mx_rows(x, act_elem, act_rule, block_size)  # [M, K] fp8, [M, K/32] u8 (contiguous)
     w_gl = gl.float8e4nv if weight.dtype == torch.float8_e4m3fn else gl.float8e5
     x_gl = gl.float8e4nv if xq.dtype == torch.float8_e4m3fn else gl.float8e5
-    w_desc = TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [cfg.block_n, BS],
-                              gl.NVMMASharedLayout.get_default_for([cfg.block_n, BS], w_gl))  # fmt: skip
-    x_desc = TensorDescriptor(xq, list(xq.shape), list(xq.stride()), [block_m, BS],
-                              gl.NVMMASharedLayout.get_default_for([block_m, BS], x_gl))  # fmt: skip
+    w_desc = TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [cfg.block_n, cfg.box],
+                              gl.NVMMASharedLayout.get_default_for([cfg.block_n, cfg.box], w_gl))  # fmt: skip
+    x_desc = TensorDescriptor(xq, list(xq.shape), list(xq.stride()), [block_m, cfg.box],
+                              gl.NVMMASharedLayout.get_default_for([block_m, cfg.box], x_gl))  # fmt: skip
     s32 = weight_scale.view(torch.int32)
     xs32 = xs.view(torch.int32)
     _mx_decode_ws_kernel[(tiles, split)](
         w_desc, x_desc, s32, xs32, bias if bias is not None else s32, y, ws, counters if fused else s32,
         m, n, k, k_split, s32.stride(0), xs32.stride(0), n,
         BLOCK_N=cfg.block_n, BLOCK_M=block_m, STAGES=cfg.stages, SPLIT=split, FUSED=fused,
-        HAS_BIAS=bias is not None, LOADER_REGS=cfg.loader_regs, num_warps=4, maxnreg=cfg.maxnreg,
+        HAS_BIAS=bias is not None, LOADER_REGS=cfg.loader_regs, num_warps=4, maxnreg=cfg.maxnreg, BOX=cfg.box,
     )  # fmt: skip
     if split > 1 and not fused:
         from mxq.kernels.gemm import _split_k_finish
