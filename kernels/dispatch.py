@@ -25,11 +25,12 @@ from mxq.kernels.reference import mx_linear_reference
 try:
     from mxq.kernels import gemm as _gemm
     from mxq.kernels import gemm_decode as _decode
+    from mxq.kernels import gemm_decode_ws as _decode_ws
     from mxq.kernels import quantize as _quantize
 
     HAS_TRITON = True
 except ImportError:  # no triton wheel (macOS, Windows): the reference runs everywhere
-    _gemm = _decode = _quantize = None
+    _gemm = _decode = _decode_ws = _quantize = None
     HAS_TRITON = False
 
 _CAPABILITY: dict[int, tuple[int, int]] = {}
@@ -40,6 +41,10 @@ FORCE_REFERENCE = os.environ.get("MXQ_KERNELS", "").lower() == "reference"
 # (kernels/NOTES.md session 7): 1.0-1.7x the emulation at M = 4 and 16; M <= 2 stays on the
 # CUDA-core kernel (faster on 6 of 8 shapes at M = 1); M > 16 not measured faster yet.
 DECODE_F8_DISPATCH_M = 16
+# On Hopper (sm_90) with Gluon, K % 128 == 0: the warp-specialized version of that kernel
+# (gemm_decode_ws: TMA loader warp, block products overlapped with the rescale), H200 session 8:
+# 1.0-1.3x gemm_decode at M = 16. MXQ_DECODE_WS=0 keeps gemm_decode.
+DECODE_WS = os.environ.get("MXQ_DECODE_WS", "1") != "0"
 
 
 def _capability(device: torch.device) -> tuple[int, int]:
@@ -84,7 +89,7 @@ def mx_linear(
     cap = _capability(x.device)
     return mx_linear_triton(
         x, weight, weight_scale, bias, act_elem=act_elem, act_rule=act_rule,
-        block_size=block_size, native=cap[0] >= 10, fp8_mma=cap >= (8, 9),
+        block_size=block_size, native=cap[0] >= 10, fp8_mma=cap >= (8, 9), hopper=cap[0] == 9,
     )  # fmt: skip
 
 
@@ -98,8 +103,17 @@ def path_name(m: int, n: int, k: int, device: torch.device, w8a8: bool = True) -
     if m <= _gemm.GEMV_MAX_M:
         return f"CUDA-core gemv {_gemm.pick_gemv_config(m, n, k, device)}"
     if w8a8 and cap >= (8, 9) and m <= DECODE_F8_DISPATCH_M:
+        if _use_ws(m, k, 32, cap[0] == 9):
+            return f"fp8 MMA decode, warp-specialized {_decode_ws.pick_decode_ws_config(m, n, k, device)}"
         return f"fp8 MMA decode {_decode.pick_decode_f8_config(m, n, k, device)}"
     return f"emulation {_gemm.pick_config(m, n, k, device)}"
+
+
+def _use_ws(m: int, k: int, block_size: int, hopper: bool) -> bool:
+    return (
+        DECODE_WS and hopper and _decode_ws.HAVE_GLUON and m <= _decode_ws.WS_MAX_M
+        and k % 128 == 0 and block_size == 32
+    )  # fmt: skip
 
 
 def mx_linear_triton(
@@ -113,12 +127,14 @@ def mx_linear_triton(
     block_size: int = 32,
     native: bool = False,
     fp8_mma: bool = True,
+    hopper: bool = False,
 ) -> torch.Tensor:
     """The Triton path on any device Triton runs on (also the CPU interpreter, for tests).
 
     ``native`` selects ``tl.dot_scaled`` (sm_100+); it falls back to the emulation where
     dot_scaled cannot take the operands (block_size != 32, fp32 activations in W8A16).
-    ``fp8_mma``: the device has fp8 MMA (sm_89+), for the small-M W8A8 path.
+    ``fp8_mma``: the device has fp8 MMA (sm_89+), for the small-M W8A8 path; ``hopper`` (sm_90):
+    that path warp-specialized (Gluon) where it takes the shape.
     """
     k = x.shape[-1]
     lead = x.shape[:-1]
@@ -145,9 +161,8 @@ def mx_linear_triton(
         and (act_rule is not ScaleRule.MSE or k % 128 == 0)
     ):  # fmt: skip
         # Small decode batches, W8A8: fp8 tensor cores, the weight never converted.
-        y = _decode.mx_decode_gemm(
-            x2, weight, weight_scale, bias, act_elem=act_elem, act_rule=act_rule, out_dtype=x.dtype,
-        )  # fmt: skip
+        fn = _decode_ws.mx_decode_gemm_ws if _use_ws(x2.shape[0], k, block_size, hopper) else _decode.mx_decode_gemm
+        y = fn(x2, weight, weight_scale, bias, act_elem=act_elem, act_rule=act_rule, out_dtype=x.dtype)
     elif x2.shape[0] <= _gemm.GEMV_ROWS_MAX_M:
         # Small decode batches: CUDA cores, per-row partials in registers. X goes in as fp32 (the
         # W8A8 rounding writes it directly): no bf16 -> fp32 conversion per row in the kernel.

@@ -215,7 +215,7 @@ class DecodeWSConfig:
     """Tiles of ``_mx_decode_ws_kernel``."""
 
     block_n: int = 128  # weight rows per program (the MMA's M side; 4 warps = one warpgroup)
-    stages: int = 4  # ring depth in steps of 4 blocks (a step = BLOCK_N x 128 fp8 bytes of W)
+    stages: int = 2  # ring depth in steps of 4 blocks (a step = BLOCK_N x 128 fp8 bytes of W)
     split_k: int = 1
     fused: bool = True
     # Registers: Triton launches 2 warpgroups (math + the loader's, padded) with ``maxnreg`` each,
@@ -223,7 +223,7 @@ class DecodeWSConfig:
     # 128 lets 2 programs share an SM (256 threads x 128 x 2 = the 64K register file).
     maxnreg: int = 128
     loader_regs: int = 24
-    box: int = 32  # TMA box width in K bytes: 32 (a tile per block) or 128 (one tile per step, sliced)
+    box: int = 128  # TMA box width in K bytes: 32 (a tile per block) or 128 (one tile per step, sliced)
 
 
 def ws_supported(m: int, k: int, block_size: int, device: torch.device) -> bool:
@@ -240,16 +240,18 @@ def ws_supported(m: int, k: int, block_size: int, device: torch.device) -> bool:
 
 
 def pick_decode_ws_config(m: int, n: int, k: int, device: torch.device) -> DecodeWSConfig:
-    """Split K until the programs cover the SMs about twice, keeping >= 4 steps per split."""
+    """K split into the most pieces (a power of two <= 16) that keep the programs within one per
+    SM and >= 4 steps per split; 2 stages of 128-byte-wide tiles (H200 sweep, kernels/NOTES.md
+    session 8: fewer, longer programs won on all 8 Llama-3 8B/70B shapes at M = 16)."""
     from mxq.kernels.gemm import _sm_count
 
     sms = _sm_count(device)
     tiles = triton.cdiv(n, 128)
     steps = k // 128
     split = 1
-    while split < 16 and steps // (split * 2) >= 4 and tiles * split < 2 * sms:
+    while split < 16 and steps // (split * 2) >= 4 and tiles * split * 2 <= sms:
         split *= 2
-    return DecodeWSConfig(block_n=128, stages=4, split_k=split)
+    return DecodeWSConfig(block_n=128, stages=2, split_k=split, box=128)
 
 
 def mx_decode_gemm_ws(

@@ -4,6 +4,7 @@
     python -m mxq.kernels.sass_dev --kernel gemm [--tile 256x128x64] [--warps 8] [--stages 3]
         [--loop old|zero_dot|peel] [--deq bf16|bits|fp32] [--ptxas PATH] [--out DIR]
     python -m mxq.kernels.sass_dev --kernel decode_f8 [--tile 16x128x4] [--split-k 4] [--quant-x] [--stages 2]
+    python -m mxq.kernels.sass_dev --kernel decode_ws [--split-k 4] [--stages 2] [--maxnreg 128]
 
 Compiles a kernel for sm_90 on the CPU machine — Triton's compiler, ptxas and ``cuobjdump`` need
 no GPU — and prints the registers per thread and, for the main loop (the first backward branch),
@@ -12,7 +13,8 @@ attention decode kernel (``attention._decode_gqa_kernel``, B=4 Hq=32 Hkv=8 D=128
 rotation on). ``gemm``: ``gemm._mx_gemm_kernel`` with TMA tiles as the prefill dispatch runs it,
 and also the wgmma register hazards in its loop (``wgmma_register_hazards``): registers of a
 wgmma's left operand written while that wgmma may still be in flight. ``decode_f8``: the fp8
-tensor-core decode GEMM (``gemm_decode._mx_decode_f8_kernel``; tile = BLOCK_M x BLOCK_N x blocks per step). ``--ptxas`` makes Triton use that ptxas
+tensor-core decode GEMM (``gemm_decode._mx_decode_f8_kernel``; tile = BLOCK_M x BLOCK_N x blocks per step). ``decode_ws``: its
+warp-specialized Gluon version (``gemm_decode_ws``). ``--ptxas`` makes Triton use that ptxas
 (default: Triton's choice, which mxq points at a ptxas >= 13.3 where one is installed). Integer arguments are marked
 divisible by 16 the way the launcher specializes them at the benchmark shapes (without it the
 compiler cannot prove 16-byte alignment and the code differs from what runs). DIR gets the
@@ -116,6 +118,31 @@ def compile_decode_f8(block_m=16, block_n=128, kb=4, warps=4, stages=4, split=4,
     return _compile_sm90(fn, cons, ptrs, warps, stages, not_div16={"M"})
 
 
+def compile_decode_ws(block_m=16, stages=2, split=4, box=128, maxnreg=128, loader_regs=24):
+    """``gemm_decode_ws._mx_decode_ws_kernel`` (Gluon) for sm_90 as mx_decode_gemm_ws launches it
+    (E4M3 W and X, bf16 out, no bias)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from mxq.kernels import gemm_decode_ws as W
+
+    fn = W._mx_decode_ws_kernel
+    names = fn.arg_names
+    cons = dict(BLOCK_N=128, BLOCK_M=block_m, STAGES=stages, SPLIT=split, FUSED=True, HAS_BIAS=False,
+                LOADER_REGS=loader_regs, BOX=box)  # fmt: skip
+    lw = gl.NVMMASharedLayout.get_default_for([128, box], gl.float8e4nv)
+    lx = gl.NVMMASharedLayout.get_default_for([block_m, box], gl.float8e4nv)
+    ptrs = {
+        "w_desc": f"tensordesc<fp8e4nv[128, {box}],{lw!r}>", "x_desc": f"tensordesc<fp8e4nv[{block_m}, {box}],{lx!r}>",
+        "s_ptr": "*i32", "xs_ptr": "*i32", "b_ptr": "*i32", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
+    }  # fmt: skip
+    sig = {n: "constexpr" if n in cons else ptrs.get(n, "i32") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n].startswith("*") or n in ("N", "K", "K_SPLIT", "stride_sn4", "stride_ym")}
+    src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in cons.items()}, attrs=attrs)
+    opts = dict(num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+
+
 _INS = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)\s*([^;]*);")
 
 
@@ -180,7 +207,7 @@ def main_loop_histogram(sass: str) -> tuple[int, collections.Counter]:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernel", choices=("decode", "gemm", "decode_f8"), default="decode")
+    ap.add_argument("--kernel", choices=("decode", "gemm", "decode_f8", "decode_ws"), default="decode")
     ap.add_argument("--block-n", type=int, default=64, help="decode: keys per tile")
     ap.add_argument("--tile", default="256x128x64", help="gemm: BLOCK_M x BLOCK_N x BLOCK_K")
     ap.add_argument("--loop", choices=("old", "zero_dot", "peel"), default="zero_dot", help="gemm: accumulator start")
@@ -202,6 +229,9 @@ def main():
     if args.kernel == "decode":
         k = compile_decode(args.block_n, args.warps or 2, args.stages, args.maxnreg, fuse_merge=args.merge == "fused")
         unit = f"{args.block_n}-key tile"
+    elif args.kernel == "decode_ws":
+        k = compile_decode_ws(stages=args.stages, split=args.split_k, maxnreg=args.maxnreg)
+        unit = "128-wide K step (the first backward branch may be the loader warp's loop)"
     elif args.kernel == "decode_f8":
         bm, bn, kb = (int(v) for v in args.tile.split("x"))
         k = compile_decode_f8(bm, bn, kb, args.warps or 4, args.stages, args.split_k, not args.pointer_x, qx=args.quant_x)

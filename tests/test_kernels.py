@@ -605,3 +605,95 @@ def test_gpu_decode_f8(m, n, k):
         _assert_gemm_close(y, x, w64, bias, E4M3, acc_rel=F8_ACC)
     y = D.mx_decode_gemm(x, w, ws, bias, out_dtype=torch.float32, config=D.DecodeF8Config(split_k=4, fused=False))
     _assert_gemm_close(y, x, w64, bias, E4M3, acc_rel=F8_ACC)
+
+
+# --------------------------------------------------------------------------------------
+# The same decode GEMM, warp-specialized (gemm_decode_ws, Gluon; Hopper only: the interpreter
+# cannot run Gluon, tests/test_sass_dev.py compiles it on the CPU)
+# --------------------------------------------------------------------------------------
+
+from mxq.kernels import gemm_decode_ws as WS  # noqa: E402
+
+HOPPER = CUDA and torch.cuda.get_device_capability()[0] == 9 and WS.HAVE_GLUON
+hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU and Gluon")
+
+
+@pytest.mark.parametrize("n,k,sms,split", [(4096, 4096, 132, 4), (28672, 4096, 132, 1), (4096, 14336, 132, 4), (6144, 4096, 132, 2), (1000, 512, 132, 1), (8192, 28672, 114, 1)])
+def test_decode_ws_config_rule(monkeypatch, n, k, sms, split):
+    """K splits: the most (a power of two <= 16) with programs <= SMs and >= 4 steps of 128 each."""
+    import mxq.kernels.gemm as G2
+
+    monkeypatch.setattr(G2, "_sm_count", lambda device: sms)
+    cfg = WS.pick_decode_ws_config(16, n, k, torch.device("cpu"))
+    assert cfg.split_k == split and cfg.box == 128
+    tiles = -(-n // 128)
+    assert tiles * cfg.split_k <= max(sms, tiles) and (k // 128) // cfg.split_k >= min(4, k // 128)
+
+
+def test_decode_ws_rejects_what_it_cannot_take():
+    gen = torch.Generator().manual_seed(3)
+    w, ws, _ = _weight(64, 256, E4M3, gen)
+    x = torch.randn(4, 256).to(DEV)
+    if not HOPPER:
+        with pytest.raises(ValueError, match="needs Gluon, a Hopper GPU"):
+            WS.mx_decode_gemm_ws(x, w, ws)
+        return
+    with pytest.raises(ValueError, match="M <= 16"):
+        WS.mx_decode_gemm_ws(torch.zeros(17, 256, device=DEV), w, ws)
+    w2, ws2, _ = _weight(64, 96, E4M3, gen)
+    with pytest.raises(ValueError, match="K % 128"):
+        WS.mx_decode_gemm_ws(torch.zeros(4, 96, device=DEV), w2, ws2)
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(1, 1000, 640), (3, 257, 4224), (16, 6144, 4096), (9, 14336, 4096), (13, 130, 128)])
+@pytest.mark.parametrize("wel,act", [(E4M3, (E4M3, ScaleRule.RCEIL)), (E5M2, (E4M3, ScaleRule.MSE)), (E4M3, (E5M2, ScaleRule.FLOOR))])
+def test_gpu_decode_ws_matches_reference(m, n, k, wel, act):
+    """Awkward and model shapes, every operand format, bias, bf16/fp32 out, against float64; the
+    configs the sweep tried (tile per block or per step, splits incl. uneven, the reduction kernel,
+    deeper rings); tickets left at zero; and the result equals gemm_decode's within the bound."""
+    gen = torch.Generator().manual_seed(m * 7 + n + k)
+    w, ws, w64 = _weight(n, k, wel, gen)
+    x = _activations(m, k, torch.bfloat16, gen, special=False, decades=(-2, 1))
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16).to(DEV)
+    act_elem, rule = act
+    cfgs = [None, WS.DecodeWSConfig(box=32, split_k=3), WS.DecodeWSConfig(split_k=2, fused=False), WS.DecodeWSConfig(stages=4, split_k=5)]
+    for cfg, out in zip(cfgs, (None, torch.float32, torch.float32, None)):
+        y = WS.mx_decode_gemm_ws(x, w, ws, bias, act_elem=act_elem, act_rule=rule, out_dtype=out, config=cfg)
+        assert y.dtype == (out or torch.bfloat16) and y.shape == (m, n)
+        _assert_gemm_close(y, x, w64, bias, act_elem, rule, acc_rel=F8_ACC)
+    counters = D.split_counters(torch.device(DEV), 1)
+    assert counters is not None and not counters.any()
+    y0 = D.mx_decode_gemm(x, w, ws, bias, act_elem=act_elem, act_rule=rule, out_dtype=torch.float32)
+    y1 = WS.mx_decode_gemm_ws(x, w, ws, bias, act_elem=act_elem, act_rule=rule, out_dtype=torch.float32)
+    mag = (x.double().abs() @ w64.abs().t())
+    assert ((y0.double() - y1.double()).abs() <= 2 * F8_ACC * mag + 1e-30).all()
+
+
+@hopper
+@pytest.mark.gpu
+def test_gpu_decode_ws_nonfinite_and_dispatch():
+    """A NaN scale byte / Inf activation gives NaN where the reference does; mx_linear takes this
+    path at 3 <= M <= 16 and under CUDA-graph capture."""
+    gen = torch.Generator().manual_seed(11)
+    n, k = 300, 512
+    w, ws, w64 = _weight(n, k, E4M3, gen)
+    ws[7, 3] = 255
+    x = _activations(6, k, torch.float32, gen, special=True)
+    y = WS.mx_decode_gemm_ws(x, w, ws, None, out_dtype=torch.float32)
+    ref = mx_linear_reference(x.cpu(), w.cpu(), ws.cpu(), None, act_elem=E4M3)
+    assert torch.equal(torch.isnan(y.cpu()), torch.isnan(ref))
+    from mxq.kernels import dispatch
+
+    assert "warp-specialized" in dispatch.path_name(8, 4096, 4096, torch.device(DEV))
+    w, ws, w64 = _weight(4096, 4096, E4M3, gen)
+    x = _activations(8, 4096, torch.bfloat16, gen, special=False, decades=(-2, 1))
+    y = dispatch.mx_linear(x, w, ws, act_elem=E4M3)
+    _assert_gemm_close(y, x, w64, None, E4M3, acc_rel=F8_ACC)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        yg = dispatch.mx_linear(x, w, ws, act_elem=E4M3)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(yg, y)

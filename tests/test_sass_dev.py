@@ -124,3 +124,17 @@ def test_prefer_fixed_ptxas_respects_the_user(monkeypatch, tmp_path):
     monkeypatch.delenv("MXQ_PTXAS")
     assert toolchain.prefer_fixed_ptxas() == str(fake) and os.environ["TRITON_PTXAS_PATH"] == str(fake)
     assert toolchain.ptxas_version(str(fake)) == (13, 4)
+
+
+def test_decode_ws_compiles_warp_specialized(tmp_path):
+    """The warp-specialized decode GEMM (kernels/gemm_decode_ws.py, Gluon) compiled for sm_90:
+    16 fp8 wgmmas (m64n16k32; 4 blocks x 2 warpgroup halves, for the peeled first step and the
+    loop), registers handed between the loader and math warpgroups (USETMAXREG), at most 128
+    registers per thread at launch (two programs per SM) and nothing spilled to local memory."""
+    pytest.importorskip("triton.experimental.gluon")
+    out = _cli("--kernel", "decode_ws", "--split-k", "4", "--stages", "2", "--maxnreg", "128", "--out", str(tmp_path))
+    sass = (tmp_path / "k.sass").read_text()
+    assert len(re.findall(r"QGMMA\.64x16x32\.F32\.E4M3\.E4M3", sass)) == 16
+    assert "HGMMA" not in sass and "USETMAXREG" in sass
+    assert not re.search(r"\b(LDL|STL)\b", sass), "register spills"
+    assert int(re.search(r"registers/thread (\d+)", out).group(1)) <= 128
