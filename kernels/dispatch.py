@@ -1,7 +1,9 @@
 """Pick the MX linear implementation for the device at hand.
 
 - CUDA, compute capability >= 10 (Blackwell): ``tl.dot_scaled``, the native MX MMA.
-- other CUDA devices (Hopper, sm_90): M <= ``gemm.GEMV_MAX_M``: the CUDA-core decode kernel
+- Hopper (sm_90) with Gluon, W8A8, 1 <= M <= 16, K % 128 == 0: ``gemm_decode_ws`` (the fp8
+  tensor-core decode GEMM below, warp-specialized: a TMA loader warp feeds the math warpgroup).
+- other CUDA devices (and the shapes above it does not take): M <= ``gemm.GEMV_MAX_M``: the CUDA-core decode kernel
   ``gemm.mx_gemv`` (W8A8 rounds X inside it); W8A8 up to ``DECODE_F8_DISPATCH_M`` rows on fp8
   tensor cores (sm_89+): ``gemm_decode.mx_decode_gemm`` (X quantized to MXFP8 first, one fp8 MMA
   per 32-block, no weight conversion); larger M: the exact emulation in ``gemm.mx_gemm``;
@@ -41,9 +43,10 @@ FORCE_REFERENCE = os.environ.get("MXQ_KERNELS", "").lower() == "reference"
 # (kernels/NOTES.md session 7): 1.0-1.7x the emulation at M = 4 and 16; M <= 2 stays on the
 # CUDA-core kernel (faster on 6 of 8 shapes at M = 1); M > 16 not measured faster yet.
 DECODE_F8_DISPATCH_M = 16
-# On Hopper (sm_90) with Gluon, K % 128 == 0: the warp-specialized version of that kernel
-# (gemm_decode_ws: TMA loader warp, block products overlapped with the rescale), H200 session 8:
-# 1.0-1.3x gemm_decode at M = 16. MXQ_DECODE_WS=0 keeps gemm_decode.
+# On Hopper (sm_90) with Gluon, K % 128 == 0, W8A8 at 1 <= M <= 16: the warp-specialized version
+# of that kernel (gemm_decode_ws: TMA loader warp, 128-byte tiles, block products overlapped with
+# the rescale). H200 session 8: 1.0-1.3x gemm_decode at M = 16, 1.0-1.3x the gemv at M = 1.
+# MXQ_DECODE_WS=0 keeps the session-7 paths.
 DECODE_WS = os.environ.get("MXQ_DECODE_WS", "1") != "0"
 
 
@@ -100,18 +103,19 @@ def path_name(m: int, n: int, k: int, device: torch.device, w8a8: bool = True) -
     cap = _capability(device)
     if cap[0] >= 10:
         return "tl.dot_scaled"
+    if w8a8 and _use_ws(m, k, 32, cap[0] == 9):
+        return f"fp8 MMA decode, warp-specialized {_decode_ws.pick_decode_ws_config(m, n, k, device)}"
     if m <= _gemm.GEMV_MAX_M:
         return f"CUDA-core gemv {_gemm.pick_gemv_config(m, n, k, device)}"
     if w8a8 and cap >= (8, 9) and m <= DECODE_F8_DISPATCH_M:
-        if _use_ws(m, k, 32, cap[0] == 9):
-            return f"fp8 MMA decode, warp-specialized {_decode_ws.pick_decode_ws_config(m, n, k, device)}"
         return f"fp8 MMA decode {_decode.pick_decode_f8_config(m, n, k, device)}"
     return f"emulation {_gemm.pick_config(m, n, k, device)}"
 
 
 def _use_ws(m: int, k: int, block_size: int, hopper: bool) -> bool:
+    """W8A8 with 1 <= M <= 16 on sm_90 takes gemm_decode_ws where it can (K % 128 == 0, block 32)."""
     return (
-        DECODE_WS and hopper and _decode_ws.HAVE_GLUON and m <= _decode_ws.WS_MAX_M
+        DECODE_WS and hopper and _decode_ws.HAVE_GLUON and 1 <= m <= _decode_ws.WS_MAX_M
         and k % 128 == 0 and block_size == 32
     )  # fmt: skip
 
@@ -147,6 +151,12 @@ def mx_linear_triton(
         else:
             xq, xs = x2, None
         y = _gemm.mx_gemm_dot_scaled(xq, xs, weight, weight_scale, bias, out_dtype=x.dtype)
+    elif act_elem is not None and _use_ws(x2.shape[0], k, block_size, hopper):
+        # Decode, W8A8 on Hopper: fp8 tensor cores, warp-specialized (TMA loader warp); faster
+        # than the CUDA-core gemv at M = 1 on all 8 Llama-3 shapes (H200, NOTES.md session 8).
+        y = _decode_ws.mx_decode_gemm_ws(
+            x2, weight, weight_scale, bias, act_elem=act_elem, act_rule=act_rule, out_dtype=x.dtype,
+        )  # fmt: skip
     elif x2.shape[0] <= _gemm.GEMV_MAX_M:
         # Decode: the CUDA-core weight stream, X MX-rounded inside it (one launch) unless MSE.
         if act_elem is not None and act_rule is ScaleRule.MSE:
@@ -161,8 +171,9 @@ def mx_linear_triton(
         and (act_rule is not ScaleRule.MSE or k % 128 == 0)
     ):  # fmt: skip
         # Small decode batches, W8A8: fp8 tensor cores, the weight never converted.
-        fn = _decode_ws.mx_decode_gemm_ws if _use_ws(x2.shape[0], k, block_size, hopper) else _decode.mx_decode_gemm
-        y = fn(x2, weight, weight_scale, bias, act_elem=act_elem, act_rule=act_rule, out_dtype=x.dtype)
+        y = _decode.mx_decode_gemm(
+            x2, weight, weight_scale, bias, act_elem=act_elem, act_rule=act_rule, out_dtype=x.dtype,
+        )  # fmt: skip
     elif x2.shape[0] <= _gemm.GEMV_ROWS_MAX_M:
         # Small decode batches: CUDA cores, per-row partials in registers. X goes in as fp32 (the
         # W8A8 rounding writes it directly): no bf16 -> fp32 conversion per row in the kernel.

@@ -240,16 +240,17 @@ def ws_supported(m: int, k: int, block_size: int, device: torch.device) -> bool:
 
 
 def pick_decode_ws_config(m: int, n: int, k: int, device: torch.device) -> DecodeWSConfig:
-    """K split into the most pieces (a power of two <= 16) that keep the programs within one per
-    SM and >= 4 steps per split; 2 stages of 128-byte-wide tiles (H200 sweep, kernels/NOTES.md
-    session 8: fewer, longer programs won on all 8 Llama-3 8B/70B shapes at M = 16)."""
+    """K split into the most pieces (a power of two <= 16) that keep the programs within two per
+    SM (what fits: 2 x 256 threads x 128 registers) and >= 4 steps per split; 2 stages of
+    128-byte-wide tiles. H200 sweep (kernels/NOTES.md session 8): the best split on 7 of the 8
+    Llama-3 8B/70B shapes at M = 1, 4 and 16 (8B o: 4 beats 8 by 0.5 µs at M = 16)."""
     from mxq.kernels.gemm import _sm_count
 
     sms = _sm_count(device)
     tiles = triton.cdiv(n, 128)
     steps = k // 128
     split = 1
-    while split < 16 and steps // (split * 2) >= 4 and tiles * split * 2 <= sms:
+    while split < 16 and steps // (split * 2) >= 4 and tiles * split * 2 <= 2 * sms:
         split *= 2
     return DecodeWSConfig(block_n=128, stages=2, split_k=split, box=128)
 

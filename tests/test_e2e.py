@@ -225,8 +225,7 @@ def test_gpu_mx_linear_model_shapes(xdt):
     projections, decode to prefill M), each X dtype, W8A8 and W8A16: finite and equal to
     the torch reference up to accumulation order."""
     from mxq.formats import E4M3, quantize_mx
-    from mxq.kernels.dispatch import mx_linear_triton
-    from mxq.kernels.gemm import pick_config
+    from mxq.kernels.dispatch import mx_linear, path_name
     from mxq.kernels.reference import mx_linear_reference
 
     torch.manual_seed(0)
@@ -244,7 +243,7 @@ def test_gpu_mx_linear_model_shapes(xdt):
         for m in (1, 3, 8, 16, 64, 300, 2048):
             x = torch.randn(m, k, device="cuda").to(xdt)
             for act in (E4M3, None):
-                y = mx_linear_triton(x, q.data, q.scales, None, act_elem=act)
+                y = mx_linear(x, q.data, q.scales, None, act_elem=act)
                 r = mx_linear_reference(x, q.data, q.scales, None, act_elem=act)
                 err = ((y.double() - r.double()).norm() / r.double().norm()).item()
                 if (
@@ -259,7 +258,7 @@ def test_gpu_mx_linear_model_shapes(xdt):
                             m,
                             "w8a8" if act else "w8a16",
                             err,
-                            str(pick_config(m, n, k, x.device)),
+                            path_name(m, n, k, x.device, w8a8=act is not None),
                         )
                     )
     assert not bad, "\n".join(map(str, bad))

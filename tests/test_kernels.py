@@ -61,14 +61,18 @@ def _weight(n: int, k: int, elem, gen: torch.Generator):
     return t.data, t.scales, dequantize_mx(t, torch.float64)
 
 
-def _dispatch_acc(m, act_elem):
-    """The accumulation bound of the path ``mx_linear`` takes: fp8 tensor cores (gemm_decode,
-    W8A8, 3 <= M <= 16) sum a block in fewer bits than fp32; elsewhere fp32 (None)."""
-    from mxq.kernels.dispatch import DECODE_F8_DISPATCH_M
+def _dispatch_acc(m, act_elem, k=None):
+    """The accumulation bound of the path ``mx_linear`` takes: fp8 tensor cores (W8A8; gemm_decode
+    at 3 <= M <= 16, gemm_decode_ws on Hopper at 1 <= M <= 16 with K % 128 == 0, given ``k``) sum
+    a block in fewer bits than fp32; elsewhere fp32 (None)."""
+    from mxq.kernels import dispatch
 
-    if act_elem is None or G.INTERPRET or not G.GEMV_MAX_M < m <= DECODE_F8_DISPATCH_M:
+    if act_elem is None or G.INTERPRET:
         return None
-    return 2.0**-12
+    hopper = CUDA and torch.cuda.get_device_capability()[0] == 9
+    if G.GEMV_MAX_M < m <= dispatch.DECODE_F8_DISPATCH_M or (k is not None and dispatch._use_ws(m, k, 32, hopper)):
+        return 2.0**-12
+    return None
 
 
 def _assert_gemm_close(y, x, w64, bias, act_elem, act_rule=ScaleRule.RCEIL, acc_rel=None):
@@ -340,7 +344,7 @@ def test_gpu_mx_linear(m, n, k):
     bias = torch.randn(n, generator=gen).to(torch.bfloat16).cuda()
     for act in (None, E4M3):
         y = mx_linear(x, w, ws, bias, act_elem=act)
-        _assert_gemm_close(y, x, w64, bias, act, acc_rel=_dispatch_acc(m, act))
+        _assert_gemm_close(y, x, w64, bias, act, acc_rel=_dispatch_acc(m, act, k))
 
 
 @gpu
@@ -618,16 +622,16 @@ HOPPER = CUDA and torch.cuda.get_device_capability()[0] == 9 and WS.HAVE_GLUON
 hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU and Gluon")
 
 
-@pytest.mark.parametrize("n,k,sms,split", [(4096, 4096, 132, 4), (28672, 4096, 132, 1), (4096, 14336, 132, 4), (6144, 4096, 132, 2), (1000, 512, 132, 1), (8192, 28672, 114, 1)])
+@pytest.mark.parametrize("n,k,sms,split", [(4096, 4096, 132, 8), (28672, 4096, 132, 1), (4096, 14336, 132, 8), (6144, 4096, 132, 4), (1000, 512, 132, 1), (8192, 28672, 114, 2)])
 def test_decode_ws_config_rule(monkeypatch, n, k, sms, split):
-    """K splits: the most (a power of two <= 16) with programs <= SMs and >= 4 steps of 128 each."""
+    """K splits: the most (a power of two <= 16) with programs <= 2 per SM and >= 4 steps of 128 each."""
     import mxq.kernels.gemm as G2
 
     monkeypatch.setattr(G2, "_sm_count", lambda device: sms)
     cfg = WS.pick_decode_ws_config(16, n, k, torch.device("cpu"))
     assert cfg.split_k == split and cfg.box == 128
     tiles = -(-n // 128)
-    assert tiles * cfg.split_k <= max(sms, tiles) and (k // 128) // cfg.split_k >= min(4, k // 128)
+    assert tiles * cfg.split_k <= max(2 * sms, tiles) and (k // 128) // cfg.split_k >= min(4, k // 128)
 
 
 def test_decode_ws_rejects_what_it_cannot_take():
@@ -675,7 +679,7 @@ def test_gpu_decode_ws_matches_reference(m, n, k, wel, act):
 @pytest.mark.gpu
 def test_gpu_decode_ws_nonfinite_and_dispatch():
     """A NaN scale byte / Inf activation gives NaN where the reference does; mx_linear takes this
-    path at 3 <= M <= 16 and under CUDA-graph capture."""
+    path for W8A8 at 1 <= M <= 16 (W8A16 keeps the gemv), also under CUDA-graph capture."""
     gen = torch.Generator().manual_seed(11)
     n, k = 300, 512
     w, ws, w64 = _weight(n, k, E4M3, gen)
@@ -686,7 +690,9 @@ def test_gpu_decode_ws_nonfinite_and_dispatch():
     assert torch.equal(torch.isnan(y.cpu()), torch.isnan(ref))
     from mxq.kernels import dispatch
 
-    assert "warp-specialized" in dispatch.path_name(8, 4096, 4096, torch.device(DEV))
+    for m in (1, 8, 16):
+        assert "warp-specialized" in dispatch.path_name(m, 4096, 4096, torch.device(DEV))
+    assert "gemv" in dispatch.path_name(1, 4096, 4096, torch.device(DEV), w8a8=False)
     w, ws, w64 = _weight(4096, 4096, E4M3, gen)
     x = _activations(8, 4096, torch.bfloat16, gen, special=False, decades=(-2, 1))
     y = dispatch.mx_linear(x, w, ws, act_elem=E4M3)
