@@ -106,7 +106,7 @@ def bench_quantize(sizes=((4096, 4096), (8192, 8192), (16384, 8192))) -> list[di
 def bench_gemm(models, ms, sweep: bool, sweep_ms=(1, 16, 64, 2048)) -> tuple[list[dict], list[dict]]:
     from mxq.formats import E4M3, ScaleRule, dequantize_mx, quantize_mx
     from mxq.kernels import gemm as G
-    from mxq.kernels.dispatch import mx_linear_triton, path_name
+    from mxq.kernels.dispatch import mx_linear, path_name
     from mxq.kernels.quantize import fake_quantize_mx_rows, quantize_mx_rows
 
     rows, sweeps = [], []
@@ -129,7 +129,7 @@ def bench_gemm(models, ms, sweep: bool, sweep_ms=(1, 16, 64, 2048)) -> tuple[lis
                 row = dict(model=model, layer=layer, m=m, n=n, k=k, weight_copies=r8)
                 # correctness first, on these fresh inputs
                 for name, act in (("w8a8", E4M3), ("w8a16", None)):
-                    y = mx_linear_triton(x, p0.data, p0.scales, None, act_elem=act)
+                    y = mx_linear(x, p0.data, p0.scales, None, act_elem=act)
                     xr = x.float() if act is None else fake_quantize_mx_rows(x, E4M3, out_dtype=torch.float32)
                     ref = xr @ w_deq.t()
                     row[f"{name}_relerr"] = ((y.float() - ref).norm() / ref.norm()).item()
@@ -154,11 +154,11 @@ def bench_gemm(models, ms, sweep: bool, sweep_ms=(1, 16, 64, 2048)) -> tuple[lis
                         best_ds = tds
                 row["dot_scaled_w8a8_us"] = best_ds
                 row["mxq_w8a8_us"] = _try(None, [
-                    lambda p=p: mx_linear_triton(x, p.data, p.scales, None, act_elem=E4M3) for p in packs
+                    lambda p=p: mx_linear(x, p.data, p.scales, None, act_elem=E4M3) for p in packs
                 ])  # fmt: skip
-                row["mxq_w8a16_us"] = _try(None, [lambda p=p: mx_linear_triton(x, p.data, p.scales, None) for p in packs])
+                row["mxq_w8a16_us"] = _try(None, [lambda p=p: mx_linear(x, p.data, p.scales, None) for p in packs])
                 row["mxq_quant_only_us"] = _try(None, [lambda: fake_quantize_mx_rows(x, E4M3, out_dtype=torch.bfloat16)])
-                row["mxq_w8a16_eager_us"] = _bench(lambda: mx_linear_triton(x, p0.data, p0.scales, None))
+                row["mxq_w8a16_eager_us"] = _bench(lambda: mx_linear(x, p0.data, p0.scales, None))
                 row["config"] = path_name(m, n, k, x.device)
                 flops = 2 * m * n * k
                 for key in ("mxq_w8a8", "mxq_w8a16", "cublas_bf16"):
