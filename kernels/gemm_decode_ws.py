@@ -27,12 +27,22 @@ reference and with ``mx_decode_gemm``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 
 from mxq.formats import E4M3, ElemFormat, ScaleRule
+from mxq.kernels.gemm import (
+    _check_gemm_args,
+    _operands_and_output,
+    _sm_count,
+    _split_k_finish,
+    _split_k_plan,
+)
+from mxq.kernels.gemm_decode import split_counters
+from mxq.kernels.quantize import quantize_mx_rows
 
 try:  # Gluon: Triton >= 3.5
     from triton.experimental import gluon
@@ -226,13 +236,18 @@ class DecodeWSConfig:
     box: int = 128  # TMA box width in K bytes: 32 (a tile per block) or 128 (one tile per step, sliced)
 
 
+@functools.cache
+def _is_hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
 def ws_supported(m: int, k: int, block_size: int, device: torch.device) -> bool:
     """Whether this kernel takes the shape: Gluon present, a Hopper GPU (wgmma), M <= WS_MAX_M,
     K % 128 == 0 (whole scale words per step), MX block 32."""
     return (
         HAVE_GLUON
         and device.type == "cuda"
-        and torch.cuda.get_device_capability(device)[0] == 9
+        and _is_hopper(device.index if device.index is not None else torch.cuda.current_device())
         and 1 <= m <= WS_MAX_M
         and k % 128 == 0
         and block_size == BS
@@ -244,8 +259,6 @@ def pick_decode_ws_config(m: int, n: int, k: int, device: torch.device) -> Decod
     SM (what fits: 2 x 256 threads x 128 registers) and >= 4 steps per split; 2 stages of
     128-byte-wide tiles. H200 sweep (kernels/NOTES.md session 8): the best split on 7 of the 8
     Llama-3 8B/70B shapes at M = 1, 4 and 16 (8B o: 4 beats 8 by 0.5 µs at M = 16)."""
-    from mxq.kernels.gemm import _sm_count
-
     sms = _sm_count(device)
     tiles = triton.cdiv(n, 128)
     steps = k // 128
@@ -272,10 +285,6 @@ def mx_decode_gemm_ws(
     X (bf16/fp16/fp32) is MX-quantized along K by ``quantize_mx_rows`` (any ScaleRule), then
     this kernel runs. Same result as ``gemm_decode.mx_decode_gemm`` up to fp32 accumulation order.
     """
-    from mxq.kernels.gemm import _check_gemm_args, _operands_and_output, _split_k_plan
-    from mxq.kernels.gemm_decode import split_counters
-    from mxq.kernels.quantize import quantize_mx_rows
-
     m, k = _check_gemm_args(x, weight, weight_scale, bias, block_size)
     n = weight.shape[0]
     if not ws_supported(m, k, block_size, x.device):
@@ -312,7 +321,5 @@ def mx_decode_gemm_ws(
         HAS_BIAS=bias is not None, LOADER_REGS=cfg.loader_regs, num_warps=4, maxnreg=cfg.maxnreg, BOX=cfg.box,
     )  # fmt: skip
     if split > 1 and not fused:
-        from mxq.kernels.gemm import _split_k_finish
-
         _split_k_finish(ws, y, bias, split)
     return y

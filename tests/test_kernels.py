@@ -625,9 +625,7 @@ hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU and Gluon")
 @pytest.mark.parametrize("n,k,sms,split", [(4096, 4096, 132, 8), (28672, 4096, 132, 1), (4096, 14336, 132, 8), (6144, 4096, 132, 4), (1000, 512, 132, 1), (8192, 28672, 114, 2)])
 def test_decode_ws_config_rule(monkeypatch, n, k, sms, split):
     """K splits: the most (a power of two <= 16) with programs <= 2 per SM and >= 4 steps of 128 each."""
-    import mxq.kernels.gemm as G2
-
-    monkeypatch.setattr(G2, "_sm_count", lambda device: sms)
+    monkeypatch.setattr(WS, "_sm_count", lambda device: sms)
     cfg = WS.pick_decode_ws_config(16, n, k, torch.device("cpu"))
     assert cfg.split_k == split and cfg.box == 128
     tiles = -(-n // 128)
