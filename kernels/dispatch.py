@@ -113,11 +113,8 @@ def path_name(m: int, n: int, k: int, device: torch.device, w8a8: bool = True) -
 
 
 def _use_ws(m: int, k: int, block_size: int, hopper: bool) -> bool:
-    """W8A8 with 1 <= M <= 16 on sm_90 takes gemm_decode_ws where it can (K % 128 == 0, block 32)."""
-    return (
-        DECODE_WS and hopper and _decode_ws.HAVE_GLUON and 1 <= m <= _decode_ws.WS_MAX_M
-        and k % 128 == 0 and block_size == 32
-    )  # fmt: skip
+    """W8A8 on sm_90 takes gemm_decode_ws where it takes the shape (1 <= M <= 16, K % 128 == 0, block 32)."""
+    return DECODE_WS and hopper and _decode_ws.takes(m, k, block_size)
 
 
 def mx_linear_triton(

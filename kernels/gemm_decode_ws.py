@@ -241,16 +241,18 @@ def _is_hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] == 9
 
 
-def ws_supported(m: int, k: int, block_size: int, device: torch.device) -> bool:
-    """Whether this kernel takes the shape: Gluon present, a Hopper GPU (wgmma), M <= WS_MAX_M,
+def takes(m: int, k: int, block_size: int) -> bool:
+    """The shapes this kernel takes (on a Hopper GPU): Gluon present, 1 <= M <= WS_MAX_M,
     K % 128 == 0 (whole scale words per step), MX block 32."""
+    return HAVE_GLUON and 1 <= m <= WS_MAX_M and k % 128 == 0 and block_size == BS
+
+
+def ws_supported(m: int, k: int, block_size: int, device: torch.device) -> bool:
+    """``takes`` on a Hopper GPU (wgmma)."""
     return (
-        HAVE_GLUON
+        takes(m, k, block_size)
         and device.type == "cuda"
         and _is_hopper(device.index if device.index is not None else torch.cuda.current_device())
-        and 1 <= m <= WS_MAX_M
-        and k % 128 == 0
-        and block_size == BS
     )
 
 
@@ -295,9 +297,10 @@ def mx_decode_gemm_ws(
     x, weight, weight_scale, y, done = _operands_and_output(x, weight, weight_scale, bias, out_dtype, n)
     if done:
         return y
-    if weight.stride(1) != 1 or weight.stride(0) % 16 or weight.data_ptr() % 16:
+    # unit inner strides already; TMA needs 16-byte rows, the int32 scale view 4-byte ones
+    if weight.stride(0) % 16 or weight.data_ptr() % 16:
         weight = weight.contiguous()
-    if weight_scale.stride(1) != 1 or weight_scale.stride(0) % 4 or weight_scale.data_ptr() % 4:
+    if weight_scale.stride(0) % 4 or weight_scale.data_ptr() % 4:
         weight_scale = weight_scale.contiguous()
     cfg = config or pick_decode_ws_config(m, n, k, x.device)
     block_m = max(16, triton.next_power_of_2(m))

@@ -67,10 +67,11 @@ def compile_decode(block_n=64, warps=2, stages=3, maxnreg=None, gp=4, block_d=12
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
-def _compile_sm90(fn, cons: dict, ptrs: dict, warps: int, stages: int, not_div16=frozenset()):
+def _compile_sm90(fn, cons: dict, ptrs: dict, warps: int, stages: int, not_div16=frozenset(), source=ASTSource, **opts):
     """Compile ``fn`` for sm_90: ``cons`` constexprs, ``ptrs`` pointer/descriptor types, every other
     argument i32; integers and pointers marked divisible by 16 (as the launcher specializes them at
-    the benchmark shapes) except ``not_div16``."""
+    the benchmark shapes) except ``not_div16``. ``source``: GluonASTSource for Gluon kernels;
+    ``opts``: more compile options (maxnreg)."""
     names = fn.arg_names
     sig = {n: "constexpr" if n in cons else ptrs.get(n, "i32") for n in names}
     attrs = {
@@ -78,8 +79,8 @@ def _compile_sm90(fn, cons: dict, ptrs: dict, warps: int, stages: int, not_div16
         for n in names
         if (sig[n] == "i32" and n not in not_div16) or sig[n].startswith("*")
     }
-    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in cons.items()}, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    src = source(fn, sig, constexprs={(names.index(k),): v for k, v in cons.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages, **opts))
 
 
 def compile_gemm(block_m=256, block_n=128, block_k=64, warps=8, stages=3, loop="zero_dot", deq="bf16", tma_x=True, tma_w=True, split_k=1):
@@ -126,8 +127,6 @@ def compile_decode_ws(block_m=16, stages=2, split=4, box=128, maxnreg=128, loade
 
     from mxq.kernels import gemm_decode_ws as W
 
-    fn = W._mx_decode_ws_kernel
-    names = fn.arg_names
     cons = dict(BLOCK_N=128, BLOCK_M=block_m, STAGES=stages, SPLIT=split, FUSED=True, HAS_BIAS=False,
                 LOADER_REGS=loader_regs, BOX=box)  # fmt: skip
     lw = gl.NVMMASharedLayout.get_default_for([128, box], gl.float8e4nv)
@@ -136,11 +135,9 @@ def compile_decode_ws(block_m=16, stages=2, split=4, box=128, maxnreg=128, loade
         "w_desc": f"tensordesc<fp8e4nv[128, {box}],{lw!r}>", "x_desc": f"tensordesc<fp8e4nv[{block_m}, {box}],{lx!r}>",
         "s_ptr": "*i32", "xs_ptr": "*i32", "b_ptr": "*i32", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
     }  # fmt: skip
-    sig = {n: "constexpr" if n in cons else ptrs.get(n, "i32") for n in names}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n].startswith("*") or n in ("N", "K", "K_SPLIT", "stride_sn4", "stride_ym")}
-    src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in cons.items()}, attrs=attrs)
-    opts = dict(num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}))
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    # stages live in the kernel's own ring (STAGES); num_stages is unused by Gluon
+    return _compile_sm90(W._mx_decode_ws_kernel, cons, ptrs, 4, 1, not_div16={"M", "stride_xsm4"},
+                         source=GluonASTSource, **({"maxnreg": maxnreg} if maxnreg else {}))  # fmt: skip
 
 
 _INS = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)\s*([^;]*);")
