@@ -42,7 +42,7 @@ from mxq.kernels.gemm import (
     _split_k_plan,
 )
 from mxq.kernels.gemm_decode import split_counters
-from mxq.kernels.quantize import quantize_mx_rows
+from mxq.kernels.quantize import pdl_ok, quantize_mx_rows
 
 try:  # Gluon: Triton >= 3.5
     from triton.experimental import gluon
@@ -81,6 +81,12 @@ if HAVE_GLUON:
         return gl.where(si == 255, float("nan"), f)
 
     @gluon.jit
+    def _gdc_wait():
+        """Wait for the kernel this one was launched behind (programmatic dependent launch: the
+        X quantizer) to finish and its writes to be visible; a no-op without PDL."""
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
     def _rescale(acc, p0, p1, p2, p3, sw, sx):
         """acc += Σ_j p_j · 2**sw_j[n] · 2**sx_j[m] for the KB = 4 block products of one step."""
         acc += p0 * (_e8m0(sw, 0)[:, None] * _e8m0(sx, 0)[None, :])
@@ -112,9 +118,20 @@ if HAVE_GLUON:
         """Loader warp: TMA tiles of W [BLOCK_N, BOX] and X [BLOCK_M, BOX], 128 K-columns per stage."""
         NBOX: gl.constexpr = 128 // BOX
         nbytes: gl.constexpr = NBOX * (w_desc.block_type.nbytes + x_desc.block_type.nbytes)
-        for i in range(n_iter):
+        # The first STAGES steps' weight tiles go out before X exists: with programmatic
+        # dependent launch this kernel starts while the X quantizer still runs.
+        for i in gl.static_range(STAGES):
+            if i < n_iter:
+                mbarrier.expect(ready.index(i), nbytes)
+                for j in gl.static_range(NBOX):
+                    tma.async_copy_global_to_shared(w_desc, [n0, k_lo + i * 128 + j * BOX], ready.index(i), w_smem.index(i * NBOX + j))
+        _gdc_wait()
+        for i in gl.static_range(STAGES):
+            if i < n_iter:
+                for j in gl.static_range(NBOX):
+                    tma.async_copy_global_to_shared(x_desc, [0, k_lo + i * 128 + j * BOX], ready.index(i), x_smem.index(i * NBOX + j))
+        for i in range(STAGES, n_iter):
             s = i % STAGES
-            # a fresh barrier counts as having completed the phase before 0: the first round passes
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
             bar = ready.index(s)
             mbarrier.expect(bar, nbytes)
@@ -143,6 +160,7 @@ if HAVE_GLUON:
         xs_ptrs = xs_ptr + offs_m * stride_xsm4 + w0
         zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_l)
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_l)
+        _gdc_wait()  # the X scales below come from the quantizer
 
         mbarrier.wait(ready.index(0), 0)
         q0, q1, q2, q3 = _issue(w_smem, x_smem, 0, zero, BOX)
@@ -234,6 +252,9 @@ class DecodeWSConfig:
     maxnreg: int = 128
     loader_regs: int = 24
     box: int = 128  # TMA box width in K bytes: 32 (a tile per block) or 128 (one tile per step, sliced)
+    # Programmatic dependent launch: the kernel starts while the X quantizer runs, streams its
+    # first weight tiles, then waits for X (griddepcontrol). Off: the two launches serialize.
+    pdl: bool = True
 
 
 @functools.cache
@@ -308,7 +329,8 @@ def mx_decode_gemm_ws(
     tiles = triton.cdiv(n, cfg.block_n)
     counters = split_counters(x.device, tiles) if split > 1 and cfg.fused else None
     fused = counters is not None
-    xq, xs = quantize_mx_rows(x, act_elem, act_rule, block_size)  # [M, K] fp8, [M, K/32] u8 (contiguous)
+    pdl = cfg.pdl and pdl_ok(x.device)
+    xq, xs = quantize_mx_rows(x, act_elem, act_rule, block_size, pdl=pdl)  # [M, K] fp8, [M, K/32] u8 (contiguous)
     w_gl = gl.float8e4nv if weight.dtype == torch.float8_e4m3fn else gl.float8e5
     x_gl = gl.float8e4nv if xq.dtype == torch.float8_e4m3fn else gl.float8e5
     w_desc = TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [cfg.block_n, cfg.box],
@@ -322,6 +344,7 @@ def mx_decode_gemm_ws(
         m, n, k, k_split, s32.stride(0), xs32.stride(0), n,
         BLOCK_N=cfg.block_n, BLOCK_M=block_m, STAGES=cfg.stages, SPLIT=split, FUSED=fused,
         HAS_BIAS=bias is not None, LOADER_REGS=cfg.loader_regs, num_warps=4, maxnreg=cfg.maxnreg, BOX=cfg.box,
+        launch_pdl=pdl,
     )  # fmt: skip
     if split > 1 and not fused:
         _split_k_finish(ws, y, bias, split)

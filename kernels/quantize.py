@@ -180,9 +180,13 @@ def _quantize_rows_kernel(
     EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, NAN_BYTE: tl.constexpr,
     EMIN: tl.constexpr, EBIAS: tl.constexpr, RULE: tl.constexpr,
     WRITE_Q: tl.constexpr, WRITE_D: tl.constexpr,
-    HW_CVT: tl.constexpr = False, FP8: tl.constexpr = tl.float8e4nv,
+    HW_CVT: tl.constexpr = False, FP8: tl.constexpr = tl.float8e4nv, PDL: tl.constexpr = False,
 ):  # fmt: skip
     NB: tl.constexpr = BLOCK_K // BS
+    if PDL:
+        # A kernel launched after this one with programmatic dependent launch (gemm_decode_ws)
+        # may start now: it streams its weights and waits (griddepcontrol.wait) before reading X.
+        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -254,11 +258,27 @@ def hw_cvt(device: torch.device) -> bool:
     return _HW_CVT[idx]
 
 
+def pdl_ok(device: torch.device) -> bool:
+    """Programmatic dependent launch (griddepcontrol): sm_90+, not the interpreter, not with
+    MXQ_PDL=0."""
+    return hw_cvt(device) and os.environ.get("MXQ_PDL", "1") != "0" and _capability(device) >= (9, 0)
+
+
+_CAP: dict[int, tuple[int, int]] = {}
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _CAP:
+        _CAP[idx] = torch.cuda.get_device_capability(idx)
+    return _CAP[idx]
+
+
 def fp8_dtype(elem: ElemFormat):
     return tl.float8e4nv if elem.mbits == 3 else tl.float8e5
 
 
-def _launch(x2, elem: ElemFormat, rule: ScaleRule, block_size: int, q, s, d, tile=None):
+def _launch(x2, elem: ElemFormat, rule: ScaleRule, block_size: int, q, s, d, tile=None, pdl=False):
     m, k = x2.shape
     if block_size & (block_size - 1) or not 16 <= block_size <= 128:
         raise ValueError(f"block_size must be a power of two in [16, 128], got {block_size}")
@@ -278,7 +298,7 @@ def _launch(x2, elem: ElemFormat, rule: ScaleRule, block_size: int, q, s, d, til
         EMAX=elem.emax, MBITS=elem.mbits, MAXN=elem.max_normal, NAN_BYTE=elem.nan_byte,
         EMIN=1 - elem.bias, EBIAS=elem.bias, RULE=_RULE_ID[rule],
         WRITE_Q=q is not None, WRITE_D=d is not None,
-        HW_CVT=hw_cvt(x2.device), FP8=fp8_dtype(elem),
+        HW_CVT=hw_cvt(x2.device), FP8=fp8_dtype(elem), PDL=pdl and pdl_ok(x2.device),
         num_warps=warps,
     )  # fmt: skip
 
@@ -301,11 +321,13 @@ def quantize_mx_rows(
     block_size: int = 32,
     *,
     tile: tuple[int, int, int] | None = None,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """X [..., K] -> (fp8 data [..., Kp], uint8 E8M0 scales [..., ceil(K/bs)]), blocks along K.
 
     Kp is K padded to whole blocks (the padding quantizes zeros). Same bytes as
-    ``mxq.formats.quantize_mx(x, -1, elem, block_size, rule)``.
+    ``mxq.formats.quantize_mx(x, -1, elem, block_size, rule)``. ``pdl``: let a kernel launched
+    next with programmatic dependent launch start while this one runs (sm_90+; ignored elsewhere).
     """
     elem, rule = as_elem_format(elem), as_scale_rule(rule)
     x2 = _rows(x, "quantize_mx_rows")
@@ -314,7 +336,7 @@ def quantize_mx_rows(
     q = torch.empty((m, nblk * block_size), dtype=torch.uint8, device=x.device)
     s = torch.empty((m, nblk), dtype=torch.uint8, device=x.device)
     if m:
-        _launch(x2, elem, rule, block_size, q, s, None, tile)
+        _launch(x2, elem, rule, block_size, q, s, None, tile, pdl=pdl)
     lead = tuple(x.shape[:-1])
     return q.view(elem.torch_dtype).reshape(*lead, -1), s.reshape(*lead, nblk)
 

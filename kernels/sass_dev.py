@@ -140,6 +140,27 @@ def compile_decode_ws(block_m=16, stages=2, split=4, box=128, maxnreg=128, loade
                          source=GluonASTSource, **({"maxnreg": maxnreg} if maxnreg else {}))  # fmt: skip
 
 
+def compile_prefill_ws(stages=4, wbuf=3, maxnreg=128, conv_regs=96, loader_regs=24, block_m=256, block_n=128, block_k=64):
+    """``gemm_prefill_ws._mx_prefill_ws_kernel`` (Gluon) for sm_90 as mx_prefill_gemm_ws launches it
+    (bf16 X, E4M3 W, bf16 out, no bias)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from mxq.kernels import gemm_prefill_ws as P
+
+    cons = dict(STAGES=stages, WBUF=wbuf, GROUP=8, HAS_BIAS=False, CONV_REGS=conv_regs, LOADER_REGS=loader_regs,
+                NUM_WARPS=8)  # fmt: skip
+    lx = gl.NVMMASharedLayout.get_default_for([block_m, block_k], gl.bfloat16)
+    lw = gl.NVMMASharedLayout.get_default_for([block_n, block_k], gl.float8e4nv)
+    ls = gl.NVMMASharedLayout.get_default_for([block_k // 32, block_n], gl.uint8)
+    ptrs = {
+        "x_desc": f"tensordesc<bf16[{block_m}, {block_k}],{lx!r}>", "w_desc": f"tensordesc<fp8e4nv[{block_n}, {block_k}],{lw!r}>",
+        "s_desc": f"tensordesc<u8[{block_k // 32}, {block_n}],{ls!r}>", "b_ptr": "*bf16", "y_ptr": "*bf16",
+    }  # fmt: skip
+    return _compile_sm90(P._mx_prefill_ws_kernel, cons, ptrs, 8, 1, not_div16={"M"},
+                         source=GluonASTSource, **({"maxnreg": maxnreg} if maxnreg else {}))  # fmt: skip
+
+
 _INS = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)\s*([^;]*);")
 
 
@@ -204,7 +225,7 @@ def main_loop_histogram(sass: str) -> tuple[int, collections.Counter]:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernel", choices=("decode", "gemm", "decode_f8", "decode_ws"), default="decode")
+    ap.add_argument("--kernel", choices=("decode", "gemm", "decode_f8", "decode_ws", "prefill_ws"), default="decode")
     ap.add_argument("--block-n", type=int, default=64, help="decode: keys per tile")
     ap.add_argument("--tile", default="256x128x64", help="gemm: BLOCK_M x BLOCK_N x BLOCK_K")
     ap.add_argument("--loop", choices=("old", "zero_dot", "peel"), default="zero_dot", help="gemm: accumulator start")
@@ -229,6 +250,9 @@ def main():
     elif args.kernel == "decode_ws":
         k = compile_decode_ws(stages=args.stages, split=args.split_k, maxnreg=args.maxnreg)
         unit = "128-wide K step (the first backward branch may be the loader warp's loop)"
+    elif args.kernel == "prefill_ws":
+        k = compile_prefill_ws(stages=args.stages if args.stages != 3 else 4, maxnreg=args.maxnreg or 128)
+        unit = "64-wide K step (the first backward branch may be a worker's loop)"
     elif args.kernel == "decode_f8":
         bm, bn, kb = (int(v) for v in args.tile.split("x"))
         k = compile_decode_f8(bm, bn, kb, args.warps or 4, args.stages, args.split_k, not args.pointer_x, qx=args.quant_x)

@@ -1,0 +1,317 @@
+"""MX GEMM for prefill (large M) on Hopper, warp-specialized (Gluon, sm_90).
+
+The same function as ``gemm._mx_gemm_kernel`` (read its module doc first): Y = X · dequant(W)ᵀ
+with X in bf16 (W8A8 callers round X to MX first, exactly, into bf16) and each weight element
+converted to bf16 as fp8 · 2**scale (exact: four significant bits), products summed in fp32 by
+bf16 wgmma. What differs is where the conversion runs. In ``_mx_gemm_kernel`` each consumer
+warpgroup converts its own weight tile into the registers of a register-operand wgmma, so the
+conversion and the MMAs of one warpgroup take turns (H200: 0.69-0.85x cuBLAS bf16 at M >= 2048,
+kernels/NOTES.md sessions 2-5). Here three kinds of warps run side by side:
+
+- a **loader warp** streams X tiles [BLOCK_M, BLOCK_K] (bf16) and fp8 weight tiles
+  [BLOCK_N, BLOCK_K] through a ring of shared-memory stages with TMA and mbarriers;
+- a **converter warpgroup** turns each fp8 weight tile into bf16 (times its power-of-two
+  scales, which come through the ring too, transposed: ``scales_kn``) in a second, triple-buffered
+  shared-memory tile in the swizzled layout wgmma reads;
+- two **MMA warpgroups** (the default partition) run shared x shared bf16 wgmmas, one step in
+  flight while they wait for the next, as cuBLAS does; the conversion is off their path.
+
+A weight element is converted once per program and used by BLOCK_M = 256 rows of X, so the
+converter is busy ~1/4 of the MMA time. Shapes: any M, N; K % 32 == 0 (MX block 32; the ragged
+last step is zero-filled by TMA, its scales masked); X bf16 with 16-byte rows. Needs Gluon
+(Triton >= 3.5) and a Hopper GPU; the Triton interpreter cannot run Gluon, so CPU tests compile
+it for sm_90 (tests/test_sass_dev.py) and GPU tests compare it with the torch reference.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from mxq.kernels.gemm import _check_gemm_args, _operands_and_output
+
+try:  # Gluon: Triton >= 3.5
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - older Triton
+    HAVE_GLUON = False
+
+BS = 32  # MX block along K
+
+
+def _stub(*args, **kwargs):  # pragma: no cover
+    raise RuntimeError("gemm_prefill_ws needs Gluon (triton >= 3.5)")
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _pow2(sb):
+        """E8M0 bytes (int32) -> fp32 2**(byte-127); 0 -> 2**-127, 255 -> NaN (mxq.formats)."""
+        f = (sb << 23).to(gl.float32, bitcast=True)
+        f = gl.where(sb == 0, 5.877471754111438e-39, f)
+        return gl.where(sb == 255, float("nan"), f)
+
+    @gluon.jit
+    def _tile_coords(M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP: gl.constexpr):
+        """Grouped order: GROUP row tiles of X walk the same weight columns (L2 reuse of W)."""
+        pid = gl.program_id(0)
+        tiles_m = gl.cdiv(M, BLOCK_M)
+        tiles_n = gl.cdiv(N, BLOCK_N)
+        per_group = GROUP * tiles_n
+        first_m = (pid // per_group) * GROUP
+        rows = gl.minimum(tiles_m - first_m, GROUP)
+        pid_m = first_m + (pid % per_group) % rows
+        pid_n = (pid % per_group) // rows
+        return pid_m * BLOCK_M, pid_n * BLOCK_N
+
+    @gluon.jit
+    def _loader(x_desc, w_desc, s_desc, x_smem, w8_smem, s_smem, wb_smem, ready, empty, wready, wempty,
+                off_m, off_n, n_k, STAGES: gl.constexpr, WBUF: gl.constexpr):  # fmt: skip
+        """Loader warp: TMA X [BLOCK_M, BLOCK_K], W [BLOCK_N, BLOCK_K] and the step's scales
+        [BLOCK_K / 32, BLOCK_N] (transposed) into the ring."""
+        BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+        nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes
+        for i in range(n_k):
+            s = i % STAGES
+            # a fresh barrier counts as having completed the phase before 0: the first round passes
+            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, nbytes)
+            tma.async_copy_global_to_shared(x_desc, [off_m, i * BLOCK_K], bar, x_smem.index(s))
+            tma.async_copy_global_to_shared(w_desc, [off_n, i * BLOCK_K], bar, w8_smem.index(s))
+            tma.async_copy_global_to_shared(s_desc, [i * (BLOCK_K // 32), off_n], bar, s_smem.index(s))
+
+    @gluon.jit
+    def _converter(x_desc, w_desc, s_desc, x_smem, w8_smem, s_smem, wb_smem, ready, empty, wready, wempty,
+                   off_m, off_n, n_k, STAGES: gl.constexpr, WBUF: gl.constexpr):  # fmt: skip
+        """Converter warpgroup: fp8 W tile -> bf16 · 2**scale, one 32-column MX block at a time.
+        Scales come through the ring with the tile (TMA): no global load is in flight at the
+        fence below, which would wait for it (MEMBAR.ALL.CTA)."""
+        gl.static_assert(w_desc.block_type.shape[1] == 64, "the converter takes 64-wide K steps (2 MX blocks)")
+        # 16 contiguous K bytes per thread (one 16-byte shared load; one scale per thread and row)
+        cv_l: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0])
+        for i in range(n_k):
+            s = i % STAGES
+            c = i % WBUF
+            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            mbarrier.wait(wempty.index(c), ((i // WBUF) & 1) ^ 1)
+            _convert_block(w8_smem.index(s), s_smem.index(s), wb_smem.index(c), 0, cv_l)
+            _convert_block(w8_smem.index(s), s_smem.index(s), wb_smem.index(c), 1, cv_l)
+            # generic-proxy shared writes (and the fp8 reads) ordered before the async proxy
+            # (the MMA warps' wgmma, the loader's next TMA into this stage)
+            fence_async_shared()
+            mbarrier.arrive(wready.index(c))
+            mbarrier.arrive(empty.index(s))
+
+    @gluon.jit
+    def _convert_block(w8_tile, s_tile, wb_tile, j: gl.constexpr, cv_l: gl.constexpr):
+        """MX block j (32 K-columns) of a weight tile: bf16(fp8 · 2**scale), exact."""
+        w = w8_tile.slice(j * 32, 32, dim=1).load(cv_l)
+        # row j of the [2, BLOCK_N] scale tile, spread over N as the rows of cv_l are (so the
+        # convert below is free: lane bit 0, the K half, is a broadcast)
+        sl: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [1, 4], [0, 1])
+        sb = gl.sum(s_tile.slice(j, 1, dim=0).load(sl).to(gl.int32), axis=0)
+        f = _pow2(gl.convert_layout(sb, gl.SliceLayout(1, cv_l)))
+        wb_tile.slice(j * 32, 32, dim=1).store((w.to(gl.float32) * f[:, None]).to(gl.bfloat16))
+
+    @gluon.jit
+    def _mma(x_smem, wb_smem, ready, empty, wready, wempty, b_ptr, y_ptr, M, N, stride_ym, off_m, off_n, n_k,
+             STAGES: gl.constexpr, WBUF: gl.constexpr, HAS_BIAS: gl.constexpr, NUM_WARPS: gl.constexpr):  # fmt: skip
+        """MMA warpgroups: acc [BLOCK_M, BLOCK_N] += X tile · bf16 W tileᵀ, one wgmma in flight."""
+        BLOCK_M: gl.constexpr = x_smem.type.shape[1]
+        BLOCK_N: gl.constexpr = wb_smem.type.shape[1]
+        acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_N, 16])
+        zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_l)
+        mbarrier.wait(ready.index(0), 0)
+        mbarrier.wait(wready.index(0), 0)
+        acc = warpgroup_mma(x_smem.index(0), wb_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # no wait (one in flight); a tensor for the loop
+        for i in range(1, n_k):
+            s = i % STAGES
+            c = i % WBUF
+            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            mbarrier.wait(wready.index(c), (i // WBUF) & 1)
+            acc = warpgroup_mma(x_smem.index(s), wb_smem.index(c).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            # step i-1's wgmma has retired: its X stage and bf16 W buffer go back
+            mbarrier.arrive(empty.index((i - 1) % STAGES))
+            mbarrier.arrive(wempty.index((i - 1) % WBUF))
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+
+        offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_l))
+        offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_l))
+        nmask = offs_n < N
+        if HAS_BIAS:
+            acc += gl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(gl.float32)[None, :]
+        mask = (offs_m < M)[:, None] & nmask[None, :]
+        gl.store(y_ptr + offs_m.to(gl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @gluon.jit
+    def _mx_prefill_ws_kernel(
+        x_desc, w_desc, s_desc, b_ptr, y_ptr, M, N, K, stride_ym,
+        STAGES: gl.constexpr, WBUF: gl.constexpr, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr,
+        CONV_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, NUM_WARPS: gl.constexpr,
+    ):  # fmt: skip
+        """Y tile [BLOCK_M, BLOCK_N]: NUM_WARPS MMA warps + a converter warpgroup + a loader warp."""
+        BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+        off_m, off_n = _tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP)
+        n_k = gl.cdiv(K, BLOCK_K)
+        wb_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.bfloat16)
+        x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+        w8_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+        s_smem = gl.allocate_shared_memory(s_desc.dtype, [STAGES] + s_desc.block_type.shape, s_desc.layout)
+        wb_smem = gl.allocate_shared_memory(gl.bfloat16, [WBUF, BLOCK_N, BLOCK_K], wb_l)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        wready = gl.allocate_shared_memory(gl.int64, [WBUF, 1], mbarrier.MBarrierLayout())
+        wempty = gl.allocate_shared_memory(gl.int64, [WBUF, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2)  # the MMA warps (X read) and the converter (W read)
+        for c in gl.static_range(WBUF):
+            mbarrier.init(wready.index(c), count=1)
+            mbarrier.init(wempty.index(c), count=1)
+        worker_args = (x_desc, w_desc, s_desc, x_smem, w8_smem, s_smem, wb_smem, ready, empty, wready, wempty,
+                       off_m, off_n, n_k, STAGES, WBUF)  # fmt: skip
+        gl.warp_specialize(
+            [
+                (_mma, (x_smem, wb_smem, ready, empty, wready, wempty, b_ptr, y_ptr, M, N, stride_ym,
+                        off_m, off_n, n_k, STAGES, WBUF, HAS_BIAS, NUM_WARPS)),
+                (_converter, worker_args),
+                (_loader, worker_args),
+            ],
+            [4, 1],
+            [CONV_REGS, LOADER_REGS],
+        )  # fmt: skip
+        for s in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(s))
+            mbarrier.invalidate(empty.index(s))
+        for c in gl.static_range(WBUF):
+            mbarrier.invalidate(wready.index(c))
+            mbarrier.invalidate(wempty.index(c))
+
+else:  # pragma: no cover
+    _mx_prefill_ws_kernel = _stub
+
+
+@dataclass(frozen=True)
+class PrefillWSConfig:
+    """Tiles of ``_mx_prefill_ws_kernel``."""
+
+    block_m: int = 256  # X rows per program: 2 MMA warpgroups x 128 rows (two m64 wgmmas each)
+    block_n: int = 128  # weight rows per program (the wgmma's N)
+    block_k: int = 64  # K per step: 128-byte bf16 rows (128-byte swizzle)
+    stages: int = 4  # X + fp8 W + scales ring depth (4 x 40.25 KB)
+    wbuf: int = 3  # bf16 W tiles (3 x 16 KB): the converter runs up to two steps ahead
+    group: int = 8  # row tiles per L2 group
+    num_warps: int = 8  # MMA warps (the default partition)
+    # 8 MMA + 4 converter + 1 loader warps, launched as 16 (whole warpgroups) x maxnreg registers;
+    # the workers give registers back (setmaxnreg) and the MMA warps take the rest.
+    maxnreg: int = 128
+    conv_regs: int = 96
+    loader_regs: int = 24
+
+
+@functools.cache
+def _is_hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
+def takes(m: int, k: int, block_size: int) -> bool:
+    """The shapes this kernel takes (on a Hopper GPU): Gluon present, M >= 1, MX block 32."""
+    return HAVE_GLUON and m >= 1 and k % BS == 0 and block_size == BS
+
+
+def ws_supported(m: int, k: int, block_size: int, device: torch.device) -> bool:
+    """``takes`` on a Hopper GPU (wgmma, TMA)."""
+    return (
+        takes(m, k, block_size)
+        and device.type == "cuda"
+        and _is_hopper(device.index if device.index is not None else torch.cuda.current_device())
+    )
+
+
+def pick_prefill_ws_config(m: int, n: int, k: int, device: torch.device) -> PrefillWSConfig:
+    """One tile for now: 256 x 128 x 64, 4 stages (kernels/NOTES.md session 9)."""
+    del m, n, k, device
+    return PrefillWSConfig()
+
+
+def scales_kn(weight_scale: torch.Tensor) -> torch.Tensor:
+    """The scales transposed, [K/32, N] with rows padded to 16 bytes (what the loader's TMA reads:
+    one [BLOCK_K/32, BLOCK_N] box per step). N x K/32 bytes, 1/32 of the weight: ~1 % of a
+    prefill GEMM's time; ``gemm.pack_weight`` keeps it with the weight."""
+    n, kb = weight_scale.shape
+    st = torch.empty((kb, triton.cdiv(n, 16) * 16), dtype=torch.uint8, device=weight_scale.device)
+    st[:, :n].copy_(weight_scale.t())
+    return st
+
+
+def mx_prefill_gemm_ws(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    out_dtype: torch.dtype | None = None,
+    config: PrefillWSConfig | None = None,
+    block_size: int = 32,
+) -> torch.Tensor:
+    """Y [M, N] = X [M, K] · dequant(W)ᵀ (+ bias), X bf16 used as given (module doc).
+
+    W8A8 callers round X to MX first (``quantize.fake_quantize_mx_rows``, bf16 out: exact).
+    Same result as ``gemm.mx_gemm`` with bf16 X up to fp32 accumulation order.
+    """
+    m, k = _check_gemm_args(x, weight, weight_scale, bias, block_size)
+    n = weight.shape[0]
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"mx_prefill_gemm_ws takes bf16 X (round W8A8 activations into bf16 first), got {x.dtype}")
+    if not ws_supported(m, k, block_size, x.device):
+        raise ValueError(
+            f"mx_prefill_gemm_ws needs Gluon, a Hopper GPU and MX block 32; got block {block_size} on {x.device}"
+        )
+    x, weight, weight_scale, y, done = _operands_and_output(x, weight, weight_scale, bias, out_dtype, n)
+    if done:
+        return y
+    # TMA: 16-byte aligned base and row strides
+    if x.stride(0) % 8 or x.data_ptr() % 16:
+        x = x.contiguous()
+    if weight.stride(0) % 16 or weight.data_ptr() % 16:
+        weight = weight.contiguous()
+    cfg = config or pick_prefill_ws_config(m, n, k, x.device)
+    w_gl = gl.float8e4nv if weight.dtype == torch.float8_e4m3fn else gl.float8e5
+    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [cfg.block_m, cfg.block_k],
+                              gl.NVMMASharedLayout.get_default_for([cfg.block_m, cfg.block_k], gl.bfloat16))  # fmt: skip
+    w_desc = TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [cfg.block_n, cfg.block_k],
+                              gl.NVMMASharedLayout.get_default_for([cfg.block_n, cfg.block_k], w_gl))  # fmt: skip
+    st = scales_kn(weight_scale)
+    s_desc = TensorDescriptor(st, [k // BS, n], list(st.stride()), [cfg.block_k // BS, cfg.block_n],
+                              gl.NVMMASharedLayout.get_default_for([cfg.block_k // BS, cfg.block_n], gl.uint8))  # fmt: skip
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    _mx_prefill_ws_kernel[grid](
+        x_desc, w_desc, s_desc, bias if bias is not None else y, y,
+        m, n, k, n,
+        STAGES=cfg.stages, WBUF=cfg.wbuf, GROUP=cfg.group, HAS_BIAS=bias is not None,
+        CONV_REGS=cfg.conv_regs, LOADER_REGS=cfg.loader_regs, NUM_WARPS=cfg.num_warps,
+        num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
+    )  # fmt: skip
+    return y
+
+
+__all__ = ["PrefillWSConfig", "mx_prefill_gemm_ws", "pick_prefill_ws_config", "takes", "ws_supported"]
