@@ -9,6 +9,8 @@ and the final rounding to the output dtype.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -675,6 +677,35 @@ def test_gpu_decode_ws_matches_reference(m, n, k, wel, act):
 
 @hopper
 @pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(1, 1000, 640), (16, 6144, 4096), (5, 14336, 4096), (16, 4096, 14336)])
+def test_gpu_decode_ws_pdl_same_bits(m, n, k):
+    """Programmatic dependent launch (the kernel starts while the X quantizer runs and waits for
+    it with griddepcontrol.wait) gives the same bits as two serialized launches; in a CUDA graph
+    where X is rewritten right before the call, every replay reads the new X (no stale reads)."""
+    gen = torch.Generator().manual_seed(m + n + k)
+    w, ws, w64 = _weight(n, k, E4M3, gen)
+    x = _activations(m, k, torch.bfloat16, gen, special=False, decades=(-2, 1))
+    cfg = WS.pick_decode_ws_config(m, n, k, torch.device(DEV))
+    assert cfg.pdl
+    off = dataclasses.replace(cfg, pdl=False)
+    y_on = WS.mx_decode_gemm_ws(x, w, ws, out_dtype=torch.float32, config=cfg)
+    y_off = WS.mx_decode_gemm_ws(x, w, ws, out_dtype=torch.float32, config=off)
+    assert torch.equal(y_on, y_off)
+    src = torch.empty_like(x)
+    xin = torch.empty_like(x)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        xin.copy_(src)
+        yg = WS.mx_decode_gemm_ws(xin, w, ws, out_dtype=torch.float32, config=cfg)
+    for _ in range(3):
+        src.copy_(_activations(m, k, torch.bfloat16, gen, special=False, decades=(-2, 1)))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(yg, WS.mx_decode_gemm_ws(src, w, ws, out_dtype=torch.float32, config=off))
+
+
+@hopper
+@pytest.mark.gpu
 def test_gpu_decode_ws_nonfinite_and_dispatch():
     """A NaN scale byte / Inf activation gives NaN where the reference does; mx_linear takes this
     path for W8A8 at 1 <= M <= 16 (W8A16 keeps the gemv), also under CUDA-graph capture."""
@@ -701,3 +732,52 @@ def test_gpu_decode_ws_nonfinite_and_dispatch():
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(yg, y)
+
+
+# --------------------------------------------------------------------------------------
+# Warp-specialized prefill GEMM (gemm_prefill_ws, Gluon; Hopper only). Not dispatched: slower
+# than the emulation on the H100 (kernels/NOTES.md session 9); kept right for the work it starts.
+# --------------------------------------------------------------------------------------
+
+from mxq.kernels import gemm_prefill_ws as PWS  # noqa: E402
+
+
+def test_prefill_ws_rejects_what_it_cannot_take():
+    gen = torch.Generator().manual_seed(5)
+    w, ws, _ = _weight(64, 256, E4M3, gen)
+    with pytest.raises(TypeError, match="takes bf16 X"):
+        PWS.mx_prefill_gemm_ws(torch.zeros(4, 256, device=DEV), w, ws)
+    if not HOPPER:
+        with pytest.raises(ValueError, match="needs Gluon, a Hopper GPU"):
+            PWS.mx_prefill_gemm_ws(torch.zeros(4, 256, dtype=torch.bfloat16, device=DEV), w, ws)
+
+
+def test_prefill_ws_scales_kn():
+    """The scales as the loader's TMA reads them: transposed, rows padded to 16 bytes."""
+    s = torch.randint(0, 256, (37, 5), dtype=torch.uint8)
+    st = PWS.scales_kn(s)
+    assert st.shape == (5, 48) and torch.equal(st[:, :37], s.t())
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,wel", [(1, 130, 64, E4M3), (100, 1000, 96, E4M3), (257, 384, 4224, E5M2), (513, 257, 32, E4M3), (2048, 1000, 2080, E4M3), (300, 4096, 4096, E5M2)])
+def test_gpu_prefill_ws_matches_reference(m, n, k, wel):
+    """Awkward shapes (ragged last K step, N and M not multiples of the tile), both weight formats,
+    bias, bf16/fp32 out, two ring depths, against float64; equal to the emulation (mx_gemm) within
+    fp32 accumulation order; a NaN scale byte gives a NaN column."""
+    gen = torch.Generator().manual_seed(m + n + k)
+    w, ws, w64 = _weight(n, k, wel, gen)
+    x = _activations(m, k, torch.bfloat16, gen, special=False, decades=(-2, 1))
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16).to(DEV)
+    for cfg, out in ((None, None), (PWS.PrefillWSConfig(stages=3, wbuf=2, group=1), torch.float32)):
+        y = PWS.mx_prefill_gemm_ws(x, w, ws, bias, out_dtype=out, config=cfg)
+        assert y.dtype == (out or torch.bfloat16) and y.shape == (m, n)
+        _assert_gemm_close(y, x, w64, bias, None)
+    y0 = G.mx_gemm(x, w, ws, bias, out_dtype=torch.float32)
+    y1 = PWS.mx_prefill_gemm_ws(x, w, ws, bias, out_dtype=torch.float32)
+    mag = x.double().abs() @ w64.abs().t()
+    assert ((y0.double() - y1.double()).abs() <= 2 * k * 2.0**-24 * mag + 1e-30).all()
+    ws[n // 2, 0] = 255
+    y = PWS.mx_prefill_gemm_ws(x, w, ws, None, out_dtype=torch.float32)
+    assert torch.isnan(y[:, n // 2]).all() and torch.isfinite(y[:, : n // 2]).all()

@@ -138,3 +138,33 @@ def test_decode_ws_compiles_warp_specialized(tmp_path):
     assert "HGMMA" not in sass and "USETMAXREG" in sass
     assert not re.search(r"\b(LDL|STL)\b", sass), "register spills"
     assert int(re.search(r"registers/thread (\d+)", out).group(1)) <= 128
+
+
+def test_decode_ws_waits_for_the_quantizer(tmp_path):
+    """Programmatic dependent launch: the decode kernel waits for its producer (griddepcontrol.wait,
+    ACQBULK in SASS) before it reads X; the quantizer it follows can release it early."""
+    pytest.importorskip("triton.experimental.gluon")
+    _cli("--kernel", "decode_ws", "--split-k", "4", "--stages", "2", "--maxnreg", "128", "--out", str(tmp_path))
+    assert "griddepcontrol.wait" in (tmp_path / "k.ptx").read_text()
+    assert "ACQBULK" in (tmp_path / "k.sass").read_text()
+    import inspect
+
+    from mxq.kernels import quantize
+
+    assert "griddepcontrol.launch_dependents" in inspect.getsource(quantize._quantize_rows_kernel.fn)
+
+
+def test_prefill_ws_compiles_warp_specialized(tmp_path):
+    """The warp-specialized prefill GEMM (kernels/gemm_prefill_ws.py, Gluon) compiled for sm_90:
+    16 bf16 wgmmas m64n128k16 (2 warpgroups x 2 row halves x 4 k16, peeled step + loop), all from
+    shared memory (no register operand), registers handed from the loader (24) and converter (96)
+    to the MMA warps, no spills, and the converter's scales come by TMA (no global load in flight
+    at its proxy fence, which would wait for it)."""
+    pytest.importorskip("triton.experimental.gluon")
+    out = _cli("--kernel", "prefill_ws", "--out", str(tmp_path))
+    sass = (tmp_path / "k.sass").read_text()
+    assert len(re.findall(r"HGMMA\.64x128x16\.F32\.BF16 ", sass)) == 16
+    assert "USETMAXREG.DEALLOC.CTAPOOL 0x18" in sass and "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0x60" in sass
+    assert not re.search(r"\b(LDL|STL)\b", sass), "register spills"
+    assert len(re.findall(r"UTMALDG", sass)) == 3 and "LDG" not in sass.replace("UTMALDG", "")
+    assert int(re.search(r"registers/thread (\d+)", out).group(1)) <= 128
