@@ -241,7 +241,14 @@ def _quantize_rows_kernel(
         )
 
 
-_HW_CVT: dict[int, bool] = {}
+_CAP: dict[int, tuple[int, int]] = {}
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _CAP:
+        _CAP[idx] = torch.cuda.get_device_capability(idx)
+    return _CAP[idx]
 
 
 def hw_cvt(device: torch.device) -> bool:
@@ -252,26 +259,15 @@ def hw_cvt(device: torch.device) -> bool:
     """
     if INTERPRET or device.type != "cuda" or os.environ.get("MXQ_BIT_ROUNDING", "0") == "1":
         return False
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _HW_CVT:
-        _HW_CVT[idx] = torch.cuda.get_device_capability(idx) >= (8, 9)
-    return _HW_CVT[idx]
+    return _capability(device) >= (8, 9)
 
 
 def pdl_ok(device: torch.device) -> bool:
     """Programmatic dependent launch (griddepcontrol): sm_90+, not the interpreter, not with
     MXQ_PDL=0."""
-    return hw_cvt(device) and os.environ.get("MXQ_PDL", "1") != "0" and _capability(device) >= (9, 0)
-
-
-_CAP: dict[int, tuple[int, int]] = {}
-
-
-def _capability(device: torch.device) -> tuple[int, int]:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _CAP:
-        _CAP[idx] = torch.cuda.get_device_capability(idx)
-    return _CAP[idx]
+    if INTERPRET or device.type != "cuda" or os.environ.get("MXQ_PDL", "1") == "0":
+        return False
+    return _capability(device) >= (9, 0)
 
 
 def fp8_dtype(elem: ElemFormat):

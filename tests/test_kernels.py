@@ -29,6 +29,7 @@ triton = pytest.importorskip("triton")
 tl = triton.language
 
 from mxq.kernels import gemm as G  # noqa: E402
+from mxq.kernels import quantize as Q  # noqa: E402
 from mxq.kernels.dispatch import mx_linear_triton  # noqa: E402
 from mxq.kernels.quantize import fake_quantize_mx_rows, quantize_mx_rows  # noqa: E402
 from mxq.kernels.toolchain import wgmma_async_ok  # noqa: E402
@@ -124,6 +125,21 @@ def test_fake_quantize_rows_values(dtype, rule):
     for out_dtype in (dtype, torch.bfloat16):
         d = fake_quantize_mx_rows(x, E4M3, rule, out_dtype=out_dtype)
         torch.testing.assert_close(d, ref.to(out_dtype), rtol=0, atol=0, equal_nan=True)
+
+
+def test_quantize_rows_pdl_flag_keeps_the_bytes(monkeypatch):
+    """``pdl=True`` (release a dependent kernel early) changes nothing in the output; it is on only
+    on sm_90+ GPUs outside the interpreter, and MXQ_PDL=0 turns it off."""
+    gen = torch.Generator().manual_seed(9)
+    x = _activations(7, 200, torch.bfloat16, gen, special=True)
+    q0, s0 = Q.quantize_mx_rows(x, E4M3, ScaleRule.RCEIL)
+    q1, s1 = Q.quantize_mx_rows(x, E4M3, ScaleRule.RCEIL, pdl=True)
+    assert torch.equal(q0.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s0, s1)
+    assert not Q.pdl_ok(torch.device("cpu"))
+    if CUDA and not Q.INTERPRET:
+        assert Q.pdl_ok(torch.device(DEV)) == (torch.cuda.get_device_capability() >= (9, 0))
+        monkeypatch.setenv("MXQ_PDL", "0")
+        assert not Q.pdl_ok(torch.device(DEV))
 
 
 def test_quantize_rows_leading_dims_and_errors():
