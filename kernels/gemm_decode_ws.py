@@ -27,7 +27,6 @@ reference and with ``mx_decode_gemm``.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +41,7 @@ from mxq.kernels.gemm import (
     _split_k_plan,
 )
 from mxq.kernels.gemm_decode import split_counters
-from mxq.kernels.quantize import pdl_ok, quantize_mx_rows
+from mxq.kernels.quantize import _capability, pdl_ok, quantize_mx_rows
 
 try:  # Gluon: Triton >= 3.5
     from triton.experimental import gluon
@@ -257,11 +256,6 @@ class DecodeWSConfig:
     pdl: bool = True
 
 
-@functools.cache
-def _is_hopper(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] == 9
-
-
 def takes(m: int, k: int, block_size: int) -> bool:
     """The shapes this kernel takes (on a Hopper GPU): Gluon present, 1 <= M <= WS_MAX_M,
     K % 128 == 0 (whole scale words per step), MX block 32."""
@@ -270,11 +264,7 @@ def takes(m: int, k: int, block_size: int) -> bool:
 
 def ws_supported(m: int, k: int, block_size: int, device: torch.device) -> bool:
     """``takes`` on a Hopper GPU (wgmma)."""
-    return (
-        takes(m, k, block_size)
-        and device.type == "cuda"
-        and _is_hopper(device.index if device.index is not None else torch.cuda.current_device())
-    )
+    return takes(m, k, block_size) and device.type == "cuda" and _capability(device)[0] == 9
 
 
 def pick_decode_ws_config(m: int, n: int, k: int, device: torch.device) -> DecodeWSConfig:

@@ -25,13 +25,13 @@ it for sm_90 (tests/test_sass_dev.py) and GPU tests compare it with the torch re
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 
 from mxq.kernels.gemm import _check_gemm_args, _operands_and_output
+from mxq.kernels.quantize import _capability
 
 try:  # Gluon: Triton >= 3.5
     from triton.experimental import gluon
@@ -228,11 +228,6 @@ class PrefillWSConfig:
     loader_regs: int = 24
 
 
-@functools.cache
-def _is_hopper(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] == 9
-
-
 def takes(m: int, k: int, block_size: int) -> bool:
     """The shapes this kernel takes (on a Hopper GPU): Gluon present, M >= 1, MX block 32."""
     return HAVE_GLUON and m >= 1 and k % BS == 0 and block_size == BS
@@ -240,11 +235,7 @@ def takes(m: int, k: int, block_size: int) -> bool:
 
 def ws_supported(m: int, k: int, block_size: int, device: torch.device) -> bool:
     """``takes`` on a Hopper GPU (wgmma, TMA)."""
-    return (
-        takes(m, k, block_size)
-        and device.type == "cuda"
-        and _is_hopper(device.index if device.index is not None else torch.cuda.current_device())
-    )
+    return takes(m, k, block_size) and device.type == "cuda" and _capability(device)[0] == 9
 
 
 def pick_prefill_ws_config(m: int, n: int, k: int, device: torch.device) -> PrefillWSConfig:
@@ -255,8 +246,8 @@ def pick_prefill_ws_config(m: int, n: int, k: int, device: torch.device) -> Pref
 
 def scales_kn(weight_scale: torch.Tensor) -> torch.Tensor:
     """The scales transposed, [K/32, N] with rows padded to 16 bytes (what the loader's TMA reads:
-    one [BLOCK_K/32, BLOCK_N] box per step). N x K/32 bytes, 1/32 of the weight: ~1 % of a
-    prefill GEMM's time; ``gemm.pack_weight`` keeps it with the weight."""
+    one [BLOCK_K/32, BLOCK_N] box per step). N x K/32 bytes, 1/32 of the weight, made per call:
+    ~1 % of a prefill GEMM's time."""
     n, kb = weight_scale.shape
     st = torch.empty((kb, triton.cdiv(n, 16) * 16), dtype=torch.uint8, device=weight_scale.device)
     st[:, :n].copy_(weight_scale.t())
