@@ -37,6 +37,7 @@ K operand) or before it enters the cache.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -746,6 +747,21 @@ def _gqa_tile(
 
 
 @triton.jit
+def _normalize_q_blocks(
+    qf, GP: tl.constexpr, BLOCK_D: tl.constexpr, DB: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr,
+    MAXN: tl.constexpr, EMIN: tl.constexpr, RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr,
+):  # fmt: skip
+    """qf [GP, BLOCK_D] fp32 -> (qn [GP, BLOCK_D] fp32, cq [GP, DB]): qf MX-rounded along head_dim,
+    each 32-block divided by a power of two cq so its MX values are exact in fp16 (|x| < 2; e4m3
+    spans < 2^18 inside a block, fp16 subnormals reach 2^-24); cq undoes it after the dot."""
+    qr = mx_round_dequant(tl.reshape(qf, (GP, DB, 32)), EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8)
+    cbits = tl.max(qr.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2) & 0x7F800000
+    cbits = tl.where(cbits == 0, 0x3F800000, cbits)
+    cq = cbits.to(tl.float32, bitcast=True)  # [GP, DB]
+    return tl.reshape(qr / cq[:, :, None], (GP, BLOCK_D)), cq
+
+
+@triton.jit
 def _decode_q(
     Q, ROT, b, hk, stride_qb, stride_qh, stride_qd, D,
     GROUP_C: tl.constexpr, GP: tl.constexpr, BLOCK_D: tl.constexpr, DB: tl.constexpr,
@@ -753,9 +769,29 @@ def _decode_q(
     RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr,
     QPARTS: tl.constexpr, QM: tl.constexpr, ROT_NB: tl.constexpr,
 ):  # fmt: skip
-    """The decode kernel's query operand: the GROUP_C query heads of kv head ``hk`` (rotated if
-    QPARTS), MX-rounded along head_dim, each 32-block normalized by a power of two (cq) and laid
-    block-diagonally over the D blocks: qb [BLOCK_D, GP * DB] fp16, cq [GP, DB]."""
+    """The decode kernel's query operand: ``_decode_qn``'s blocks laid block-diagonally over the
+    D blocks: qb [BLOCK_D, GP * DB] fp16, cq [GP, DB]."""
+    qn, cq = _decode_qn(
+        Q, ROT, b, hk, stride_qb, stride_qh, stride_qd, D, GROUP_C, GP, BLOCK_D, DB,
+        EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8, INTERP, QPARTS, QM, ROT_NB,
+    )  # fmt: skip
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_j = tl.arange(0, DB)
+    qb = tl.where((offs_d // 32)[:, None, None] == offs_j[None, None, :], tl.trans(qn)[:, :, None], 0.0)
+    qb = tl.reshape(qb, (BLOCK_D, GP * DB)).to(tl.float16)  # [D, (g, j)] block-diagonal
+    return qb, cq
+
+
+@triton.jit
+def _decode_qn(
+    Q, ROT, b, hk, stride_qb, stride_qh, stride_qd, D,
+    GROUP_C: tl.constexpr, GP: tl.constexpr, BLOCK_D: tl.constexpr, DB: tl.constexpr,
+    EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
+    RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr,
+    QPARTS: tl.constexpr, QM: tl.constexpr, ROT_NB: tl.constexpr,
+):  # fmt: skip
+    """The GROUP_C query heads of kv head ``hk`` (rotated if QPARTS), MX-rounded along head_dim,
+    each 32-block normalized by a power of two: qn [GP, BLOCK_D] fp32 (exact in fp16), cq [GP, DB]."""
     offs_g = tl.arange(0, GP)
     offs_d = tl.arange(0, BLOCK_D)
     heads = hk * GROUP_C + offs_g
@@ -780,18 +816,55 @@ def _decode_q(
             mask=gmask[:, None] & (offs_d < D)[None, :], other=0.0,
         )  # fmt: skip
         qf = q.to(tl.float32)
-    qr = mx_round_dequant(tl.reshape(qf, (GP, DB, 32)), EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8)
-    # Normalize each Q block by a power of two so its MX values are exact in fp16 (|x| < 2;
-    # e4m3 spans < 2^18 inside a block, fp16 subnormals reach 2^-24); cq undoes it after the dot.
-    cbits = tl.max(qr.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2) & 0x7F800000
-    cbits = tl.where(cbits == 0, 0x3F800000, cbits)
-    cq = cbits.to(tl.float32, bitcast=True)  # [GP, DB]
-    qn = tl.reshape(qr / cq[:, :, None], (GP, BLOCK_D))
-    offs_j = tl.arange(0, DB)
-    qb = tl.where((offs_d // 32)[:, None, None] == offs_j[None, None, :], tl.trans(qn)[:, :, None], 0.0)
-    qb = tl.reshape(qb, (BLOCK_D, GP * DB)).to(tl.float16)  # [D, (g, j)] block-diagonal
+    return _normalize_q_blocks(qf, GP, BLOCK_D, DB, EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8)
 
-    return qb, cq
+
+@triton.jit
+def _decode_q_prep_kernel(
+    Q, ROT, QN, CQ, Hkv, stride_qb, stride_qh, stride_qd, D,
+    GROUP_C: tl.constexpr, GP: tl.constexpr, BLOCK_D: tl.constexpr, DB: tl.constexpr,
+    EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
+    RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr,
+    QPARTS: tl.constexpr, QM: tl.constexpr, ROT_NB: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """``_decode_qn`` for one (batch, kv head) into QN [B*Hkv*GP, BLOCK_D] fp16, CQ [B*Hkv*GP, DB]."""
+    if PDL:  # the decode kernel launched behind this one may start streaming the cache now
+        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    pid = tl.program_id(0)
+    qn, cq = _decode_qn(
+        Q, ROT, pid // Hkv, pid % Hkv, stride_qb, stride_qh, stride_qd, D, GROUP_C, GP, BLOCK_D, DB,
+        EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8, INTERP, QPARTS, QM, ROT_NB,
+    )  # fmt: skip
+    rows = pid * GP + tl.arange(0, GP)
+    tl.store(QN + rows[:, None] * BLOCK_D + tl.arange(0, BLOCK_D)[None, :], qn.to(tl.float16))
+    tl.store(CQ + rows[:, None] * DB + tl.arange(0, DB)[None, :], cq)
+
+
+def decode_query_blocks(
+    q: torch.Tensor, hkv: int, *, gp: int = 8, elem: ElemFormat | str = E4M3, rule: ScaleRule | str = ScaleRule.RCEIL,
+    qk_rotation: bool = False, pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode query as the warp-specialized decode kernel reads it (``attention_decode_ws``):
+    q [B, Hq, 1, D] -> qn fp16 [B*Hkv*gp, BLOCK_D], cq fp32 [B*Hkv*gp, BLOCK_D/32] with
+    qn·cq (per 32-block) = the MX-rounded (and, with ``qk_rotation``, rotated) query; rows of
+    a kv head's gp slots past its Hq/Hkv query heads are zero (cq 1)."""
+    elem, rule = as_elem_format(elem), as_scale_rule(rule)
+    b, hq, _, d = q.shape
+    group = hq // hkv
+    if group > gp:
+        raise ValueError(f"decode_query_blocks: {group} query heads per kv head, more than gp={gp}")
+    bd = _block_d(d)
+    qn = torch.empty((b * hkv * gp, bd), dtype=torch.float16, device=q.device)
+    cq = torch.empty((b * hkv * gp, bd // 32), dtype=torch.float32, device=q.device)
+    rot_nb, rot = _rotation_factored(d, bd, q.device) if qk_rotation and FACTORED_ROTATION else (0, None)
+    if rot is None:
+        rot = _rotation_operand(d, bd, q.device) if qk_rotation else q
+    _decode_q_prep_kernel[(b * hkv,)](
+        q, rot, qn, cq, hkv, q.stride(0), q.stride(1), q.stride(3), d,
+        GROUP_C=group, GP=gp, BLOCK_D=bd, DB=bd // 32, **_fmt(elem, rule, q.device), INTERP=INTERPRET,
+        QPARTS=_parts(q.dtype) if qk_rotation else 0, QM=max(16, gp), ROT_NB=rot_nb, PDL=pdl, num_warps=4,
+    )  # fmt: skip
+    return qn, cq
 
 
 @triton.jit
@@ -998,8 +1071,11 @@ def mx_attention_decode(
     ``attention_mask``: bool or additive, broadcastable to [B, Hq, 1, length]. Reads
     (1 + 1/32) bytes per cached element.
 
-    ``variant``: "gqa" (default: fp16 MMAs on the raw fp8 tiles, scales applied per block after
-    the products) or "dequant" (the first kernel: every element scaled, bf16 MMAs). ``block_n``,
+    ``variant``: "ws" (default on Hopper where ``attention_decode_ws.takes`` the call: the
+    warp-specialized Gluon kernel, TMA loader warp + wgmma; ``MXQ_ATTN_WS=0`` turns it off),
+    "gqa" (default elsewhere: fp16 MMAs on the raw fp8 tiles, scales applied per block after
+    the products) or "dequant" (the first kernel: every element scaled, bf16 MMAs). The tuning
+    arguments below and ``merge``/``counters`` belong to "gqa"/"dequant". ``block_n``,
     ``chunk`` (keys per split), ``num_warps``, ``num_stages``, ``maxnreg`` (register cap per
     thread, so more programs fit on an SM): tuning, defaults from the H200 sweep.
 
@@ -1014,6 +1090,17 @@ def mx_attention_decode(
     """
     elem, rule = as_elem_format(elem), as_scale_rule(rule)
     b, hq, sq, d = q.shape
+    if variant is None and os.environ.get("MXQ_ATTN_WS", "1") != "0" and q.device.type == "cuda":
+        from mxq.kernels import attention_decode_ws as _ws
+
+        variant = "ws" if _ws.takes(q, k_data, k_scale, v_data, v_scale, attention_mask) else None
+    if variant == "ws":  # the warp-specialized Gluon kernel (Hopper)
+        from mxq.kernels import attention_decode_ws as _ws
+
+        return _ws.mx_attention_decode_ws(
+            q, k_data, k_scale, v_data, v_scale, length, scale=scale, elem=elem, rule=rule, out=out,
+            qk_rotation=qk_rotation,
+        )  # fmt: skip
     paged = v_data.dim() == 5
     if paged:  # [B, Hkv, P, D, 32] pages: address V as (page, channel, slot) through the strides
         vp, vsp = v_data.stride(2), v_scale.stride(2)
@@ -1030,7 +1117,7 @@ def mx_attention_decode(
     on_gpu = q.device.type == "cuda"
     variant = variant or "gqa"
     if variant not in ("gqa", "dequant"):
-        raise ValueError(f"unknown decode variant {variant!r}")
+        raise ValueError(f"unknown decode variant {variant!r} (gqa, dequant, ws)")
     cfg = _decode_config(variant, on_gpu)
     block_n = block_n or cfg[0]
     num_warps = num_warps or cfg[1]

@@ -5,6 +5,7 @@
         [--loop old|zero_dot|peel] [--deq bf16|bits|fp32] [--ptxas PATH] [--out DIR]
     python -m mxq.kernels.sass_dev --kernel decode_f8 [--tile 16x128x4] [--split-k 4] [--quant-x] [--stages 2]
     python -m mxq.kernels.sass_dev --kernel decode_ws [--split-k 4] [--stages 2] [--maxnreg 128]
+    python -m mxq.kernels.sass_dev --kernel attn_ws [--block-n 64] [--stages 4] [--head-dim 128]
 
 Compiles a kernel for sm_90 on the CPU machine — Triton's compiler, ptxas and ``cuobjdump`` need
 no GPU — and prints the registers per thread and, for the main loop (the first backward branch),
@@ -14,7 +15,8 @@ rotation on). ``gemm``: ``gemm._mx_gemm_kernel`` with TMA tiles as the prefill d
 and also the wgmma register hazards in its loop (``wgmma_register_hazards``): registers of a
 wgmma's left operand written while that wgmma may still be in flight. ``decode_f8``: the fp8
 tensor-core decode GEMM (``gemm_decode._mx_decode_f8_kernel``; tile = BLOCK_M x BLOCK_N x blocks per step). ``decode_ws``: its
-warp-specialized Gluon version (``gemm_decode_ws``). ``--ptxas`` makes Triton use that ptxas
+warp-specialized Gluon version (``gemm_decode_ws``). ``attn_ws``: the warp-specialized attention
+decode kernel (``attention_decode_ws``, E4M3 cache, 4 query heads per kv head). ``--ptxas`` makes Triton use that ptxas
 (default: Triton's choice, which mxq points at a ptxas >= 13.3 where one is installed). Integer arguments are marked
 divisible by 16 the way the launcher specializes them at the benchmark shapes (without it the
 compiler cannot prove 16-byte alignment and the code differs from what runs). DIR gets the
@@ -161,6 +163,25 @@ def compile_prefill_ws(stages=4, wbuf=3, maxnreg=128, conv_regs=96, loader_regs=
                          source=GluonASTSource, **({"maxnreg": maxnreg} if maxnreg else {}))  # fmt: skip
 
 
+def compile_decode_attn_ws(block_n=64, stages=4, d=128, group=4, maxnreg=128, loader_regs=24):
+    """``attention_decode_ws._decode_ws_kernel`` (Gluon) for sm_90 as mx_attention_decode_ws launches it
+    (E4M3 cache, bf16 out)."""
+    import torch
+
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from mxq.kernels import attention_decode_ws as W
+
+    boxes, lays = W._boxes(block_n, d, torch.float8_e4m3fn)
+    types = ("fp8e4nv", "u8", "fp8e4nv", "u8", "fp16")
+    names = ("k_desc", "ks_desc", "v_desc", "vs_desc", "q_desc")
+    ptrs = {n: f"tensordesc<{t}[{box[0]}, {box[1]}],{lay!r}>" for n, t, box, lay in zip(names, types, boxes, lays)}
+    ptrs.update(cq_ptr="*fp32", ml_ptr="*fp32", acc_ptr="*fp32", out_ptr="*bf16", qk_scale="fp32")
+    cons = dict(STAGES=stages, BLOCK_N=block_n, GROUP_C=group, LOADER_REGS=loader_regs)
+    return _compile_sm90(W._decode_ws_kernel, cons, ptrs, 4, 1, not_div16={"Hkv", "L", "NSPLIT", "stride_oh"},
+                         source=GluonASTSource, **({"maxnreg": maxnreg} if maxnreg else {}))  # fmt: skip
+
+
 _INS = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)\s*([^;]*);")
 
 
@@ -225,8 +246,9 @@ def main_loop_histogram(sass: str) -> tuple[int, collections.Counter]:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernel", choices=("decode", "gemm", "decode_f8", "decode_ws", "prefill_ws"), default="decode")
+    ap.add_argument("--kernel", choices=("decode", "gemm", "decode_f8", "decode_ws", "prefill_ws", "attn_ws"), default="decode")
     ap.add_argument("--block-n", type=int, default=64, help="decode: keys per tile")
+    ap.add_argument("--head-dim", type=int, default=128, help="attn_ws: head_dim (64 or 128)")
     ap.add_argument("--tile", default="256x128x64", help="gemm: BLOCK_M x BLOCK_N x BLOCK_K")
     ap.add_argument("--loop", choices=("old", "zero_dot", "peel"), default="zero_dot", help="gemm: accumulator start")
     ap.add_argument("--deq", choices=("bf16", "bits", "fp32"), default="bf16", help="gemm: weight dequant route")
@@ -250,6 +272,10 @@ def main():
     elif args.kernel == "decode_ws":
         k = compile_decode_ws(stages=args.stages, split=args.split_k, maxnreg=args.maxnreg)
         unit = "128-wide K step (the first backward branch may be the loader warp's loop)"
+    elif args.kernel == "attn_ws":
+        k = compile_decode_attn_ws(block_n=args.block_n, stages=args.stages if args.stages != 3 else 4, d=args.head_dim,
+                                   maxnreg=args.maxnreg or 128)  # fmt: skip
+        unit = f"{args.block_n}-key tile (the first backward branch may be the loader warp's loop)"
     elif args.kernel == "prefill_ws":
         k = compile_prefill_ws(stages=args.stages if args.stages != 3 else 4, maxnreg=args.maxnreg or 128)
         unit = "64-wide K step (the first backward branch may be a worker's loop)"

@@ -609,3 +609,100 @@ def test_gpu_decode_variants(variant, block_n, warps, stages):
     mask[0, ..., : n // 3] = float("-inf")
     want = mx_attention_reference(q.float(), kd, vd, attention_mask=mask)
     assert _rel(mx_attention_decode(q.float(), *args[1:], attention_mask=mask, **kw), want.float()) < 3e-5
+
+
+@pytest.mark.parametrize("hq,hkv,d,dtype,rotate", [(6, 2, 64, torch.bfloat16, True), (8, 1, 128, torch.float32, False), (3, 3, 96, torch.float16, True)])
+def test_decode_query_blocks_equal_format_core(hq, hkv, d, dtype, rotate):
+    """The warp-specialized decode's query operand (``decode_query_blocks``): qn (fp16) x cq per
+    32-block = the query rotated in float64 and MX-rounded by the format core; qn's blocks
+    normalized (max |qn| in [1, 2)), cq powers of two; padded head slots zero."""
+    from mxq.kernels.attention import decode_query_blocks
+
+    b, gp = 2, 8
+    q = (torch.randn(b, hq, 1, d) * 3).to(dtype)
+    qn, cq = decode_query_blocks(q, hkv, gp=gp, qk_rotation=rotate)
+    x = _rotate(q.float(), d) if rotate else q.float()
+    want = dequantize_mx(quantize_mx(x, -1)).reshape(b, hkv, hq // hkv, d)
+    db = qn.shape[1] // 32  # the kernel's head_dim: a power of two >= d
+    got = (qn.double().view(b * hkv, gp, db, 32) * cq.double().view(b * hkv, gp, db, 1)).view(b, hkv, gp, db * 32)
+    assert torch.equal(got[:, :, : hq // hkv, :d].float(), want)
+    assert torch.all(got[:, :, hq // hkv :] == 0) and torch.all(got[..., d:] == 0)
+    m = qn.float().abs().view(b * hkv, gp, db, 32).amax(-1)
+    assert torch.all((m == 0) | ((m >= 1) & (m < 2)))
+    assert torch.equal(torch.exp2(torch.log2(cq).round()), cq)
+
+
+def _garbage_past(layer, n):
+    """NaN codes and NaN scales in every cache slot past token n (what a reused buffer may hold)."""
+    nan = 0x7F
+    layer.k_data[:, :, n:].view(torch.uint8).fill_(nan)
+    layer.k_scale[:, :, n:].fill_(255)
+    p = n // 32
+    layer.v_data[:, :, p, :, n % 32 :].view(torch.uint8).fill_(nan)
+    layer.v_data[:, :, p + 1 :].view(torch.uint8).fill_(nan)
+    layer.v_scale[:, :, p + 1 :].fill_(255)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "hq,hkv,d,n,dtype,rotate",
+    [(32, 8, 128, 5000, torch.float32, True), (9, 3, 64, 150, torch.float32, True), (8, 8, 128, 33, torch.float32, False),
+     (16, 2, 64, 2047, torch.float32, False), (12, 4, 128, 64, torch.bfloat16, True), (6, 3, 64, 4097, torch.float16, False)],
+)  # fmt: skip
+def test_gpu_decode_ws_matches_reference(hq, hkv, d, n, dtype, rotate):
+    """The warp-specialized decode kernel (Gluon, Hopper) against the float64 reference on the
+    dequantized cache and against the Triton kernel: GQA groups 1-8, D 64/128, a partial last tile
+    and page, garbage (NaN) past the context, one split and many, three tile configs."""
+    from mxq.kernels import attention_decode_ws as W
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs a Hopper GPU")
+    b = 2
+    q, k, v = _qkv(b, hq, hkv, 1, n, d, dtype, "cuda")
+    layer = MXFP8CacheLayer()
+    layer.rotated = rotate
+    layer.update(k, v)
+    kd, vd = layer.dequantize()
+    _garbage_past(layer, n)
+    args = (q, layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, layer.length)
+    assert W.takes(*args[:5], None)
+    want = _independent(q.cpu(), kd.cpu(), vd.cpu(), rotate=rotate, k_rotated=True)
+    tol = 3e-5 if dtype == torch.float32 else 5e-3
+    triton_kernel = mx_attention_decode(*args, variant="gqa", qk_rotation=rotate).cpu()
+    for cfg in (W.DecodeAttnWSConfig(), W.DecodeAttnWSConfig(programs=1), W.DecodeAttnWSConfig(block_n=128, stages=2),
+                W.DecodeAttnWSConfig(block_n=32, stages=6, pdl=False)):  # fmt: skip
+        got = W.mx_attention_decode_ws(*args, qk_rotation=rotate, config=cfg).cpu()
+        assert got.dtype == dtype and torch.isfinite(got).all(), cfg
+        assert _rel(got, want) < tol, cfg
+        assert _rel(got, triton_kernel) < tol, cfg
+    # the default path on Hopper is this kernel
+    assert torch.equal(mx_attention_decode(*args, qk_rotation=rotate).cpu(), W.mx_attention_decode_ws(*args, qk_rotation=rotate).cpu())
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_decode_ws_in_cuda_graph():
+    """Captured once, replayed with a new query and a longer context written into the same
+    cache: the replays read the fresh query (programmatic dependent launch keeps the order)."""
+    from mxq.kernels import attention_decode_ws as W
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs a Hopper GPU")
+    b, hq, hkv, n, d = 2, 16, 4, 3000, 128
+    q, k, v = _qkv(b, hq, hkv, 1, n, d, torch.bfloat16, "cuda")
+    layer = MXFP8CacheLayer()
+    layer.update(k, v)
+    args = (layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, n)
+    qs = q.clone()
+    out = torch.empty_like(q)
+    W.mx_attention_decode_ws(qs, *args, qk_rotation=layer.rotated, out=out)  # compile outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        W.mx_attention_decode_ws(qs, *args, qk_rotation=layer.rotated, out=out)
+    for _ in range(3):
+        qs.copy_(torch.randn_like(q))
+        g.replay()
+        want = W.mx_attention_decode_ws(qs, *args, qk_rotation=layer.rotated)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)

@@ -168,3 +168,22 @@ def test_prefill_ws_compiles_warp_specialized(tmp_path):
     assert not re.search(r"\b(LDL|STL)\b", sass), "register spills"
     assert len(re.findall(r"UTMALDG", sass)) == 3 and "LDG" not in sass.replace("UTMALDG", "")
     assert int(re.search(r"registers/thread (\d+)", out).group(1)) <= 128
+
+
+@pytest.mark.parametrize("d,block_n,hgmma", [(128, 64, 48), (64, 128, 48)])
+def test_attention_decode_ws_compiles_warp_specialized(tmp_path, d, block_n, hgmma):
+    """The warp-specialized attention decode kernel (kernels/attention_decode_ws.py, Gluon) compiled
+    for sm_90: fp16 wgmmas m64n8k16 with the cache's widened codes as the register operand (per
+    tile: D/32 blocks x 2 k16 for the scores, BLOCK_N/32 pages x 2 (P_hi, P_lo) x D/64 x 2 for P·V;
+    the unmasked loop and the last, masked tile), 5 TMA loads per stage, registers handed from the
+    loader warp to the math warpgroup, at most 128 registers per thread at launch, no spills."""
+    pytest.importorskip("triton.experimental.gluon")
+    out = _cli("--kernel", "attn_ws", "--head-dim", str(d), "--block-n", str(block_n), "--out", str(tmp_path))
+    sass = (tmp_path / "k.sass").read_text()
+    per_tile = (d // 32) * 2 * (1 if block_n == 64 else 2) + (block_n // 32) * 2 * (d // 64) * 2
+    assert hgmma == 2 * per_tile
+    assert len(re.findall(r"HGMMA\.64x8x16\.F32 ", sass)) == hgmma
+    assert "USETMAXREG" in sass and "UTMALDG" in sass
+    assert not re.search(r"\b(LDL|STL)\b", sass), "register spills"
+    assert int(re.search(r"registers/thread (\d+)", out).group(1)) <= 128
+    assert "griddepcontrol.wait" in (tmp_path / "k.ptx").read_text()

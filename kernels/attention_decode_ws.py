@@ -1,0 +1,375 @@
+"""Decode attention over the MXFP8 KV cache, warp-specialized (Gluon, Hopper sm_90).
+
+The same function as ``attention._decode_gqa_kernel`` (read ``attention``'s module doc first):
+one query token per sequence, all query heads of a kv head in one program, the context split
+over programs (split-KV), scores and softmax in fp32, partial results merged by
+``attention._decode_merge_kernel``. What differs is the schedule, which plain Triton does not
+let us write (kernels/NOTES.md, attention session 6: that kernel reaches ~65 % of DRAM bandwidth
+because each warp's loads wait behind its own per-tile instruction chain):
+
+- a **loader warp** streams each tile of BLOCK_N keys — K [BLOCK_N, D] fp8, its scale bytes,
+  the BLOCK_N/32 V pages [D, 32] fp8 and their scale bytes — through a ring of shared-memory
+  stages with TMA and mbarriers, as far ahead as the ring allows;
+- the **math warpgroup** computes per tile, on the tensor cores, with the cache's fp8 codes
+  widened to fp16 in registers (exact) as the register operand of wgmma:
+    Sᵀ[n, g] = Σ_j 2**ke[n, j] · cq[g, j] · Σ_{d in block j} k8[n, d] · qn[g, d]
+  (one wgmma per 32-wide D block; qn, cq: the MX-rounded query normalized per block by a power
+  of two, ``attention.decode_query_blocks``, fp16-exact), the online softmax in fp32 (log2
+  domain), P split into two fp16 parts (P_hi + P_lo = P to ~2**-22) in shared memory, and
+    Oᵀ[c, g] += 2**vs[c, page] · Σ_{n in page} v8[c, n] · (P_hi + P_lo)[n, g]
+  (one wgmma pair per 32-key page). Every product is exact; only fp32 accumulation rounds.
+
+The query heads of a kv head sit in the N = 8 columns of the MMAs (M = keys or channels): up to
+8 query heads per kv head. Shapes taken: D in {64, 128}, the cache's paged V layout
+(``MXFP8CacheLayer``), contiguous cache tensors, no attention mask; others take
+``attention._decode_gqa_kernel``. The Triton interpreter cannot run Gluon: the CPU tests
+compile it for sm_90 (tests/test_sass_dev.py), the GPU tests compare it with the reference and
+with the Triton kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from mxq.formats import E4M3, ElemFormat, ScaleRule, as_elem_format, as_scale_rule
+from mxq.kernels.quantize import _capability, pdl_ok
+
+try:  # Gluon: Triton >= 3.5
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - older Triton
+    HAVE_GLUON = False
+
+GP = 8  # query-head slots per kv head: the MMAs' N
+LOG2E = 1.4426950408889634
+
+
+def _stub(*args, **kwargs):  # pragma: no cover
+    raise RuntimeError("attention_decode_ws needs Gluon (triton >= 3.5)")
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _pow2(si):
+        """E8M0 bytes (int32) -> fp32 2**(byte-127); 0 -> 2**-127, 255 -> NaN (mxq.formats)."""
+        f = (si << 23).to(gl.float32, bitcast=True)
+        f = gl.where(si == 0, 5.877471754111438e-39, f)
+        return gl.where(si == 255, float("nan"), f)
+
+    @gluon.jit
+    def _gdc_wait():
+        """Wait for the kernel this one was launched behind (programmatic dependent launch: the
+        query preparation) to finish and its writes to be visible; a no-op without PDL."""
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _load_stage(k_desc, ks_desc, v_desc, vs_desc, k_smem, ks_smem, v_smem, vs_smem, bar, s, i, key0, page0,
+                    BLOCK_N: gl.constexpr):  # fmt: skip
+        PP: gl.constexpr = BLOCK_N // 32
+        D: gl.constexpr = v_desc.block_type.shape[0]
+        DB: gl.constexpr = k_desc.block_type.shape[1] // 32
+        nbytes: gl.constexpr = (k_desc.block_type.nbytes + ks_desc.block_type.nbytes + PP * v_desc.block_type.nbytes
+                                + vs_desc.block_type.nbytes)  # fmt: skip
+        mbarrier.expect(bar, nbytes)
+        key = key0 + i * BLOCK_N
+        tma.async_copy_global_to_shared(k_desc, [key, 0], bar, k_smem.index(s))
+        tma.async_copy_global_to_shared(ks_desc, [(key * DB) // 64, 0], bar, ks_smem.index(s))  # 64 bytes a row
+        for p in gl.static_range(PP):
+            tma.async_copy_global_to_shared(v_desc, [(page0 + i * PP + p) * D, 0], bar, v_smem.index(s * PP + p))
+        tma.async_copy_global_to_shared(vs_desc, [page0 + i * PP, 0], bar, vs_smem.index(s))
+
+    @gluon.jit
+    def _loader(k_desc, ks_desc, v_desc, vs_desc, q_desc, k_smem, ks_smem, v_smem, vs_smem, q_smem, p_smem,
+                ready, empty, q_bar, cq_ptr, ml_ptr, acc_ptr, out_ptr, key0, page0, q_row, n_iter, n_full, lo, L,
+                qk_scale, out_off, stride_oh, ml_row, split, NSPLIT, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+                GROUP_C: gl.constexpr):  # fmt: skip
+        """Loader warp: the first STAGES tiles (the cache is complete when this kernel starts),
+        then the query (written by the kernel this one may overlap), then the rest of the ring."""
+        for i in gl.static_range(STAGES):
+            if i < n_iter:
+                _load_stage(k_desc, ks_desc, v_desc, vs_desc, k_smem, ks_smem, v_smem, vs_smem, ready.index(i), i, i,
+                            key0, page0, BLOCK_N)  # fmt: skip
+        _gdc_wait()
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem)
+        for i in range(STAGES, n_iter):
+            s = i % STAGES
+            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+            _load_stage(k_desc, ks_desc, v_desc, vs_desc, k_smem, ks_smem, v_smem, vs_smem, ready.index(s), s, i,
+                        key0, page0, BLOCK_N)  # fmt: skip
+
+    @gluon.jit
+    def _tile(acc, l_acc, m_i, k_smem, ks_smem, v_smem, vs_smem, q_smem, p_smem, ready, empty, cq_base, i, lo, L,
+              qk_scale, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_C: gl.constexpr, MASKED: gl.constexpr):  # fmt: skip
+        """One tile of BLOCK_N keys: scores, online softmax, P·V (module doc)."""
+        D: gl.constexpr = q_smem.type.shape[1]
+        DB: gl.constexpr = D // 32
+        PP: gl.constexpr = BLOCK_N // 32
+        mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_l, k_width=2)
+        row_l: gl.constexpr = gl.SliceLayout(1, mma_l)
+        col_l: gl.constexpr = gl.SliceLayout(0, mma_l)
+        flat_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        offs_g = gl.arange(0, 8, layout=col_l)
+        s = i % STAGES
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        k_tile = k_smem.index(s)
+        # K scale bytes of the tile: DB per key, one word per key
+        if DB == 4:
+            kw = ks_smem.index(s)._reinterpret(gl.int32, [BLOCK_N], flat_l).load(row_l)
+        else:
+            kw = ks_smem.index(s)._reinterpret(gl.int16, [BLOCK_N], flat_l).load(row_l).to(gl.int32)
+        zero_s = gl.zeros([BLOCK_N, 8], gl.float32, mma_l)
+        sc = zero_s
+        for j in gl.static_range(DB):
+            cqj = gl.load(cq_base + offs_g * DB + j)
+            a = k_tile.slice(j * 32, 32, dim=1).load(a_l).to(gl.float16)
+            r = warpgroup_mma(a, q_smem.slice(j * 32, 32, dim=1).permute((1, 0)), zero_s, use_acc=False)
+            sc += r * (_pow2((kw >> (8 * j)) & 0xFF)[:, None] * cqj[None, :])
+        sc = sc * qk_scale
+        ok = (offs_g < GROUP_C)[None, :]
+        if MASKED:
+            keys = lo + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=row_l)
+            ok = ok & (keys < L)[:, None]
+        sc = gl.where(ok, sc, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sc, axis=0))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(sc - m_use[None, :])
+        l_acc = l_acc * alpha[None, :] + p
+        p_hi = p.to(gl.float16)
+        p_smem.index(0).permute((1, 0)).store(p_hi)
+        p_smem.index(1).permute((1, 0)).store((p - p_hi.to(gl.float32)).to(gl.float16))
+        fence_async_shared()
+        gl.thread_barrier()  # every warp's part of P is in shared memory before the MMAs read it
+        acc = acc * alpha[None, :]
+        vs_flat = vs_smem.index(s)._reinterpret(gl.uint8, [PP * D], flat_l)
+        zero_o = gl.zeros([D, 8], gl.float32, mma_l)
+        for pg in gl.static_range(PP):
+            va = v_smem.index(s * PP + pg).load(a_l)
+            vf = _pow2(vs_flat.slice(pg * D, D).load(row_l).to(gl.int32))
+            if MASKED:
+                kv = lo + i * BLOCK_N + pg * 32 + gl.arange(0, 32, layout=gl.SliceLayout(0, a_l))
+                va = gl.where((kv < L)[None, :], va.to(gl.float16), 0.0)
+                vf = gl.where(lo + i * BLOCK_N + pg * 32 < L, vf, 1.0)  # a page past the end: its P is 0
+            else:
+                va = va.to(gl.float16)
+            t = warpgroup_mma(va, p_smem.index(0).slice(pg * 32, 32, dim=1).permute((1, 0)), zero_o, use_acc=False)
+            t = warpgroup_mma(va, p_smem.index(1).slice(pg * 32, 32, dim=1).permute((1, 0)), t)
+            acc += t * vf[:, None]
+        mbarrier.arrive(empty.index(s))
+        return acc, l_acc, m_new
+
+    @gluon.jit
+    def _math(k_desc, ks_desc, v_desc, vs_desc, q_desc, k_smem, ks_smem, v_smem, vs_smem, q_smem, p_smem,
+              ready, empty, q_bar, cq_ptr, ml_ptr, acc_ptr, out_ptr, key0, page0, q_row, n_iter, n_full, lo, L,
+              qk_scale, out_off, stride_oh, ml_row, split, NSPLIT, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+              GROUP_C: gl.constexpr):  # fmt: skip
+        """Math warpgroup: the tiles of this program's key range, then its partial (or final) output."""
+        D: gl.constexpr = q_smem.type.shape[1]
+        mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
+        row_l: gl.constexpr = gl.SliceLayout(1, mma_l)
+        col_l: gl.constexpr = gl.SliceLayout(0, mma_l)
+        acc = gl.zeros([D, 8], gl.float32, mma_l)
+        l_acc = gl.zeros([BLOCK_N, 8], gl.float32, mma_l)
+        m_i = gl.full([8], float("-inf"), gl.float32, col_l)
+        cq_base = cq_ptr + q_row * (D // 32)
+        _gdc_wait()  # cq comes from the query preparation
+        mbarrier.wait(q_bar, 0)
+        for i in range(0, n_full):
+            acc, l_acc, m_i = _tile(acc, l_acc, m_i, k_smem, ks_smem, v_smem, vs_smem, q_smem, p_smem, ready, empty,
+                                    cq_base, i, lo, L, qk_scale, STAGES, BLOCK_N, GROUP_C, False)  # fmt: skip
+        for i in range(n_full, n_iter):  # at most one tile past the end of the context
+            acc, l_acc, m_i = _tile(acc, l_acc, m_i, k_smem, ks_smem, v_smem, vs_smem, q_smem, p_smem, ready, empty,
+                                    cq_base, i, lo, L, qk_scale, STAGES, BLOCK_N, GROUP_C, True)  # fmt: skip
+        l_i = gl.sum(l_acc, axis=0)
+        offs_g = gl.arange(0, 8, layout=col_l)
+        offs_d = gl.arange(0, D, layout=row_l)
+        gmask = offs_g < GROUP_C
+        omask = gmask[None, :] & (offs_d < D)[:, None]
+        if NSPLIT == 1:
+            o = acc / gl.where(l_i > 0, l_i, 1.0)[None, :]
+            optrs = out_ptr + out_off + offs_g[None, :] * stride_oh + offs_d[:, None]
+            gl.store(optrs, o.to(out_ptr.dtype.element_ty), mask=omask)
+        else:
+            rows = (ml_row + offs_g) * NSPLIT + split  # attention._decode_merge_kernel's rows
+            gl.store(ml_ptr + rows * 2, m_i, mask=gmask)
+            gl.store(ml_ptr + rows * 2 + 1, l_i, mask=gmask)
+            gl.store(acc_ptr + rows[None, :] * D + offs_d[:, None], acc, mask=omask)
+
+    @gluon.jit
+    def _decode_ws_kernel(
+        k_desc, ks_desc, v_desc, vs_desc, q_desc, cq_ptr, ml_ptr, acc_ptr, out_ptr,
+        Hkv, C, L, CHUNK, NSPLIT, qk_scale, stride_ob, stride_oh,
+        STAGES: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_C: gl.constexpr, LOADER_REGS: gl.constexpr,
+    ):  # fmt: skip
+        """One program per (batch, kv head, split): 4 warps of math + 1 loader warp."""
+        D: gl.constexpr = q_desc.block_type.shape[1]
+        PP: gl.constexpr = BLOCK_N // 32
+        pid = gl.program_id(0)
+        split = gl.program_id(1)
+        b = pid // Hkv
+        hk = pid % Hkv
+        lo = split * CHUNK
+        hi = gl.minimum(lo + CHUNK, L)
+        n_iter = gl.cdiv(hi - lo, BLOCK_N)
+        n_full = (hi - lo) // BLOCK_N
+        key0 = pid * C + lo  # row of the [B*Hkv*C, D] K view
+        page0 = key0 // 32  # row of the [B*Hkv*C/32, D] V-scale view; V page rows are D times that
+        q_row = pid * 8
+        ml_row = pid * GROUP_C  # b * Hq + the kv head's first query head
+        out_off = b.to(gl.int64) * stride_ob + hk * GROUP_C * stride_oh
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D], k_desc.layout)
+        ks_smem = gl.allocate_shared_memory(ks_desc.dtype, [STAGES, BLOCK_N * (D // 32) // 64, 64], ks_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES * PP, D, 32], v_desc.layout)
+        vs_smem = gl.allocate_shared_memory(vs_desc.dtype, [STAGES, PP, D], vs_desc.layout)
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [8, D], q_desc.layout)
+        p_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, BLOCK_N], gl.float16)
+        p_smem = gl.allocate_shared_memory(gl.float16, [2, 8, BLOCK_N], p_l)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=1)
+        mbarrier.init(q_bar, count=1)
+        # one argument list for both partitions (Gluon's workers share a signature); inline, so
+        # the constexprs stay constexprs
+        gl.warp_specialize(
+            [
+                (_math, (k_desc, ks_desc, v_desc, vs_desc, q_desc, k_smem, ks_smem, v_smem, vs_smem, q_smem, p_smem,
+                         ready, empty, q_bar, cq_ptr, ml_ptr, acc_ptr, out_ptr, key0, page0, q_row, n_iter, n_full,
+                         lo, L, qk_scale, out_off, stride_oh, ml_row, split, NSPLIT, STAGES, BLOCK_N, GROUP_C)),
+                (_loader, (k_desc, ks_desc, v_desc, vs_desc, q_desc, k_smem, ks_smem, v_smem, vs_smem, q_smem, p_smem,
+                           ready, empty, q_bar, cq_ptr, ml_ptr, acc_ptr, out_ptr, key0, page0, q_row, n_iter, n_full,
+                           lo, L, qk_scale, out_off, stride_oh, ml_row, split, NSPLIT, STAGES, BLOCK_N, GROUP_C)),
+            ],
+            [1],
+            [LOADER_REGS],
+        )  # fmt: skip
+        for s in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(s))
+            mbarrier.invalidate(empty.index(s))
+        mbarrier.invalidate(q_bar)
+
+else:  # pragma: no cover
+    _decode_ws_kernel = _stub
+
+
+@dataclass(frozen=True)
+class DecodeAttnWSConfig:
+    """Tiles of ``_decode_ws_kernel``."""
+
+    block_n: int = 64  # keys per tile (a multiple of 32: whole V pages)
+    stages: int = 4  # ring depth in tiles (64 keys x D=128: 16.9 KB a stage)
+    programs: int = 264  # programs wanted over the grid (2 per SM on 132 SMs): sets the split
+    maxnreg: int = 128  # 2 programs per SM (2 x 256 threads x 128 registers = the register file)
+    loader_regs: int = 24
+    pdl: bool = True  # the query preparation lets this kernel start and stream its first tiles
+
+
+def takes(q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor, v_data: torch.Tensor,
+          v_scale: torch.Tensor, attention_mask) -> bool:  # fmt: skip
+    """The calls this kernel takes (module doc); the rest go to the Triton decode kernel."""
+    if not HAVE_GLUON or attention_mask is not None or v_data.dim() != 5:
+        return False
+    b, hq, sq, d = q.shape
+    hkv = k_data.shape[1]
+    return (
+        q.device.type == "cuda" and _capability(q.device)[0] == 9 and sq == 1 and d in (64, 128)
+        and k_data.shape[-1] == d and hq % hkv == 0 and hq // hkv <= GP and k_data.shape[2] % 32 == 0
+        and all(t.is_contiguous() for t in (k_data, k_scale, v_data, v_scale))
+        and q.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    )  # fmt: skip
+
+
+def _boxes(bn: int, d: int, fp8: torch.dtype) -> tuple[list, list]:
+    """TMA boxes and shared layouts of K, K scales, V pages, V scales, the query: the scale bytes
+    unswizzled (the math warps read them as flat words)."""
+    f8 = gl.float8e4nv if fp8 == torch.float8_e4m3fn else gl.float8e5
+    lay = gl.NVMMASharedLayout.get_default_for
+    flat = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
+    boxes = [[bn, d], [bn * (d // 32) // 64, 64], [d, 32], [bn // 32, d], [GP, d]]
+    return boxes, [lay([bn, d], f8), flat, lay([d, 32], f8), flat, lay([GP, d], gl.float16)]
+
+
+def mx_attention_decode_ws(
+    q: torch.Tensor,
+    k_data: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_data: torch.Tensor,
+    v_scale: torch.Tensor,
+    length: int,
+    *,
+    scale: float | None = None,
+    elem: ElemFormat | str = E4M3,
+    rule: ScaleRule | str = ScaleRule.RCEIL,
+    out: torch.Tensor | None = None,
+    qk_rotation: bool = False,
+    config: DecodeAttnWSConfig | None = None,
+) -> torch.Tensor:
+    """``attention.mx_attention_decode`` (paged V, no mask) on a Hopper GPU: [B, Hq, 1, D] in q.dtype."""
+    from mxq.kernels import attention as A
+
+    if not takes(q, k_data, k_scale, v_data, v_scale, None):
+        raise ValueError(
+            "mx_attention_decode_ws needs Gluon, a Hopper GPU, one query token, D in {64, 128}, <= 8 query heads per "
+            f"kv head, the paged V cache and contiguous cache tensors; got q {tuple(q.shape)}, "
+            f"k_data {tuple(k_data.shape)}, v_data {tuple(v_data.shape)} on {q.device}"
+        )
+    elem, rule = as_elem_format(elem), as_scale_rule(rule)
+    cfg = config or DecodeAttnWSConfig()
+    b, hq, _, d = q.shape
+    hkv, cap = k_data.shape[1], k_data.shape[2]
+    group = hq // hkv
+    if not 1 <= length <= cap:
+        raise ValueError(f"mx_attention_decode_ws: length {length} outside 1..{cap} (the cache's capacity)")
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    if qk_rotation:
+        scale = scale / A.hadamard_block(d)
+    bn = cfg.block_n
+    want = max(1, cfg.programs // (b * hkv))
+    chunk = max(bn, A._cdiv(A._cdiv(length, want), bn) * bn)
+    nsplit = A._cdiv(length, chunk)
+    pdl = cfg.pdl and pdl_ok(q.device)
+    qn, cq = A.decode_query_blocks(q, hkv, gp=GP, elem=elem, rule=rule, qk_rotation=qk_rotation, pdl=pdl)
+    if out is None:
+        out = torch.empty((b, 1, hq, d), dtype=q.dtype, device=q.device).transpose(1, 2)
+    if nsplit > 1:
+        work = torch.empty(b * hq * nsplit * (d + 2), dtype=torch.float32, device=q.device)
+        acc = work[: b * hq * nsplit * d]
+        ml = work[b * hq * nsplit * d :]
+    else:
+        acc = ml = cq
+    k2 = k_data.view(b * hkv * cap, d)
+    ks2 = k_scale.view(-1, 64)  # 64 scale bytes a row: BLOCK_N * D/32 / 64 rows a tile
+    v2 = v_data.view(-1, 32)  # page rows: [B*Hkv*C/32*D, 32]
+    vs2 = v_scale.view(-1, d)
+    k_desc, ks_desc, v_desc, vs_desc, q_desc = (
+        TensorDescriptor(t, list(t.shape), list(t.stride()), box, lay)
+        for t, box, lay in zip((k2, ks2, v2, vs2, qn), *_boxes(bn, d, k_data.dtype))
+    )
+    _decode_ws_kernel[(b * hkv, nsplit)](
+        k_desc, ks_desc, v_desc, vs_desc, q_desc, cq, ml, acc, out,
+        hkv, cap, length, chunk, nsplit, scale * LOG2E, out.stride(0), out.stride(1),
+        STAGES=cfg.stages, BLOCK_N=bn, GROUP_C=group, LOADER_REGS=cfg.loader_regs,
+        num_warps=4, maxnreg=cfg.maxnreg, launch_pdl=pdl,
+    )  # fmt: skip
+    if nsplit > 1:
+        A._decode_merge_kernel[(b * hq,)](
+            ml, acc, out, hq, d, nsplit, out.stride(0), out.stride(1), SPLIT_PAD=A._pow2(nsplit), BLOCK_D=d, num_warps=4
+        )  # fmt: skip
+    return out
