@@ -1,11 +1,13 @@
 """Benchmark the MXFP8 attention kernels against bf16 SDPA (flash and cuDNN backends) in one process.
 
-    python eval/bench_attention.py [--out results.json] [--quick] [--decode-only] [--no-sweep]
+    python eval/bench_attention.py [--out results.json] [--quick] [--decode-only] [--no-sweep] [--no-ws-sweep]
 
 Prefill: B=4, H=32, D=128, S in {1k, 4k, 16k}, causal and not; the MXFP8 call includes the
 rounding pre-pass of K and V (it is part of every call). Decode: B=4, Hq=32, Hkv=8, D=128, one
 query token against a context of 4k..32k, MXFP8 cache (fp8 + E8M0, split-KV kernel) against bf16
-SDPA decode (GQA); both timed as CUDA-graph replays (launch gaps out). Ratios are against the
+SDPA decode (GQA); timed as CUDA-graph replays (launch gaps out) and eagerly. The MXFP8 default
+is the warp-specialized kernel on Hopper (``attention_decode_ws``), the Triton kernel ("gqa")
+beside it; the sweeps try other tiles of both. Ratios are against the
 strongest baseline measured in the same run. Medians of ``triton.testing.do_bench``.
 The MXFP8 calls include the Q/K rotation as shipped (``mxq.attention``); ``--no-rotation``
 times them without it.
@@ -23,6 +25,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mxq.attention import MXFP8CacheLayer
+from mxq.kernels import attention_decode_ws as W
 from mxq.kernels.attention import mx_attention_decode, mx_attention_prefill, mx_attention_reference
 from mxq.kernels.toolchain import triton_ptxas
 
@@ -77,11 +80,14 @@ def prefill(seqs, results):
             )
 
 
-def decode(ctxs, results, sweep=True):
+def decode(ctxs, results, sweep=True, ws_sweep=True):
     b, hq, hkv, d = 4, 32, 8, 128
     print("\n## Decode, B=4 Hq=32 Hkv=8 D=128, one token, CUDA-graph replays")
-    print("| context | SDPA bf16 us | MXFP8 us | speedup | MXFP8 GB/s | bf16 GB/s | first kernel us |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| context | SDPA bf16 us | MXFP8 default us | x SDPA | Triton gqa us | x SDPA | best us (config) | x SDPA "
+        "| default GB/s | bf16 GB/s | eager us SDPA / default / gqa |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for n in ctxs:
         q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(b, hkv, n, d, device="cuda", dtype=torch.bfloat16)
@@ -115,10 +121,34 @@ def decode(ctxs, results, sweep=True):
                 continue
             if variant not in best or ms < best[variant][0]:
                 best[variant] = (ms, kw, err)
+        if ws_sweep and W.takes(*args[:5], None):
+            for bn, st, progs in ((bn, st, p) for bn in (64, 128) for st in (2, 3, 4, 6) for p in (132, 264, 396, 528)):
+                if bn * st > 512:
+                    continue
+                cfg = W.DecodeAttnWSConfig(block_n=bn, stages=st, programs=progs)
+                try:
+                    ms = _bench(lambda: W.mx_attention_decode_ws(*args, config=cfg, **ROT), graph=True)
+                    err = _rel(W.mx_attention_decode_ws(*args, config=cfg, **ROT), want)
+                except Exception as e:  # noqa: BLE001
+                    print(f"<!-- ws {cfg}: {type(e).__name__}: {str(e)[:120]} -->")
+                    continue
+                kw = {"variant": "ws", "block_n": bn, "stages": st, "programs": progs}
+                results["decode_configs"].append({"context": n, **kw, "us": ms * 1e3, "rel_err": err})
+                if err < 5e-3 and ("ws" not in best or ms < best["ws"][0]):
+                    best["ws"] = (ms, kw, err)
         cnt = dict(counters=layer.decode_counters())  # as the cache layer calls it (fused merge)
         default_ms = _bench(lambda: mx_attention_decode(*args, **cnt, **ROT), graph=True)
         err = _rel(mx_attention_decode(*args, **cnt, **ROT), want)
         best["default"] = (default_ms, {"default": True}, err)  # the shipped settings compete too
+        triton_ms = _bench(lambda: mx_attention_decode(*args, variant="gqa", **cnt, **ROT), graph=True)
+        err_t = _rel(mx_attention_decode(*args, variant="gqa", **cnt, **ROT), want)
+        best["triton_gqa"] = (triton_ms, {"variant": "gqa"}, err_t)
+        # eager (no graph): what generate() without CUDA graphs pays per call, CPU launch cost included
+        eager = {
+            "sdpa": _bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)),
+            "default": _bench(lambda: mx_attention_decode(*args, **cnt, **ROT)),
+            "triton_gqa": _bench(lambda: mx_attention_decode(*args, variant="gqa", **cnt, **ROT)),
+        }
         ms_mx, kw_best, err_best = min(best.values(), key=lambda t: t[0])
         mx_bytes = 2 * b * hkv * n * d * (1 + 1 / 32)
         bf_bytes = 2 * b * hkv * n * d * 2
@@ -127,12 +157,15 @@ def decode(ctxs, results, sweep=True):
             "best": kw_best, "first_kernel_us": best["dequant"][0] * 1e3, "speedup": ms_sdpa / ms_mx,
             "default_speedup": ms_sdpa / default_ms, "rel_err": err, "rel_err_best": err_best,
             "mx_GBps": mx_bytes / ms_mx / 1e6, "mx_default_GBps": mx_bytes / default_ms / 1e6,
-            "bf16_GBps": bf_bytes / ms_sdpa / 1e6,
+            "bf16_GBps": bf_bytes / ms_sdpa / 1e6, "triton_gqa_us": triton_ms * 1e3, "rel_err_triton_gqa": err_t,
+            "triton_gqa_speedup": ms_sdpa / triton_ms, "eager_us": {k_: v_ * 1e3 for k_, v_ in eager.items()},
         }  # fmt: skip
         results["decode"].append(row)
         print(
-            f"| {n} | {row['sdpa_us']:.1f} | {row['mx_us']:.1f} ({kw_best}; default {row['mx_default_us']:.1f}) "
-            f"| {row['speedup']:.2f} | {row['mx_GBps']:.0f} | {row['bf16_GBps']:.0f} | {row['first_kernel_us']:.1f} |",
+            f"| {n} | {row['sdpa_us']:.1f} | {row['mx_default_us']:.1f} | {row['default_speedup']:.2f} "
+            f"| {row['triton_gqa_us']:.1f} | {row['triton_gqa_speedup']:.2f} | {row['mx_us']:.1f} ({kw_best}) "
+            f"| {row['speedup']:.2f} | {row['mx_default_GBps']:.0f} | {row['bf16_GBps']:.0f} "
+            f"| {eager['sdpa'] * 1e3:.1f} / {eager['default'] * 1e3:.1f} / {eager['triton_gqa'] * 1e3:.1f} |",
             flush=True,
         )
         if results.get("out"):  # write as we go: a run cut short keeps what it measured
@@ -166,6 +199,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--decode-only", action="store_true")
     ap.add_argument("--no-sweep", action="store_true", help="decode: defaults and the first kernel only")
+    ap.add_argument("--no-ws-sweep", action="store_true", help="decode: the warp-specialized kernel's defaults only")
     ap.add_argument("--no-rotation", action="store_true", help="time the MXFP8 kernels without the Q/K rotation")
     ap.add_argument("--no-tiles", action="store_true", help="skip the prefill tile sweep")
     args = ap.parse_args()
@@ -176,7 +210,7 @@ def main():
     }  # fmt: skip
     results["out"] = args.out
     print(f"# {results['device']}  torch {results['torch']}  triton {results['triton']}  {results['date']}")
-    decode([4096, 8192, 16384, 32768] if not args.quick else [16384], results, sweep=not args.no_sweep)
+    decode([4096, 8192, 16384, 32768] if not args.quick else [16384], results, sweep=not args.no_sweep, ws_sweep=not args.no_ws_sweep)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -167,7 +167,6 @@ def compile_decode_attn_ws(block_n=64, stages=4, d=128, group=4, maxnreg=128, lo
     """``attention_decode_ws._decode_ws_kernel`` (Gluon) for sm_90 as mx_attention_decode_ws launches it
     (E4M3 cache, bf16 out)."""
     import torch
-
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from mxq.kernels import attention_decode_ws as W
