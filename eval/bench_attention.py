@@ -122,17 +122,15 @@ def decode(ctxs, results, sweep=True, ws_sweep=True):
             if variant not in best or ms < best[variant][0]:
                 best[variant] = (ms, kw, err)
         if ws_sweep and W.takes(*args[:5], None):
-            for bn, st, progs in ((bn, st, p) for bn in (64, 128) for st in (2, 3, 4, 6) for p in (132, 264, 396, 528)):
-                if bn * st > 512:
-                    continue
-                cfg = W.DecodeAttnWSConfig(block_n=bn, stages=st, programs=progs)
+            for st, progs, regs in ((st, p, r) for st in (2, 3, 4) for p in (264, 396, 528) for r in (128, 80)):
+                cfg = W.DecodeAttnWSConfig(stages=st, programs=progs, maxnreg=regs)
                 try:
                     ms = _bench(lambda: W.mx_attention_decode_ws(*args, config=cfg, **ROT), graph=True)
                     err = _rel(W.mx_attention_decode_ws(*args, config=cfg, **ROT), want)
                 except Exception as e:  # noqa: BLE001
                     print(f"<!-- ws {cfg}: {type(e).__name__}: {str(e)[:120]} -->")
                     continue
-                kw = {"variant": "ws", "block_n": bn, "stages": st, "programs": progs}
+                kw = {"variant": "ws", "stages": st, "programs": progs, "maxnreg": regs}
                 results["decode_configs"].append({"context": n, **kw, "us": ms * 1e3, "rel_err": err})
                 if err < 5e-3 and ("ws" not in best or ms < best["ws"][0]):
                     best["ws"] = (ms, kw, err)

@@ -45,6 +45,7 @@ try:  # Gluon: Triton >= 3.5
         mbarrier,
         tma,
         warpgroup_mma,
+        warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -53,6 +54,7 @@ except ImportError:  # pragma: no cover - older Triton
     HAVE_GLUON = False
 
 GP = 8  # query-head slots per kv head: the MMAs' N
+BLOCK_N = 64  # keys per tile: 2 V pages
 LOG2E = 1.4426950408889634
 
 
@@ -112,38 +114,72 @@ if HAVE_GLUON:
                         key0, page0, BLOCK_N)  # fmt: skip
 
     @gluon.jit
-    def _tile(acc, l_acc, m_i, k_smem, ks_smem, v_smem, vs_smem, q_smem, p_smem, ready, empty, cq_base, i, lo, L,
-              qk_scale, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_C: gl.constexpr, MASKED: gl.constexpr):  # fmt: skip
-        """One tile of BLOCK_N keys: scores, online softmax, P·V (module doc)."""
+    def _kblock(k_tile, q_smem, j: gl.constexpr, zero, a_l: gl.constexpr):
+        """Block j's scores, asynchronous: (token, the register operand to keep alive until the wait)."""
+        a = k_tile.slice(j * 32, 32, dim=1).load(a_l).to(gl.float16)
+        return warpgroup_mma(a, q_smem.slice(j * 32, 32, dim=1).permute((1, 0)), zero, use_acc=False, is_async=True), a
+
+    @gluon.jit
+    def _kscale(kw, cqj, j: gl.constexpr):
+        """2**ke[n, j] · cq[g, j]: block j's factor for the scores [keys, heads]."""
+        return _pow2((kw >> (8 * j)) & 0xFF)[:, None] * cqj[None, :]
+
+    @gluon.jit
+    def _vpage(v_smem, p_smem, vs_flat, slot, pg: gl.constexpr, key, L, zero, a_l: gl.constexpr, row_l: gl.constexpr,
+               MASKED: gl.constexpr):  # fmt: skip
+        """Page pg of the tile: Σ_n v8[c, n]·(P_hi + P_lo)[n, g] asynchronous (token, operand) and
+        the page's channel scales 2**vs[c]."""
+        D: gl.constexpr = zero.shape[0]
+        va = v_smem.index(slot).load(a_l)
+        vf = _pow2(vs_flat.slice(pg * D, D).load(row_l).to(gl.int32))
+        if MASKED:  # keys past the context: zero values (the cache may hold anything there)
+            kv = key + pg * 32 + gl.arange(0, 32, layout=gl.SliceLayout(0, a_l))
+            va = gl.where((kv < L)[None, :], va.to(gl.float16), 0.0)
+            vf = gl.where(key + pg * 32 < L, vf, 1.0)  # a page past the end: its P is 0
+        else:
+            va = va.to(gl.float16)
+        t = warpgroup_mma(va, p_smem.index(0).slice(pg * 32, 32, dim=1).permute((1, 0)), zero, use_acc=False, is_async=True)
+        t = warpgroup_mma(va, p_smem.index(1).slice(pg * 32, 32, dim=1).permute((1, 0)), t, is_async=True)
+        return t, va, vf
+
+    @gluon.jit
+    def _tile(acc, l_acc, m_i, k_smem, ks_smem, v_smem, vs_smem, q_smem, p_smem, ready, empty, cq0, cq1, cq2, cq3, i,
+              lo, L, qk_scale, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_C: gl.constexpr, MASKED: gl.constexpr):  # fmt: skip
+        """One tile of BLOCK_N = 64 keys (2 V pages): scores, online softmax, P·V (module doc).
+        The MMAs of each half are issued together and waited for once."""
         D: gl.constexpr = q_smem.type.shape[1]
         DB: gl.constexpr = D // 32
-        PP: gl.constexpr = BLOCK_N // 32
+        gl.static_assert(BLOCK_N == 64, "two V pages a tile")
         mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_l, k_width=2)
         row_l: gl.constexpr = gl.SliceLayout(1, mma_l)
         col_l: gl.constexpr = gl.SliceLayout(0, mma_l)
         flat_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-        offs_g = gl.arange(0, 8, layout=col_l)
         s = i % STAGES
+        key = lo + i * BLOCK_N
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
         k_tile = k_smem.index(s)
-        # K scale bytes of the tile: DB per key, one word per key
-        if DB == 4:
-            kw = ks_smem.index(s)._reinterpret(gl.int32, [BLOCK_N], flat_l).load(row_l)
-        else:
-            kw = ks_smem.index(s)._reinterpret(gl.int16, [BLOCK_N], flat_l).load(row_l).to(gl.int32)
         zero_s = gl.zeros([BLOCK_N, 8], gl.float32, mma_l)
-        sc = zero_s
-        for j in gl.static_range(DB):
-            cqj = gl.load(cq_base + offs_g * DB + j)
-            a = k_tile.slice(j * 32, 32, dim=1).load(a_l).to(gl.float16)
-            r = warpgroup_mma(a, q_smem.slice(j * 32, 32, dim=1).permute((1, 0)), zero_s, use_acc=False)
-            sc += r * (_pow2((kw >> (8 * j)) & 0xFF)[:, None] * cqj[None, :])
+        # scores: DB block products in flight together; the K scale words (one per key) meanwhile
+        if DB == 4:
+            t0, a0 = _kblock(k_tile, q_smem, 0, zero_s, a_l)
+            t1, a1 = _kblock(k_tile, q_smem, 1, zero_s, a_l)
+            t2, a2 = _kblock(k_tile, q_smem, 2, zero_s, a_l)
+            t3, a3 = _kblock(k_tile, q_smem, 3, zero_s, a_l)
+            kw = ks_smem.index(s)._reinterpret(gl.int32, [BLOCK_N], flat_l).load(row_l)
+            r0, r1, r2, r3, a0, a1, a2, a3 = warpgroup_mma_wait(0, deps=(t0, t1, t2, t3, a0, a1, a2, a3))
+            sc = r0 * _kscale(kw, cq0, 0) + r1 * _kscale(kw, cq1, 1) + r2 * _kscale(kw, cq2, 2) + r3 * _kscale(kw, cq3, 3)
+        else:
+            t0, a0 = _kblock(k_tile, q_smem, 0, zero_s, a_l)
+            t1, a1 = _kblock(k_tile, q_smem, 1, zero_s, a_l)
+            kw = ks_smem.index(s)._reinterpret(gl.int16, [BLOCK_N], flat_l).load(row_l).to(gl.int32)
+            r0, r1, a0, a1 = warpgroup_mma_wait(0, deps=(t0, t1, a0, a1))
+            sc = r0 * _kscale(kw, cq0, 0) + r1 * _kscale(kw, cq1, 1)
         sc = sc * qk_scale
+        offs_g = gl.arange(0, 8, layout=col_l)
         ok = (offs_g < GROUP_C)[None, :]
         if MASKED:
-            keys = lo + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=row_l)
-            ok = ok & (keys < L)[:, None]
+            ok = ok & ((key + gl.arange(0, BLOCK_N, layout=row_l)) < L)[:, None]
         sc = gl.where(ok, sc, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(sc, axis=0))
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -155,22 +191,15 @@ if HAVE_GLUON:
         p_smem.index(1).permute((1, 0)).store((p - p_hi.to(gl.float32)).to(gl.float16))
         fence_async_shared()
         gl.thread_barrier()  # every warp's part of P is in shared memory before the MMAs read it
-        acc = acc * alpha[None, :]
-        vs_flat = vs_smem.index(s)._reinterpret(gl.uint8, [PP * D], flat_l)
+        # P·V: both pages (hi and lo parts) in flight together
+        vs_flat = vs_smem.index(s)._reinterpret(gl.uint8, [2 * D], flat_l)
         zero_o = gl.zeros([D, 8], gl.float32, mma_l)
-        for pg in gl.static_range(PP):
-            va = v_smem.index(s * PP + pg).load(a_l)
-            vf = _pow2(vs_flat.slice(pg * D, D).load(row_l).to(gl.int32))
-            if MASKED:
-                kv = lo + i * BLOCK_N + pg * 32 + gl.arange(0, 32, layout=gl.SliceLayout(0, a_l))
-                va = gl.where((kv < L)[None, :], va.to(gl.float16), 0.0)
-                vf = gl.where(lo + i * BLOCK_N + pg * 32 < L, vf, 1.0)  # a page past the end: its P is 0
-            else:
-                va = va.to(gl.float16)
-            t = warpgroup_mma(va, p_smem.index(0).slice(pg * 32, 32, dim=1).permute((1, 0)), zero_o, use_acc=False)
-            t = warpgroup_mma(va, p_smem.index(1).slice(pg * 32, 32, dim=1).permute((1, 0)), t)
-            acc += t * vf[:, None]
+        u0, v0, f0 = _vpage(v_smem, p_smem, vs_flat, 2 * s, 0, key, L, zero_o, a_l, row_l, MASKED)
+        u1, v1, f1 = _vpage(v_smem, p_smem, vs_flat, 2 * s + 1, 1, key, L, zero_o, a_l, row_l, MASKED)
+        acc = acc * alpha[None, :]
+        o0, o1, v0, v1 = warpgroup_mma_wait(0, deps=(u0, u1, v0, v1))
         mbarrier.arrive(empty.index(s))
+        acc += o0 * f0[:, None] + o1 * f1[:, None]
         return acc, l_acc, m_new
 
     @gluon.jit
@@ -186,15 +215,20 @@ if HAVE_GLUON:
         acc = gl.zeros([D, 8], gl.float32, mma_l)
         l_acc = gl.zeros([BLOCK_N, 8], gl.float32, mma_l)
         m_i = gl.full([8], float("-inf"), gl.float32, col_l)
-        cq_base = cq_ptr + q_row * (D // 32)
+        DB: gl.constexpr = D // 32
+        cq_base = cq_ptr + q_row * DB + gl.arange(0, 8, layout=col_l) * DB
         _gdc_wait()  # cq comes from the query preparation
+        cq0 = gl.load(cq_base)
+        cq1 = gl.load(cq_base + 1)
+        cq2 = gl.load(cq_base + (2 % DB))
+        cq3 = gl.load(cq_base + (3 % DB))
         mbarrier.wait(q_bar, 0)
         for i in range(0, n_full):
             acc, l_acc, m_i = _tile(acc, l_acc, m_i, k_smem, ks_smem, v_smem, vs_smem, q_smem, p_smem, ready, empty,
-                                    cq_base, i, lo, L, qk_scale, STAGES, BLOCK_N, GROUP_C, False)  # fmt: skip
+                                    cq0, cq1, cq2, cq3, i, lo, L, qk_scale, STAGES, BLOCK_N, GROUP_C, False)  # fmt: skip
         for i in range(n_full, n_iter):  # at most one tile past the end of the context
             acc, l_acc, m_i = _tile(acc, l_acc, m_i, k_smem, ks_smem, v_smem, vs_smem, q_smem, p_smem, ready, empty,
-                                    cq_base, i, lo, L, qk_scale, STAGES, BLOCK_N, GROUP_C, True)  # fmt: skip
+                                    cq0, cq1, cq2, cq3, i, lo, L, qk_scale, STAGES, BLOCK_N, GROUP_C, True)  # fmt: skip
         l_i = gl.sum(l_acc, axis=0)
         offs_g = gl.arange(0, 8, layout=col_l)
         offs_d = gl.arange(0, D, layout=row_l)
@@ -273,10 +307,11 @@ else:  # pragma: no cover
 class DecodeAttnWSConfig:
     """Tiles of ``_decode_ws_kernel``."""
 
-    block_n: int = 64  # keys per tile (a multiple of 32: whole V pages)
-    stages: int = 4  # ring depth in tiles (64 keys x D=128: 16.9 KB a stage)
+    stages: int = 4  # ring depth in tiles of BLOCK_N = 64 keys (16.9 KB a stage at D = 128)
     programs: int = 264  # programs wanted over the grid (2 per SM on 132 SMs): sets the split
-    maxnreg: int = 128  # 2 programs per SM (2 x 256 threads x 128 registers = the register file)
+    # registers per thread at launch: Triton launches 2 warpgroups (math + the loader's, padded),
+    # then hands the loader's down to ``loader_regs``. 128: 2 programs per SM; 80: 3 (no spills)
+    maxnreg: int = 128
     loader_regs: int = 24
     pdl: bool = True  # the query preparation lets this kernel start and stream its first tiles
 
@@ -340,7 +375,7 @@ def mx_attention_decode_ws(
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     if qk_rotation:
         scale = scale / A.hadamard_block(d)
-    bn = cfg.block_n
+    bn = BLOCK_N
     want = max(1, cfg.programs // (b * hkv))
     chunk = max(bn, A._cdiv(A._cdiv(length, want), bn) * bn)
     nsplit = A._cdiv(length, chunk)

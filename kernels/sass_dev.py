@@ -5,7 +5,7 @@
         [--loop old|zero_dot|peel] [--deq bf16|bits|fp32] [--ptxas PATH] [--out DIR]
     python -m mxq.kernels.sass_dev --kernel decode_f8 [--tile 16x128x4] [--split-k 4] [--quant-x] [--stages 2]
     python -m mxq.kernels.sass_dev --kernel decode_ws [--split-k 4] [--stages 2] [--maxnreg 128]
-    python -m mxq.kernels.sass_dev --kernel attn_ws [--block-n 64] [--stages 4] [--head-dim 128]
+    python -m mxq.kernels.sass_dev --kernel attn_ws [--stages 4] [--head-dim 128] [--maxnreg 128]
 
 Compiles a kernel for sm_90 on the CPU machine — Triton's compiler, ptxas and ``cuobjdump`` need
 no GPU — and prints the registers per thread and, for the main loop (the first backward branch),
@@ -163,7 +163,7 @@ def compile_prefill_ws(stages=4, wbuf=3, maxnreg=128, conv_regs=96, loader_regs=
                          source=GluonASTSource, **({"maxnreg": maxnreg} if maxnreg else {}))  # fmt: skip
 
 
-def compile_decode_attn_ws(block_n=64, stages=4, d=128, group=4, maxnreg=128, loader_regs=24):
+def compile_decode_attn_ws(stages=4, d=128, group=4, maxnreg=128, loader_regs=24):
     """``attention_decode_ws._decode_ws_kernel`` (Gluon) for sm_90 as mx_attention_decode_ws launches it
     (E4M3 cache, bf16 out)."""
     import torch
@@ -171,6 +171,7 @@ def compile_decode_attn_ws(block_n=64, stages=4, d=128, group=4, maxnreg=128, lo
 
     from mxq.kernels import attention_decode_ws as W
 
+    block_n = W.BLOCK_N
     boxes, lays = W._boxes(block_n, d, torch.float8_e4m3fn)
     types = ("fp8e4nv", "u8", "fp8e4nv", "u8", "fp16")
     names = ("k_desc", "ks_desc", "v_desc", "vs_desc", "q_desc")
@@ -182,6 +183,21 @@ def compile_decode_attn_ws(block_n=64, stages=4, d=128, group=4, maxnreg=128, lo
 
 
 _INS = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)\s*([^;]*);")
+
+
+def loops(sass: str) -> list[list[tuple[int, str, list[str]]]]:
+    """Every loop (a conditional backward branch and its target), as (address, opcode, operands)."""
+    seq = []
+    for line in sass.splitlines():
+        m = _INS.match(line)
+        if m:
+            seq.append((int(m.group(1), 16), m.group(3), [x.strip() for x in m.group(4).split(",")], m.group(2)))
+    found = []
+    for addr, op, args, pred in seq:
+        target = args[-1].split()[-1] if args and args[-1] else ""
+        if op == "BRA" and pred and target.startswith("0x") and int(target, 16) < addr:
+            found.append([ins[:3] for ins in seq if int(target, 16) <= ins[0] <= addr])
+    return found
 
 
 def _main_loop(sass: str) -> list[tuple[int, str, list[str]]]:
@@ -272,9 +288,8 @@ def main():
         k = compile_decode_ws(stages=args.stages, split=args.split_k, maxnreg=args.maxnreg)
         unit = "128-wide K step (the first backward branch may be the loader warp's loop)"
     elif args.kernel == "attn_ws":
-        k = compile_decode_attn_ws(block_n=args.block_n, stages=args.stages if args.stages != 3 else 4, d=args.head_dim,
-                                   maxnreg=args.maxnreg or 128)  # fmt: skip
-        unit = f"{args.block_n}-key tile (the first backward branch may be the loader warp's loop)"
+        k = compile_decode_attn_ws(stages=args.stages if args.stages != 3 else 4, d=args.head_dim, maxnreg=args.maxnreg or 128)
+        unit = "64-key tile (the first backward branch may be the loader warp's loop)"
     elif args.kernel == "prefill_ws":
         k = compile_prefill_ws(stages=args.stages if args.stages != 3 else 4, maxnreg=args.maxnreg or 128)
         unit = "64-wide K step (the first backward branch may be a worker's loop)"
