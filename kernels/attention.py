@@ -1007,8 +1007,10 @@ def _merge_splits(
 def _decode_merge_kernel(
     ML, ACC, Out, Hq, D, NSPLIT,
     stride_ob, stride_oh,
-    SPLIT_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT_PAD: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    if PDL:  # launched behind the decode kernel (programmatic dependent launch): wait for its partials
+        tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
     pid = tl.program_id(0)  # b * Hq + h
     b = pid // Hq
     h = pid % Hq
@@ -1071,10 +1073,10 @@ def mx_attention_decode(
     ``attention_mask``: bool or additive, broadcastable to [B, Hq, 1, length]. Reads
     (1 + 1/32) bytes per cached element.
 
-    ``variant``: "ws" (default on Hopper where ``attention_decode_ws.takes`` the call: the
-    warp-specialized Gluon kernel, TMA loader warp + wgmma; ``MXQ_ATTN_WS=0`` turns it off),
-    "gqa" (default elsewhere: fp16 MMAs on the raw fp8 tiles, scales applied per block after
-    the products) or "dequant" (the first kernel: every element scaled, bf16 MMAs). The tuning
+    ``variant``: "ws" (default on Hopper under CUDA-graph capture where
+    ``attention_decode_ws.takes`` the call: the warp-specialized Gluon kernel, TMA loader warp +
+    wgmma; ``MXQ_ATTN_WS=0`` turns it off), "gqa" (default elsewhere: fp16 MMAs on the raw fp8
+    tiles, scales applied per block after the products) or "dequant" (the first kernel: every element scaled, bf16 MMAs). The tuning
     arguments below and ``merge``/``counters`` belong to "gqa"/"dequant". ``block_n``,
     ``chunk`` (keys per split), ``num_warps``, ``num_stages``, ``maxnreg`` (register cap per
     thread, so more programs fit on an SM): tuning, defaults from the H200 sweep.
@@ -1090,10 +1092,13 @@ def mx_attention_decode(
     """
     elem, rule = as_elem_format(elem), as_scale_rule(rule)
     b, hq, sq, d = q.shape
-    if variant is None and os.environ.get("MXQ_ATTN_WS", "1") != "0" and q.device.type == "cuda":
+    if variant is None and q.device.type == "cuda" and os.environ.get("MXQ_ATTN_WS", "1") != "0":
+        # GPU time decides under CUDA-graph capture (ws: 3-4 % less than gqa on an H100); eager calls
+        # are launch-bound and gqa is one launch, ws three (kernels/NOTES.md, attention session 10)
         from mxq.kernels import attention_decode_ws as _ws
 
-        variant = "ws" if _ws.takes(q, k_data, k_scale, v_data, v_scale, attention_mask) else None
+        if torch.cuda.is_current_stream_capturing() and _ws.takes(q, k_data, k_scale, v_data, v_scale, attention_mask):
+            variant = "ws"
     if variant == "ws":  # the warp-specialized Gluon kernel (Hopper)
         from mxq.kernels import attention_decode_ws as _ws
 

@@ -229,6 +229,8 @@ if HAVE_GLUON:
         for i in range(n_full, n_iter):  # at most one tile past the end of the context
             acc, l_acc, m_i = _tile(acc, l_acc, m_i, k_smem, ks_smem, v_smem, vs_smem, q_smem, p_smem, ready, empty,
                                     cq0, cq1, cq2, cq3, i, lo, L, qk_scale, STAGES, BLOCK_N, GROUP_C, True)  # fmt: skip
+        if NSPLIT > 1:  # the merge kernel behind this one may launch now (it waits for our partials)
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
         l_i = gl.sum(l_acc, axis=0)
         offs_g = gl.arange(0, 8, layout=col_l)
         offs_d = gl.arange(0, D, layout=row_l)
@@ -307,13 +309,17 @@ else:  # pragma: no cover
 class DecodeAttnWSConfig:
     """Tiles of ``_decode_ws_kernel``."""
 
-    stages: int = 4  # ring depth in tiles of BLOCK_N = 64 keys (16.9 KB a stage at D = 128)
+    # ring depth in tiles of BLOCK_N = 64 keys (16.9 KB a stage at D = 128). H100 sweep (kernels/NOTES.md
+    # session 10): 2 beats 3 and 4 at every context 4k-32k, 264 programs beat 396/528, maxnreg 80
+    # (3 programs per SM) ties 128
+    stages: int = 2
     programs: int = 264  # programs wanted over the grid (2 per SM on 132 SMs): sets the split
     # registers per thread at launch: Triton launches 2 warpgroups (math + the loader's, padded),
     # then hands the loader's down to ``loader_regs``. 128: 2 programs per SM; 80: 3 (no spills)
     maxnreg: int = 128
     loader_regs: int = 24
     pdl: bool = True  # the query preparation lets this kernel start and stream its first tiles
+    merge_pdl: bool = True  # the split merge launches while this kernel's last programs finish
 
 
 def takes(q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor, v_data: torch.Tensor,
@@ -380,6 +386,7 @@ def mx_attention_decode_ws(
     chunk = max(bn, A._cdiv(A._cdiv(length, want), bn) * bn)
     nsplit = A._cdiv(length, chunk)
     pdl = cfg.pdl and pdl_ok(q.device)
+    merge_pdl = cfg.merge_pdl and pdl_ok(q.device)
     qn, cq = A.decode_query_blocks(q, hkv, gp=GP, elem=elem, rule=rule, qk_rotation=qk_rotation, pdl=pdl)
     if out is None:
         out = torch.empty((b, 1, hq, d), dtype=q.dtype, device=q.device).transpose(1, 2)
@@ -405,6 +412,7 @@ def mx_attention_decode_ws(
     )  # fmt: skip
     if nsplit > 1:
         A._decode_merge_kernel[(b * hq,)](
-            ml, acc, out, hq, d, nsplit, out.stride(0), out.stride(1), SPLIT_PAD=A._pow2(nsplit), BLOCK_D=d, num_warps=4
+            ml, acc, out, hq, d, nsplit, out.stride(0), out.stride(1), SPLIT_PAD=A._pow2(nsplit), BLOCK_D=d,
+            PDL=merge_pdl, num_warps=4, launch_pdl=merge_pdl,
         )  # fmt: skip
     return out

@@ -672,13 +672,20 @@ def test_gpu_decode_ws_matches_reference(hq, hkv, d, n, dtype, rotate):
     tol = 3e-5 if dtype == torch.float32 else 5e-3
     triton_kernel = mx_attention_decode(*args, variant="gqa", qk_rotation=rotate).cpu()
     for cfg in (W.DecodeAttnWSConfig(), W.DecodeAttnWSConfig(programs=1), W.DecodeAttnWSConfig(stages=2, maxnreg=80),
-                W.DecodeAttnWSConfig(stages=6, pdl=False)):  # fmt: skip
+                W.DecodeAttnWSConfig(stages=6, pdl=False, merge_pdl=False)):  # fmt: skip
         got = W.mx_attention_decode_ws(*args, qk_rotation=rotate, config=cfg).cpu()
         assert got.dtype == dtype and torch.isfinite(got).all(), cfg
         assert _rel(got, want) < tol, cfg
         assert _rel(got, triton_kernel) < tol, cfg
-    # the default path on Hopper is this kernel
-    assert torch.equal(mx_attention_decode(*args, qk_rotation=rotate).cpu(), W.mx_attention_decode_ws(*args, qk_rotation=rotate).cpu())
+    # eager calls default to the Triton kernel (one launch); under CUDA-graph capture, to this one
+    assert torch.equal(mx_attention_decode(*args, qk_rotation=rotate).cpu(), triton_kernel)
+    out = torch.empty_like(q)
+    mx_attention_decode(*args, qk_rotation=rotate, variant="ws", out=out)  # compile outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        mx_attention_decode(*args, qk_rotation=rotate, out=out)
+    g.replay()
+    assert torch.equal(out.cpu(), W.mx_attention_decode_ws(*args, qk_rotation=rotate).cpu())
 
 
 @gpu
