@@ -747,21 +747,6 @@ def _gqa_tile(
 
 
 @triton.jit
-def _normalize_q_blocks(
-    qf, GP: tl.constexpr, BLOCK_D: tl.constexpr, DB: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr,
-    MAXN: tl.constexpr, EMIN: tl.constexpr, RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr,
-):  # fmt: skip
-    """qf [GP, BLOCK_D] fp32 -> (qn [GP, BLOCK_D] fp32, cq [GP, DB]): qf MX-rounded along head_dim,
-    each 32-block divided by a power of two cq so its MX values are exact in fp16 (|x| < 2; e4m3
-    spans < 2^18 inside a block, fp16 subnormals reach 2^-24); cq undoes it after the dot."""
-    qr = mx_round_dequant(tl.reshape(qf, (GP, DB, 32)), EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8)
-    cbits = tl.max(qr.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2) & 0x7F800000
-    cbits = tl.where(cbits == 0, 0x3F800000, cbits)
-    cq = cbits.to(tl.float32, bitcast=True)  # [GP, DB]
-    return tl.reshape(qr / cq[:, :, None], (GP, BLOCK_D)), cq
-
-
-@triton.jit
 def _decode_q(
     Q, ROT, b, hk, stride_qb, stride_qh, stride_qd, D,
     GROUP_C: tl.constexpr, GP: tl.constexpr, BLOCK_D: tl.constexpr, DB: tl.constexpr,
@@ -816,7 +801,13 @@ def _decode_qn(
             mask=gmask[:, None] & (offs_d < D)[None, :], other=0.0,
         )  # fmt: skip
         qf = q.to(tl.float32)
-    return _normalize_q_blocks(qf, GP, BLOCK_D, DB, EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8)
+    qr = mx_round_dequant(tl.reshape(qf, (GP, DB, 32)), EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8)
+    # Normalize each Q block by a power of two so its MX values are exact in fp16 (|x| < 2;
+    # e4m3 spans < 2^18 inside a block, fp16 subnormals reach 2^-24); cq undoes it after the dot.
+    cbits = tl.max(qr.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2) & 0x7F800000
+    cbits = tl.where(cbits == 0, 0x3F800000, cbits)
+    cq = cbits.to(tl.float32, bitcast=True)  # [GP, DB]
+    return tl.reshape(qr / cq[:, :, None], (GP, BLOCK_D)), cq
 
 
 @triton.jit
@@ -1092,20 +1083,18 @@ def mx_attention_decode(
     """
     elem, rule = as_elem_format(elem), as_scale_rule(rule)
     b, hq, sq, d = q.shape
-    if variant is None and q.device.type == "cuda" and os.environ.get("MXQ_ATTN_WS", "1") != "0":
-        # GPU time decides under CUDA-graph capture (ws: 3-4 % less than gqa on an H100); eager calls
-        # are launch-bound and gqa is one launch, ws three (kernels/NOTES.md, attention session 10)
+    # The warp-specialized Gluon kernel (Hopper): by default only under CUDA-graph capture, where GPU
+    # time decides (3-4 % less than gqa on an H100); eager calls are launch-bound and gqa is one
+    # launch, ws three (kernels/NOTES.md, attention session 10)
+    in_graph = variant is None and q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if variant == "ws" or (in_graph and os.environ.get("MXQ_ATTN_WS", "1") != "0"):
         from mxq.kernels import attention_decode_ws as _ws
 
-        if torch.cuda.is_current_stream_capturing() and _ws.takes(q, k_data, k_scale, v_data, v_scale, attention_mask):
-            variant = "ws"
-    if variant == "ws":  # the warp-specialized Gluon kernel (Hopper)
-        from mxq.kernels import attention_decode_ws as _ws
-
-        return _ws.mx_attention_decode_ws(
-            q, k_data, k_scale, v_data, v_scale, length, scale=scale, elem=elem, rule=rule, out=out,
-            qk_rotation=qk_rotation,
-        )  # fmt: skip
+        if variant == "ws" or _ws.takes(q, k_data, k_scale, v_data, v_scale, attention_mask):
+            return _ws.mx_attention_decode_ws(
+                q, k_data, k_scale, v_data, v_scale, length, scale=scale, elem=elem, rule=rule, out=out,
+                qk_rotation=qk_rotation,
+            )  # fmt: skip
     paged = v_data.dim() == 5
     if paged:  # [B, Hkv, P, D, 32] pages: address V as (page, channel, slot) through the strides
         vp, vsp = v_data.stride(2), v_scale.stride(2)

@@ -63,19 +63,8 @@ def _stub(*args, **kwargs):  # pragma: no cover
 
 
 if HAVE_GLUON:
-
-    @gluon.jit
-    def _pow2(si):
-        """E8M0 bytes (int32) -> fp32 2**(byte-127); 0 -> 2**-127, 255 -> NaN (mxq.formats)."""
-        f = (si << 23).to(gl.float32, bitcast=True)
-        f = gl.where(si == 0, 5.877471754111438e-39, f)
-        return gl.where(si == 255, float("nan"), f)
-
-    @gluon.jit
-    def _gdc_wait():
-        """Wait for the kernel this one was launched behind (programmatic dependent launch: the
-        query preparation) to finish and its writes to be visible; a no-op without PDL."""
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    from mxq.kernels.gemm_decode_ws import _gdc_wait  # griddepcontrol.wait (PDL)
+    from mxq.kernels.gemm_prefill_ws import _pow2  # E8M0 byte -> fp32 power of two
 
     @gluon.jit
     def _load_stage(k_desc, ks_desc, v_desc, vs_desc, k_smem, ks_smem, v_smem, vs_smem, bar, s, i, key0, page0,
