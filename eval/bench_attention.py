@@ -1,6 +1,7 @@
 """Benchmark the MXFP8 attention kernels against bf16 SDPA (flash and cuDNN backends) in one process.
 
-    python eval/bench_attention.py [--out results.json] [--quick] [--decode-only] [--no-sweep] [--no-ws-sweep]
+    python eval/bench_attention.py [--out results.json] [--quick] [--decode-only | --prefill-only] [--no-sweep]
+        [--no-ws-sweep] [--no-tiles]
 
 Prefill: B=4, H=32, D=128, S in {1k, 4k, 16k}, causal and not; the MXFP8 call includes the
 rounding pre-pass of K and V (it is part of every call). Decode: B=4, Hq=32, Hkv=8, D=128, one
@@ -85,7 +86,7 @@ def decode(ctxs, results, sweep=True, ws_sweep=True):
     print("\n## Decode, B=4 Hq=32 Hkv=8 D=128, one token, CUDA-graph replays")
     print(
         "| context | SDPA bf16 us | MXFP8 default us | x SDPA | Triton gqa us | x SDPA | best us (config) | x SDPA "
-        "| default GB/s | bf16 GB/s | eager us SDPA / default / gqa |"
+        "| default GB/s | bf16 GB/s | eager us SDPA / default / gqa / ws |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for n in ctxs:
@@ -121,20 +122,24 @@ def decode(ctxs, results, sweep=True, ws_sweep=True):
                 continue
             if variant not in best or ms < best[variant][0]:
                 best[variant] = (ms, kw, err)
+        cnt = dict(counters=layer.decode_counters())  # as the cache layer calls it (fused merge)
         if ws_sweep and W.takes(*args[:5], None):
-            for st, progs, regs, mp in ((2, 264, 128, False), (2, 396, 80, True), (3, 264, 128, True), (2, 528, 128, True)):
-                cfg = W.DecodeAttnWSConfig(stages=st, programs=progs, maxnreg=regs, merge_pdl=mp)
+            for st, progs, regs, mp, fm in (
+                (2, 264, 128, True, False), (2, 264, 128, False, False), (2, 396, 80, True, True),
+                (3, 264, 128, True, True), (2, 528, 128, True, True), (2, 132, 128, True, True),
+            ):  # fmt: skip
+                cfg = W.DecodeAttnWSConfig(stages=st, programs=progs, maxnreg=regs, merge_pdl=mp, fused_merge=fm)
                 try:
-                    ms = _bench(lambda: W.mx_attention_decode_ws(*args, config=cfg, **ROT), graph=True)
-                    err = _rel(W.mx_attention_decode_ws(*args, config=cfg, **ROT), want)
+                    ms = _bench(lambda: W.mx_attention_decode_ws(*args, config=cfg, **cnt, **ROT), graph=True)
+                    err = _rel(W.mx_attention_decode_ws(*args, config=cfg, **cnt, **ROT), want)
                 except Exception as e:  # noqa: BLE001
                     print(f"<!-- ws {cfg}: {type(e).__name__}: {str(e)[:120]} -->")
                     continue
-                kw = {"variant": "ws", "stages": st, "programs": progs, "maxnreg": regs, "merge_pdl": mp}
+                kw = {"variant": "ws", "stages": st, "programs": progs, "maxnreg": regs, "merge_pdl": mp,
+                      "fused_merge": fm}  # fmt: skip
                 results["decode_configs"].append({"context": n, **kw, "us": ms * 1e3, "rel_err": err})
                 if err < 5e-3 and ("ws" not in best or ms < best["ws"][0]):
                     best["ws"] = (ms, kw, err)
-        cnt = dict(counters=layer.decode_counters())  # as the cache layer calls it (fused merge)
         # the default under a CUDA graph (the ws kernel on Hopper), as the cache layer calls it
         default_ms = _bench(lambda: mx_attention_decode(*args, **cnt, **ROT), graph=True)
         err = _rel(mx_attention_decode(*args, variant="ws" if W.takes(*args[:5], None) else None, **cnt, **ROT), want)
@@ -148,6 +153,8 @@ def decode(ctxs, results, sweep=True, ws_sweep=True):
             "default": _bench(lambda: mx_attention_decode(*args, **cnt, **ROT)),
             "triton_gqa": _bench(lambda: mx_attention_decode(*args, variant="gqa", **cnt, **ROT)),
         }
+        if W.takes(*args[:5], None):
+            eager["ws"] = _bench(lambda: mx_attention_decode(*args, variant="ws", **cnt, **ROT))
         ms_mx, kw_best, err_best = min(best.values(), key=lambda t: t[0])
         mx_bytes = 2 * b * hkv * n * d * (1 + 1 / 32)
         bf_bytes = 2 * b * hkv * n * d * 2
@@ -164,7 +171,8 @@ def decode(ctxs, results, sweep=True, ws_sweep=True):
             f"| {n} | {row['sdpa_us']:.1f} | {row['mx_default_us']:.1f} | {row['default_speedup']:.2f} "
             f"| {row['triton_gqa_us']:.1f} | {row['triton_gqa_speedup']:.2f} | {row['mx_us']:.1f} ({kw_best}) "
             f"| {row['speedup']:.2f} | {row['mx_default_GBps']:.0f} | {row['bf16_GBps']:.0f} "
-            f"| {eager['sdpa'] * 1e3:.1f} / {eager['default'] * 1e3:.1f} / {eager['triton_gqa'] * 1e3:.1f} |",
+            f"| {eager['sdpa'] * 1e3:.1f} / {eager['default'] * 1e3:.1f} / {eager['triton_gqa'] * 1e3:.1f} "
+            f"/ {eager.get('ws', float('nan')) * 1e3:.1f} |",
             flush=True,
         )
         if results.get("out"):  # write as we go: a run cut short keeps what it measured
@@ -197,6 +205,7 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--decode-only", action="store_true")
+    ap.add_argument("--prefill-only", action="store_true")
     ap.add_argument("--no-sweep", action="store_true", help="decode: defaults and the first kernel only")
     ap.add_argument("--no-ws-sweep", action="store_true", help="decode: the warp-specialized kernel's defaults only")
     ap.add_argument("--no-rotation", action="store_true", help="time the MXFP8 kernels without the Q/K rotation")
@@ -209,7 +218,9 @@ def main():
     }  # fmt: skip
     results["out"] = args.out
     print(f"# {results['device']}  torch {results['torch']}  triton {results['triton']}  {results['date']}")
-    decode([4096, 8192, 16384, 32768] if not args.quick else [16384], results, sweep=not args.no_sweep, ws_sweep=not args.no_ws_sweep)
+    if not args.prefill_only:
+        ctxs = [4096, 8192, 16384, 32768] if not args.quick else [16384]
+        decode(ctxs, results, sweep=not args.no_sweep, ws_sweep=not args.no_ws_sweep)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

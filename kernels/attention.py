@@ -1068,7 +1068,8 @@ def mx_attention_decode(
     ``attention_decode_ws.takes`` the call: the warp-specialized Gluon kernel, TMA loader warp +
     wgmma; ``MXQ_ATTN_WS=0`` turns it off), "gqa" (default elsewhere: fp16 MMAs on the raw fp8
     tiles, scales applied per block after the products) or "dequant" (the first kernel: every element scaled, bf16 MMAs). The tuning
-    arguments below and ``merge``/``counters`` belong to "gqa"/"dequant". ``block_n``,
+    arguments below and ``merge`` belong to "gqa"/"dequant" ("ws" takes its own
+    ``DecodeAttnWSConfig``; ``counters`` serve its opt-in fused merge too). ``block_n``,
     ``chunk`` (keys per split), ``num_warps``, ``num_stages``, ``maxnreg`` (register cap per
     thread, so more programs fit on an SM): tuning, defaults from the H200 sweep.
 
@@ -1093,7 +1094,7 @@ def mx_attention_decode(
         if variant == "ws" or _ws.takes(q, k_data, k_scale, v_data, v_scale, attention_mask):
             return _ws.mx_attention_decode_ws(
                 q, k_data, k_scale, v_data, v_scale, length, scale=scale, elem=elem, rule=rule, out=out,
-                qk_rotation=qk_rotation,
+                qk_rotation=qk_rotation, counters=counters,
             )  # fmt: skip
     paged = v_data.dim() == 5
     if paged:  # [B, Hkv, P, D, 32] pages: address V as (page, channel, slot) through the strides

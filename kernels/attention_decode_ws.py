@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from mxq.formats import E4M3, ElemFormat, ScaleRule, as_elem_format, as_scale_rule
+from mxq.kernels.gemm_decode import split_counters
 from mxq.kernels.quantize import _capability, pdl_ok
 
 try:  # Gluon: Triton >= 3.5
@@ -84,9 +85,9 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _loader(k_desc, ks_desc, v_desc, vs_desc, q_desc, k_smem, ks_smem, v_smem, vs_smem, q_smem, p_smem,
-                ready, empty, q_bar, cq_ptr, ml_ptr, acc_ptr, out_ptr, key0, page0, q_row, n_iter, n_full, lo, L,
-                qk_scale, out_off, stride_oh, ml_row, split, NSPLIT, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
-                GROUP_C: gl.constexpr):  # fmt: skip
+                ready, empty, q_bar, cq_ptr, ml_ptr, acc_ptr, out_ptr, cnt_ptr, key0, page0, q_row, n_iter, n_full,
+                lo, L, qk_scale, out_off, stride_oh, ml_row, split, NSPLIT, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+                GROUP_C: gl.constexpr, FUSED: gl.constexpr):  # fmt: skip
         """Loader warp: the first STAGES tiles (the cache is complete when this kernel starts),
         then the query (written by the kernel this one may overlap), then the rest of the ring."""
         for i in gl.static_range(STAGES):
@@ -193,9 +194,9 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _math(k_desc, ks_desc, v_desc, vs_desc, q_desc, k_smem, ks_smem, v_smem, vs_smem, q_smem, p_smem,
-              ready, empty, q_bar, cq_ptr, ml_ptr, acc_ptr, out_ptr, key0, page0, q_row, n_iter, n_full, lo, L,
-              qk_scale, out_off, stride_oh, ml_row, split, NSPLIT, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
-              GROUP_C: gl.constexpr):  # fmt: skip
+              ready, empty, q_bar, cq_ptr, ml_ptr, acc_ptr, out_ptr, cnt_ptr, key0, page0, q_row, n_iter, n_full, lo,
+              L, qk_scale, out_off, stride_oh, ml_row, split, NSPLIT, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+              GROUP_C: gl.constexpr, FUSED: gl.constexpr):  # fmt: skip
         """Math warpgroup: the tiles of this program's key range, then its partial (or final) output."""
         D: gl.constexpr = q_smem.type.shape[1]
         mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
@@ -218,7 +219,7 @@ if HAVE_GLUON:
         for i in range(n_full, n_iter):  # at most one tile past the end of the context
             acc, l_acc, m_i = _tile(acc, l_acc, m_i, k_smem, ks_smem, v_smem, vs_smem, q_smem, p_smem, ready, empty,
                                     cq0, cq1, cq2, cq3, i, lo, L, qk_scale, STAGES, BLOCK_N, GROUP_C, True)  # fmt: skip
-        if NSPLIT > 1:  # the merge kernel behind this one may launch now (it waits for our partials)
+        if NSPLIT > 1 and not FUSED:  # the merge kernel behind this one may launch now (it waits for our partials)
             gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
         l_i = gl.sum(l_acc, axis=0)
         offs_g = gl.arange(0, 8, layout=col_l)
@@ -234,12 +235,55 @@ if HAVE_GLUON:
             gl.store(ml_ptr + rows * 2, m_i, mask=gmask)
             gl.store(ml_ptr + rows * 2 + 1, l_i, mask=gmask)
             gl.store(acc_ptr + rows[None, :] * D + offs_d[:, None], acc, mask=omask)
+            if FUSED:  # the split that finishes last for this (batch, kv head) merges them all
+                gl.thread_barrier()  # every thread's partial is stored before the release below
+                ticket = gl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+                if ticket == NSPLIT - 1:
+                    _merge(ml_ptr, acc_ptr, out_ptr, ml_row, NSPLIT, out_off, stride_oh, D, GROUP_C, mma_l)
+                    gl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")  # ready for the next call / replay
+
+    @gluon.jit
+    def _merge(ml_ptr, acc_ptr, out_ptr, ml_row, NSPLIT, out_off, stride_oh, D: gl.constexpr, GROUP_C: gl.constexpr,
+               mma_l: gl.constexpr):  # fmt: skip
+        """The split-KV merge of ``attention._decode_merge_kernel`` for the GROUP_C query heads of one
+        kv head, in the decode kernel's last program: the largest m first, then Σ 2**(m_s - m)·acc_s
+        and Σ 2**(m_s - m)·l_s in split order (whichever program is last: one result). Loads come 8
+        (4) splits at a time, unrolled, so each group costs one L2 round trip, not one per split."""
+        row_l: gl.constexpr = gl.SliceLayout(1, mma_l)
+        col_l: gl.constexpr = gl.SliceLayout(0, mma_l)
+        offs_g = gl.arange(0, 8, layout=col_l)
+        offs_d = gl.arange(0, D, layout=row_l)
+        gmask = offs_g < GROUP_C
+        base = (ml_row + offs_g) * NSPLIT  # row of split 0 of each head
+        mx = gl.full([8], float("-inf"), gl.float32, col_l)
+        for s0 in range(0, NSPLIT, 8):
+            for k in gl.static_range(8):
+                ok = gmask & (s0 + k < NSPLIT)
+                mk = gl.load(ml_ptr + (base + s0 + k) * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
+                mx = gl.maximum(mx, mk)
+        m_use = gl.where(mx == float("-inf"), 0.0, mx)
+        lt = gl.zeros([8], gl.float32, col_l)
+        tot = gl.zeros([D, 8], gl.float32, mma_l)
+        for s0 in range(0, NSPLIT, 4):
+            for k in gl.static_range(4):
+                r = base + s0 + k
+                ok = gmask & (s0 + k < NSPLIT)
+                mk = gl.load(ml_ptr + r * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
+                lk = gl.load(ml_ptr + r * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
+                ak = gl.load(acc_ptr + r[None, :] * D + offs_d[:, None], mask=ok[None, :], other=0.0, cache_modifier=".cg")
+                w = gl.exp2(mk - m_use)
+                lt += lk * w
+                tot += ak * w[None, :]
+        o = tot / gl.where(lt > 0, lt, 1.0)[None, :]
+        optrs = out_ptr + out_off + offs_g[None, :] * stride_oh + offs_d[:, None]
+        gl.store(optrs, o.to(out_ptr.dtype.element_ty), mask=gmask[None, :] & (offs_d < D)[:, None])
 
     @gluon.jit
     def _decode_ws_kernel(
-        k_desc, ks_desc, v_desc, vs_desc, q_desc, cq_ptr, ml_ptr, acc_ptr, out_ptr,
+        k_desc, ks_desc, v_desc, vs_desc, q_desc, cq_ptr, ml_ptr, acc_ptr, out_ptr, cnt_ptr,
         Hkv, C, L, CHUNK, NSPLIT, qk_scale, stride_ob, stride_oh,
         STAGES: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_C: gl.constexpr, LOADER_REGS: gl.constexpr,
+        FUSED: gl.constexpr,
     ):  # fmt: skip
         """One program per (batch, kv head, split): 4 warps of math + 1 loader warp."""
         D: gl.constexpr = q_desc.block_type.shape[1]
@@ -257,6 +301,7 @@ if HAVE_GLUON:
         q_row = pid * 8
         ml_row = pid * GROUP_C  # b * Hq + the kv head's first query head
         out_off = b.to(gl.int64) * stride_ob + hk * GROUP_C * stride_oh
+        cnt = cnt_ptr + pid  # the fused merge's ticket for this (batch, kv head)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D], k_desc.layout)
         ks_smem = gl.allocate_shared_memory(ks_desc.dtype, [STAGES, BLOCK_N * (D // 32) // 64, 64], ks_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES * PP, D, 32], v_desc.layout)
@@ -276,11 +321,13 @@ if HAVE_GLUON:
         gl.warp_specialize(
             [
                 (_math, (k_desc, ks_desc, v_desc, vs_desc, q_desc, k_smem, ks_smem, v_smem, vs_smem, q_smem, p_smem,
-                         ready, empty, q_bar, cq_ptr, ml_ptr, acc_ptr, out_ptr, key0, page0, q_row, n_iter, n_full,
-                         lo, L, qk_scale, out_off, stride_oh, ml_row, split, NSPLIT, STAGES, BLOCK_N, GROUP_C)),
+                         ready, empty, q_bar, cq_ptr, ml_ptr, acc_ptr, out_ptr, cnt, key0, page0, q_row, n_iter,
+                         n_full, lo, L, qk_scale, out_off, stride_oh, ml_row, split, NSPLIT, STAGES, BLOCK_N, GROUP_C,
+                         FUSED)),
                 (_loader, (k_desc, ks_desc, v_desc, vs_desc, q_desc, k_smem, ks_smem, v_smem, vs_smem, q_smem, p_smem,
-                           ready, empty, q_bar, cq_ptr, ml_ptr, acc_ptr, out_ptr, key0, page0, q_row, n_iter, n_full,
-                           lo, L, qk_scale, out_off, stride_oh, ml_row, split, NSPLIT, STAGES, BLOCK_N, GROUP_C)),
+                           ready, empty, q_bar, cq_ptr, ml_ptr, acc_ptr, out_ptr, cnt, key0, page0, q_row, n_iter,
+                           n_full, lo, L, qk_scale, out_off, stride_oh, ml_row, split, NSPLIT, STAGES, BLOCK_N,
+                           GROUP_C, FUSED)),
             ],
             [1],
             [LOADER_REGS],
@@ -308,7 +355,11 @@ class DecodeAttnWSConfig:
     maxnreg: int = 128
     loader_regs: int = 24
     pdl: bool = True  # the query preparation lets this kernel start and stream its first tiles
-    merge_pdl: bool = True  # the split merge launches while this kernel's last programs finish
+    merge_pdl: bool = True  # the split merge kernel launches while this kernel's last programs finish
+    # the split merge inside this kernel (the last split of each (batch, kv head), by an atomic
+    # ticket) instead of the merge kernel: one launch fewer, but 0.2-0.8 µs slower per call in
+    # CUDA graphs on an H100 (kernels/NOTES.md attention session 11), so off by default
+    fused_merge: bool = False
 
 
 def takes(q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor, v_data: torch.Tensor,
@@ -350,8 +401,14 @@ def mx_attention_decode_ws(
     out: torch.Tensor | None = None,
     qk_rotation: bool = False,
     config: DecodeAttnWSConfig | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``attention.mx_attention_decode`` (paged V, no mask) on a Hopper GPU: [B, Hq, 1, D] in q.dtype."""
+    """``attention.mx_attention_decode`` (paged V, no mask) on a Hopper GPU: [B, Hq, 1, D] in q.dtype.
+
+    ``counters``: int32 zeros, >= B*Hkv of them, the fused merge's tickets (each call leaves them
+    at zero; the cache layer owns one per layer). Without: the device's shared split-K tickets
+    (``gemm_decode.split_counters``), or, under CUDA-graph capture before those exist, the merge
+    kernel."""
     from mxq.kernels import attention as A
 
     if not takes(q, k_data, k_scale, v_data, v_scale, None):
@@ -379,6 +436,13 @@ def mx_attention_decode_ws(
     qn, cq = A.decode_query_blocks(q, hkv, gp=GP, elem=elem, rule=rule, qk_rotation=qk_rotation, pdl=pdl)
     if out is None:
         out = torch.empty((b, 1, hq, d), dtype=q.dtype, device=q.device).transpose(1, 2)
+    fused = nsplit > 1 and cfg.fused_merge
+    if fused:
+        if counters is None:
+            counters = split_counters(q.device, b * hkv)
+            fused = counters is not None
+        elif counters.dtype != torch.int32 or counters.numel() < b * hkv or counters.device != q.device:
+            raise ValueError(f"counters must be int32 on {q.device} with at least {b * hkv} elements")
     if nsplit > 1:
         work = torch.empty(b * hq * nsplit * (d + 2), dtype=torch.float32, device=q.device)
         acc = work[: b * hq * nsplit * d]
@@ -394,12 +458,12 @@ def mx_attention_decode_ws(
         for t, box, lay in zip((k2, ks2, v2, vs2, qn), *_boxes(bn, d, k_data.dtype))
     )
     _decode_ws_kernel[(b * hkv, nsplit)](
-        k_desc, ks_desc, v_desc, vs_desc, q_desc, cq, ml, acc, out,
+        k_desc, ks_desc, v_desc, vs_desc, q_desc, cq, ml, acc, out, counters if fused else cq,
         hkv, cap, length, chunk, nsplit, scale * LOG2E, out.stride(0), out.stride(1),
-        STAGES=cfg.stages, BLOCK_N=bn, GROUP_C=group, LOADER_REGS=cfg.loader_regs,
+        STAGES=cfg.stages, BLOCK_N=bn, GROUP_C=group, LOADER_REGS=cfg.loader_regs, FUSED=fused,
         num_warps=4, maxnreg=cfg.maxnreg, launch_pdl=pdl,
     )  # fmt: skip
-    if nsplit > 1:
+    if nsplit > 1 and not fused:
         A._decode_merge_kernel[(b * hq,)](
             ml, acc, out, hq, d, nsplit, out.stride(0), out.stride(1), SPLIT_PAD=A._pow2(nsplit), BLOCK_D=d,
             PDL=merge_pdl, num_warps=4, launch_pdl=merge_pdl,

@@ -163,7 +163,7 @@ def compile_prefill_ws(stages=4, wbuf=3, maxnreg=128, conv_regs=96, loader_regs=
                          source=GluonASTSource, **({"maxnreg": maxnreg} if maxnreg else {}))  # fmt: skip
 
 
-def compile_decode_attn_ws(stages=4, d=128, group=4, maxnreg=128, loader_regs=24):
+def compile_decode_attn_ws(stages=4, d=128, group=4, maxnreg=128, loader_regs=24, fused=True):
     """``attention_decode_ws._decode_ws_kernel`` (Gluon) for sm_90 as mx_attention_decode_ws launches it
     (E4M3 cache, bf16 out)."""
     import torch
@@ -176,8 +176,8 @@ def compile_decode_attn_ws(stages=4, d=128, group=4, maxnreg=128, loader_regs=24
     types = ("fp8e4nv", "u8", "fp8e4nv", "u8", "fp16")
     names = ("k_desc", "ks_desc", "v_desc", "vs_desc", "q_desc")
     ptrs = {n: f"tensordesc<{t}[{box[0]}, {box[1]}],{lay!r}>" for n, t, box, lay in zip(names, types, boxes, lays)}
-    ptrs.update(cq_ptr="*fp32", ml_ptr="*fp32", acc_ptr="*fp32", out_ptr="*bf16", qk_scale="fp32")
-    cons = dict(STAGES=stages, BLOCK_N=block_n, GROUP_C=group, LOADER_REGS=loader_regs)
+    ptrs.update(cq_ptr="*fp32", ml_ptr="*fp32", acc_ptr="*fp32", out_ptr="*bf16", cnt_ptr="*i32", qk_scale="fp32")
+    cons = dict(STAGES=stages, BLOCK_N=block_n, GROUP_C=group, LOADER_REGS=loader_regs, FUSED=fused)
     return _compile_sm90(W._decode_ws_kernel, cons, ptrs, 4, 1, not_div16={"Hkv", "L", "NSPLIT", "stride_oh"},
                          source=GluonASTSource, **({"maxnreg": maxnreg} if maxnreg else {}))  # fmt: skip
 

@@ -671,12 +671,15 @@ def test_gpu_decode_ws_matches_reference(hq, hkv, d, n, dtype, rotate):
     want = _independent(q.cpu(), kd.cpu(), vd.cpu(), rotate=rotate, k_rotated=True)
     tol = 3e-5 if dtype == torch.float32 else 5e-3
     triton_kernel = mx_attention_decode(*args, variant="gqa", qk_rotation=rotate).cpu()
+    counters = layer.decode_counters()
     for cfg in (W.DecodeAttnWSConfig(), W.DecodeAttnWSConfig(programs=1), W.DecodeAttnWSConfig(stages=2, maxnreg=80),
-                W.DecodeAttnWSConfig(stages=6, pdl=False, merge_pdl=False)):  # fmt: skip
-        got = W.mx_attention_decode_ws(*args, qk_rotation=rotate, config=cfg).cpu()
-        assert got.dtype == dtype and torch.isfinite(got).all(), cfg
-        assert _rel(got, want) < tol, cfg
-        assert _rel(got, triton_kernel) < tol, cfg
+                W.DecodeAttnWSConfig(stages=6, pdl=False, merge_pdl=False), W.DecodeAttnWSConfig(fused_merge=True)):  # fmt: skip
+        for cnt in (None, counters):  # the device's shared tickets, the layer's own
+            got = W.mx_attention_decode_ws(*args, qk_rotation=rotate, config=cfg, counters=cnt).cpu()
+            assert got.dtype == dtype and torch.isfinite(got).all(), cfg
+            assert _rel(got, want) < tol, cfg
+            assert _rel(got, triton_kernel) < tol, cfg
+        assert not counters.any(), "the fused merge leaves its tickets at zero"
     # eager calls default to the Triton kernel (one launch); under CUDA-graph capture, to this one
     assert torch.equal(mx_attention_decode(*args, qk_rotation=rotate).cpu(), triton_kernel)
     out = torch.empty_like(q)
@@ -686,6 +689,16 @@ def test_gpu_decode_ws_matches_reference(hq, hkv, d, n, dtype, rotate):
         mx_attention_decode(*args, qk_rotation=rotate, out=out)
     g.replay()
     assert torch.equal(out.cpu(), W.mx_attention_decode_ws(*args, qk_rotation=rotate).cpu())
+    fused = W.DecodeAttnWSConfig(fused_merge=True)
+    W.mx_attention_decode_ws(*args, qk_rotation=rotate, out=out, counters=counters, config=fused)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        W.mx_attention_decode_ws(*args, qk_rotation=rotate, out=out, counters=counters, config=fused)
+    for _ in range(2):  # the fused merge's tickets are back at zero for the next replay
+        out.zero_()
+        g.replay()
+        assert torch.equal(out.cpu(), W.mx_attention_decode_ws(*args, qk_rotation=rotate, config=fused).cpu())
+        assert not counters.any()
 
 
 @gpu

@@ -192,3 +192,12 @@ def test_attention_decode_ws_compiles_warp_specialized(tmp_path, d, maxnreg):
     assert not re.search(r"\b(LDL|STL)\b", sass), "register spills"
     assert int(re.search(r"registers/thread (\d+)", out).group(1)) <= maxnreg
     assert "griddepcontrol.wait" in (tmp_path / "k.ptx").read_text()
+    # the fused split merge: one ticket (acq_rel add), one reset; its loads batched (one L2 round
+    # trip per group of splits: every load of a merge loop before its first multiply)
+    assert sass.count("ATOMG.E.ADD.STRONG.GPU") == 1 and sass.count("ATOMG.E.EXCH.STRONG.GPU") == 1
+    merge = [[op for _, op, _ in lp] for lp in sass_dev.loops(sass) if sum(op.startswith("LDG") for _, op, _ in lp) >= 8]
+    assert len(merge) == 2
+    for ops in merge:
+        last_ld = max(i for i, op in enumerate(ops) if op.startswith("LDG"))
+        first_math = min(i for i, op in enumerate(ops) if op.startswith(("FFMA", "FMUL", "FMNMX")))
+        assert last_ld < first_math, ops
