@@ -18,6 +18,7 @@ times them without it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -124,19 +125,18 @@ def decode(ctxs, results, sweep=True, ws_sweep=True):
                 best[variant] = (ms, kw, err)
         cnt = dict(counters=layer.decode_counters())  # as the cache layer calls it (fused merge)
         if ws_sweep and W.takes(*args[:5], None):
-            for st, progs, regs, mp, fm in (
-                (2, 264, 128, True, False), (2, 264, 128, False, False), (2, 396, 80, True, True),
-                (3, 264, 128, True, True), (2, 528, 128, True, True), (2, 132, 128, True, True),
-            ):  # fmt: skip
-                cfg = W.DecodeAttnWSConfig(stages=st, programs=progs, maxnreg=regs, merge_pdl=mp, fused_merge=fm)
+            for kw in (
+                dict(wide_v=False), dict(fused_merge=True), dict(stages=3), dict(stages=4), dict(programs=396, maxnreg=80),
+                dict(programs=528), dict(merge_pdl=False),
+            ):  # fmt: skip  (each against the default, W.DecodeAttnWSConfig())
+                cfg = W.DecodeAttnWSConfig(**kw)
                 try:
                     ms = _bench(lambda: W.mx_attention_decode_ws(*args, config=cfg, **cnt, **ROT), graph=True)
                     err = _rel(W.mx_attention_decode_ws(*args, config=cfg, **cnt, **ROT), want)
                 except Exception as e:  # noqa: BLE001
                     print(f"<!-- ws {cfg}: {type(e).__name__}: {str(e)[:120]} -->")
                     continue
-                kw = {"variant": "ws", "stages": st, "programs": progs, "maxnreg": regs, "merge_pdl": mp,
-                      "fused_merge": fm}  # fmt: skip
+                kw = {"variant": "ws", **dataclasses.asdict(cfg)}
                 results["decode_configs"].append({"context": n, **kw, "us": ms * 1e3, "rel_err": err})
                 if err < 5e-3 and ("ws" not in best or ms < best["ws"][0]):
                     best["ws"] = (ms, kw, err)

@@ -8,8 +8,9 @@ let us write (kernels/NOTES.md, attention session 6: that kernel reaches ~65 % o
 because each warp's loads wait behind its own per-tile instruction chain):
 
 - a **loader warp** streams each tile of BLOCK_N keys — K [BLOCK_N, D] fp8, its scale bytes,
-  the BLOCK_N/32 V pages [D, 32] fp8 and their scale bytes — through a ring of shared-memory
-  stages with TMA and mbarriers, as far ahead as the ring allows;
+  the BLOCK_N/32 V pages [D, 32] fp8 (contiguous in the cache: one TMA box of 128-byte rows,
+  unswizzled, read back as row-major [D, 32] pages) and their scale bytes — through a ring of
+  shared-memory stages with TMA and mbarriers, as far ahead as the ring allows;
 - the **math warpgroup** computes per tile, on the tensor cores, with the cache's fp8 codes
   widened to fp16 in registers (exact) as the register operand of wgmma:
     Sᵀ[n, g] = Σ_j 2**ke[n, j] · cq[g, j] · Σ_{d in block j} k8[n, d] · qn[g, d]
@@ -71,16 +72,21 @@ if HAVE_GLUON:
     def _load_stage(k_desc, ks_desc, v_desc, vs_desc, k_smem, ks_smem, v_smem, vs_smem, bar, s, i, key0, page0,
                     BLOCK_N: gl.constexpr):  # fmt: skip
         PP: gl.constexpr = BLOCK_N // 32
-        D: gl.constexpr = v_desc.block_type.shape[0]
-        DB: gl.constexpr = k_desc.block_type.shape[1] // 32
-        nbytes: gl.constexpr = (k_desc.block_type.nbytes + ks_desc.block_type.nbytes + PP * v_desc.block_type.nbytes
+        D: gl.constexpr = k_desc.block_type.shape[1]
+        DB: gl.constexpr = D // 32
+        WIDE_V: gl.constexpr = v_desc.block_type.shape[1] == 128  # the tile's pages as one box of 128-byte rows
+        VBOXES: gl.constexpr = 1 if WIDE_V else PP
+        nbytes: gl.constexpr = (k_desc.block_type.nbytes + ks_desc.block_type.nbytes + VBOXES * v_desc.block_type.nbytes
                                 + vs_desc.block_type.nbytes)  # fmt: skip
         mbarrier.expect(bar, nbytes)
         key = key0 + i * BLOCK_N
         tma.async_copy_global_to_shared(k_desc, [key, 0], bar, k_smem.index(s))
         tma.async_copy_global_to_shared(ks_desc, [(key * DB) // 64, 0], bar, ks_smem.index(s))  # 64 bytes a row
-        for p in gl.static_range(PP):
-            tma.async_copy_global_to_shared(v_desc, [(page0 + i * PP + p) * D, 0], bar, v_smem.index(s * PP + p))
+        if WIDE_V:  # PP consecutive pages = PP·D·32 contiguous bytes
+            tma.async_copy_global_to_shared(v_desc, [(page0 + i * PP) * (D * 32 // 128), 0], bar, v_smem.index(s))
+        else:
+            for p in gl.static_range(PP):
+                tma.async_copy_global_to_shared(v_desc, [(page0 + i * PP + p) * D, 0], bar, v_smem.index(s * PP + p))
         tma.async_copy_global_to_shared(vs_desc, [page0 + i * PP, 0], bar, vs_smem.index(s))
 
     @gluon.jit
@@ -115,12 +121,12 @@ if HAVE_GLUON:
         return _pow2((kw >> (8 * j)) & 0xFF)[:, None] * cqj[None, :]
 
     @gluon.jit
-    def _vpage(v_smem, p_smem, vs_flat, slot, pg: gl.constexpr, key, L, zero, a_l: gl.constexpr, row_l: gl.constexpr,
+    def _vpage(v_page, p_smem, vs_flat, pg: gl.constexpr, key, L, zero, a_l: gl.constexpr, row_l: gl.constexpr,
                MASKED: gl.constexpr):  # fmt: skip
-        """Page pg of the tile: Σ_n v8[c, n]·(P_hi + P_lo)[n, g] asynchronous (token, operand) and
-        the page's channel scales 2**vs[c]."""
+        """Page pg of the tile (v_page: its [D, 32] codes in shared memory): Σ_n v8[c, n]·(P_hi + P_lo)[n, g]
+        asynchronous (token, operand) and the page's channel scales 2**vs[c]."""
         D: gl.constexpr = zero.shape[0]
-        va = v_smem.index(slot).load(a_l)
+        va = v_page.load(a_l)
         vf = _pow2(vs_flat.slice(pg * D, D).load(row_l).to(gl.int32))
         if MASKED:  # keys past the context: zero values (the cache may hold anything there)
             kv = key + pg * 32 + gl.arange(0, 32, layout=gl.SliceLayout(0, a_l))
@@ -184,8 +190,16 @@ if HAVE_GLUON:
         # P·V: both pages (hi and lo parts) in flight together
         vs_flat = vs_smem.index(s)._reinterpret(gl.uint8, [2 * D], flat_l)
         zero_o = gl.zeros([D, 8], gl.float32, mma_l)
-        u0, v0, f0 = _vpage(v_smem, p_smem, vs_flat, 2 * s, 0, key, L, zero_o, a_l, row_l, MASKED)
-        u1, v1, f1 = _vpage(v_smem, p_smem, vs_flat, 2 * s + 1, 1, key, L, zero_o, a_l, row_l, MASKED)
+        if v_smem.type.shape[2] == 128:  # one [PP·D/4, 128]-byte box a tile: its pages are row-major [D, 32] runs
+            flat8: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
+            v_tile = v_smem.index(s)._reinterpret(v_smem.dtype, [2 * D, 32], flat8)
+            v_pg0 = v_tile.slice(0, D, dim=0)
+            v_pg1 = v_tile.slice(D, D, dim=0)
+        else:
+            v_pg0 = v_smem.index(2 * s)
+            v_pg1 = v_smem.index(2 * s + 1)
+        u0, v0, f0 = _vpage(v_pg0, p_smem, vs_flat, 0, key, L, zero_o, a_l, row_l, MASKED)
+        u1, v1, f1 = _vpage(v_pg1, p_smem, vs_flat, 1, key, L, zero_o, a_l, row_l, MASKED)
         acc = acc * alpha[None, :]
         o0, o1, v0, v1 = warpgroup_mma_wait(0, deps=(u0, u1, v0, v1))
         mbarrier.arrive(empty.index(s))
@@ -304,7 +318,10 @@ if HAVE_GLUON:
         cnt = cnt_ptr + pid  # the fused merge's ticket for this (batch, kv head)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D], k_desc.layout)
         ks_smem = gl.allocate_shared_memory(ks_desc.dtype, [STAGES, BLOCK_N * (D // 32) // 64, 64], ks_desc.layout)
-        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES * PP, D, 32], v_desc.layout)
+        if v_desc.block_type.shape[1] == 128:  # the tile's pages in one box (DecodeAttnWSConfig.wide_v)
+            v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, PP * D * 32 // 128, 128], v_desc.layout)
+        else:
+            v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES * PP, D, 32], v_desc.layout)
         vs_smem = gl.allocate_shared_memory(vs_desc.dtype, [STAGES, PP, D], vs_desc.layout)
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [8, D], q_desc.layout)
         p_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, BLOCK_N], gl.float16)
@@ -360,6 +377,9 @@ class DecodeAttnWSConfig:
     # ticket) instead of the merge kernel: one launch fewer, but 0.2-0.8 µs slower per call in
     # CUDA graphs on an H100 (kernels/NOTES.md attention session 11), so off by default
     fused_merge: bool = False
+    # V by TMA as one box of 128-byte rows a tile (both pages, unswizzled) instead of a [D, 32] box
+    # (32-byte rows) per page: session 8 measured 32-byte TMA rows streaming ~15 % below 128-byte ones
+    wide_v: bool = True
 
 
 def takes(q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor, v_data: torch.Tensor,
@@ -377,14 +397,16 @@ def takes(q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor, v_data: 
     )  # fmt: skip
 
 
-def _boxes(bn: int, d: int, fp8: torch.dtype) -> tuple[list, list]:
-    """TMA boxes and shared layouts of K, K scales, V pages, V scales, the query: the scale bytes
-    unswizzled (the math warps read them as flat words)."""
+def _boxes(bn: int, d: int, fp8: torch.dtype, wide_v: bool = True) -> tuple[list, list]:
+    """TMA boxes and shared layouts of K, K scales, V, V scales, the query: the scale bytes
+    unswizzled (the math warps read them as flat words). V: the tile's bn/32 pages as one box of
+    128-byte rows, unswizzled (``wide_v``), or a [D, 32] box per page (32-byte rows, swizzled)."""
     f8 = gl.float8e4nv if fp8 == torch.float8_e4m3fn else gl.float8e5
     lay = gl.NVMMASharedLayout.get_default_for
     flat = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
-    boxes = [[bn, d], [bn * (d // 32) // 64, 64], [d, 32], [bn // 32, d], [GP, d]]
-    return boxes, [lay([bn, d], f8), flat, lay([d, 32], f8), flat, lay([GP, d], gl.float16)]
+    v_box, v_lay = ([bn * d // 128, 128], flat) if wide_v else ([d, 32], lay([d, 32], f8))
+    boxes = [[bn, d], [bn * (d // 32) // 64, 64], v_box, [bn // 32, d], [GP, d]]
+    return boxes, [lay([bn, d], f8), flat, v_lay, flat, lay([GP, d], gl.float16)]
 
 
 def mx_attention_decode_ws(
@@ -451,11 +473,11 @@ def mx_attention_decode_ws(
         acc = ml = cq
     k2 = k_data.view(b * hkv * cap, d)
     ks2 = k_scale.view(-1, 64)  # 64 scale bytes a row: BLOCK_N * D/32 / 64 rows a tile
-    v2 = v_data.view(-1, 32)  # page rows: [B*Hkv*C/32*D, 32]
+    v2 = v_data.view(-1, 128 if cfg.wide_v else 32)  # a page = D·32 contiguous bytes
     vs2 = v_scale.view(-1, d)
     k_desc, ks_desc, v_desc, vs_desc, q_desc = (
         TensorDescriptor(t, list(t.shape), list(t.stride()), box, lay)
-        for t, box, lay in zip((k2, ks2, v2, vs2, qn), *_boxes(bn, d, k_data.dtype))
+        for t, box, lay in zip((k2, ks2, v2, vs2, qn), *_boxes(bn, d, k_data.dtype, cfg.wide_v))
     )
     _decode_ws_kernel[(b * hkv, nsplit)](
         k_desc, ks_desc, v_desc, vs_desc, q_desc, cq, ml, acc, out, counters if fused else cq,

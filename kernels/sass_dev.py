@@ -163,7 +163,7 @@ def compile_prefill_ws(stages=4, wbuf=3, maxnreg=128, conv_regs=96, loader_regs=
                          source=GluonASTSource, **({"maxnreg": maxnreg} if maxnreg else {}))  # fmt: skip
 
 
-def compile_decode_attn_ws(stages=4, d=128, group=4, maxnreg=128, loader_regs=24, fused=True):
+def compile_decode_attn_ws(stages=4, d=128, group=4, maxnreg=128, loader_regs=24, fused=True, wide_v=True):
     """``attention_decode_ws._decode_ws_kernel`` (Gluon) for sm_90 as mx_attention_decode_ws launches it
     (E4M3 cache, bf16 out)."""
     import torch
@@ -172,7 +172,7 @@ def compile_decode_attn_ws(stages=4, d=128, group=4, maxnreg=128, loader_regs=24
     from mxq.kernels import attention_decode_ws as W
 
     block_n = W.BLOCK_N
-    boxes, lays = W._boxes(block_n, d, torch.float8_e4m3fn)
+    boxes, lays = W._boxes(block_n, d, torch.float8_e4m3fn, wide_v)
     types = ("fp8e4nv", "u8", "fp8e4nv", "u8", "fp16")
     names = ("k_desc", "ks_desc", "v_desc", "vs_desc", "q_desc")
     ptrs = {n: f"tensordesc<{t}[{box[0]}, {box[1]}],{lay!r}>" for n, t, box, lay in zip(names, types, boxes, lays)}

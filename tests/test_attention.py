@@ -673,7 +673,8 @@ def test_gpu_decode_ws_matches_reference(hq, hkv, d, n, dtype, rotate):
     triton_kernel = mx_attention_decode(*args, variant="gqa", qk_rotation=rotate).cpu()
     counters = layer.decode_counters()
     for cfg in (W.DecodeAttnWSConfig(), W.DecodeAttnWSConfig(programs=1), W.DecodeAttnWSConfig(stages=2, maxnreg=80),
-                W.DecodeAttnWSConfig(stages=6, pdl=False, merge_pdl=False), W.DecodeAttnWSConfig(fused_merge=True)):  # fmt: skip
+                W.DecodeAttnWSConfig(stages=6, pdl=False, merge_pdl=False), W.DecodeAttnWSConfig(fused_merge=True),
+                W.DecodeAttnWSConfig(wide_v=False)):  # fmt: skip
         for cnt in (None, counters):  # the device's shared tickets, the layer's own
             got = W.mx_attention_decode_ws(*args, qk_rotation=rotate, config=cfg, counters=cnt).cpu()
             assert got.dtype == dtype and torch.isfinite(got).all(), cfg
