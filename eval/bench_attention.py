@@ -127,9 +127,9 @@ def decode(ctxs, results, sweep=True, ws_sweep=True):
         if ws_sweep and W.takes(*args[:5], None):
             for kw in (
                 dict(wide_v=False), dict(fused_merge=True), dict(stages=3), dict(stages=4), dict(programs=396, maxnreg=80),
-                dict(programs=528), dict(merge_pdl=False),
-            ):  # fmt: skip  (each against the default, W.DecodeAttnWSConfig())
-                cfg = W.DecodeAttnWSConfig(**kw)
+                dict(programs=264, maxnreg=128), dict(programs=528), dict(merge_pdl=False),
+            ):  # fmt: skip  (each against this device's default)
+                cfg = dataclasses.replace(W.default_config(q.device), **kw)
                 try:
                     ms = _bench(lambda: W.mx_attention_decode_ws(*args, config=cfg, **cnt, **ROT), graph=True)
                     err = _rel(W.mx_attention_decode_ws(*args, config=cfg, **cnt, **ROT), want)

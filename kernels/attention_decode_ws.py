@@ -360,7 +360,7 @@ else:  # pragma: no cover
 
 @dataclass(frozen=True)
 class DecodeAttnWSConfig:
-    """Tiles of ``_decode_ws_kernel``."""
+    """Tiles of ``_decode_ws_kernel``; the defaults are the H100's (``default_config``: per device)."""
 
     # ring depth in tiles of BLOCK_N = 64 keys (16.9 KB a stage at D = 128). H100 sweep (kernels/NOTES.md
     # session 10): 2 beats 3 and 4 at every context 4k-32k, 264 programs beat 396/528, maxnreg 80
@@ -380,6 +380,20 @@ class DecodeAttnWSConfig:
     # V by TMA as one box of 128-byte rows a tile (both pages, unswizzled) instead of a [D, 32] box
     # (32-byte rows) per page: session 8 measured 32-byte TMA rows streaming ~15 % below 128-byte ones
     wide_v: bool = True
+
+
+def _device_config(name: str) -> DecodeAttnWSConfig:
+    # Both have 132 SMs; the H200's HBM3e (4.8 TB/s against 3.35) wants more bytes in flight: 3
+    # programs per SM (396, maxnreg 80) beat 2 there at 8k-32k (16k 44.9 -> 42.4 µs), tie on the H100
+    # (54.2 -> 54.9). Sweeps: kernels/NOTES.md attention session 11
+    if "H200" in name:
+        return DecodeAttnWSConfig(programs=396, maxnreg=80)
+    return DecodeAttnWSConfig()
+
+
+def default_config(device: torch.device) -> DecodeAttnWSConfig:
+    """The tiles ``mx_attention_decode_ws`` uses on ``device`` when no config is given."""
+    return _device_config(torch.cuda.get_device_name(device))
 
 
 def takes(q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor, v_data: torch.Tensor,
@@ -440,7 +454,7 @@ def mx_attention_decode_ws(
             f"k_data {tuple(k_data.shape)}, v_data {tuple(v_data.shape)} on {q.device}"
         )
     elem, rule = as_elem_format(elem), as_scale_rule(rule)
-    cfg = config or DecodeAttnWSConfig()
+    cfg = config or default_config(q.device)
     b, hq, _, d = q.shape
     hkv, cap = k_data.shape[1], k_data.shape[2]
     group = hq // hkv
