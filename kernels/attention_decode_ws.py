@@ -362,9 +362,9 @@ else:  # pragma: no cover
 class DecodeAttnWSConfig:
     """Tiles of ``_decode_ws_kernel``; the defaults are the H100's (``default_config``: per device)."""
 
-    # ring depth in tiles of BLOCK_N = 64 keys (16.9 KB a stage at D = 128). H100 sweep (kernels/NOTES.md
-    # session 10): 2 beats 3 and 4 at every context 4k-32k, 264 programs beat 396/528, maxnreg 80
-    # (3 programs per SM) ties 128
+    # ring depth in tiles of BLOCK_N = 64 keys (16.9 KB a stage at D = 128). H100 sweeps (kernels/NOTES.md
+    # sessions 10-11): 2 beats 4 at every context 4k-32k, ties 3 with the wide V rows; 264 programs beat
+    # 528 and tie 396 at maxnreg 80 (3 programs per SM, the H200's choice: ``default_config``)
     stages: int = 2
     programs: int = 264  # programs wanted over the grid (2 per SM on 132 SMs): sets the split
     # registers per thread at launch: Triton launches 2 warpgroups (math + the loader's, padded),
@@ -378,22 +378,19 @@ class DecodeAttnWSConfig:
     # CUDA graphs on an H100 (kernels/NOTES.md attention session 11), so off by default
     fused_merge: bool = False
     # V by TMA as one box of 128-byte rows a tile (both pages, unswizzled) instead of a [D, 32] box
-    # (32-byte rows) per page: session 8 measured 32-byte TMA rows streaming ~15 % below 128-byte ones
+    # (32-byte rows) per page: session 8 measured 32-byte TMA rows streaming ~15 % below 128-byte ones;
+    # here 16k 55.7 -> 54.2 µs on the H100, and on the H200 a gain only at 3 programs per SM (NOTES)
     wide_v: bool = True
 
 
-def _device_config(name: str) -> DecodeAttnWSConfig:
-    # Both have 132 SMs; the H200's HBM3e (4.8 TB/s against 3.35) wants more bytes in flight: 3
-    # programs per SM (396, maxnreg 80) beat 2 there at 8k-32k (16k 44.9 -> 42.4 µs), tie on the H100
-    # (54.2 -> 54.9). Sweeps: kernels/NOTES.md attention session 11
-    if "H200" in name:
+def default_config(device: torch.device) -> DecodeAttnWSConfig:
+    """The tiles ``mx_attention_decode_ws`` uses on ``device`` when no config is given. Both have 132
+    SMs; the H200's HBM3e (4.8 TB/s against 3.35) wants more bytes in flight: 3 programs per SM (396,
+    maxnreg 80) beat 2 there at 8k-32k (16k 44.9 -> 42.4 µs) and tie on the H100 (54.2 vs 54.9).
+    Sweeps: kernels/NOTES.md attention session 11. Other devices take the H100's tiles."""
+    if "H200" in torch.cuda.get_device_name(device):
         return DecodeAttnWSConfig(programs=396, maxnreg=80)
     return DecodeAttnWSConfig()
-
-
-def default_config(device: torch.device) -> DecodeAttnWSConfig:
-    """The tiles ``mx_attention_decode_ws`` uses on ``device`` when no config is given."""
-    return _device_config(torch.cuda.get_device_name(device))
 
 
 def takes(q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor, v_data: torch.Tensor,
