@@ -1029,6 +1029,12 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def check_counters(counters: torch.Tensor, n: int, device: torch.device) -> None:
+    """A fused split merge's tickets as given by the caller: int32, on ``device``, >= n of them."""
+    if counters.dtype != torch.int32 or counters.numel() < n or counters.device != device:
+        raise ValueError(f"counters must be int32 on {device} with at least {n} elements")
+
+
 def mx_attention_decode(
     q: torch.Tensor,
     k_data: torch.Tensor,
@@ -1135,8 +1141,8 @@ def mx_attention_decode(
     if fused:
         if counters is None:
             counters = torch.zeros(b * hkv, dtype=torch.int32, device=q.device)
-        elif counters.dtype != torch.int32 or counters.numel() < b * hkv or counters.device != q.device:
-            raise ValueError(f"counters must be int32 on {q.device} with at least {b * hkv} elements")
+        else:
+            check_counters(counters, b * hkv, q.device)
     if out is None:
         out = torch.empty((b, 1, hq, d), dtype=q.dtype, device=q.device).transpose(1, 2)
     if qk_rotation:

@@ -474,8 +474,8 @@ def mx_attention_decode_ws(
         if counters is None:
             counters = split_counters(q.device, b * hkv)
             fused = counters is not None
-        elif counters.dtype != torch.int32 or counters.numel() < b * hkv or counters.device != q.device:
-            raise ValueError(f"counters must be int32 on {q.device} with at least {b * hkv} elements")
+        else:
+            A.check_counters(counters, b * hkv, q.device)
     if nsplit > 1:
         work = torch.empty(b * hq * nsplit * (d + 2), dtype=torch.float32, device=q.device)
         acc = work[: b * hq * nsplit * d]
