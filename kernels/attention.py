@@ -72,6 +72,11 @@ from mxq.kernels.reference import (
     sylvester_hadamard,
 )
 
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton
+    TensorDescriptor = None
+
 LOG2E = 1.4426950408889634
 BLOCK = 32  # MX block size; fixed by the format
 
@@ -135,19 +140,19 @@ def _rotate_rows_factored(x, RF, offs_d, BLOCK_D: tl.constexpr, NB: tl.constexpr
 
 
 @triton.jit
-def _rotate_kernel(
-    X, R, Y, H, S, D, OUT_D, stride_xb, stride_xh, stride_xs,
+def _rotate_tile(
+    X, R, Y, rb, b, H, S, D, OUT_D, stride_xb, stride_xh, stride_xs,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PARTS: tl.constexpr, ROUND: tl.constexpr,
     EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
     RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
-    """Y[row, :OUT_D] = X[row]·R over rows (b, h, s) of X [B, H, S, D] (unit last stride).
+    """Y[row, :OUT_D] = X[row]·R for rows rb·BLOCK_R.. (h, s) of batch entry b (int64) of X
+    [B, H, S, D] (unit last stride).
 
     ROUND: Y gets the MX-rounded values (1x32 blocks along the padded head_dim) of the fp32
     product, in Y's dtype (bf16: exact); otherwise the fp32 product itself.
     """
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # (h, s) within batch entry b
-    b = tl.program_id(1).to(tl.int64)
+    rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, BLOCK_D)
     src = b * stride_xb + (rows // S).to(tl.int64) * stride_xh + (rows % S).to(tl.int64) * stride_xs
     rok = rows < H * S
@@ -158,6 +163,20 @@ def _rotate_kernel(
         y = tl.reshape(y, (BLOCK_R, BLOCK_D))
     dst = Y + (b * H * S + rows[:, None]) * OUT_D + offs_d[None, :]
     tl.store(dst, y.to(Y.dtype.element_ty), mask=rok[:, None] & (offs_d < OUT_D)[None, :])
+
+
+@triton.jit
+def _rotate_kernel(
+    X, R, Y, H, S, D, OUT_D, stride_xb, stride_xh, stride_xs,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PARTS: tl.constexpr, ROUND: tl.constexpr,
+    EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
+    RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    """``_rotate_tile`` over the grid (row blocks, B)."""
+    _rotate_tile(
+        X, R, Y, tl.program_id(0), tl.program_id(1).to(tl.int64), H, S, D, OUT_D, stride_xb, stride_xh, stride_xs,
+        BLOCK_R, BLOCK_D, PARTS, ROUND, EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8, INTERP,
+    )  # fmt: skip
 
 
 _ROTATIONS: dict = {}
@@ -234,22 +253,26 @@ def _mma(a, b, acc, INTERP: tl.constexpr):
 
 @triton.jit
 def _prefill_block(
-    acc, m_i, l_i, q, k_ptrs, vt_ptrs, mask_ptrs, offs_m, offs_n, start_n,
+    acc, m_i, l_i, q, K, VT, k_ptrs, vt_ptrs, k_row, vt_row, mask_ptrs, offs_m, offs_n, start_n,
     Sq, Sk, qk_scale, stride_kn, stride_vn, stride_mn,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
-    PV_SPLIT: tl.constexpr, INTERP: tl.constexpr,
+    PV_SPLIT: tl.constexpr, TMA: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
     cols = start_n + offs_n
-    if MASKED:
+    if TMA:  # K rows past this head's keys are the next head's (or zeros): masked below
+        k = K.load([k_row + start_n, 0])
+        vt = VT.load([vt_row, start_n])  # zeros past Sk
+    elif MASKED:
         kin = cols < Sk
         k = tl.load(k_ptrs + start_n * stride_kn, mask=kin[:, None], other=0.0)
         vt = tl.load(vt_ptrs + start_n * stride_vn, mask=kin[None, :], other=0.0)
     else:
         k = tl.load(k_ptrs + start_n * stride_kn)
         vt = tl.load(vt_ptrs + start_n * stride_vn)
-    s = _mma(q, tl.trans(k), tl.zeros([q.shape[0], k.shape[0]], tl.float32), INTERP) * qk_scale
+    s = _mma(q, tl.trans(k), tl.zeros([q.shape[0], k.shape[0]], tl.float32), INTERP)
     if MASKED:
-        ok = kin[None, :] & (offs_m < Sq)[:, None]
+        s = s * qk_scale
+        ok = (cols < Sk)[None, :] & (offs_m < Sq)[:, None]
         if CAUSAL:
             ok = ok & (offs_m[:, None] + (Sk - Sq) >= cols[None, :])
         if HAS_MASK:
@@ -261,18 +284,24 @@ def _prefill_block(
         s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_use[:, None])
+    else:  # the scale folded into the exponent's argument: one FMA an element
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         m_use = m_new
+        p = tl.math.exp2(s * qk_scale - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)
-    p = tl.math.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     v = tl.trans(vt)
-    p_hi = p.to(v.dtype)
-    acc = _mma(p_hi, v, acc, INTERP)
-    if PV_SPLIT:
-        acc = _mma((p - p_hi.to(tl.float32)).to(v.dtype), v, acc, INTERP)
+    if PV_SPLIT:  # P = P_hi + P_lo: P_hi = P's top 16 bits (exact in bf16, a byte permute instead
+        # of a conversion), P_lo = bf16(P - P_hi) (< 2**-7 P, so its rounding is < 2**-16 P)
+        pb = p.to(tl.uint32, bitcast=True)
+        p_hi = (pb >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        p_lo = (p - (pb & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16)
+        acc = _mma(p_hi, v, acc, INTERP)
+        acc = _mma(p_lo, v, acc, INTERP)
+    else:
+        acc = _mma(p.to(v.dtype), v, acc, INTERP)
     return acc, m_new, l_i
 
 
@@ -289,8 +318,10 @@ def _prefill_kernel(
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, PV_SPLIT: tl.constexpr,
     EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
     RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr,
-    QPARTS: tl.constexpr = 0,
+    QPARTS: tl.constexpr = 0, TMA: tl.constexpr = False,
 ):  # fmt: skip
+    """K and VT: pointers, or with ``TMA`` host descriptors of K as [B·Hkv·Sk, BLOCK_D] rows and
+    of Vᵀ as [B·Hkv·BLOCK_D, Sk] rows (stride_kb/stride_vb then unused)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // Hq
@@ -313,8 +344,14 @@ def _prefill_kernel(
     )
     q = tl.reshape(qr, (BLOCK_M, BLOCK_D)).to(tl.bfloat16)
 
-    k_ptrs = K + b.to(tl.int64) * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
-    vt_ptrs = VT + b.to(tl.int64) * stride_vb + hk * stride_vh + offs_d[:, None] * stride_vd + offs_n[None, :]
+    k_row = (b * (Hq // GROUP) + hk) * Sk
+    vt_row = (b * (Hq // GROUP) + hk) * BLOCK_D
+    if TMA:
+        k_ptrs = K
+        vt_ptrs = VT
+    else:
+        k_ptrs = K + b.to(tl.int64) * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
+        vt_ptrs = VT + b.to(tl.int64) * stride_vb + hk * stride_vh + offs_d[:, None] * stride_vd + offs_n[None, :]
     mask_ptrs = M + b.to(tl.int64) * stride_mb + h * stride_mh + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -332,15 +369,15 @@ def _prefill_kernel(
         n_full = 0
     for start_n in range(0, n_full, BLOCK_N):
         acc, m_i, l_i = _prefill_block(
-            acc, m_i, l_i, q, k_ptrs, vt_ptrs, mask_ptrs, offs_m, offs_n, start_n,
+            acc, m_i, l_i, q, K, VT, k_ptrs, vt_ptrs, k_row, vt_row, mask_ptrs, offs_m, offs_n, start_n,
             Sq, Sk, qk_scale, stride_kn, 1, stride_mn,
-            False, CAUSAL, HAS_MASK, MASK_BOOL, PV_SPLIT, INTERP,
+            False, CAUSAL, HAS_MASK, MASK_BOOL, PV_SPLIT, TMA, INTERP,
         )  # fmt: skip
     for start_n in range(n_full, hi, BLOCK_N):
         acc, m_i, l_i = _prefill_block(
-            acc, m_i, l_i, q, k_ptrs, vt_ptrs, mask_ptrs, offs_m, offs_n, start_n,
+            acc, m_i, l_i, q, K, VT, k_ptrs, vt_ptrs, k_row, vt_row, mask_ptrs, offs_m, offs_n, start_n,
             Sq, Sk, qk_scale, stride_kn, 1, stride_mn,
-            True, CAUSAL, HAS_MASK, MASK_BOOL, PV_SPLIT, INTERP,
+            True, CAUSAL, HAS_MASK, MASK_BOOL, PV_SPLIT, TMA, INTERP,
         )  # fmt: skip
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -368,34 +405,73 @@ def _round_k(k, elem, rule, block_d):
 
 
 @triton.jit
-def _vt_blocks(V, H, S, D, stride_vb, stride_vh, stride_vs, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """This program's tile of V [B, H, S, D] (keys from program_id(0)·BLOCK_S, b·H + h =
-    program_id(1)) as Vᵀ in fp32 [BLOCK_D, BLOCK_S/32, 32]: 32-key blocks, zeros outside.
-    Returns it with the key and channel offsets and b·H + h."""
-    s0 = tl.program_id(0) * BLOCK_S
-    bh = tl.program_id(1)
+def _vt_blocks(V, sb, bh, H, S, D, stride_vb, stride_vh, stride_vs, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Tile sb of V [B, H, S, D] (keys sb·BLOCK_S..) of head bh = b·H + h as Vᵀ in fp32
+    [BLOCK_D, BLOCK_S/32, 32]: 32-key blocks, zeros outside. Returns it with the key and channel
+    offsets."""
+    s0 = sb * BLOCK_S
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     offs_s = s0 + tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     ok = (offs_s < S)[:, None] & (offs_d < D)[None, :]
     v = tl.load(V + b * stride_vb + h * stride_vh + offs_s[:, None].to(tl.int64) * stride_vs + offs_d[None, :], mask=ok, other=0.0)
-    return tl.reshape(tl.trans(v.to(tl.float32)), (BLOCK_D, BLOCK_S // 32, 32)), offs_s, offs_d, bh
+    return tl.reshape(tl.trans(v.to(tl.float32)), (BLOCK_D, BLOCK_S // 32, 32)), offs_s, offs_d
 
 
 @triton.jit
-def _round_vt_kernel(
-    V, VT, H, S, D, stride_vb, stride_vh, stride_vs,
+def _round_vt_tile(
+    V, VT, sb, bh, H, S, SP, D, stride_vb, stride_vh, stride_vs,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
     RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     """VT[b, h, :, s] = V[b, h, s, :] MX-rounded along the keys (32x1 blocks from key 0, zero-padded),
-    bf16, head_dim zero-padded to BLOCK_D: one read of V, one write of Vᵀ."""
-    vt, offs_s, offs_d, bh = _vt_blocks(V, H, S, D, stride_vb, stride_vh, stride_vs, BLOCK_S, BLOCK_D)
+    bf16, head_dim zero-padded to BLOCK_D, rows SP apart, for the keys of tile sb of head bh:
+    one read of V, one write of Vᵀ."""
+    vt, offs_s, offs_d = _vt_blocks(V, sb, bh, H, S, D, stride_vb, stride_vh, stride_vs, BLOCK_S, BLOCK_D)
     r = tl.reshape(mx_round_dequant(vt, EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8), (BLOCK_D, BLOCK_S))
-    dst = VT + (bh.to(tl.int64) * BLOCK_D + offs_d[:, None]) * S + offs_s[None, :]
+    dst = VT + (bh.to(tl.int64) * BLOCK_D + offs_d[:, None]) * SP + offs_s[None, :]
     tl.store(dst, r.to(tl.bfloat16), mask=(offs_s < S)[None, :])
+
+
+@triton.jit
+def _prep_kv_kernel(
+    K, R, KY, V, VT, H, S, SP, D, NKB, NK, NVB,
+    stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PARTS: tl.constexpr,
+    EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
+    RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    """The prefill's K and V operands in one launch: programs [0, NK) rotate and round K rows
+    (``_rotate_tile``, NKB row blocks per batch entry), the rest round Vᵀ (``_round_vt_tile``,
+    NVB key tiles per head)."""
+    pid = tl.program_id(0)
+    if pid < NK:
+        _rotate_tile(
+            K, R, KY, pid % NKB, (pid // NKB).to(tl.int64), H, S, D, BLOCK_D, stride_kb, stride_kh, stride_ks,
+            BLOCK_R, BLOCK_D, PARTS, True, EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8, INTERP,
+        )  # fmt: skip
+    else:
+        pv = pid - NK
+        _round_vt_tile(
+            V, VT, pv % NVB, pv // NVB, H, S, SP, D, stride_vb, stride_vh, stride_vs,
+            BLOCK_S, BLOCK_D, EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8,
+        )  # fmt: skip
+
+
+@triton.jit
+def _round_vt_kernel(
+    V, VT, H, S, SP, D, stride_vb, stride_vh, stride_vs,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
+    RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr,
+):  # fmt: skip
+    """``_round_vt_tile`` over the grid (key tiles, B·H)."""
+    _round_vt_tile(
+        V, VT, tl.program_id(0), tl.program_id(1), H, S, SP, D, stride_vb, stride_vh, stride_vs,
+        BLOCK_S, BLOCK_D, EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -410,7 +486,8 @@ def _quantize_vt_kernel(
     Key s of channel d goes to QD + bh·stride_qbh + d·stride_qd + (s // 32)·stride_qp + s % 32 (the
     last page zero-padded), its page's E8M0 byte to QS + bh·stride_sbh + d·stride_sd + (s // 32)·stride_sp."""
     NBS: tl.constexpr = BLOCK_S // 32
-    xf, offs_s, offs_d, bh = _vt_blocks(V, H, S, D, stride_vb, stride_vh, stride_vs, BLOCK_S, BLOCK_D)
+    bh = tl.program_id(1)
+    xf, offs_s, offs_d = _vt_blocks(V, tl.program_id(0), bh, H, S, D, stride_vb, stride_vh, stride_vs, BLOCK_S, BLOCK_D)
     e, nonfinite = _mx_fast_exponent(xf, EMAX, MBITS, RULE)
     if HW_CVT:
         qb = _mx_scaled(xf, e, MAXN, RULE).to(FP8, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
@@ -458,18 +535,58 @@ def quantize_vt_pages(
 
 
 def _round_vt(v, elem, rule, block_d):
-    """V [B, H, S, D] -> Vᵀ MX-rounded along the keys, bf16 [B, H, block_d, S] (zero rows past D)."""
+    """V [B, H, S, D] -> Vᵀ MX-rounded along the keys, bf16 [B, H, block_d, S] (zero rows past D),
+    a view of rows padded to a multiple of 8 keys (16 bytes: what a TMA descriptor needs)."""
     if v.stride(-1) != 1:
         v = v.contiguous()
     b, h, sk, d = v.shape
-    vt = torch.empty((b, h, block_d, sk), dtype=torch.bfloat16, device=v.device)
+    sp = -(-sk // 8) * 8
+    vt = torch.empty((b, h, block_d, sp), dtype=torch.bfloat16, device=v.device)[..., :sk]
     block_s = 64
     if vt.numel():
         _round_vt_kernel[(triton.cdiv(sk, block_s), b * h)](
-            v, vt, h, sk, d, v.stride(0), v.stride(1), v.stride(2),
+            v, vt, h, sk, sp, d, v.stride(0), v.stride(1), v.stride(2),
             BLOCK_S=block_s, BLOCK_D=block_d, **_fmt(elem, rule, v.device), num_warps=4,
         )  # fmt: skip
     return vt
+
+
+def _prep_kv(k, v, elem, rule, block_d):
+    """(``rotate_qk_rows(k, round_to=(elem, rule))``, ``_round_vt(v, ...)``) in one launch."""
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    b, h, sk, d = k.shape
+    sp = -(-sk // 8) * 8
+    k_mx = torch.empty((b, h, sk, block_d), dtype=torch.bfloat16, device=k.device)
+    vt = torch.empty((b, h, block_d, sp), dtype=torch.bfloat16, device=v.device)[..., :sk]
+    block_r = block_s = 64
+    nkb, nvb = triton.cdiv(h * sk, block_r), triton.cdiv(sk, block_s)
+    if k_mx.numel():
+        _prep_kv_kernel[(nkb * b + nvb * b * h,)](
+            k, _rotation_operand(d, block_d, k.device), k_mx, v, vt, h, sk, sp, d, nkb, nkb * b, nvb,
+            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+            BLOCK_R=block_r, BLOCK_S=block_s, BLOCK_D=block_d, PARTS=_parts(k.dtype),
+            **_fmt(elem, rule, k.device), INTERP=INTERPRET, num_warps=4,
+        )  # fmt: skip
+    return k_mx, vt
+
+
+def _kv_descriptors(k_mx, vt_mx, block_n):
+    """Host TMA descriptors of the prefill's K rows [B·H·S, BLOCK_D] and Vᵀ rows [B·H·BLOCK_D, S]
+    (``_prefill_kernel``'s TMA mode), or None where the layout does not allow them."""
+    b, h, sk, bd = k_mx.shape
+    sp = vt_mx.stride(2)
+    if (
+        TensorDescriptor is None or not k_mx.is_contiguous() or vt_mx.stride(-1) != 1
+        or vt_mx.stride(1) != bd * sp or vt_mx.stride(0) != h * bd * sp or sp % 8
+        or k_mx.data_ptr() % 16 or vt_mx.data_ptr() % 16
+    ):  # fmt: skip
+        return None
+    kd = TensorDescriptor(k_mx, [b * h * sk, bd], [bd, 1], [block_n, bd])
+    vd = TensorDescriptor(vt_mx, [b * h * bd, sk], [sp, 1], [bd, block_n])
+    return kd, vd
 
 
 def _mask_args(attention_mask, b, hq, sq, sk):
@@ -499,14 +616,17 @@ def mx_attention_prefill(
     k_rotated: bool = False,
     exact: bool = True,
     out: torch.Tensor | None = None,
-    tile: tuple[int, int, int, int] | None = None,
+    tile: tuple[int, ...] | None = None,
+    tma: bool = True,
 ) -> torch.Tensor:
     """The Triton prefill path of ``mx_attention_reference`` (same arguments, same result).
 
     ``out``: optional output [B, Hq, Sq, D] (any strides with a unit last stride; HF wants a
     [B, Sq, Hq, D] tensor seen through a transpose). ``exact=False``: a bf16 P for P·V.
     ``qk_rotation``/``k_rotated``: as in the reference (Q rotated in the kernel, K by
-    ``rotate_qk_rows`` fused with its MX rounding).
+    ``rotate_qk_rows`` fused with its MX rounding). ``tma=False``: K and Vᵀ tiles by pointer
+    loads instead of the TMA copy engine (same result; for A/B measurements). ``tile``:
+    (BLOCK_M, BLOCK_N, warps, stages[, maxnreg]) instead of the per-device default.
     """
     elem, rule = as_elem_format(elem), as_scale_rule(rule)
     if rule is ScaleRule.MSE:
@@ -522,19 +642,23 @@ def mx_attention_prefill(
     rot, qparts = q, 0  # the Q rotation runs inside the kernel, K's fused with its rounding
     if qk_rotation:
         rot, qparts, scale = _rotation_operand(d, bd, q.device), _parts(q.dtype), scale / hadamard_block(d)
-    if qk_rotation and not k_rotated:
-        k_mx = rotate_qk_rows(k, round_to=(elem, rule), block_d=bd)
+    if qk_rotation and not k_rotated and k.shape == v.shape:  # one launch for both operands
+        k_mx, vt_mx = _prep_kv(k, v, elem, rule, bd)
     else:
-        k_mx = _round_k(k, elem, rule, bd)
-    vt_mx = _round_vt(v, elem, rule, bd)
+        if qk_rotation and not k_rotated:
+            k_mx = rotate_qk_rows(k, round_to=(elem, rule), block_d=bd)
+        else:
+            k_mx = _round_k(k, elem, rule, bd)
+        vt_mx = _round_vt(v, elem, rule, bd)
     if out.stride(-1) != 1:
         raise ValueError("out needs a unit stride along head_dim")
     mask, ms, mask_bool = _mask_args(attention_mask, b, hq, sq, sk)
-    block_m, block_n, warps, stages = tile or _prefill_tile(bd, q.device)
+    block_m, block_n, warps, stages, *maxnreg = tile or _prefill_tile(bd, q.device)
     grid = (triton.cdiv(sq, block_m), b * hq)
+    descs = _kv_descriptors(k_mx, vt_mx, block_n) if tma and sk else None
     if b * hq and sq:
         _prefill_kernel[grid](
-            q, k_mx, vt_mx, out, mask if mask is not None else q, rot,
+            q, *(descs or (k_mx, vt_mx)), out, mask if mask is not None else q, rot,
             q.stride(0), q.stride(1), q.stride(2), q.stride(3),
             k_mx.stride(0), k_mx.stride(1), k_mx.stride(2),
             vt_mx.stride(0), vt_mx.stride(1), vt_mx.stride(2),
@@ -544,7 +668,8 @@ def mx_attention_prefill(
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=bd,
             CAUSAL=causal, HAS_MASK=mask is not None, MASK_BOOL=mask_bool, PV_SPLIT=exact,
             **_fmt(elem, rule, q.device), INTERP=INTERPRET,
-            QPARTS=qparts, num_warps=warps, num_stages=stages,
+            QPARTS=qparts, TMA=descs is not None, num_warps=warps, num_stages=stages,
+            **({"maxnreg": maxnreg[0]} if maxnreg and maxnreg[0] else {}),
         )  # fmt: skip
     return out
 

@@ -6,6 +6,7 @@
     python -m mxq.kernels.sass_dev --kernel decode_f8 [--tile 16x128x4] [--split-k 4] [--quant-x] [--stages 2]
     python -m mxq.kernels.sass_dev --kernel decode_ws [--split-k 4] [--stages 2] [--maxnreg 128]
     python -m mxq.kernels.sass_dev --kernel attn_ws [--stages 4] [--head-dim 128] [--maxnreg 128]
+    python -m mxq.kernels.sass_dev --kernel attn_prefill [--tile 64x64] [--warps 4] [--stages 3] [--pointer-x]
 
 Compiles a kernel for sm_90 on the CPU machine — Triton's compiler, ptxas and ``cuobjdump`` need
 no GPU — and prints the registers per thread and, for the main loop (the first backward branch),
@@ -16,7 +17,8 @@ and also the wgmma register hazards in its loop (``wgmma_register_hazards``): re
 wgmma's left operand written while that wgmma may still be in flight. ``decode_f8``: the fp8
 tensor-core decode GEMM (``gemm_decode._mx_decode_f8_kernel``; tile = BLOCK_M x BLOCK_N x blocks per step). ``decode_ws``: its
 warp-specialized Gluon version (``gemm_decode_ws``). ``attn_ws``: the warp-specialized attention
-decode kernel (``attention_decode_ws``, E4M3 cache, 4 query heads per kv head). ``--ptxas`` makes Triton use that ptxas
+decode kernel (``attention_decode_ws``, E4M3 cache, 4 query heads per kv head). ``attn_prefill``:
+the exact prefill kernel (``attention._prefill_kernel``, K/Vᵀ by TMA, or by pointers with --pointer-x). ``--ptxas`` makes Triton use that ptxas
 (default: Triton's choice, which mxq points at a ptxas >= 13.3 where one is installed). Integer arguments are marked
 divisible by 16 the way the launcher specializes them at the benchmark shapes (without it the
 compiler cannot prove 16-byte alignment and the code differs from what runs). DIR gets the
@@ -252,6 +254,23 @@ def wgmma_register_hazards(sass: str) -> list[tuple[str, str, str]]:
 def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
+def compile_prefill_attn(block_m=64, block_n=64, warps=4, stages=3, d=128, tma=True, exact=True, causal=False):
+    """``attention._prefill_kernel`` for sm_90 as ``mx_attention_prefill`` launches it (bf16 Q,
+    E4M3 RCEIL, Q/K rotation on, no mask): K and Vᵀ by TMA descriptors or pointer loads."""
+    fn = A._prefill_kernel
+    cons = dict(
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=d, CAUSAL=causal, HAS_MASK=False, MASK_BOOL=False,
+        PV_SPLIT=exact, EMAX=E4M3.emax, MBITS=E4M3.mbits, MAXN=E4M3.max_normal, EMIN=1 - E4M3.bias,
+        RULE=_RULE_ID[ScaleRule.RCEIL], HW_CVT=True, FP8=tl.float8e4nv, INTERP=False, QPARTS=1, TMA=tma,
+        stride_qd=1,
+    )  # fmt: skip
+    ptrs = {
+        "Q": "*bf16", "Out": "*bf16", "M": "*bf16", "ROT": "*bf16", "qk_scale": "fp32",
+        "K": f"tensordesc<bf16[{block_n}, {d}]>" if tma else "*bf16",
+        "VT": f"tensordesc<bf16[{d}, {block_n}]>" if tma else "*bf16",
+    }  # fmt: skip
+    return _compile_sm90(fn, cons, ptrs, warps, stages, not_div16={"Hq", "GROUP", "Sq", "Sk", "D"})
+
 
 def main_loop_histogram(sass: str) -> tuple[int, collections.Counter]:
     """Instruction count and opcode histogram between the first backward branch and its target."""
@@ -261,7 +280,7 @@ def main_loop_histogram(sass: str) -> tuple[int, collections.Counter]:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernel", choices=("decode", "gemm", "decode_f8", "decode_ws", "prefill_ws", "attn_ws"), default="decode")
+    ap.add_argument("--kernel", choices=("decode", "gemm", "decode_f8", "decode_ws", "prefill_ws", "attn_ws", "attn_prefill"), default="decode")
     ap.add_argument("--block-n", type=int, default=64, help="decode: keys per tile")
     ap.add_argument("--head-dim", type=int, default=128, help="attn_ws: head_dim (64 or 128)")
     ap.add_argument("--tile", default="256x128x64", help="gemm: BLOCK_M x BLOCK_N x BLOCK_K")
@@ -290,6 +309,10 @@ def main():
     elif args.kernel == "attn_ws":
         k = compile_decode_attn_ws(stages=args.stages if args.stages != 3 else 4, d=args.head_dim, maxnreg=args.maxnreg or 128)
         unit = "64-key tile (the first backward branch may be the loader warp's loop)"
+    elif args.kernel == "attn_prefill":
+        bm, bn = (int(v) for v in args.tile.split("x")[:2]) if args.tile != "256x128x64" else (64, 64)
+        k = compile_prefill_attn(bm, bn, args.warps or 4, args.stages, args.head_dim, tma=not args.pointer_x)
+        unit = f"{bn}-key tile"
     elif args.kernel == "prefill_ws":
         k = compile_prefill_ws(stages=args.stages if args.stages != 3 else 4, maxnreg=args.maxnreg or 128)
         unit = "64-wide K step (the first backward branch may be a worker's loop)"

@@ -176,6 +176,11 @@ def test_prefill_kernel_equals_reference(case):
     assert _rel(fast, want) < 1e-2
     got = mx_attention_prefill(q, k, v, causal=causal, qk_rotation=True)
     assert _rel(got, _independent(q, k, v, causal=causal, rotate=True)) < 3e-5
+    # K and Vᵀ tiles by TMA descriptors (default) or by pointer loads: the same values
+    from mxq.kernels.attention import _kv_descriptors, _round_k, _round_vt
+
+    assert _kv_descriptors(_round_k(k, E4M3, ScaleRule.RCEIL, 64), _round_vt(v, E4M3, ScaleRule.RCEIL, 64), 32)
+    assert torch.equal(mx_attention_prefill(q, k, v, causal=causal, qk_rotation=True, tma=False), got)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -191,6 +196,20 @@ def test_round_vt_kernel_equals_format_core(dtype, s, d, bd):
     want = dequantize_mx(quantize_mx(v.float(), -2)).transpose(-1, -2)
     assert torch.equal(got[:, :, :d].float(), want)
     assert not got[:, :, d:].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("s,d,bd", [(45, 40, 64), (100, 128, 128), (7, 80, 128)])
+def test_prep_kv_one_launch_equals_separate_kernels(dtype, s, d, bd):
+    """The prefill's fused K/V pre-pass: bit-equal to the K rotate+round and the Vᵀ rounding run
+    apart (each checked against the format core above / in test_rotate_kernel_equals_float64)."""
+    from mxq.kernels.attention import _prep_kv, _round_vt, rotate_qk_rows
+
+    k, v = ((torch.randn(2, s, 3, d) * torch.logspace(-2, 2, d)).to(dtype).transpose(1, 2) for _ in range(2))
+    k_mx, vt = _prep_kv(k, v, E5M2, ScaleRule.FLOOR, bd)
+    assert torch.equal(k_mx, rotate_qk_rows(k, round_to=(E5M2, ScaleRule.FLOOR), block_d=bd))
+    want = _round_vt(v, E5M2, ScaleRule.FLOOR, bd)
+    assert vt.shape == want.shape == (2, 3, bd, s) and torch.equal(vt, want)
 
 
 @pytest.mark.parametrize("elem,rule", [(E4M3, ScaleRule.RCEIL), (E5M2, ScaleRule.FLOOR), (E4M3, ScaleRule.EVEN)])
@@ -565,6 +584,22 @@ def test_gpu_prefill(causal, d):
     got = mx_attention_prefill(q, k, v, attention_mask=mask)
     want = mx_attention_reference(q.float(), k.float(), v.float(), attention_mask=mask)
     assert _rel(got, want) < 5e-3
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [None, (128, 64, 8, 2), (128, 128, 8, 2), (64, 32, 4, 3)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_prefill_exact_fp32_out(causal, tile):
+    """float32 output: the exact path is fp32-class against the reference (no bf16 output rounding
+    to hide behind), with K/Vᵀ by TMA and by pointer loads, at an odd length (1000 % 8 = 0, 999 not)."""
+    for s in (1000, 999):
+        q, k, v = _qkv(2, 8, 2, s, s, 128, torch.bfloat16, "cuda")
+        want = mx_attention_reference(q.float(), k.float(), v.float(), causal=causal, qk_rotation=True)
+        for tma in (True, False):
+            out = torch.empty(2, 8, s, 128, device="cuda")
+            got = mx_attention_prefill(q, k, v, causal=causal, qk_rotation=True, out=out, tile=tile, tma=tma)
+            assert _rel(got, want) < 3e-5, (s, tma)
 
 
 @gpu
