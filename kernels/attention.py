@@ -19,9 +19,10 @@ How the Hopper kernels stay exact (sm_90 has no block-scaled MMA; docs/ANCHORS.m
   block); V is rounded along the keys by quantizing rows of Vᵀ, so it is stored transposed.
   Products of two bf16-exact operands are exact in the fp32 accumulator.
 - the softmax runs in fp32. P is fp32; a single bf16 copy of P would add a 2**-9 relative
-  error per weight, so P·V is computed as P_hi·V + P_lo·V with P_hi = bf16(P),
-  P_lo = bf16(P - P_hi) (``PV_SPLIT``): ~2**-17 relative, i.e. fp32-class. ``exact=False``
-  drops the second product (FlashAttention's usual bf16 P) for speed.
+  error per weight, so P·V is computed as P_hi·V + P_lo·V with P_hi = P's top 16 bits (exact
+  in bf16, no conversion), P_lo = bf16(P - P_hi) (``PV_SPLIT``): < 2**-16 relative, i.e.
+  fp32-class. ``exact=False`` uses one bf16(P) product (FlashAttention's usual bf16 P) for speed.
+  K and Vᵀ tiles come by TMA (host descriptors) where the layout allows it.
 - the decode kernel reads the cache as it is stored: fp8 elements + E8M0 bytes, 1 + 1/32
   bytes per element, dequantizes in registers (exact in bf16, as above), splits the context
   over programs (split-KV), and a second kernel merges the partial softmaxes.
