@@ -535,14 +535,21 @@ def quantize_vt_pages(
     return qd.view(elem.torch_dtype), qs
 
 
+def _vt_buffer(b, h, block_d, sk, device):
+    """An uninitialized bf16 Vᵀ [b, h, block_d, sk]: a view of rows padded to a multiple of 8 keys
+    (16 bytes: what a TMA descriptor needs; the padding is ``vt.stride(2)``)."""
+    sp = -(-sk // 8) * 8
+    return torch.empty((b, h, block_d, sp), dtype=torch.bfloat16, device=device)[..., :sk]
+
+
 def _round_vt(v, elem, rule, block_d):
     """V [B, H, S, D] -> Vᵀ MX-rounded along the keys, bf16 [B, H, block_d, S] (zero rows past D),
-    a view of rows padded to a multiple of 8 keys (16 bytes: what a TMA descriptor needs)."""
+    rows padded as ``_vt_buffer``'s."""
     if v.stride(-1) != 1:
         v = v.contiguous()
     b, h, sk, d = v.shape
-    sp = -(-sk // 8) * 8
-    vt = torch.empty((b, h, block_d, sp), dtype=torch.bfloat16, device=v.device)[..., :sk]
+    vt = _vt_buffer(b, h, block_d, sk, v.device)
+    sp = vt.stride(2)
     block_s = 64
     if vt.numel():
         _round_vt_kernel[(triton.cdiv(sk, block_s), b * h)](
@@ -559,9 +566,9 @@ def _prep_kv(k, v, elem, rule, block_d):
     if v.stride(-1) != 1:
         v = v.contiguous()
     b, h, sk, d = k.shape
-    sp = -(-sk // 8) * 8
     k_mx = torch.empty((b, h, sk, block_d), dtype=torch.bfloat16, device=k.device)
-    vt = torch.empty((b, h, block_d, sp), dtype=torch.bfloat16, device=v.device)[..., :sk]
+    vt = _vt_buffer(b, h, block_d, sk, v.device)
+    sp = vt.stride(2)
     block_r = block_s = 64
     nkb, nvb = triton.cdiv(h * sk, block_r), triton.cdiv(sk, block_s)
     if k_mx.numel():
@@ -636,6 +643,8 @@ def mx_attention_prefill(
     _, hkv, sk, _ = k.shape
     if hq % hkv:
         raise ValueError(f"{hq} query heads are not a multiple of {hkv} key/value heads")
+    if v.shape != k.shape or k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be [{b}, Hkv, Sk, {d}]")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     bd = _block_d(d)
     if out is None:
@@ -643,14 +652,10 @@ def mx_attention_prefill(
     rot, qparts = q, 0  # the Q rotation runs inside the kernel, K's fused with its rounding
     if qk_rotation:
         rot, qparts, scale = _rotation_operand(d, bd, q.device), _parts(q.dtype), scale / hadamard_block(d)
-    if qk_rotation and not k_rotated and k.shape == v.shape:  # one launch for both operands
+    if qk_rotation and not k_rotated:  # K rotated and rounded, Vᵀ rounded: one launch
         k_mx, vt_mx = _prep_kv(k, v, elem, rule, bd)
     else:
-        if qk_rotation and not k_rotated:
-            k_mx = rotate_qk_rows(k, round_to=(elem, rule), block_d=bd)
-        else:
-            k_mx = _round_k(k, elem, rule, bd)
-        vt_mx = _round_vt(v, elem, rule, bd)
+        k_mx, vt_mx = _round_k(k, elem, rule, bd), _round_vt(v, elem, rule, bd)
     if out.stride(-1) != 1:
         raise ValueError("out needs a unit stride along head_dim")
     mask, ms, mask_bool = _mask_args(attention_mask, b, hq, sq, sk)

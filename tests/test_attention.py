@@ -257,6 +257,12 @@ def test_rotate_kernel_equals_float64(dtype, d):
     assert torch.equal(rounded.float(), want)
 
 
+def test_prefill_rejects_mismatched_kv():
+    q, k, v = _qkv(1, 4, 2, 5, 7, 64)
+    with pytest.raises(ValueError, match=r"k \(1, 2, 7, 64\) and v \(1, 2, 6, 64\)"):
+        mx_attention_prefill(q, k, v[:, :, :6], qk_rotation=True)
+
+
 def test_prefill_kernel_padding_mask():
     q, k, v = _qkv(2, 4, 2, 19, 19, 64)
     mask = _padding_mask(2, 19, 19, [5, 0])
