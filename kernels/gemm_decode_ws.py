@@ -30,18 +30,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
-from mxq.formats import E4M3, ElemFormat, ScaleRule
-from mxq.kernels.gemm import (
-    _check_gemm_args,
-    _operands_and_output,
-    _sm_count,
-    _split_k_finish,
-    _split_k_plan,
-)
+from mxq.formats import E4M3, ElemFormat, ScaleRule, as_elem_format, as_scale_rule
+from mxq.kernels.gemm import _check_gemm_args, _operands_and_output, _sm_count, _split_k_finish
 from mxq.kernels.gemm_decode import split_counters
-from mxq.kernels.quantize import _capability, pdl_ok, quantize_mx_rows
+from mxq.kernels.launch import FAST, Launch, PlanCache, cdiv, descriptor, next_pow2
+from mxq.kernels.quantize import _capability, hw_cvt, pdl_ok, quantize_grid, quantize_launch
 
 try:  # Gluon: Triton >= 3.5
     from triton.experimental import gluon
@@ -273,7 +267,7 @@ def pick_decode_ws_config(m: int, n: int, k: int, device: torch.device) -> Decod
     128-byte-wide tiles. H200 sweep (kernels/NOTES.md session 8): the best split on 7 of the 8
     Llama-3 8B/70B shapes at M = 1, 4 and 16 (8B o: 4 beats 8 by 0.5 µs at M = 16)."""
     sms = _sm_count(device)
-    tiles = triton.cdiv(n, 128)
+    tiles = cdiv(n, 128)
     steps = k // 128
     split = 1
     while split < 16 and steps // (split * 2) >= 4 and tiles * split * 2 <= 2 * sms:
@@ -295,47 +289,109 @@ def mx_decode_gemm_ws(
 ) -> torch.Tensor:
     """W8A8 Y [M, N] = MX(X) · dequant(W)ᵀ (+ bias), M <= 16, on a Hopper GPU (module doc).
 
-    X (bf16/fp16/fp32) is MX-quantized along K by ``quantize_mx_rows`` (any ScaleRule), then
-    this kernel runs. Same result as ``gemm_decode.mx_decode_gemm`` up to fp32 accumulation order.
+    X (bf16/fp16/fp32) is MX-quantized along K (``quantize_mx_rows``' kernel, any ScaleRule),
+    then this kernel runs. Same result as ``gemm_decode.mx_decode_gemm`` up to fp32 accumulation
+    order. Everything that depends only on shapes, dtypes, alignment and the options is worked
+    out once per such combination (``_WSPlan``): an eager call costs two direct launches
+    (``mxq.kernels.launch``) and two allocations of host time.
     """
-    m, k = _check_gemm_args(x, weight, weight_scale, bias, block_size)
-    n = weight.shape[0]
-    if not ws_supported(m, k, block_size, x.device):
-        raise ValueError(
-            f"mx_decode_gemm_ws needs Gluon, a Hopper GPU, M <= {WS_MAX_M}, K % 128 == 0 and block 32; got M={m}, K={k}, "
-            f"block {block_size} on {x.device}"
-        )
-    x, weight, weight_scale, y, done = _operands_and_output(x, weight, weight_scale, bias, out_dtype, n)
-    if done:
-        return y
-    # unit inner strides already; TMA needs 16-byte rows, the int32 scale view 4-byte ones
-    if weight.stride(0) % 16 or weight.data_ptr() % 16:
-        weight = weight.contiguous()
-    if weight_scale.stride(0) % 4 or weight_scale.data_ptr() % 4:
-        weight_scale = weight_scale.contiguous()
-    cfg = config or pick_decode_ws_config(m, n, k, x.device)
-    block_m = max(16, triton.next_power_of_2(m))
-    split, k_split, _, ws = _split_k_plan(y, k, cfg.split_k, KB * BS)
-    tiles = triton.cdiv(n, cfg.block_n)
-    counters = split_counters(x.device, tiles) if split > 1 and cfg.fused else None
-    fused = counters is not None
-    pdl = cfg.pdl and pdl_ok(x.device)
-    xq, xs = quantize_mx_rows(x, act_elem, act_rule, block_size, pdl=pdl)  # [M, K] fp8, [M, K/32] u8 (contiguous)
-    w_gl = gl.float8e4nv if weight.dtype == torch.float8_e4m3fn else gl.float8e5
-    x_gl = gl.float8e4nv if xq.dtype == torch.float8_e4m3fn else gl.float8e5
-    w_desc = TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [cfg.block_n, cfg.box],
-                              gl.NVMMASharedLayout.get_default_for([cfg.block_n, cfg.box], w_gl))  # fmt: skip
-    x_desc = TensorDescriptor(xq, list(xq.shape), list(xq.stride()), [block_m, cfg.box],
-                              gl.NVMMASharedLayout.get_default_for([block_m, cfg.box], x_gl))  # fmt: skip
-    s32 = weight_scale.view(torch.int32)
-    xs32 = xs.view(torch.int32)
-    _mx_decode_ws_kernel[(tiles, split)](
-        w_desc, x_desc, s32, xs32, bias if bias is not None else s32, y, ws, counters if fused else s32,
-        m, n, k, k_split, s32.stride(0), xs32.stride(0), n,
-        BLOCK_N=cfg.block_n, BLOCK_M=block_m, STAGES=cfg.stages, SPLIT=split, FUSED=fused,
-        HAS_BIAS=bias is not None, LOADER_REGS=cfg.loader_regs, num_warps=4, maxnreg=cfg.maxnreg, BOX=cfg.box,
-        launch_pdl=pdl,
+    key = (
+        x.shape, x.stride(), x.dtype, x.data_ptr() & 15, x.get_device(),
+        weight.shape, weight.stride(), weight.dtype, weight.data_ptr() & 15,
+        weight_scale.shape, weight_scale.stride(), weight_scale.dtype, weight_scale.data_ptr() & 15,
+        None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.data_ptr() & 15),
+        getattr(act_elem, "name", act_elem), act_rule, out_dtype, config, block_size, pdl_ok(x.device),
+        hw_cvt(x.device),
     )  # fmt: skip
-    if split > 1 and not fused:
-        _split_k_finish(ws, y, bias, split)
-    return y
+    plan = _PLANS.get(key) if FAST else None
+    if plan is None:
+        plan = _WSPlan(x, weight, weight_scale, bias, act_elem, act_rule, out_dtype, config, block_size)
+        if FAST:
+            _PLANS.put(key, plan)
+    return plan(x, weight, weight_scale, bias)
+
+
+_PLANS = PlanCache()
+
+
+class _WSPlan:
+    """One ``mx_decode_gemm_ws`` call signature: checks, tiles, split, descriptors' block shapes
+    and layouts, the quantizer's and the GEMM's launches. Holds no tensor (plans outlive models)."""
+
+    def __init__(self, x, weight, weight_scale, bias, act_elem, act_rule, out_dtype, config, block_size):
+        m, k = _check_gemm_args(x, weight, weight_scale, bias, block_size)
+        n = weight.shape[0]
+        if not ws_supported(m, k, block_size, x.device):
+            raise ValueError(
+                f"mx_decode_gemm_ws needs Gluon, a Hopper GPU, M <= {WS_MAX_M}, K % 128 == 0 and block 32; got M={m}, K={k}, "
+                f"block {block_size} on {x.device}"
+            )
+        act_elem, act_rule = as_elem_format(act_elem), as_scale_rule(act_rule)
+        self.m, self.n, self.k = m, n, k
+        self.out_dtype = out_dtype or x.dtype
+        self.trivial = not (n and k)  # the output is empty, zeros or the bias
+        if self.trivial:
+            return
+        # unit inner strides; TMA needs 16-byte rows, the int32 scale view 4-byte ones
+        self.copy_x = x.stride(1) != 1
+        self.copy_w = weight.stride(1) != 1 or weight.stride(0) % 16 or weight.data_ptr() % 16
+        self.copy_s = weight_scale.stride(1) != 1 or weight_scale.stride(0) % 4 or weight_scale.data_ptr() % 4
+        cfg = config or pick_decode_ws_config(m, n, k, x.device)
+        block_m = max(16, next_pow2(m))
+        split = max(1, min(cfg.split_k, cdiv(k, KB * BS)))
+        self.k_split = cdiv(cdiv(k, split), KB * BS) * KB * BS
+        self.split = split = cdiv(k, self.k_split)
+        self.tiles = cdiv(n, cfg.block_n)
+        self.want_fused = split > 1 and cfg.fused
+        self.pdl = pdl = cfg.pdl and pdl_ok(x.device)
+        self.w_gl = gl.float8e4nv if weight.dtype == torch.float8_e4m3fn else gl.float8e5
+        self.x_dtype = act_elem.torch_dtype
+        x_gl = gl.float8e4nv if self.x_dtype == torch.float8_e4m3fn else gl.float8e5
+        self.w_block = [cfg.block_n, cfg.box]
+        self.w_layout = gl.NVMMASharedLayout.get_default_for(self.w_block, self.w_gl)
+        self.x_block = [block_m, cfg.box]
+        self.x_layout = gl.NVMMASharedLayout.get_default_for(self.x_block, x_gl)
+        # scratch: fp8 X [M, K], its scales [M, K/32] (both 16-byte aligned), fp32 split partials
+        self.xs_off = m * k
+        self.ws_off = cdiv(m * k + m * (k // BS), 16) * 16
+        self.scratch = self.ws_off + (4 * split * m * n if split > 1 else 0)
+        self.quantize = quantize_launch(act_elem, act_rule, block_size, write_q=True, write_d=False,
+                                        pdl=pdl, device=x.device)  # fmt: skip
+        self.qgrid = quantize_grid(m, k, act_rule, block_size)
+        consts = dict(BLOCK_N=cfg.block_n, BLOCK_M=block_m, STAGES=cfg.stages, SPLIT=split, HAS_BIAS=bias is not None,
+                      LOADER_REGS=cfg.loader_regs, BOX=cfg.box)  # fmt: skip
+        opts = dict(num_warps=4, maxnreg=cfg.maxnreg, launch_pdl=pdl)
+        self.gemm = {f: Launch(_mx_decode_ws_kernel, dict(consts, FUSED=f), opts) for f in (False, True)}
+        self.has_bias = bias is not None
+
+    def __call__(self, x, weight, weight_scale, bias):
+        m, n, k = self.m, self.n, self.k
+        if self.trivial:
+            return _operands_and_output(x, weight, weight_scale, bias, self.out_dtype, n)[3]
+        if self.copy_x:
+            x = x.contiguous()
+        if self.copy_w:
+            weight = weight.contiguous()
+        if self.copy_s:
+            weight_scale = weight_scale.contiguous()
+        dev = x.device
+        buf = torch.empty(self.scratch, dtype=torch.uint8, device=dev)
+        xq = buf[: self.xs_off].view(m, k)
+        xs = buf[self.xs_off : self.xs_off + m * (k // BS)].view(m, k // BS)
+        ws = buf[self.ws_off :].view(torch.float32).view(self.split, m, n) if self.split > 1 else None
+        y = torch.empty((m, n), dtype=self.out_dtype, device=dev)
+        self.quantize(self.qgrid, x, xq, xs, x, m, k, k, k // BS, x.stride(0), k, k // BS, 0)
+        counters = split_counters(dev, self.tiles) if self.want_fused else None
+        fused = counters is not None
+        w_desc = descriptor(TensorDescriptor, weight, [n, k], [weight.stride(0), 1], self.w_block, self.w_layout)
+        x_desc = descriptor(TensorDescriptor, xq.view(self.x_dtype), [m, k], [k, 1], self.x_block, self.x_layout)
+        s32 = weight_scale.view(torch.int32)
+        xs32 = xs.view(torch.int32)
+        self.gemm[fused](
+            (self.tiles, self.split), w_desc, x_desc, s32, xs32, bias if self.has_bias else s32, y,
+            ws if ws is not None else y, counters if fused else s32,
+            m, n, k, self.k_split, s32.stride(0), xs32.stride(0), n,
+        )  # fmt: skip
+        if self.split > 1 and not fused:
+            _split_k_finish(ws, y, bias, self.split)
+        return y

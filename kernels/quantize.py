@@ -33,6 +33,7 @@ from mxq.formats import (
     as_elem_format,
     as_scale_rule,
 )
+from mxq.kernels.launch import Launch, PlanCache, cdiv, int_classes
 
 _SCALE_BIAS = tl.constexpr(E8M0_BIAS)
 _SCALE_NAN = tl.constexpr(E8M0_NAN)
@@ -274,29 +275,56 @@ def fp8_dtype(elem: ElemFormat):
     return tl.float8e4nv if elem.mbits == 3 else tl.float8e5
 
 
-def _launch(x2, elem: ElemFormat, rule: ScaleRule, block_size: int, q, s, d, tile=None, pdl=False):
-    m, k = x2.shape
+def quantize_tile(rule: ScaleRule, block_size: int, tile=None) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_K, warps) of ``_quantize_rows_kernel``; H200 sweep defaults."""
     if block_size & (block_size - 1) or not 16 <= block_size <= 128:
         raise ValueError(f"block_size must be a power of two in [16, 128], got {block_size}")
-    block_m, block_k, warps = tile or ((8, 128, 4) if rule is ScaleRule.MSE else (8, 512, 4))  # H200 sweep
-    block_k = max(block_k, block_size)
-    nblk = triton.cdiv(k, block_size)
-    kp = nblk * block_size
-    grid = (triton.cdiv(m, block_m), triton.cdiv(kp, block_k))
-    dummy = x2
-    _quantize_rows_kernel[grid](
-        x2, q if q is not None else dummy, s if s is not None else dummy,
-        d if d is not None else dummy,
-        m, k, kp, nblk,
-        x2.stride(0), q.stride(0) if q is not None else 0, s.stride(0) if s is not None else 0,
-        d.stride(0) if d is not None else 0,
+    block_m, block_k, warps = tile or ((8, 128, 4) if rule is ScaleRule.MSE else (8, 512, 4))
+    return block_m, max(block_k, block_size), warps
+
+
+def quantize_grid(m: int, k: int, rule: ScaleRule, block_size: int, tile=None) -> tuple[int, int]:
+    block_m, block_k, _ = quantize_tile(rule, block_size, tile)
+    return cdiv(m, block_m), cdiv(cdiv(k, block_size) * block_size, block_k)
+
+
+def quantize_launch(
+    elem: ElemFormat, rule: ScaleRule, block_size: int, *, write_q: bool, write_d: bool, pdl: bool,
+    device: torch.device, tile=None,
+) -> Launch:  # fmt: skip
+    """``_quantize_rows_kernel``'s launch for these options. Runtime arguments: x, q, s, d,
+    M, K, KP (K padded to blocks), NBLK, and the row strides of x, q, s, d."""
+    block_m, block_k, warps = quantize_tile(rule, block_size, tile)
+    consts = dict(
         BLOCK_M=block_m, BLOCK_K=block_k, BS=block_size,
         EMAX=elem.emax, MBITS=elem.mbits, MAXN=elem.max_normal, NAN_BYTE=elem.nan_byte,
         EMIN=1 - elem.bias, EBIAS=elem.bias, RULE=_RULE_ID[rule],
-        WRITE_Q=q is not None, WRITE_D=d is not None,
-        HW_CVT=hw_cvt(x2.device), FP8=fp8_dtype(elem), PDL=pdl and pdl_ok(x2.device),
-        num_warps=warps,
+        WRITE_Q=write_q, WRITE_D=write_d, HW_CVT=hw_cvt(device), FP8=fp8_dtype(elem), PDL=pdl and pdl_ok(device),
     )  # fmt: skip
+    return Launch(_quantize_rows_kernel, consts, dict(num_warps=warps))
+
+
+_LAUNCHES = PlanCache()
+
+
+def _launch(x2, elem: ElemFormat, rule: ScaleRule, block_size: int, q, s, d, tile=None, pdl=False):
+    m, k = x2.shape
+    nblk = cdiv(k, block_size)
+    kp = nblk * block_size
+    dummy = x2
+    q_, s_, d_ = (t if t is not None else dummy for t in (q, s, d))
+    ints = (m, k, kp, nblk, x2.stride(0), q.stride(0) if q is not None else 0,
+            s.stride(0) if s is not None else 0, d.stride(0) if d is not None else 0)  # fmt: skip
+    key = (
+        elem.name, rule, block_size, tile, pdl, hw_cvt(x2.device), pdl_ok(x2.device), x2.get_device(),
+        x2.dtype, q is None, s is None, d_.dtype, *(t.data_ptr() & 15 for t in (x2, q_, s_, d_)), int_classes(*ints),
+    )  # fmt: skip
+    launch = _LAUNCHES.get(key)
+    if launch is None:
+        launch = quantize_launch(elem, rule, block_size, write_q=q is not None, write_d=d is not None, pdl=pdl,
+                                 device=x2.device, tile=tile)  # fmt: skip
+        _LAUNCHES.put(key, launch)
+    launch(quantize_grid(m, k, rule, block_size, tile), x2, q_, s_, d_, *ints)
 
 
 def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -328,11 +356,14 @@ def quantize_mx_rows(
     elem, rule = as_elem_format(elem), as_scale_rule(rule)
     x2 = _rows(x, "quantize_mx_rows")
     m, k = x2.shape
-    nblk = triton.cdiv(k, block_size)
-    q = torch.empty((m, nblk * block_size), dtype=torch.uint8, device=x.device)
-    s = torch.empty((m, nblk), dtype=torch.uint8, device=x.device)
+    nblk = cdiv(k, block_size)
+    kp = nblk * block_size
+    buf = torch.empty(m * kp + m * nblk, dtype=torch.uint8, device=x.device)  # one allocation: data, then scales
+    q, s = buf[: m * kp].view(m, kp), buf[m * kp :].view(m, nblk)
     if m:
         _launch(x2, elem, rule, block_size, q, s, None, tile, pdl=pdl)
+    if x.dim() == 2:
+        return q.view(elem.torch_dtype), s
     lead = tuple(x.shape[:-1])
     return q.view(elem.torch_dtype).reshape(*lead, -1), s.reshape(*lead, nblk)
 

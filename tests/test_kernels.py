@@ -665,6 +665,46 @@ def test_decode_ws_rejects_what_it_cannot_take():
         WS.mx_decode_gemm_ws(torch.zeros(4, 96, device=DEV), w2, ws2)
 
 
+@pytest.mark.parametrize("m,n,k,split", [(3, 300, 256, 1), (16, 1000, 4224, 4), (1, 130, 256, 2)])
+def test_decode_ws_plan_arguments(monkeypatch, m, n, k, split):
+    """The per-shape plan of mx_decode_gemm_ws (runs on the CPU with the Gluon launch recorded):
+    X quantized into the plan's one scratch buffer equals the reference bytes, the descriptors
+    cover W [N, K] and X [M, K] with the config's boxes, the split partials are [split, M, N]
+    fp32 in the same buffer, and a second call reuses the plan."""
+    monkeypatch.setattr(WS, "ws_supported", lambda *a: True)
+    monkeypatch.setattr(WS, "pdl_ok", lambda d: False)
+    monkeypatch.setattr(WS, "_PLANS", WS.PlanCache())
+    monkeypatch.setattr(WS, "FAST", True)
+    calls = []
+
+    class Recorder:
+        def __init__(self, fn, consts, opts):
+            self.consts = consts
+
+        def __call__(self, grid, *args):
+            calls.append((grid, args, self.consts))
+
+    monkeypatch.setattr(WS, "Launch", Recorder)
+    gen = torch.Generator().manual_seed(m + n + k)
+    w, ws, _ = _weight(n, k, E4M3, gen)
+    w, ws = w.cpu(), ws.cpu()
+    x = _activations(m, k, torch.bfloat16, gen, special=True).cpu()
+    cfg = WS.DecodeWSConfig(split_k=split)
+    for _ in range(2):
+        y = WS.mx_decode_gemm_ws(x, w, ws, None, act_elem=E4M3, config=cfg, out_dtype=torch.float32)
+    assert len(WS._PLANS) == 1 and len(calls) == 2 and y.shape == (m, n) and y.dtype == torch.float32
+    grid, args, consts = calls[-1]
+    w_desc, x_desc, s32, xs32, _, y_arg, ws_arg, _ = args[:8]
+    assert grid == (-(-n // 128), split) and consts["SPLIT"] == split and consts["FUSED"] == (split > 1)
+    assert w_desc.base is w and w_desc.shape == [n, k] and w_desc.block_shape == [128, 128]
+    assert x_desc.shape == [m, k] and x_desc.block_shape == [max(16, 1 << (m - 1).bit_length()), 128]
+    ref = quantize_mx(x, -1, E4M3, 32, ScaleRule.RCEIL)
+    assert torch.equal(x_desc.base.view(torch.uint8), ref.data.view(torch.uint8))
+    assert torch.equal(xs32.view(torch.uint8), ref.scales) and torch.equal(s32.view(torch.uint8), ws)
+    assert y_arg is y and (ws_arg is y if split == 1 else ws_arg.shape == (split, m, n))
+    assert args[8:12] == (m, n, k, -(-k // (128 * split)) * 128)
+
+
 @hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", [(1, 1000, 640), (3, 257, 4224), (16, 6144, 4096), (9, 14336, 4096), (13, 130, 128)])

@@ -1,0 +1,142 @@
+"""Repeat launches of a compiled Triton or Gluon kernel without the JIT's per-call work.
+
+An eager decode step launches a few kernels per layer on tiny grids, so host time, not GPU
+time, sets its speed. On the H100 machine's CPU (session 13, ``kernels/NOTES.md``)
+``fn[grid](...)`` costs ~21 µs: argument binding and specialization (~4 µs), cache-key hashing,
+device and stream queries, launch metadata for the hooks, and the launcher itself (~6 µs).
+
+``Launch`` is one call site's launch with everything Triton specializes on held fixed: the
+constexprs and compile options it is built with, and -- the caller's duty -- the dtypes and
+16-byte alignment of its tensors, the ``== 1`` / ``% 16`` classes of its integers and the
+descriptors' block shapes and layouts, which callers fold into the *plan key* under which they
+keep the ``Launch``. The first call goes through the JIT (compiling if needed) and keeps the
+compiled kernel; later calls hand the arguments straight to its launcher.
+
+``MXQ_LAUNCH_CHECK=1`` makes every direct launch also run Triton's binder and raise if it would
+have chosen another compiled kernel (the GPU tests run with it). ``MXQ_FAST_LAUNCH=0`` sends every
+call through the JIT. The interpreter (``TRITON_INTERPRET=1``) always takes the JIT path.
+"""
+
+from __future__ import annotations
+
+import os
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+FAST = os.environ.get("MXQ_FAST_LAUNCH", "1") != "0" and not INTERPRET
+CHECK = os.environ.get("MXQ_LAUNCH_CHECK", "0") == "1"
+
+try:
+    from triton import knobs as _knobs
+    from triton.runtime import driver as _driver
+    from triton.runtime.jit import compute_cache_key as _cache_key
+except ImportError:  # pragma: no cover - no triton: the dispatch never builds a Launch
+    _knobs = _driver = _cache_key = None
+
+
+def cdiv(a: int, b: int) -> int:
+    """Host-side ceil(a / b) (``triton.cdiv`` is a constexpr function: ~2 µs a call on the host)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """Host-side ``triton.next_power_of_2``."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def int_classes(*vals: int) -> tuple[int, ...]:
+    """What Triton specializes integer arguments on, one small int each: 1 (== 1), 16 (divisible
+    by 16), 0 (neither); plus 64 where the value does not fit in 32 bits."""
+    return tuple(
+        (1 if v == 1 else 16 if v % 16 == 0 else 0) + (0 if -(2**31) <= v < 2**31 else 64) for v in vals
+    )
+
+
+def descriptor(cls, base, shape: list, strides: list, block_shape: list, layout=None):
+    """A host TMA descriptor; past the JIT (``FAST``, not ``CHECK``) built without the dataclass's
+    checks (~4 µs), which the plan that calls this has made once for these shapes and strides."""
+    if not FAST or CHECK:
+        return cls(base, shape, strides, block_shape, layout) if layout is not None else cls(
+            base, shape, strides, block_shape
+        )
+    d = object.__new__(cls)
+    d.base, d.shape, d.strides, d.block_shape, d.padding = base, shape, strides, block_shape, "zero"
+    if layout is not None:
+        d.layout = layout
+    return d
+
+
+def _hooks_attached() -> bool:
+    rt = _knobs.runtime
+    return bool(getattr(rt.launch_enter_hook, "calls", rt.launch_enter_hook)) or bool(
+        getattr(rt.launch_exit_hook, "calls", rt.launch_exit_hook)
+    )
+
+
+class Launch:
+    """``fn[grid](*args, **consts, **options)`` for one plan; see the module docstring.
+
+    ``args`` are the kernel's runtime parameters in order, passed positionally; ``consts`` the
+    constexpr parameters by name; ``options`` the compile options (``num_warps``, ``maxnreg``,
+    ``launch_pdl``, ...). The runtime parameters must all come before the constexpr ones in the
+    kernel's signature.
+    """
+
+    __slots__ = ("fn", "consts", "options", "tail", "kernel", "nargs")
+
+    def __init__(self, fn, consts: dict, options: dict | None = None):
+        self.fn = fn
+        self.consts = consts
+        self.options = options or {}
+        names = fn.arg_names
+        self.nargs = len(names) - len(consts)
+        tail_names = names[self.nargs :]
+        if sorted(tail_names) != sorted(consts):
+            raise ValueError(
+                f"Launch({fn.__name__}): constexprs {sorted(consts)} must be the last parameters, "
+                f"got {tail_names}"
+            )
+        self.tail = tuple(consts[n] for n in tail_names)
+        self.kernel = None
+
+    def __call__(self, grid: tuple[int, ...], *args) -> None:
+        k = self.kernel
+        if k is None or not FAST or _hooks_attached():
+            k = self.fn[grid](*args, **self.consts, **self.options)
+            if FAST and not hasattr(k, "result"):
+                self.kernel = k
+            return
+        if CHECK:
+            self._check(args)
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        dev = _driver.active.get_current_device()
+        k.run(grid[0], g1, g2, _driver.active.get_current_stream(dev), k.function, k.packed_metadata,
+              None, None, None, *args, *self.tail)  # fmt: skip
+
+    def _check(self, args) -> None:
+        """Raise unless Triton's own binder picks the kernel this Launch holds for ``args``."""
+        dev = _driver.active.get_current_device()
+        kernel_cache, key_cache, _, _, binder = self.fn.device_caches[dev]
+        kw = dict(self.consts, **self.options)  # as JITFunction.run completes them
+        kw["debug"] = kw.get("debug", self.fn.debug) or _knobs.runtime.debug
+        kw["instrumentation_mode"] = _knobs.compilation.instrumentation_mode
+        _, spec, opts = binder(*args, **kw)
+        if kernel_cache.get(_cache_key(key_cache, spec, opts)) is not self.kernel:
+            raise RuntimeError(
+                f"Launch({self.fn.__name__}): the plan key missed a specialization (Triton would "
+                f"choose another compiled kernel for these arguments): {spec}"
+            )
+
+
+class PlanCache(dict):
+    """Plans by key, at most ``limit`` of them (cleared when full: shapes of one model are few)."""
+
+    def __init__(self, limit: int = 4096):
+        super().__init__()
+        self.limit = limit
+
+    def put(self, key, plan):
+        if len(self) >= self.limit:
+            self.clear()
+        self[key] = plan
+        return plan
