@@ -52,6 +52,7 @@ from mxq.formats import (
     as_elem_format,
     as_scale_rule,
 )
+from mxq.kernels.launch import call, next_pow2
 from mxq.kernels.quantize import (
     _RULE_ID,
     _SCALE_BIAS,
@@ -230,10 +231,11 @@ def rotate_qk_rows(
     elem, rule = round_to or (E4M3, ScaleRule.RCEIL)
     block_r = 64
     if y.numel():
-        _rotate_kernel[(triton.cdiv(h * s, block_r), b)](
-            x, _rotation_operand(d, bd, x.device), y, h, s, d, out_d, x.stride(0), x.stride(1), x.stride(2),
-            BLOCK_R=block_r, BLOCK_D=bd, PARTS=_parts(x.dtype), ROUND=round_to is not None,
-            **_fmt(elem, rule, x.device), INTERP=INTERPRET, num_warps=4,
+        call(
+            _rotate_kernel, (_cdiv(h * s, block_r), b),
+            (x, _rotation_operand(d, bd, x.device), y, h, s, d, out_d, x.stride(0), x.stride(1), x.stride(2)),
+            dict(BLOCK_R=block_r, BLOCK_D=bd, PARTS=_parts(x.dtype), ROUND=round_to is not None,
+                 **_fmt(elem, rule, x.device), INTERP=INTERPRET), num_warps=4,
         )  # fmt: skip
     return y
 
@@ -516,7 +518,7 @@ def quantize_vt_pages(
     if v.stride(-1) != 1:
         v = v.contiguous()
     b, h, sk, d = v.shape
-    npg = triton.cdiv(sk, 32)
+    npg = _cdiv(sk, 32)
     if paged:
         qd = torch.empty((b, h, npg, d, 32), dtype=torch.uint8, device=v.device)
         qs = torch.empty((b, h, npg, d), dtype=torch.uint8, device=v.device)
@@ -527,10 +529,11 @@ def quantize_vt_pages(
         strides = (d * npg * 32, npg * 32, 32, d * npg, npg, 1)
     block_s = 64
     if qd.numel():
-        _quantize_vt_kernel[(triton.cdiv(sk, block_s), b * h)](
-            v, qd, qs, h, sk, d, npg, v.stride(0), v.stride(1), v.stride(2), *strides,
-            BLOCK_S=block_s, BLOCK_D=max(16, triton.next_power_of_2(d)),
-            EBIAS=elem.bias, NAN_BYTE=elem.nan_byte, **_fmt(elem, rule, v.device), num_warps=4,
+        call(
+            _quantize_vt_kernel, (_cdiv(sk, block_s), b * h),
+            (v, qd, qs, h, sk, d, npg, v.stride(0), v.stride(1), v.stride(2), *strides),
+            dict(BLOCK_S=block_s, BLOCK_D=max(16, next_pow2(d)), EBIAS=elem.bias, NAN_BYTE=elem.nan_byte,
+                 **_fmt(elem, rule, v.device)), num_warps=4,
         )  # fmt: skip
     return qd.view(elem.torch_dtype), qs
 
@@ -570,13 +573,14 @@ def _prep_kv(k, v, elem, rule, block_d):
     vt = _vt_buffer(b, h, block_d, sk, v.device)
     sp = vt.stride(2)
     block_r = block_s = 64
-    nkb, nvb = triton.cdiv(h * sk, block_r), triton.cdiv(sk, block_s)
+    nkb, nvb = _cdiv(h * sk, block_r), _cdiv(sk, block_s)
     if k_mx.numel():
-        _prep_kv_kernel[(nkb * b + nvb * b * h,)](
-            k, _rotation_operand(d, block_d, k.device), k_mx, v, vt, h, sk, sp, d, nkb, nkb * b, nvb,
-            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-            BLOCK_R=block_r, BLOCK_S=block_s, BLOCK_D=block_d, PARTS=_parts(k.dtype),
-            **_fmt(elem, rule, k.device), INTERP=INTERPRET, num_warps=4,
+        call(
+            _prep_kv_kernel, (nkb * b + nvb * b * h,),
+            (k, _rotation_operand(d, block_d, k.device), k_mx, v, vt, h, sk, sp, d, nkb, nkb * b, nvb,
+             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2)),
+            dict(BLOCK_R=block_r, BLOCK_S=block_s, BLOCK_D=block_d, PARTS=_parts(k.dtype),
+                 **_fmt(elem, rule, k.device), INTERP=INTERPRET), num_warps=4,
         )  # fmt: skip
     return k_mx, vt
 
@@ -660,22 +664,22 @@ def mx_attention_prefill(
         raise ValueError("out needs a unit stride along head_dim")
     mask, ms, mask_bool = _mask_args(attention_mask, b, hq, sq, sk)
     block_m, block_n, warps, stages, *maxnreg = tile or _prefill_tile(bd, q.device)
-    grid = (triton.cdiv(sq, block_m), b * hq)
+    grid = (_cdiv(sq, block_m), b * hq)
     descs = _kv_descriptors(k_mx, vt_mx, block_n) if tma and sk else None
     if b * hq and sq:
-        _prefill_kernel[grid](
-            q, *(descs or (k_mx, vt_mx)), out, mask if mask is not None else q, rot,
-            q.stride(0), q.stride(1), q.stride(2), q.stride(3),
-            k_mx.stride(0), k_mx.stride(1), k_mx.stride(2),
-            vt_mx.stride(0), vt_mx.stride(1), vt_mx.stride(2),
-            out.stride(0), out.stride(1), out.stride(2),
-            *ms,
-            hq, hq // hkv, sq, sk, d, scale * LOG2E,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=bd,
-            CAUSAL=causal, HAS_MASK=mask is not None, MASK_BOOL=mask_bool, PV_SPLIT=exact,
-            **_fmt(elem, rule, q.device), INTERP=INTERPRET,
-            QPARTS=qparts, TMA=descs is not None, num_warps=warps, num_stages=stages,
-            **({"maxnreg": maxnreg[0]} if maxnreg and maxnreg[0] else {}),
+        call(
+            _prefill_kernel, grid,
+            (q, *(descs or (k_mx, vt_mx)), out, mask if mask is not None else q, rot,
+             q.stride(0), q.stride(1), q.stride(2), q.stride(3),
+             k_mx.stride(0), k_mx.stride(1), k_mx.stride(2),
+             vt_mx.stride(0), vt_mx.stride(1), vt_mx.stride(2),
+             out.stride(0), out.stride(1), out.stride(2),
+             *ms,
+             hq, hq // hkv, sq, sk, d, scale * LOG2E),
+            dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=bd,
+                 CAUSAL=causal, HAS_MASK=mask is not None, MASK_BOOL=mask_bool, PV_SPLIT=exact,
+                 **_fmt(elem, rule, q.device), INTERP=INTERPRET, QPARTS=qparts, TMA=descs is not None),
+            num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg[0]} if maxnreg and maxnreg[0] else {}),
         )  # fmt: skip
     return out
 
@@ -1297,15 +1301,16 @@ def mx_attention_decode(
         rot_nb, rot = _rotation_factored(d, bd, q.device) if qk_rotation and FACTORED_ROTATION else (0, None)
         if rot is None:
             rot = _rotation_operand(d, bd, q.device) if qk_rotation else q
-        _decode_gqa_kernel[(b * hkv, nsplit)](
-            q, k_data, k_scale, v_data, v_scale, ml, acc, mask if mask is not None else q, rot,
-            q.stride(0), q.stride(1), q.stride(3), *common, vp, vsp,
-            hkv, length, d, dp, chunk, nsplit, scale * LOG2E,
-            GROUP_C=group, GP=gp, BLOCK_N=block_n, BLOCK_D=bd, MASK_D=bd != d,
-            HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **fmt,
-            QPARTS=_parts(q.dtype) if qk_rotation else 0, QM=max(16, gp), ROT_NB=rot_nb,
-            FUSE_MERGE=fused, MERGE_CHUNK=min(16, _pow2(nsplit)), COUNT=counters if fused else ml,
-            Out=out, stride_ob=out.stride(0), stride_oh=out.stride(1),
+        call(
+            _decode_gqa_kernel, (b * hkv, nsplit),
+            (q, k_data, k_scale, v_data, v_scale, ml, acc, mask if mask is not None else q, rot,
+             q.stride(0), q.stride(1), q.stride(3), *common, vp, vsp,
+             hkv, length, d, dp, chunk, nsplit, scale * LOG2E,
+             counters if fused else ml, out, out.stride(0), out.stride(1)),  # COUNT, Out, stride_ob, stride_oh
+            dict(GROUP_C=group, GP=gp, BLOCK_N=block_n, BLOCK_D=bd, MASK_D=bd != d,
+                 HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **fmt,
+                 QPARTS=_parts(q.dtype) if qk_rotation else 0, QM=max(16, gp), ROT_NB=rot_nb,
+                 FUSE_MERGE=fused, MERGE_CHUNK=min(16, _pow2(nsplit))),
             num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg and on_gpu else {}),
         )  # fmt: skip
     else:
@@ -1318,9 +1323,9 @@ def mx_attention_decode(
             num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
     if not fused:
-        _decode_merge_kernel[(b * hq,)](
-            ml, acc, out, hq, d, nsplit, out.stride(0), out.stride(1),
-            SPLIT_PAD=_pow2(nsplit), BLOCK_D=bd, num_warps=4,
+        call(
+            _decode_merge_kernel, (b * hq,), (ml, acc, out, hq, d, nsplit, out.stride(0), out.stride(1)),
+            dict(SPLIT_PAD=_pow2(nsplit), BLOCK_D=bd), num_warps=4,
         )  # fmt: skip
     return out
 

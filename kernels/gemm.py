@@ -42,6 +42,7 @@ except ImportError:  # older triton: pointer loads only
 
 from mxq.formats import E4M3, E5M2, ElemFormat, ScaleRule
 from mxq.kernels import toolchain as _toolchain
+from mxq.kernels.launch import call, cdiv, next_pow2
 from mxq.kernels.quantize import _RULE_ID, fp8_dtype, hw_cvt, mx_round_dequant
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -506,9 +507,9 @@ def _splitk_reduce_kernel(
 def _split_k_plan(y: torch.Tensor, k: int, split_k: int, block_k: int):
     """(splits, K per split (a multiple of block_k), whether no K tile is partial, where the
     kernel writes: y itself, or float32 partials [splits, M, N] for ``_split_k_finish``)."""
-    split = max(1, min(split_k, triton.cdiv(k, block_k)))
-    k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-    split = triton.cdiv(k, k_split)
+    split = max(1, min(split_k, cdiv(k, block_k)))
+    k_split = cdiv(cdiv(k, split), block_k) * block_k
+    split = cdiv(k, k_split)
     even_k = k % block_k == 0 and k_split % block_k == 0
     target = y if split == 1 else torch.empty((split, *y.shape), dtype=torch.float32, device=y.device)
     return split, k_split, even_k, target
@@ -740,7 +741,7 @@ def pick_gemv_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig
     sms = _sm_count(device)
     cfg = GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=3)
     # H200 sweep (NOTES.md, session 2): best at 512-800 programs (8B o: split 4, gate_up: 1).
-    tiles = triton.cdiv(n, cfg.block_n)
+    tiles = cdiv(n, cfg.block_n)
     split = 1
     while tiles * split * 2 <= 6 * sms and k // (split * 2) >= 2 * cfg.block_k and split < 8:
         split *= 2
@@ -779,15 +780,15 @@ def mx_gemv(
     split, k_split, even_k, target = _split_k_plan(y, k, cfg.split_k, cfg.block_k)
     tma_w, w_arg = _tma(weight, [cfg.block_n, cfg.block_k], cfg.tma_w)
     ae = act_elem or E4M3
-    _mx_gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
-        x, w_arg, weight_scale, bias if bias is not None else weight_scale, target,
-        m, n, k, k_split,
-        x.stride(0), weight.stride(0), weight_scale.stride(0), n,
-        M_ROWS=m, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        BS=block_size, HAS_BIAS=bias is not None, SPLIT_K=min(split, 2), EVEN_K=even_k, TMA_W=tma_w,
-        QUANT=act_elem is not None, EMAX=ae.emax, MBITS=ae.mbits, MAXN=ae.max_normal,
-        EMIN=1 - ae.bias, RULE=_RULE_ID[act_rule], HW_CVT=hw_cvt(x.device), FP8=fp8_dtype(ae),
-        PREFETCH=False,  # measured slower at M=1 (H200: gate_up 35.7 -> 52.4 µs); kept as an option
+    call(
+        _mx_gemv_kernel, (cdiv(n, cfg.block_n), split),
+        (x, w_arg, weight_scale, bias if bias is not None else weight_scale, target,
+         m, n, k, k_split, x.stride(0), weight.stride(0), weight_scale.stride(0), n),
+        dict(M_ROWS=m, BLOCK_M=next_pow2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+             BS=block_size, HAS_BIAS=bias is not None, SPLIT_K=min(split, 2), EVEN_K=even_k, TMA_W=tma_w,
+             QUANT=act_elem is not None, EMAX=ae.emax, MBITS=ae.mbits, MAXN=ae.max_normal,
+             EMIN=1 - ae.bias, RULE=_RULE_ID[act_rule], HW_CVT=hw_cvt(x.device), FP8=fp8_dtype(ae),
+             PREFETCH=False),  # prefetch measured slower at M=1 (H200: gate_up 35.7 -> 52.4 µs); kept as an option
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return _split_k_finish(target, y, bias, split)
@@ -818,7 +819,7 @@ def pick_gemv_rows_config(m: int, n: int, k: int, device: torch.device) -> GemvR
         return GemvRowsConfig(block_n=16, block_k=64, vec=16, split_k=2 if k >= 128 else 1)
     sms = _sm_count(device)
     cfg = GemvRowsConfig(block_n=128, block_k=64, vec=16)
-    tiles = triton.cdiv(n, cfg.block_n)
+    tiles = cdiv(n, cfg.block_n)
     split = 1
     while tiles * split * 2 <= 4 * sms and k // (split * 2) >= 4 * cfg.block_k and split < 16:
         split *= 2
@@ -847,13 +848,13 @@ def mx_gemv_rows(
     if cfg.block_k % block_size or block_size % cfg.vec:
         raise ValueError(f"block_k={cfg.block_k} must be a multiple of block_size={block_size}, which vec={cfg.vec} must divide")
     split, k_split, even_k, target = _split_k_plan(y, k, cfg.split_k, cfg.block_k)
-    _mx_gemv_rows_kernel[(triton.cdiv(n, cfg.block_n), split)](
-        x, weight, weight_scale, bias if bias is not None else weight_scale, target,
-        m, n, k, k_split,
-        x.stride(0), weight.stride(0), weight_scale.stride(0), n,
-        ROWS=m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, VEC=cfg.vec, BS=block_size,
-        HAS_BIAS=bias is not None, SPLIT_K=min(split, 2), EVEN_K=even_k,
-        PREFETCH=cfg.prefetch and not cfg.load2d, LOAD2D=cfg.load2d,
+    call(
+        _mx_gemv_rows_kernel, (cdiv(n, cfg.block_n), split),
+        (x, weight, weight_scale, bias if bias is not None else weight_scale, target,
+         m, n, k, k_split, x.stride(0), weight.stride(0), weight_scale.stride(0), n),
+        dict(ROWS=m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, VEC=cfg.vec, BS=block_size,
+             HAS_BIAS=bias is not None, SPLIT_K=min(split, 2), EVEN_K=even_k,
+             PREFETCH=cfg.prefetch and not cfg.load2d, LOAD2D=cfg.load2d),
         num_warps=cfg.num_warps, num_stages=1,
     )  # fmt: skip
     return _split_k_finish(target, y, bias, split)

@@ -19,7 +19,10 @@ call through the JIT. The interpreter (``TRITON_INTERPRET=1``) always takes the 
 
 from __future__ import annotations
 
+import inspect
 import os
+
+from torch import Tensor as _Tensor
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 FAST = os.environ.get("MXQ_FAST_LAUNCH", "1") != "0" and not INTERPRET
@@ -75,49 +78,62 @@ def _hooks_attached() -> bool:
 class Launch:
     """``fn[grid](*args, **consts, **options)`` for one plan; see the module docstring.
 
-    ``args`` are the kernel's runtime parameters in order, passed positionally; ``consts`` the
-    constexpr parameters by name; ``options`` the compile options (``num_warps``, ``maxnreg``,
-    ``launch_pdl``, ...). The runtime parameters must all come before the constexpr ones in the
-    kernel's signature.
+    ``args`` are the kernel's runtime parameters in signature order, passed positionally;
+    ``consts`` the constexpr parameters by name; ``options`` the compile options (``num_warps``,
+    ``maxnreg``, ``launch_pdl``, ...).
     """
 
-    __slots__ = ("fn", "consts", "options", "tail", "kernel", "nargs")
+    __slots__ = ("fn", "consts", "options", "tail", "template", "slots", "kernel")
 
     def __init__(self, fn, consts: dict, options: dict | None = None):
         self.fn = fn
+        consts = dict(consts)
+        for p in getattr(fn, "params", ()):  # constexprs left at their defaults
+            if p.is_constexpr and p.name not in consts and p.default is not inspect.Parameter.empty:
+                consts[p.name] = p.default
         self.consts = consts
         self.options = options or {}
         names = fn.arg_names
-        self.nargs = len(names) - len(consts)
-        tail_names = names[self.nargs :]
-        if sorted(tail_names) != sorted(consts):
-            raise ValueError(
-                f"Launch({fn.__name__}): constexprs {sorted(consts)} must be the last parameters, "
-                f"got {tail_names}"
-            )
-        self.tail = tuple(consts[n] for n in tail_names)
+        unknown = sorted(set(consts) - set(names))
+        if unknown:
+            raise ValueError(f"Launch({fn.__name__}): no parameters named {unknown}")
+        slots = [i for i, n in enumerate(names) if n not in consts]
+        if slots == list(range(len(slots))):  # constexprs last: arguments + a fixed tail
+            self.tail, self.template, self.slots = tuple(consts[n] for n in names[len(slots) :]), None, None
+        else:  # runtime parameters among the constexprs: fill a template
+            self.tail, self.template, self.slots = (), [consts.get(n) for n in names], slots
         self.kernel = None
+
+    def _full(self, args) -> tuple:
+        if self.template is None:
+            return (*args, *self.tail)
+        full = list(self.template)
+        for i, a in zip(self.slots, args):
+            full[i] = a
+        return tuple(full)
 
     def __call__(self, grid: tuple[int, ...], *args) -> None:
         k = self.kernel
+        full = self._full(args)
         if k is None or not FAST or _hooks_attached():
-            k = self.fn[grid](*args, **self.consts, **self.options)
+            k = self.fn[grid](*full, **self.options)
             if FAST and not hasattr(k, "result"):
                 self.kernel = k
             return
         if CHECK:
-            self._check(args)
+            self._check(full)
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
         dev = _driver.active.get_current_device()
         k.run(grid[0], g1, g2, _driver.active.get_current_stream(dev), k.function, k.packed_metadata,
-              None, None, None, *args, *self.tail)  # fmt: skip
+              None, None, None, *full)  # fmt: skip
 
     def _check(self, args) -> None:
-        """Raise unless Triton's own binder picks the kernel this Launch holds for ``args``."""
+        """Raise unless Triton's own binder picks the kernel this Launch holds for ``args`` (all
+        parameters, in signature order)."""
         dev = _driver.active.get_current_device()
         kernel_cache, key_cache, _, _, binder = self.fn.device_caches[dev]
-        kw = dict(self.consts, **self.options)  # as JITFunction.run completes them
+        kw = dict(self.options)  # as JITFunction.run completes them
         kw["debug"] = kw.get("debug", self.fn.debug) or _knobs.runtime.debug
         kw["instrumentation_mode"] = _knobs.compilation.instrumentation_mode
         _, spec, opts = binder(*args, **kw)
@@ -126,6 +142,44 @@ class Launch:
                 f"Launch({self.fn.__name__}): the plan key missed a specialization (Triton would "
                 f"choose another compiled kernel for these arguments): {spec}"
             )
+
+
+def arg_spec(a):
+    """What Triton specializes a runtime argument on (tensors: dtype and 16-byte alignment;
+    integers: ``int_classes``; floats: none; host TMA descriptors: dtype, block shape, layout)."""
+    if isinstance(a, _Tensor):
+        return a.dtype, a.data_ptr() & 15 == 0
+    t = type(a)
+    if t is int:
+        return (1 if a == 1 else 16 if a % 16 == 0 else 0) + (0 if -(2**31) <= a < 2**31 else 64)
+    if t is float:
+        return float
+    if a is None or t is bool:
+        return a
+    if hasattr(a, "block_shape"):
+        return a.base.dtype, tuple(a.block_shape), getattr(a, "layout", None), a.padding
+    raise TypeError(f"arg_spec: no specialization rule for {t.__name__}")
+
+
+_CALLS = None
+
+
+def call(fn, grid: tuple[int, ...], args: tuple, consts: dict, **options) -> None:
+    """``fn[grid](*args, **consts, **options)``, through a ``Launch`` found by the arguments'
+    specializations (``arg_spec``), the constexprs and the options: no plan needed at the call
+    site, ~half the host time of the JIT's launch for a kernel with ~45 arguments."""
+    global _CALLS
+    if not FAST:
+        Launch(fn, consts, options)(grid, *args)
+        return
+    if _CALLS is None:
+        _CALLS = PlanCache()
+    key = (fn, _driver.active.get_current_device(), tuple(consts.items()), tuple(options.items()),
+           tuple(map(arg_spec, args)))  # fmt: skip
+    go = _CALLS.get(key)
+    if go is None:
+        go = _CALLS.put(key, Launch(fn, consts, options))
+    go(grid, *args)
 
 
 class PlanCache(dict):
