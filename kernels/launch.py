@@ -12,6 +12,10 @@ descriptors' block shapes and layouts, which callers fold into the *plan key* un
 keep the ``Launch``. The first call goes through the JIT (compiling if needed) and keeps the
 compiled kernel; later calls hand the arguments straight to its launcher.
 
+``call(fn, grid, args, consts, **options)`` needs no plan: it finds its ``Launch`` by each
+argument's specialization class (``arg_spec``), the constexprs and the options (~6 µs for 45
+arguments), for launch sites whose shapes vary call to call.
+
 ``MXQ_LAUNCH_CHECK=1`` makes every direct launch also run Triton's binder and raise if it would
 have chosen another compiled kernel (the GPU tests run with it). ``MXQ_FAST_LAUNCH=0`` sends every
 call through the JIT. The interpreter (``TRITON_INTERPRET=1``) always takes the JIT path.
@@ -44,14 +48,6 @@ def cdiv(a: int, b: int) -> int:
 def next_pow2(n: int) -> int:
     """Host-side ``triton.next_power_of_2``."""
     return 1 << (n - 1).bit_length() if n > 0 else 0
-
-
-def int_classes(*vals: int) -> tuple[int, ...]:
-    """What Triton specializes integer arguments on, one small int each: 1 (== 1), 16 (divisible
-    by 16), 0 (neither); plus 64 where the value does not fit in 32 bits."""
-    return tuple(
-        (1 if v == 1 else 16 if v % 16 == 0 else 0) + (0 if -(2**31) <= v < 2**31 else 64) for v in vals
-    )
 
 
 def descriptor(cls, base, shape: list, strides: list, block_shape: list, layout=None):
@@ -146,7 +142,8 @@ class Launch:
 
 def arg_spec(a):
     """What Triton specializes a runtime argument on (tensors: dtype and 16-byte alignment;
-    integers: ``int_classes``; floats: none; host TMA descriptors: dtype, block shape, layout)."""
+    integers: 1 (== 1), 16 (divisible by 16) or 0, plus 64 beyond 32 bits; floats: none; host
+    TMA descriptors: dtype, block shape, layout)."""
     if isinstance(a, _Tensor):
         return a.dtype, a.data_ptr() & 15 == 0
     t = type(a)

@@ -33,7 +33,7 @@ from mxq.formats import (
     as_elem_format,
     as_scale_rule,
 )
-from mxq.kernels.launch import Launch, PlanCache, cdiv, int_classes
+from mxq.kernels.launch import Launch, call, cdiv
 
 _SCALE_BIAS = tl.constexpr(E8M0_BIAS)
 _SCALE_NAN = tl.constexpr(E8M0_NAN)
@@ -288,12 +288,9 @@ def quantize_grid(m: int, k: int, rule: ScaleRule, block_size: int, tile=None) -
     return cdiv(m, block_m), cdiv(cdiv(k, block_size) * block_size, block_k)
 
 
-def quantize_launch(
-    elem: ElemFormat, rule: ScaleRule, block_size: int, *, write_q: bool, write_d: bool, pdl: bool,
-    device: torch.device, tile=None,
-) -> Launch:  # fmt: skip
-    """``_quantize_rows_kernel``'s launch for these options. Runtime arguments: x, q, s, d,
-    M, K, KP (K padded to blocks), NBLK, and the row strides of x, q, s, d."""
+def _quantize_consts(elem: ElemFormat, rule: ScaleRule, block_size: int, write_q: bool, write_d: bool, pdl: bool,
+                     device: torch.device, tile=None) -> tuple[dict, int]:  # fmt: skip
+    """``_quantize_rows_kernel``'s constexprs for these options, and its warp count."""
     block_m, block_k, warps = quantize_tile(rule, block_size, tile)
     consts = dict(
         BLOCK_M=block_m, BLOCK_K=block_k, BS=block_size,
@@ -301,30 +298,32 @@ def quantize_launch(
         EMIN=1 - elem.bias, EBIAS=elem.bias, RULE=_RULE_ID[rule],
         WRITE_Q=write_q, WRITE_D=write_d, HW_CVT=hw_cvt(device), FP8=fp8_dtype(elem), PDL=pdl and pdl_ok(device),
     )  # fmt: skip
+    return consts, warps
+
+
+def quantize_launch(
+    elem: ElemFormat, rule: ScaleRule, block_size: int, *, write_q: bool, write_d: bool, pdl: bool,
+    device: torch.device, tile=None,
+) -> Launch:  # fmt: skip
+    """``_quantize_rows_kernel``'s launch for one plan (``gemm_decode_ws``). Runtime arguments:
+    x, q, s, d, M, K, KP (K padded to blocks), NBLK, and the row strides of x, q, s, d."""
+    consts, warps = _quantize_consts(elem, rule, block_size, write_q, write_d, pdl, device, tile)
     return Launch(_quantize_rows_kernel, consts, dict(num_warps=warps))
-
-
-_LAUNCHES = PlanCache()
 
 
 def _launch(x2, elem: ElemFormat, rule: ScaleRule, block_size: int, q, s, d, tile=None, pdl=False):
     m, k = x2.shape
     nblk = cdiv(k, block_size)
-    kp = nblk * block_size
+    consts, warps = _quantize_consts(elem, rule, block_size, q is not None, d is not None, pdl, x2.device, tile)
     dummy = x2
-    q_, s_, d_ = (t if t is not None else dummy for t in (q, s, d))
-    ints = (m, k, kp, nblk, x2.stride(0), q.stride(0) if q is not None else 0,
-            s.stride(0) if s is not None else 0, d.stride(0) if d is not None else 0)  # fmt: skip
-    key = (
-        elem.name, rule, block_size, tile, pdl, hw_cvt(x2.device), pdl_ok(x2.device), x2.get_device(),
-        x2.dtype, q is None, s is None, d_.dtype, *(t.data_ptr() & 15 for t in (x2, q_, s_, d_)), int_classes(*ints),
+    call(
+        _quantize_rows_kernel, quantize_grid(m, k, rule, block_size, tile),
+        (x2, q if q is not None else dummy, s if s is not None else dummy, d if d is not None else dummy,
+         m, k, nblk * block_size, nblk,
+         x2.stride(0), q.stride(0) if q is not None else 0, s.stride(0) if s is not None else 0,
+         d.stride(0) if d is not None else 0),
+        consts, num_warps=warps,
     )  # fmt: skip
-    launch = _LAUNCHES.get(key)
-    if launch is None:
-        launch = quantize_launch(elem, rule, block_size, write_q=q is not None, write_d=d is not None, pdl=pdl,
-                                 device=x2.device, tile=tile)  # fmt: skip
-        _LAUNCHES.put(key, launch)
-    launch(quantize_grid(m, k, rule, block_size, tile), x2, q_, s_, d_, *ints)
 
 
 def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
