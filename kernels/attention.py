@@ -52,7 +52,8 @@ from mxq.formats import (
     as_elem_format,
     as_scale_rule,
 )
-from mxq.kernels.launch import call, next_pow2
+from mxq.kernels.launch import call
+from mxq.kernels.launch import cdiv as _cdiv
 from mxq.kernels.quantize import (
     _RULE_ID,
     _SCALE_BIAS,
@@ -532,7 +533,7 @@ def quantize_vt_pages(
         call(
             _quantize_vt_kernel, (_cdiv(sk, block_s), b * h),
             (v, qd, qs, h, sk, d, npg, v.stride(0), v.stride(1), v.stride(2), *strides),
-            dict(BLOCK_S=block_s, BLOCK_D=max(16, next_pow2(d)), EBIAS=elem.bias, NAN_BYTE=elem.nan_byte,
+            dict(BLOCK_S=block_s, BLOCK_D=max(16, _pow2(d)), EBIAS=elem.bias, NAN_BYTE=elem.nan_byte,
                  **_fmt(elem, rule, v.device)), num_warps=4,
         )  # fmt: skip
     return qd.view(elem.torch_dtype), qs
@@ -1153,11 +1154,6 @@ def _decode_merge_kernel(
     lt = tl.sum(ls * w, 0)
     out = tl.sum(acc * w[:, None], 0) / tl.where(lt > 0, lt, 1.0)
     tl.store(Out + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=offs_d < D)
-
-
-def _cdiv(a: int, b: int) -> int:
-    """Host-side ceil division (``triton.cdiv`` is a JIT function: ~2 µs per call from Python)."""
-    return -(-a // b)
 
 
 def _pow2(n: int) -> int:

@@ -504,13 +504,18 @@ def _splitk_reduce_kernel(
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _split_k_plan(y: torch.Tensor, k: int, split_k: int, block_k: int):
-    """(splits, K per split (a multiple of block_k), whether no K tile is partial, where the
-    kernel writes: y itself, or float32 partials [splits, M, N] for ``_split_k_finish``)."""
+def split_k_sizes(k: int, split_k: int, block_k: int) -> tuple[int, int, bool]:
+    """(splits, K per split (a multiple of block_k), whether no K tile is partial) for at most
+    ``split_k`` splits of K."""
     split = max(1, min(split_k, cdiv(k, block_k)))
     k_split = cdiv(cdiv(k, split), block_k) * block_k
-    split = cdiv(k, k_split)
-    even_k = k % block_k == 0 and k_split % block_k == 0
+    return cdiv(k, k_split), k_split, k % block_k == 0 and k_split % block_k == 0
+
+
+def _split_k_plan(y: torch.Tensor, k: int, split_k: int, block_k: int):
+    """``split_k_sizes`` and where the kernel writes: y itself, or float32 partials
+    [splits, M, N] for ``_split_k_finish``."""
+    split, k_split, even_k = split_k_sizes(k, split_k, block_k)
     target = y if split == 1 else torch.empty((split, *y.shape), dtype=torch.float32, device=y.device)
     return split, k_split, even_k, target
 

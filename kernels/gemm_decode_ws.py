@@ -32,7 +32,13 @@ from dataclasses import dataclass
 import torch
 
 from mxq.formats import E4M3, ElemFormat, ScaleRule, as_elem_format, as_scale_rule
-from mxq.kernels.gemm import _check_gemm_args, _operands_and_output, _sm_count, _split_k_finish
+from mxq.kernels.gemm import (
+    _check_gemm_args,
+    _operands_and_output,
+    _sm_count,
+    _split_k_finish,
+    split_k_sizes,
+)
 from mxq.kernels.gemm_decode import split_counters
 from mxq.kernels.launch import FAST, Launch, PlanCache, cdiv, descriptor, next_pow2
 from mxq.kernels.quantize import _capability, hw_cvt, pdl_ok, quantize_grid, quantize_launch
@@ -295,13 +301,13 @@ def mx_decode_gemm_ws(
     out once per such combination (``_WSPlan``): an eager call costs two direct launches
     (``mxq.kernels.launch``) and two allocations of host time.
     """
+    dev = x.device
     key = (
         x.shape, x.stride(), x.dtype, x.data_ptr() & 15, x.get_device(),
         weight.shape, weight.stride(), weight.dtype, weight.data_ptr() & 15,
         weight_scale.shape, weight_scale.stride(), weight_scale.dtype, weight_scale.data_ptr() & 15,
         None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.data_ptr() & 15),
-        getattr(act_elem, "name", act_elem), act_rule, out_dtype, config, block_size, pdl_ok(x.device),
-        hw_cvt(x.device),
+        getattr(act_elem, "name", act_elem), act_rule, out_dtype, config, block_size, pdl_ok(dev), hw_cvt(dev),
     )  # fmt: skip
     plan = _PLANS.get(key) if FAST else None
     if plan is None:
@@ -338,17 +344,16 @@ class _WSPlan:
         self.copy_s = weight_scale.stride(1) != 1 or weight_scale.stride(0) % 4 or weight_scale.data_ptr() % 4
         cfg = config or pick_decode_ws_config(m, n, k, x.device)
         block_m = max(16, next_pow2(m))
-        split = max(1, min(cfg.split_k, cdiv(k, KB * BS)))
-        self.k_split = cdiv(cdiv(k, split), KB * BS) * KB * BS
-        self.split = split = cdiv(k, self.k_split)
+        self.split, self.k_split, _ = split_k_sizes(k, cfg.split_k, KB * BS)
+        split = self.split
         self.tiles = cdiv(n, cfg.block_n)
         self.want_fused = split > 1 and cfg.fused
-        self.pdl = pdl = cfg.pdl and pdl_ok(x.device)
-        self.w_gl = gl.float8e4nv if weight.dtype == torch.float8_e4m3fn else gl.float8e5
+        pdl = cfg.pdl and pdl_ok(x.device)
+        w_gl = gl.float8e4nv if weight.dtype == torch.float8_e4m3fn else gl.float8e5
         self.x_dtype = act_elem.torch_dtype
         x_gl = gl.float8e4nv if self.x_dtype == torch.float8_e4m3fn else gl.float8e5
         self.w_block = [cfg.block_n, cfg.box]
-        self.w_layout = gl.NVMMASharedLayout.get_default_for(self.w_block, self.w_gl)
+        self.w_layout = gl.NVMMASharedLayout.get_default_for(self.w_block, w_gl)
         self.x_block = [block_m, cfg.box]
         self.x_layout = gl.NVMMASharedLayout.get_default_for(self.x_block, x_gl)
         # scratch: fp8 X [M, K], its scales [M, K/32] (both 16-byte aligned), fp32 split partials

@@ -158,19 +158,13 @@ def arg_spec(a):
     raise TypeError(f"arg_spec: no specialization rule for {t.__name__}")
 
 
-_CALLS = None
-
-
 def call(fn, grid: tuple[int, ...], args: tuple, consts: dict, **options) -> None:
     """``fn[grid](*args, **consts, **options)``, through a ``Launch`` found by the arguments'
     specializations (``arg_spec``), the constexprs and the options: no plan needed at the call
     site, ~half the host time of the JIT's launch for a kernel with ~45 arguments."""
-    global _CALLS
     if not FAST:
         Launch(fn, consts, options)(grid, *args)
         return
-    if _CALLS is None:
-        _CALLS = PlanCache()
     key = (fn, _driver.active.get_current_device(), tuple(consts.items()), tuple(options.items()),
            tuple(map(arg_spec, args)))  # fmt: skip
     go = _CALLS.get(key)
@@ -191,3 +185,6 @@ class PlanCache(dict):
             self.clear()
         self[key] = plan
         return plan
+
+
+_CALLS = PlanCache()  # call()'s launches

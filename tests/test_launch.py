@@ -83,7 +83,7 @@ def test_launch_runtime_parameters_among_constexprs(fast):
 def test_call_keys_on_what_triton_specializes(fast, monkeypatch):
     """``call`` reuses a Launch while dtypes, 16-byte alignment, integer classes, constexprs and
     options stay the same, and takes a new one when any of them changes."""
-    monkeypatch.setattr(L, "_CALLS", None)
+    monkeypatch.setattr(L, "_CALLS", L.PlanCache())
     fn = FakeJIT(["p", "n", "s", "B"])
     t = torch.zeros(64)
     L.call(fn, (1,), (t, 32, 0.5), {"B": 8}, num_warps=4)
