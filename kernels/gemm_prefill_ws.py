@@ -161,6 +161,173 @@ if HAVE_GLUON:
         gl.store(y_ptr + offs_m.to(gl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
     @gluon.jit
+    def _bf16_pow2(sb):
+        """E8M0 bytes (int32) -> bf16 2**(byte-127), exact: bits byte << 7; 0 -> 2**-127 (the
+        subnormal 0x0040), 255 -> NaN (as ``_pow2``)."""
+        b = gl.where(sb == 0, 0x40, sb << 7)
+        b = gl.where(sb == 255, 0x7FC0, b)
+        return b.to(gl.int16).to(gl.bfloat16, bitcast=True)
+
+    @gluon.jit
+    def _fp8_bits_bf16(v, MSH: gl.constexpr):
+        """fp8 codes (uint8) -> bf16 with bits (sign << 15) | (code & 0x7F) << MSH, a pair of codes
+        (one 16-bit shared load) per register: a byte permute, a shift and two masks (Triton's
+        integer ops on the unpacked codes took ~3x the instructions)."""
+        if MSH == 4:
+            asm: gl.constexpr = """{
+            .reg .b32 t, u;
+            prmt.b32 t, $1, 0, 0x1404;
+            shr.b32 u, t, 4;
+            and.b32 u, u, 0x07F007F0;
+            and.b32 t, t, 0x80008000;
+            or.b32 $0, t, u;
+            }"""
+        else:
+            asm: gl.constexpr = """{
+            .reg .b32 t, u;
+            prmt.b32 t, $1, 0, 0x1404;
+            shr.b32 u, t, 3;
+            and.b32 u, u, 0x0FE00FE0;
+            and.b32 t, t, 0x80008000;
+            or.b32 $0, t, u;
+            }"""
+        return gl.inline_asm_elementwise(asm, "=r,r", [v], dtype=gl.bfloat16, is_pure=True, pack=2)
+
+    @gluon.jit
+    def _bf16_exp2(e):
+        """bf16 2**e for int32 e in [-126, 127] (bits (e + 127) << 7)."""
+        return ((e + 127) << 7).to(gl.int16).to(gl.bfloat16, bitcast=True)
+
+    @gluon.jit
+    def _rs_block(w8_tile, s_flat, j: gl.constexpr, a_l: gl.constexpr, DEQ_BITS: gl.constexpr):
+        """MX block j (32 K-columns) of the weight tile as the wgmma's register operand:
+        bf16(fp8) · 2**scale in bf16 (exact: a power-of-two product of a 4-bit significand).
+
+        DEQ_BITS: the fp8 byte's sign and exponent-mantissa bits moved into a bf16 pattern (E4M3:
+        x · 2**-120, E5M2: x · 2**-112, subnormal codes included, as bf16 has the exponent range),
+        then two exact bf16 products restore 2**(scale - 127) (one would overflow the bf16
+        exponent for scale bytes above 134). Else Triton's fp8 -> bf16 conversion (a quarter-rate
+        F2F per element on sm_90) and one product."""
+        BLOCK_W: gl.constexpr = w8_tile.type.shape[0]
+        w = w8_tile.slice(j * 32, 32, dim=1).load(a_l)
+        sb = s_flat.slice(j * BLOCK_W, BLOCK_W).load(gl.SliceLayout(1, a_l)).to(gl.int32)
+        if DEQ_BITS:
+            E5: gl.constexpr = w8_tile.dtype == gl.float8e5
+            SHIFT: gl.constexpr = 112 if E5 else 120
+            MSH: gl.constexpr = 5 if E5 else 4
+            wb = _fp8_bits_bf16(w.to(gl.uint8, bitcast=True), MSH)
+            e = sb - 127 + SHIFT
+            e_lo = gl.minimum(e, 127)
+            f_hi = gl.where(sb == 255, float("nan"), _bf16_exp2(e - e_lo).to(gl.float32)).to(gl.bfloat16)
+            return wb * _bf16_exp2(e_lo)[:, None] * f_hi[:, None]
+        else:
+            return w.to(gl.bfloat16) * _bf16_pow2(sb)[:, None]
+
+    @gluon.jit
+    def _rs_loader(x_desc, w_desc, s_desc, x_smem, w8_smem, s_smem, ready, empty, off_m, off_n, n_k,
+                   STAGES: gl.constexpr):  # fmt: skip
+        """Loader warp of the register-operand kernel: X, W and scales per K step into the ring."""
+        BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+        nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes
+        for i in range(n_k):
+            s = i % STAGES
+            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, nbytes)
+            tma.async_copy_global_to_shared(x_desc, [off_m, i * BLOCK_K], bar, x_smem.index(s))
+            tma.async_copy_global_to_shared(w_desc, [off_n, i * BLOCK_K], bar, w8_smem.index(s))
+            tma.async_copy_global_to_shared(s_desc, [i * (BLOCK_K // 32), off_n], bar, s_smem.index(s))
+
+    @gluon.jit
+    def _rs_mma(x_smem, w8_smem, s_smem, ready, empty, b_ptr, y_ptr, M, N, stride_ym, off_m, off_n, n_k,
+                STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, NUM_WARPS: gl.constexpr, DEQ_BITS: gl.constexpr):  # fmt: skip
+        """Two MMA warpgroups, each 64 weight rows: accᵀ [BLOCK_W, BLOCK_X] += (W · 2**s) X tileᵀ.
+        Step i is issued, then step i+1's register operands are converted while it runs, then
+        step i is waited for. The operands a wgmma reads are never loop-carried while it is in
+        flight: carried registers get rewritten at the back edge, and ptxas 13.5 does not stop
+        that (sass_dev's hazard check found 43 such writes in a wait-for-the-previous-step loop,
+        and the GPU gave wrong sums)."""
+        BLOCK_X: gl.constexpr = x_smem.type.shape[1]
+        BLOCK_W: gl.constexpr = w8_smem.type.shape[1]
+        acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_X, 16])
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
+        flat_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        acc = gl.zeros([BLOCK_W, BLOCK_X], gl.float32, acc_l)
+        mbarrier.wait(ready.index(0), 0)
+        s_flat = s_smem.index(0)._reinterpret(gl.uint8, [2 * BLOCK_W], flat_l)
+        b0 = _rs_block(w8_smem.index(0), s_flat, 0, a_l, DEQ_BITS)
+        b1 = _rs_block(w8_smem.index(0), s_flat, 1, a_l, DEQ_BITS)
+        for i in range(n_k - 1):
+            s = i % STAGES
+            t = warpgroup_mma(b0, x_smem.index(s).slice(0, 32, dim=1).permute((1, 0)), acc, use_acc=i > 0, is_async=True)
+            t = warpgroup_mma(b1, x_smem.index(s).slice(32, 32, dim=1).permute((1, 0)), t, is_async=True)
+            # step i-1 was waited for in the previous iteration: its stage goes back
+            mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
+            s2 = (i + 1) % STAGES
+            mbarrier.wait(ready.index(s2), ((i + 1) // STAGES) & 1)
+            s_flat = s_smem.index(s2)._reinterpret(gl.uint8, [2 * BLOCK_W], flat_l)
+            c0 = _rs_block(w8_smem.index(s2), s_flat, 0, a_l, DEQ_BITS)
+            c1 = _rs_block(w8_smem.index(s2), s_flat, 1, a_l, DEQ_BITS)
+            acc, b0, b1 = warpgroup_mma_wait(num_outstanding=0, deps=(t, b0, b1))
+            b0 = c0
+            b1 = c1
+        s = (n_k - 1) % STAGES
+        t = warpgroup_mma(b0, x_smem.index(s).slice(0, 32, dim=1).permute((1, 0)), acc, use_acc=n_k > 1, is_async=True)
+        t = warpgroup_mma(b1, x_smem.index(s).slice(32, 32, dim=1).permute((1, 0)), t, is_async=True)
+        acc, b0, b1 = warpgroup_mma_wait(num_outstanding=0, deps=(t, b0, b1))
+
+        offs_w = off_n + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(1, acc_l))
+        if HAS_BIAS:  # along the accumulator's rows, before any layout change (gemm.py's lesson)
+            acc += gl.load(b_ptr + offs_w, mask=offs_w < N, other=0.0).to(gl.float32)[:, None]
+        if y_ptr.dtype.element_ty.primitive_bitwidth == 16:
+            # Y [M, N] is accᵀ: store through a layout whose threads run along W (Y's contiguous
+            # dim), 16 bytes each (the layout change goes through 64 KB of shared memory)
+            st_l: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, NUM_WARPS], [0, 1])
+            out = gl.convert_layout(acc.to(y_ptr.dtype.element_ty), st_l)
+            ow = off_n + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(1, st_l))
+            ox = off_m + gl.arange(0, BLOCK_X, layout=gl.SliceLayout(0, st_l))
+            mask = (ow < N)[:, None] & (ox < M)[None, :]
+            gl.store(y_ptr + ox.to(gl.int64)[None, :] * stride_ym + ow[:, None], out, mask=mask)
+        else:  # fp32 out: 128 KB would not fit beside the ring; store from the MMA layout
+            ox = off_m + gl.arange(0, BLOCK_X, layout=gl.SliceLayout(0, acc_l))
+            mask = (offs_w < N)[:, None] & (ox < M)[None, :]
+            gl.store(y_ptr + ox.to(gl.int64)[None, :] * stride_ym + offs_w[:, None], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @gluon.jit
+    def _mx_prefill_rs_kernel(
+        x_desc, w_desc, s_desc, b_ptr, y_ptr, M, N, K, stride_ym,
+        STAGES: gl.constexpr, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, LOADER_REGS: gl.constexpr,
+        NUM_WARPS: gl.constexpr, DEQ_BITS: gl.constexpr,
+    ):  # fmt: skip
+        """Yᵀ tile [BLOCK_W, BLOCK_X]: NUM_WARPS MMA warps (weight as the register operand) + a loader warp."""
+        BLOCK_X: gl.constexpr = x_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+        BLOCK_W: gl.constexpr = w_desc.block_type.shape[0]
+        gl.static_assert(BLOCK_K == 64, "64-wide K steps: two MX blocks")
+        off_m, off_n = _tile_coords(M, N, BLOCK_X, BLOCK_W, GROUP)
+        n_k = gl.cdiv(K, BLOCK_K)
+        x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_X, BLOCK_K], x_desc.layout)
+        w8_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_W, BLOCK_K], w_desc.layout)
+        s_smem = gl.allocate_shared_memory(s_desc.dtype, [STAGES] + s_desc.block_type.shape, s_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=1)
+        gl.warp_specialize(
+            [
+                (_rs_mma, (x_smem, w8_smem, s_smem, ready, empty, b_ptr, y_ptr, M, N, stride_ym, off_m, off_n, n_k,
+                           STAGES, HAS_BIAS, NUM_WARPS, DEQ_BITS)),
+                (_rs_loader, (x_desc, w_desc, s_desc, x_smem, w8_smem, s_smem, ready, empty, off_m, off_n, n_k, STAGES)),
+            ],
+            [1],
+            [LOADER_REGS],
+        )  # fmt: skip
+        for s in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(s))
+            mbarrier.invalidate(empty.index(s))
+
+    @gluon.jit
     def _mx_prefill_ws_kernel(
         x_desc, w_desc, s_desc, b_ptr, y_ptr, M, N, K, stride_ym,
         STAGES: gl.constexpr, WBUF: gl.constexpr, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr,
@@ -208,6 +375,7 @@ if HAVE_GLUON:
 
 else:  # pragma: no cover
     _mx_prefill_ws_kernel = _stub
+    _mx_prefill_rs_kernel = _stub
 
 
 @dataclass(frozen=True)
@@ -226,6 +394,21 @@ class PrefillWSConfig:
     maxnreg: int = 128
     conv_regs: int = 96
     loader_regs: int = 24
+
+
+@dataclass(frozen=True)
+class PrefillRSConfig:
+    """Tiles of ``_mx_prefill_rs_kernel`` (the weight as wgmma's register operand)."""
+
+    block_x: int = 256  # X rows per program: the wgmma's N (m64n256k16)
+    block_w: int = 128  # weight rows per program: 2 MMA warpgroups x 64
+    block_k: int = 64  # K per step (two MX blocks)
+    stages: int = 3  # X + fp8 W + scales ring (3 x 40.25 KB) beside the 64 KB epilogue exchange
+    group: int = 8  # row tiles per L2 group
+    num_warps: int = 8  # MMA warps (the default partition)
+    maxnreg: int = 168  # 12 warps at launch (8 MMA + the loader's warpgroup); the MMA warps take the rest
+    loader_regs: int = 24
+    deq_bits: bool = True  # fp8 -> bf16 by bit moves (_rs_block)
 
 
 def takes(m: int, k: int, block_size: int) -> bool:
@@ -261,7 +444,7 @@ def mx_prefill_gemm_ws(
     bias: torch.Tensor | None = None,
     *,
     out_dtype: torch.dtype | None = None,
-    config: PrefillWSConfig | None = None,
+    config: PrefillWSConfig | PrefillRSConfig | None = None,
     block_size: int = 32,
 ) -> torch.Tensor:
     """Y [M, N] = X [M, K] · dequant(W)ᵀ (+ bias), X bf16 used as given (module doc).
@@ -287,14 +470,29 @@ def mx_prefill_gemm_ws(
         weight = weight.contiguous()
     cfg = config or pick_prefill_ws_config(m, n, k, x.device)
     w_gl = gl.float8e4nv if weight.dtype == torch.float8_e4m3fn else gl.float8e5
-    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [cfg.block_m, cfg.block_k],
-                              gl.NVMMASharedLayout.get_default_for([cfg.block_m, cfg.block_k], gl.bfloat16))  # fmt: skip
-    w_desc = TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [cfg.block_n, cfg.block_k],
-                              gl.NVMMASharedLayout.get_default_for([cfg.block_n, cfg.block_k], w_gl))  # fmt: skip
     st = scales_kn(weight_scale)
-    s_desc = TensorDescriptor(st, [k // BS, n], list(st.stride()), [cfg.block_k // BS, cfg.block_n],
-                              gl.NVMMASharedLayout.get_default_for([cfg.block_k // BS, cfg.block_n], gl.uint8))  # fmt: skip
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    if isinstance(cfg, PrefillRSConfig):
+        bx, bw, bk = cfg.block_x, cfg.block_w, cfg.block_k
+    else:
+        bx, bw, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [bx, bk],
+                              gl.NVMMASharedLayout.get_default_for([bx, bk], gl.bfloat16))  # fmt: skip
+    w_desc = TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [bw, bk],
+                              gl.NVMMASharedLayout.get_default_for([bw, bk], w_gl))  # fmt: skip
+    grid = (triton.cdiv(m, bx) * triton.cdiv(n, bw),)
+    if isinstance(cfg, PrefillRSConfig):
+        # unswizzled: the MMA warps read the [2, BLOCK_W] box as flat bytes
+        s_desc = TensorDescriptor(st, [k // BS, n], list(st.stride()), [bk // BS, bw],
+                                  gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2))  # fmt: skip
+        _mx_prefill_rs_kernel[grid](
+            x_desc, w_desc, s_desc, bias if bias is not None else y, y,
+            m, n, k, n,
+            STAGES=cfg.stages, GROUP=cfg.group, HAS_BIAS=bias is not None, LOADER_REGS=cfg.loader_regs,
+            NUM_WARPS=cfg.num_warps, DEQ_BITS=cfg.deq_bits, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
+        )  # fmt: skip
+        return y
+    s_desc = TensorDescriptor(st, [k // BS, n], list(st.stride()), [bk // BS, bw],
+                              gl.NVMMASharedLayout.get_default_for([bk // BS, bw], gl.uint8))  # fmt: skip
     _mx_prefill_ws_kernel[grid](
         x_desc, w_desc, s_desc, bias if bias is not None else y, y,
         m, n, k, n,
@@ -305,4 +503,4 @@ def mx_prefill_gemm_ws(
     return y
 
 
-__all__ = ["PrefillWSConfig", "mx_prefill_gemm_ws", "pick_prefill_ws_config", "takes", "ws_supported"]
+__all__ = ["PrefillRSConfig", "PrefillWSConfig", "mx_prefill_gemm_ws", "pick_prefill_ws_config", "takes", "ws_supported"]

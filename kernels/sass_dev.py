@@ -165,6 +165,27 @@ def compile_prefill_ws(stages=4, wbuf=3, maxnreg=128, conv_regs=96, loader_regs=
                          source=GluonASTSource, **({"maxnreg": maxnreg} if maxnreg else {}))  # fmt: skip
 
 
+def compile_prefill_rs(stages=3, maxnreg=168, loader_regs=24, block_x=256, block_w=128, block_k=64, bias=False, out="bf16",
+                       deq_bits=True):  # fmt: skip
+    """``gemm_prefill_ws._mx_prefill_rs_kernel`` (Gluon; the weight as the register operand) for
+    sm_90 as mx_prefill_gemm_ws launches it with a ``PrefillRSConfig`` (bf16 X, E4M3 W)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from mxq.kernels import gemm_prefill_ws as P
+
+    cons = dict(STAGES=stages, GROUP=8, HAS_BIAS=bias, LOADER_REGS=loader_regs, NUM_WARPS=8, DEQ_BITS=deq_bits)
+    lx = gl.NVMMASharedLayout.get_default_for([block_x, block_k], gl.bfloat16)
+    lw = gl.NVMMASharedLayout.get_default_for([block_w, block_k], gl.float8e4nv)
+    ls = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
+    ptrs = {
+        "x_desc": f"tensordesc<bf16[{block_x}, {block_k}],{lx!r}>", "w_desc": f"tensordesc<fp8e4nv[{block_w}, {block_k}],{lw!r}>",
+        "s_desc": f"tensordesc<u8[{block_k // 32}, {block_w}],{ls!r}>", "b_ptr": "*bf16", "y_ptr": f"*{out}",
+    }  # fmt: skip
+    return _compile_sm90(P._mx_prefill_rs_kernel, cons, ptrs, 8, 1, not_div16={"M"},
+                         source=GluonASTSource, **({"maxnreg": maxnreg} if maxnreg else {}))  # fmt: skip
+
+
 def compile_decode_attn_ws(stages=4, d=128, group=4, maxnreg=128, loader_regs=24, fused=True, wide_v=True):
     """``attention_decode_ws._decode_ws_kernel`` (Gluon) for sm_90 as mx_attention_decode_ws launches it
     (E4M3 cache, bf16 out)."""
@@ -202,9 +223,10 @@ def loops(sass: str) -> list[list[tuple[int, str, list[str]]]]:
     return found
 
 
-def _main_loop(sass: str) -> list[tuple[int, str, list[str]]]:
+def _main_loop(sass: str, contains: str = "") -> list[tuple[int, str, list[str]]]:
     """(address, opcode, operands) of the instructions between the first conditional backward branch
-    and its target."""
+    and its target (the first whose body has an opcode starting with ``contains``, when given:
+    "HGMMA" finds the MMA loop of a warp-specialized kernel)."""
     seq = []
     for line in sass.splitlines():
         m = _INS.match(line)
@@ -213,18 +235,20 @@ def _main_loop(sass: str) -> list[tuple[int, str, list[str]]]:
     for addr, op, args, pred in seq:
         target = args[-1].split()[-1] if args and args[-1] else ""
         if op == "BRA" and pred and target.startswith("0x") and int(target, 16) < addr:
-            return [ins[:3] for ins in seq if int(target, 16) <= ins[0] <= addr]
+            body = [ins[:3] for ins in seq if int(target, 16) <= ins[0] <= addr]
+            if not contains or any(ins[1].startswith(contains) for ins in body):
+                return body
     return []
 
 
-def wgmma_register_hazards(sass: str) -> list[tuple[str, str, str]]:
+def wgmma_register_hazards(sass: str, contains: str = "") -> list[tuple[str, str, str]]:
     """Writes to a register of a wgmma's left operand (4 registers, bf16 m64nNk16) while that wgmma
     may still be in flight, in the main loop run twice (the second pass sees the state the loop
     carries). HGMMAs up to one marked ``gsb0`` form a group (a ``wgmma.commit_group``);
     ``WARPGROUP.DEPBAR.LE gsb0, N`` waits until at most N groups, the newest, are in flight. PTX
     calls such a write undefined behaviour; it is the hazard ptxas < 13.3 leaves in pipelined
     register-operand loops (triton-lang/triton#9433)."""
-    body = _main_loop(sass)
+    body = _main_loop(sass, contains)
     groups: collections.deque = collections.deque()  # committed groups: sets of A registers
     open_group: set = set()
     found = []
@@ -272,15 +296,15 @@ def compile_prefill_attn(block_m=64, block_n=64, warps=4, stages=3, d=128, tma=T
     return _compile_sm90(fn, cons, ptrs, warps, stages, not_div16={"Hq", "GROUP", "Sq", "Sk", "D"})
 
 
-def main_loop_histogram(sass: str) -> tuple[int, collections.Counter]:
+def main_loop_histogram(sass: str, contains: str = "") -> tuple[int, collections.Counter]:
     """Instruction count and opcode histogram between the first backward branch and its target."""
-    ops = collections.Counter(op.split(".")[0] for _, op, _ in _main_loop(sass))
+    ops = collections.Counter(op.split(".")[0] for _, op, _ in _main_loop(sass, contains))
     return sum(ops.values()), ops
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernel", choices=("decode", "gemm", "decode_f8", "decode_ws", "prefill_ws", "attn_ws", "attn_prefill"), default="decode")
+    ap.add_argument("--kernel", choices=("decode", "gemm", "decode_f8", "decode_ws", "prefill_ws", "prefill_rs", "attn_ws", "attn_prefill"), default="decode")
     ap.add_argument("--block-n", type=int, default=64, help="decode: keys per tile")
     ap.add_argument("--head-dim", type=int, default=128, help="attn_ws: head_dim (64 or 128)")
     ap.add_argument("--tile", default="256x128x64", help="gemm: BLOCK_M x BLOCK_N x BLOCK_K")
@@ -316,6 +340,9 @@ def main():
     elif args.kernel == "prefill_ws":
         k = compile_prefill_ws(stages=args.stages if args.stages != 3 else 4, maxnreg=args.maxnreg or 128)
         unit = "64-wide K step (the first backward branch may be a worker's loop)"
+    elif args.kernel == "prefill_rs":
+        k = compile_prefill_rs(stages=args.stages, maxnreg=args.maxnreg or 168, deq_bits=args.deq != "fp32")
+        unit = "64-wide K step (the MMA warps' loop)"
     elif args.kernel == "decode_f8":
         bm, bn, kb = (int(v) for v in args.tile.split("x"))
         k = compile_decode_f8(bm, bn, kb, args.warps or 4, args.stages, args.split_k, not args.pointer_x, qx=args.quant_x)
@@ -335,13 +362,14 @@ def main():
         f.write(sass)
     res = subprocess.run([_tool("cuobjdump"), "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
     regs = re.findall(r"REG:(\d+)", res)
-    n, ops = main_loop_histogram(sass)
+    loop = "HGMMA" if args.kernel == "prefill_rs" else ""
+    n, ops = main_loop_histogram(sass, loop)
     print(f"registers/thread {regs[0] if regs else '?'}, shared {k.metadata.shared} B, files in {out}")
     print(f"main loop: {n} instructions per warp per {unit}")
     for op, c in ops.most_common(20):
         print(f"  {op:10s} {c}")
-    if args.kernel == "gemm":
-        hz = wgmma_register_hazards(sass)
+    if args.kernel in ("gemm", "prefill_rs"):
+        hz = wgmma_register_hazards(sass, loop)
         print(f"wgmma register hazards: {len(hz)}" + (f" (first: {hz[0]})" if hz else ""))
 
 
