@@ -199,7 +199,7 @@ if HAVE_GLUON:
         return ((e + 127) << 7).to(gl.int16).to(gl.bfloat16, bitcast=True)
 
     @gluon.jit
-    def _rs_block(w8_tile, s_flat, j: gl.constexpr, a_l: gl.constexpr, DEQ_BITS: gl.constexpr):
+    def _rs_block(w8_tile, s_flat, j: gl.constexpr, a_l: gl.constexpr, DEQ_BITS: gl.constexpr, ROW0: gl.constexpr):
         """MX block j (32 K-columns) of the weight tile as the wgmma's register operand:
         bf16(fp8) · 2**scale in bf16 (exact: a power-of-two product of a 4-bit significand).
 
@@ -208,9 +208,10 @@ if HAVE_GLUON:
         then two exact bf16 products restore 2**(scale - 127) (one would overflow the bf16
         exponent for scale bytes above 134). Else Triton's fp8 -> bf16 conversion (a quarter-rate
         F2F per element on sm_90) and one product."""
-        BLOCK_W: gl.constexpr = w8_tile.type.shape[0]
+        ROWS: gl.constexpr = w8_tile.type.shape[0]  # this warpgroup's rows, from ROW0 of the program's tile
+        BLOCK_W: gl.constexpr = s_flat.type.shape[0] // 2
         w = w8_tile.slice(j * 32, 32, dim=1).load(a_l)
-        sb = s_flat.slice(j * BLOCK_W, BLOCK_W).load(gl.SliceLayout(1, a_l)).to(gl.int32)
+        sb = s_flat.slice(j * BLOCK_W + ROW0, ROWS).load(gl.SliceLayout(1, a_l)).to(gl.int32)
         if DEQ_BITS:
             E5: gl.constexpr = w8_tile.dtype == gl.float8e5
             SHIFT: gl.constexpr = 112 if E5 else 120
@@ -240,8 +241,10 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _rs_mma(x_smem, w8_smem, s_smem, ready, empty, b_ptr, y_ptr, M, N, stride_ym, off_m, off_n, n_k,
-                STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, NUM_WARPS: gl.constexpr, DEQ_BITS: gl.constexpr):  # fmt: skip
-        """Two MMA warpgroups, each 64 weight rows: accᵀ [BLOCK_W, BLOCK_X] += (W · 2**s) X tileᵀ.
+                STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, NUM_WARPS: gl.constexpr, DEQ_BITS: gl.constexpr,
+                ROW0: gl.constexpr):  # fmt: skip
+        """MMA warps (NUM_WARPS / 4 warpgroups, 64 weight rows each, from row ROW0 of the program's
+        weight tile): accᵀ [rows, BLOCK_X] += (W · 2**s) X tileᵀ.
         Step i is issued, then step i+1's register operands are converted while it runs, then
         step i is waited for. The operands a wgmma reads are never loop-carried while it is in
         flight: carried registers get rewritten at the back edge, and ptxas 13.5 does not stop
@@ -249,14 +252,15 @@ if HAVE_GLUON:
         and the GPU gave wrong sums)."""
         BLOCK_X: gl.constexpr = x_smem.type.shape[1]
         BLOCK_W: gl.constexpr = w8_smem.type.shape[1]
+        ROWS: gl.constexpr = 16 * NUM_WARPS
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_X, 16])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
         flat_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-        acc = gl.zeros([BLOCK_W, BLOCK_X], gl.float32, acc_l)
+        acc = gl.zeros([ROWS, BLOCK_X], gl.float32, acc_l)
         mbarrier.wait(ready.index(0), 0)
         s_flat = s_smem.index(0)._reinterpret(gl.uint8, [2 * BLOCK_W], flat_l)
-        b0 = _rs_block(w8_smem.index(0), s_flat, 0, a_l, DEQ_BITS)
-        b1 = _rs_block(w8_smem.index(0), s_flat, 1, a_l, DEQ_BITS)
+        b0 = _rs_block(w8_smem.index(0).slice(ROW0, ROWS, dim=0), s_flat, 0, a_l, DEQ_BITS, ROW0)
+        b1 = _rs_block(w8_smem.index(0).slice(ROW0, ROWS, dim=0), s_flat, 1, a_l, DEQ_BITS, ROW0)
         for i in range(n_k - 1):
             s = i % STAGES
             t = warpgroup_mma(b0, x_smem.index(s).slice(0, 32, dim=1).permute((1, 0)), acc, use_acc=i > 0, is_async=True)
@@ -266,8 +270,8 @@ if HAVE_GLUON:
             s2 = (i + 1) % STAGES
             mbarrier.wait(ready.index(s2), ((i + 1) // STAGES) & 1)
             s_flat = s_smem.index(s2)._reinterpret(gl.uint8, [2 * BLOCK_W], flat_l)
-            c0 = _rs_block(w8_smem.index(s2), s_flat, 0, a_l, DEQ_BITS)
-            c1 = _rs_block(w8_smem.index(s2), s_flat, 1, a_l, DEQ_BITS)
+            c0 = _rs_block(w8_smem.index(s2).slice(ROW0, ROWS, dim=0), s_flat, 0, a_l, DEQ_BITS, ROW0)
+            c1 = _rs_block(w8_smem.index(s2).slice(ROW0, ROWS, dim=0), s_flat, 1, a_l, DEQ_BITS, ROW0)
             acc, b0, b1 = warpgroup_mma_wait(num_outstanding=0, deps=(t, b0, b1))
             b0 = c0
             b1 = c1
@@ -276,7 +280,7 @@ if HAVE_GLUON:
         t = warpgroup_mma(b1, x_smem.index(s).slice(32, 32, dim=1).permute((1, 0)), t, is_async=True)
         acc, b0, b1 = warpgroup_mma_wait(num_outstanding=0, deps=(t, b0, b1))
 
-        offs_w = off_n + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(1, acc_l))
+        offs_w = off_n + ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_l))
         if HAS_BIAS:  # along the accumulator's rows, before any layout change (gemm.py's lesson)
             acc += gl.load(b_ptr + offs_w, mask=offs_w < N, other=0.0).to(gl.float32)[:, None]
         if y_ptr.dtype.element_ty.primitive_bitwidth == 16:
@@ -284,7 +288,7 @@ if HAVE_GLUON:
             # dim), 16 bytes each (the layout change goes through 64 KB of shared memory)
             st_l: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, NUM_WARPS], [0, 1])
             out = gl.convert_layout(acc.to(y_ptr.dtype.element_ty), st_l)
-            ow = off_n + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(1, st_l))
+            ow = off_n + ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, st_l))
             ox = off_m + gl.arange(0, BLOCK_X, layout=gl.SliceLayout(0, st_l))
             mask = (ow < N)[:, None] & (ox < M)[None, :]
             gl.store(y_ptr + ox.to(gl.int64)[None, :] * stride_ym + ow[:, None], out, mask=mask)
@@ -297,9 +301,12 @@ if HAVE_GLUON:
     def _mx_prefill_rs_kernel(
         x_desc, w_desc, s_desc, b_ptr, y_ptr, M, N, K, stride_ym,
         STAGES: gl.constexpr, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, LOADER_REGS: gl.constexpr,
-        NUM_WARPS: gl.constexpr, DEQ_BITS: gl.constexpr,
+        NUM_WARPS: gl.constexpr, DEQ_BITS: gl.constexpr, SPLIT_WG: gl.constexpr, MMA_REGS: gl.constexpr,
     ):  # fmt: skip
-        """Yᵀ tile [BLOCK_W, BLOCK_X]: NUM_WARPS MMA warps (weight as the register operand) + a loader warp."""
+        """Yᵀ tile [BLOCK_W, BLOCK_X]: MMA warps (weight as the register operand) + a loader warp.
+        SPLIT_WG: the two MMA warpgroups are two partitions (the default one and a worker), each
+        releasing its ring stages on its own (no barrier between them per step); else one
+        partition of NUM_WARPS warps."""
         BLOCK_X: gl.constexpr = x_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
         BLOCK_W: gl.constexpr = w_desc.block_type.shape[0]
@@ -313,16 +320,31 @@ if HAVE_GLUON:
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=1)
-        gl.warp_specialize(
-            [
-                (_rs_mma, (x_smem, w8_smem, s_smem, ready, empty, b_ptr, y_ptr, M, N, stride_ym, off_m, off_n, n_k,
-                           STAGES, HAS_BIAS, NUM_WARPS, DEQ_BITS)),
-                (_rs_loader, (x_desc, w_desc, s_desc, x_smem, w8_smem, s_smem, ready, empty, off_m, off_n, n_k, STAGES)),
-            ],
-            [1],
-            [LOADER_REGS],
-        )  # fmt: skip
+            mbarrier.init(empty.index(s), count=2 if SPLIT_WG else 1)
+        if SPLIT_WG:
+            gl.static_assert(BLOCK_W == 128 and NUM_WARPS == 4, "two warpgroups of 64 weight rows")
+            gl.warp_specialize(
+                [
+                    (_rs_mma, (x_smem, w8_smem, s_smem, ready, empty, b_ptr, y_ptr, M, N, stride_ym, off_m, off_n, n_k,
+                               STAGES, HAS_BIAS, 4, DEQ_BITS, 0)),
+                    (_rs_mma, (x_smem, w8_smem, s_smem, ready, empty, b_ptr, y_ptr, M, N, stride_ym, off_m, off_n, n_k,
+                               STAGES, HAS_BIAS, 4, DEQ_BITS, 64)),
+                    (_rs_loader, (x_desc, w_desc, s_desc, x_smem, w8_smem, s_smem, ready, empty, off_m, off_n, n_k, STAGES)),
+                ],
+                [4, 1],
+                [MMA_REGS, LOADER_REGS],
+            )  # fmt: skip
+        else:
+            gl.static_assert(BLOCK_W == 16 * NUM_WARPS, "16 weight rows a warp")
+            gl.warp_specialize(
+                [
+                    (_rs_mma, (x_smem, w8_smem, s_smem, ready, empty, b_ptr, y_ptr, M, N, stride_ym, off_m, off_n, n_k,
+                               STAGES, HAS_BIAS, NUM_WARPS, DEQ_BITS, 0)),
+                    (_rs_loader, (x_desc, w_desc, s_desc, x_smem, w8_smem, s_smem, ready, empty, off_m, off_n, n_k, STAGES)),
+                ],
+                [1],
+                [LOADER_REGS],
+            )  # fmt: skip
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(s))
             mbarrier.invalidate(empty.index(s))
@@ -409,6 +431,8 @@ class PrefillRSConfig:
     maxnreg: int = 168  # 12 warps at launch (8 MMA + the loader's warpgroup); the MMA warps take the rest
     loader_regs: int = 24
     deq_bits: bool = True  # fp8 -> bf16 by bit moves (_rs_block)
+    split_wg: bool = False  # the two MMA warpgroups as two partitions (no per-step barrier between them)
+    mma_regs: int = 240  # split_wg: the worker MMA warpgroup's registers after setmaxnreg
 
 
 def takes(m: int, k: int, block_size: int) -> bool:
@@ -488,7 +512,8 @@ def mx_prefill_gemm_ws(
             x_desc, w_desc, s_desc, bias if bias is not None else y, y,
             m, n, k, n,
             STAGES=cfg.stages, GROUP=cfg.group, HAS_BIAS=bias is not None, LOADER_REGS=cfg.loader_regs,
-            NUM_WARPS=cfg.num_warps, DEQ_BITS=cfg.deq_bits, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
+            NUM_WARPS=4 if cfg.split_wg else cfg.num_warps, DEQ_BITS=cfg.deq_bits, SPLIT_WG=cfg.split_wg,
+            MMA_REGS=cfg.mma_regs, num_warps=4 if cfg.split_wg else cfg.num_warps, maxnreg=cfg.maxnreg,
         )  # fmt: skip
         return y
     s_desc = TensorDescriptor(st, [k // BS, n], list(st.stride()), [bk // BS, bw],

@@ -166,7 +166,7 @@ def compile_prefill_ws(stages=4, wbuf=3, maxnreg=128, conv_regs=96, loader_regs=
 
 
 def compile_prefill_rs(stages=3, maxnreg=168, loader_regs=24, block_x=256, block_w=128, block_k=64, bias=False, out="bf16",
-                       deq_bits=True):  # fmt: skip
+                       deq_bits=True, split_wg=False):  # fmt: skip
     """``gemm_prefill_ws._mx_prefill_rs_kernel`` (Gluon; the weight as the register operand) for
     sm_90 as mx_prefill_gemm_ws launches it with a ``PrefillRSConfig`` (bf16 X, E4M3 W)."""
     from triton.experimental.gluon import language as gl
@@ -174,7 +174,8 @@ def compile_prefill_rs(stages=3, maxnreg=168, loader_regs=24, block_x=256, block
 
     from mxq.kernels import gemm_prefill_ws as P
 
-    cons = dict(STAGES=stages, GROUP=8, HAS_BIAS=bias, LOADER_REGS=loader_regs, NUM_WARPS=8, DEQ_BITS=deq_bits)
+    cons = dict(STAGES=stages, GROUP=8, HAS_BIAS=bias, LOADER_REGS=loader_regs, NUM_WARPS=4 if split_wg else 8,
+                DEQ_BITS=deq_bits, SPLIT_WG=split_wg, MMA_REGS=240)  # fmt: skip
     lx = gl.NVMMASharedLayout.get_default_for([block_x, block_k], gl.bfloat16)
     lw = gl.NVMMASharedLayout.get_default_for([block_w, block_k], gl.float8e4nv)
     ls = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
@@ -182,7 +183,7 @@ def compile_prefill_rs(stages=3, maxnreg=168, loader_regs=24, block_x=256, block
         "x_desc": f"tensordesc<bf16[{block_x}, {block_k}],{lx!r}>", "w_desc": f"tensordesc<fp8e4nv[{block_w}, {block_k}],{lw!r}>",
         "s_desc": f"tensordesc<u8[{block_k // 32}, {block_w}],{ls!r}>", "b_ptr": "*bf16", "y_ptr": f"*{out}",
     }  # fmt: skip
-    return _compile_sm90(P._mx_prefill_rs_kernel, cons, ptrs, 8, 1, not_div16={"M"},
+    return _compile_sm90(P._mx_prefill_rs_kernel, cons, ptrs, 4 if split_wg else 8, 1, not_div16={"M"},
                          source=GluonASTSource, **({"maxnreg": maxnreg} if maxnreg else {}))  # fmt: skip
 
 
@@ -317,6 +318,7 @@ def main():
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--maxnreg", type=int, default=None)
     ap.add_argument("--merge", choices=("fused", "kernel"), default="fused", help="decode: split merge in the kernel or not")
+    ap.add_argument("--split-wg", action="store_true", help="prefill_rs: the two MMA warpgroups as two partitions")
     ap.add_argument("--ptxas", default=None, help="assemble with this ptxas instead of Triton's")
     ap.add_argument("--out", default=None, help="folder for k.ttgir, k.ptx, k.sass")
     args = ap.parse_args()
@@ -341,7 +343,8 @@ def main():
         k = compile_prefill_ws(stages=args.stages if args.stages != 3 else 4, maxnreg=args.maxnreg or 128)
         unit = "64-wide K step (the first backward branch may be a worker's loop)"
     elif args.kernel == "prefill_rs":
-        k = compile_prefill_rs(stages=args.stages, maxnreg=args.maxnreg or 168, deq_bits=args.deq != "fp32")
+        k = compile_prefill_rs(stages=args.stages, maxnreg=args.maxnreg or 168, deq_bits=args.deq != "fp32",
+                               split_wg=args.split_wg)  # fmt: skip
         unit = "64-wide K step (the MMA warps' loop)"
     elif args.kernel == "decode_f8":
         bm, bn, kb = (int(v) for v in args.tile.split("x"))

@@ -29,7 +29,10 @@ torch.manual_seed(0)
 dev = "cuda"
 CFGS = {"rs3": PrefillRSConfig(stages=3), "rs4": PrefillRSConfig(stages=4), "rs4g16": PrefillRSConfig(stages=4, group=16),
         "rs2": PrefillRSConfig(stages=2), "ss": PrefillWSConfig(),
-        "rs4cvt": PrefillRSConfig(stages=4, deq_bits=False), "rs3cvt": PrefillRSConfig(stages=3, deq_bits=False)}
+        "rs4cvt": PrefillRSConfig(stages=4, deq_bits=False), "rs3cvt": PrefillRSConfig(stages=3, deq_bits=False),
+        "rs5": PrefillRSConfig(stages=5), "rs4sw": PrefillRSConfig(stages=4, split_wg=True),
+        "rs5sw": PrefillRSConfig(stages=5, split_wg=True), "rs5swg16": PrefillRSConfig(stages=5, split_wg=True, group=16),
+        "rs3sw": PrefillRSConfig(stages=3, split_wg=True)}
 
 
 def mk(n, k, elem=E4M3, spread=False, subnormal=False):
@@ -62,7 +65,7 @@ if part in ("all", "check"):
         if bias is not None:
             ref = ref + bias.double()
             a = a + bias.double().abs()
-        for name in ("rs3", "rs4", "rs2", "rs4cvt"):
+        for name in os.environ.get("CHECK", "rs3,rs4,rs2,rs4cvt").split(","):
             for od in (torch.float32, torch.bfloat16):
                 try:
                     y = mx_prefill_gemm_ws(x, w, s, bias, out_dtype=od, config=CFGS[name])
