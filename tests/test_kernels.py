@@ -837,3 +837,97 @@ def test_gpu_prefill_ws_matches_reference(m, n, k, wel):
     ws[n // 2, 0] = 255
     y = PWS.mx_prefill_gemm_ws(x, w, ws, None, out_dtype=torch.float32)
     assert torch.isnan(y[:, n // 2]).all() and torch.isfinite(y[:, : n // 2]).all()
+
+
+# --------------------------------------------------------------------------------------
+# Register-operand warp-specialized prefill GEMM (gemm_prefill_ws, PrefillRSConfig; Hopper).
+# Dispatched for bf16 operands at M >= dispatch.PREFILL_RS_MIN_M.
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("elem,shift,msh", [(E4M3, 120, 4), (E5M2, 112, 5)])
+def test_prefill_rs_fp8_bit_moves(elem, shift, msh):
+    """The identity the kernel's byte moves use (``_fp8_bits_bf16``): for every finite code, the
+    bf16 with bits (sign << 15) | (code & 0x7F) << MSH is the fp8 value times 2**-SHIFT exactly —
+    subnormal codes and zero included — and two bf16 powers of two restore any scale byte."""
+    dt = torch.float8_e4m3fn if elem is E4M3 else torch.float8_e5m2
+    codes = torch.arange(256, dtype=torch.int32)
+    vals = codes.to(torch.uint8).view(dt).double()
+    ok = torch.isfinite(vals)
+    bits = ((codes & 0x80) << 8) | ((codes & 0x7F) << msh)
+    bf = bits.to(torch.int16).view(torch.bfloat16).double()  # low 16 bits
+    assert torch.equal(bf[ok], vals[ok] * 2.0**-shift)
+    for sb in (0, 1, 7, 100, 127, 134, 135, 200, 254):  # e_lo = min(sb - 127 + SHIFT, 127), e_hi = the rest
+        e = sb - 127 + shift
+        e_lo = min(e, 127)
+        assert -126 <= e_lo <= 127 and 0 <= e - e_lo <= 127
+
+
+@pytest.mark.skipif(not PWS.HAVE_GLUON, reason="needs Gluon")
+def test_prefill_rs_dispatch_rule(monkeypatch):
+    """Hopper, M >= PREFILL_RS_MIN_M, block 32: the register-operand kernel; smaller M, other
+    blocks, other devices or MXQ_PREFILL_RS=0: not."""
+    from mxq.kernels import dispatch as D
+
+    assert D._use_prefill_rs(D.PREFILL_RS_MIN_M, 4096, 32, True)
+    assert not D._use_prefill_rs(D.PREFILL_RS_MIN_M - 1, 4096, 32, True)
+    assert not D._use_prefill_rs(4096, 4096, 32, False)
+    assert not D._use_prefill_rs(4096, 4096, 16, True)
+    monkeypatch.setattr(D, "PREFILL_RS", False)
+    assert not D._use_prefill_rs(4096, 4096, 32, True)
+
+
+def _every_code_rows(w, ws, rows=3):
+    """Rows holding every finite fp8 code (zero, subnormals, both signs), one at scale byte 200."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(w.dtype)
+    codes = codes[torch.isfinite(codes.float())].to(w.device)
+    w[:rows] = codes.repeat(w.shape[1] // codes.numel() + 1)[: w.shape[1]]
+    ws[1] = 200
+    return w, ws
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,wel", [(1, 130, 64, E4M3), (300, 1000, 96, E4M3), (257, 384, 4224, E5M2), (513, 257, 32, E4M3), (2048, 1000, 2080, E4M3), (300, 4096, 4096, E5M2)])
+def test_gpu_prefill_rs_matches_reference(m, n, k, wel):
+    """The register-operand kernel on awkward shapes (ragged last K step, M and N not multiples of
+    the tile), every fp8 code on some rows and a scale of 2**73, bias, bf16/fp32 out, both byte
+    routes, split warpgroups and ring depths, against float64; equal to the emulation within fp32
+    accumulation order; a NaN scale byte gives a NaN column."""
+    gen = torch.Generator().manual_seed(m + n + k + 1)
+    w, ws, _ = _weight(n, k, wel, gen)
+    w, ws = _every_code_rows(w, ws)
+    w64 = dequantize_mx(MXTensor(w.cpu(), ws.cpu(), torch.Size((n, k)), -1, 32, wel), torch.float64).to(DEV)
+    x = _activations(m, k, torch.bfloat16, gen, special=False, decades=(-2, 1))
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16).to(DEV)
+    cfgs = [PWS.PrefillRSConfig(stages=4), PWS.PrefillRSConfig(stages=3, split_wg=True), PWS.PrefillRSConfig(stages=2, deq_bits=False)]
+    for cfg, out in zip(cfgs, (None, torch.float32, torch.bfloat16)):
+        y = PWS.mx_prefill_gemm_ws(x, w, ws, bias, out_dtype=out, config=cfg)
+        assert y.dtype == (out or torch.bfloat16) and y.shape == (m, n)
+        _assert_gemm_close(y, x, w64, bias, None)
+    y0 = G.mx_gemm(x, w, ws, bias, out_dtype=torch.float32)
+    y1 = PWS.mx_prefill_gemm_ws(x, w, ws, bias, out_dtype=torch.float32, config=PWS.PrefillRSConfig())
+    mag = x.double().abs() @ w64.abs().t()
+    assert ((y0.double() - y1.double()).abs() <= 2 * k * 2.0**-24 * mag + 1e-30).all()
+    ws[n // 2, 0] = 255
+    y = PWS.mx_prefill_gemm_ws(x, w, ws, None, out_dtype=torch.float32, config=PWS.PrefillRSConfig())
+    assert torch.isnan(y[:, n // 2]).all() and torch.isfinite(y[:, : n // 2]).all()
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", [None, E4M3])
+def test_gpu_dispatch_prefill_rs(act):
+    """mx_linear at M >= PREFILL_RS_MIN_M on Hopper runs the register-operand kernel (path_name)
+    and computes the reference's function (W8A16 and W8A8, 3-D input, bias)."""
+    from mxq.kernels import dispatch as D
+
+    gen = torch.Generator().manual_seed(14)
+    n, k = 520, 1056
+    w, ws, w64 = _weight(n, k, E4M3, gen)
+    x = _activations(2 * 301, k, torch.bfloat16, gen, special=False, decades=(-2, 1)).reshape(2, 301, k)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16).to(DEV)
+    assert D.path_name(602, n, k, x.device, w8a8=act is not None).startswith("register-operand prefill")
+    y = D.mx_linear(x, w, ws, bias, act_elem=act)
+    assert y.shape == (2, 301, n) and y.dtype == torch.bfloat16
+    _assert_gemm_close(y.reshape(-1, n), x.reshape(-1, k), w64, bias, act)

@@ -170,6 +170,27 @@ def test_prefill_ws_compiles_warp_specialized(tmp_path):
     assert int(re.search(r"registers/thread (\d+)", out).group(1)) <= 128
 
 
+@pytest.mark.parametrize("split", [False, True])
+def test_prefill_rs_compiles_register_operand(tmp_path, split):
+    """The register-operand prefill GEMM (gemm_prefill_ws._mx_prefill_rs_kernel) compiled for
+    sm_90: bf16 wgmmas m64n256k16 whose left operand comes from registers (4 a step, loop + last
+    step, per MMA partition), no write to a register an in-flight wgmma reads (the hazard that gave
+    wrong sums when the operands were loop-carried), the fp8 -> bf16 by byte moves (no F2F in the
+    MMA loop), TMA loads only, the loader warp at 24 registers, no spills."""
+    pytest.importorskip("triton.experimental.gluon")
+    out = _cli("--kernel", "prefill_rs", "--stages", "4", *(["--split-wg"] if split else []), "--out", str(tmp_path))
+    sass = (tmp_path / "k.sass").read_text()
+    hg = re.findall(r"HGMMA\.64x256x16\.F32\.BF16 R\d+, R(\d+), gdesc", sass)
+    assert len(hg) == (16 if split else 8)
+    assert _hazards(out) == 0
+    loop = re.search(r"main loop: (\d+) instructions", out)
+    assert loop and int(loop.group(1)) < 300
+    assert "F2F" not in out.split("main loop")[1].split("wgmma register hazards")[0]
+    assert "USETMAXREG.DEALLOC.CTAPOOL 0x18" in sass
+    assert not re.search(r"\b(LDL|STL)\b", sass), "register spills"
+    assert "LDG" not in sass.replace("UTMALDG", "")
+
+
 @pytest.mark.parametrize("d,maxnreg", [(128, 128), (64, 80)])
 def test_attention_decode_ws_compiles_warp_specialized(tmp_path, d, maxnreg):
     """The warp-specialized attention decode kernel (kernels/attention_decode_ws.py, Gluon) compiled
