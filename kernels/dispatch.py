@@ -9,7 +9,7 @@
   per 32-block, no weight conversion); larger M: the exact emulation in ``gemm.mx_gemm``;
   W8A8 rounds X inside it up to ``gemm.GEMM_QUANT_MAX_M`` rows, above that first
   (``quantize.fake_quantize_mx_rows``, bf16 out, exact) in a separate launch. On Hopper with
-  Gluon, bf16 X and M >= ``PREFILL_RS_MIN_M``: ``gemm_prefill_ws`` with ``PrefillRSConfig`` (the
+  Gluon, bf16 X, M >= ``PREFILL_RS_MIN_M`` and a tile per SM: ``gemm_prefill_ws`` with ``PrefillRSConfig`` (the
   same exact product, warp-specialized: a TMA loader warp, the weight converted in registers).
 - CPU, or Triton absent: ``mx_linear_reference`` (the function every path must compute).
 
@@ -51,12 +51,14 @@ DECODE_F8_DISPATCH_M = 16
 # the rescale). H200 session 8: 1.0-1.3x gemm_decode at M = 16, 1.0-1.3x the gemv at M = 1.
 # MXQ_DECODE_WS=0 keeps the session-7 paths.
 DECODE_WS = os.environ.get("MXQ_DECODE_WS", "1") != "0"
-# On Hopper with Gluon, bf16 operands (W8A16 with bf16 X; W8A8 after rounding X into bf16) and
-# M >= PREFILL_RS_MIN_M: the register-operand warp-specialized prefill GEMM (gemm_prefill_ws,
-# PrefillRSConfig). H100 session 14: 1.04-1.13x the emulation on the 8 Llama-3 8B/70B shapes at
-# M = 2048, 0.78-0.88x cuBLAS bf16. MXQ_PREFILL_RS=0 keeps the emulation.
+# On Hopper with Gluon, bf16 operands (W8A16 with bf16 X; W8A8 after rounding X into bf16),
+# M >= PREFILL_RS_MIN_M and at least one 256 x 128 output tile per SM: the register-operand
+# warp-specialized prefill GEMM (gemm_prefill_ws, PrefillRSConfig). H100 session 14: faster than
+# the emulation on all 12 Llama-3 8B/70B rows at M = 2048 and 8192 (0.73-0.88x cuBLAS bf16 vs
+# 0.68-0.85x); slower at M <= 512 and where the tiles leave SMs idle (the emulation splits K
+# there). MXQ_PREFILL_RS=0 keeps the emulation.
 PREFILL_RS = os.environ.get("MXQ_PREFILL_RS", "1") != "0"
-PREFILL_RS_MIN_M = 256
+PREFILL_RS_MIN_M = 1024
 
 
 def _capability(device: torch.device) -> tuple[int, int]:
@@ -118,14 +120,18 @@ def path_name(m: int, n: int, k: int, device: torch.device, w8a8: bool = True) -
         return f"CUDA-core gemv {_gemm.pick_gemv_config(m, n, k, device)}"
     if w8a8 and cap >= (8, 9) and m <= DECODE_F8_DISPATCH_M:
         return f"fp8 MMA decode {_decode.pick_decode_f8_config(m, n, k, device)}"
-    if _use_prefill_rs(m, k, 32, cap[0] == 9):
+    if _use_prefill_rs(m, n, k, 32, cap[0] == 9, device):
         return f"register-operand prefill, warp-specialized {_prefill_ws.pick_prefill_rs_config(m, n, k, device)}"
     return f"emulation {_gemm.pick_config(m, n, k, device)}"
 
 
-def _use_prefill_rs(m: int, k: int, block_size: int, hopper: bool) -> bool:
-    """Large M on sm_90: the register-operand prefill kernel where it takes the shape (Gluon, block 32)."""
-    return PREFILL_RS and hopper and m >= PREFILL_RS_MIN_M and _prefill_ws.takes(m, k, block_size)
+def _use_prefill_rs(m: int, n: int, k: int, block_size: int, hopper: bool, device: torch.device) -> bool:
+    """Large M on sm_90: the register-operand prefill kernel where it takes the shape (Gluon, block
+    32) and its [256, 128] output tiles fill the SMs once."""
+    if not (PREFILL_RS and hopper and m >= PREFILL_RS_MIN_M and _prefill_ws.takes(m, k, block_size)):
+        return False
+    cfg = _prefill_ws.pick_prefill_rs_config(m, n, k, device)
+    return -(-m // cfg.block_x) * -(-n // cfg.block_w) >= _gemm._sm_count(device)
 
 
 def _use_ws(m: int, k: int, block_size: int, hopper: bool) -> bool:
@@ -205,7 +211,7 @@ def mx_linear_triton(
     else:
         if act_elem is not None:
             x2 = _quantize.fake_quantize_mx_rows(x2, act_elem, act_rule, block_size, out_dtype=torch.bfloat16)
-        if x2.dtype == torch.bfloat16 and _use_prefill_rs(x2.shape[0], k, block_size, hopper):
+        if x2.dtype == torch.bfloat16 and _use_prefill_rs(x2.shape[0], weight.shape[0], k, block_size, hopper, x2.device):
             # Prefill on Hopper: the weight converted in registers as wgmma's left operand,
             # overlapped with the previous step's MMAs (gemm_prefill_ws, NOTES.md session 14).
             y = _prefill_ws.mx_prefill_gemm_ws(

@@ -865,16 +865,22 @@ def test_prefill_rs_fp8_bit_moves(elem, shift, msh):
 
 @pytest.mark.skipif(not PWS.HAVE_GLUON, reason="needs Gluon")
 def test_prefill_rs_dispatch_rule(monkeypatch):
-    """Hopper, M >= PREFILL_RS_MIN_M, block 32: the register-operand kernel; smaller M, other
+    """Hopper, M >= PREFILL_RS_MIN_M, block 32, at least one [256, 128] tile per SM: the
+    register-operand kernel; fewer tiles (8B o_proj at M = 1024 on 132 SMs), smaller M, other
     blocks, other devices or MXQ_PREFILL_RS=0: not."""
     from mxq.kernels import dispatch as D
 
-    assert D._use_prefill_rs(D.PREFILL_RS_MIN_M, 4096, 32, True)
-    assert not D._use_prefill_rs(D.PREFILL_RS_MIN_M - 1, 4096, 32, True)
-    assert not D._use_prefill_rs(4096, 4096, 32, False)
-    assert not D._use_prefill_rs(4096, 4096, 16, True)
+    monkeypatch.setattr(G, "_sm_count", lambda device: 132)
+    dev = torch.device("cuda", 0)
+    m0 = D.PREFILL_RS_MIN_M
+    assert D._use_prefill_rs(2048, 4096, 4096, 32, True, dev)  # 8 x 32 = 256 tiles
+    assert D._use_prefill_rs(1024, 6144, 4096, 32, True, dev)  # 4 x 48 = 192
+    assert not D._use_prefill_rs(1024, 4096, 4096, 32, True, dev)  # 4 x 32 = 128 < 132
+    assert not D._use_prefill_rs(m0 - 1, 57344, 8192, 32, True, dev)
+    assert not D._use_prefill_rs(4096, 4096, 4096, 32, False, dev)
+    assert not D._use_prefill_rs(4096, 4096, 4096, 16, True, dev)
     monkeypatch.setattr(D, "PREFILL_RS", False)
-    assert not D._use_prefill_rs(4096, 4096, 32, True)
+    assert not D._use_prefill_rs(4096, 4096, 4096, 32, True, dev)
 
 
 def _every_code_rows(w, ws, rows=3):
@@ -923,11 +929,11 @@ def test_gpu_dispatch_prefill_rs(act):
     from mxq.kernels import dispatch as D
 
     gen = torch.Generator().manual_seed(14)
-    n, k = 520, 1056
+    n, k, m = 8200, 1056, 1031  # 5 x 65 tiles
     w, ws, w64 = _weight(n, k, E4M3, gen)
-    x = _activations(2 * 301, k, torch.bfloat16, gen, special=False, decades=(-2, 1)).reshape(2, 301, k)
+    x = _activations(m, k, torch.bfloat16, gen, special=False, decades=(-2, 1)).reshape(1, m, k)
     bias = torch.randn(n, generator=gen).to(torch.bfloat16).to(DEV)
-    assert D.path_name(602, n, k, x.device, w8a8=act is not None).startswith("register-operand prefill")
+    assert D.path_name(m, n, k, x.device, w8a8=act is not None).startswith("register-operand prefill")
     y = D.mx_linear(x, w, ws, bias, act_elem=act)
-    assert y.shape == (2, 301, n) and y.dtype == torch.bfloat16
+    assert y.shape == (1, m, n) and y.dtype == torch.bfloat16
     _assert_gemm_close(y.reshape(-1, n), x.reshape(-1, k), w64, bias, act)
