@@ -1,4 +1,14 @@
-"""MX GEMM for prefill (large M) on Hopper, warp-specialized (Gluon, sm_90).
+"""MX GEMM for prefill (large M) on Hopper, warp-specialized (Gluon, sm_90): two kernels.
+
+``_mx_prefill_rs_kernel`` (``PrefillRSConfig``; dispatched on Hopper at M >= 1024, dispatch.py):
+a loader warp streams X [256, 64] bf16, W [128, 64] fp8 and the step's scales through a 4-stage
+TMA ring; two MMA warpgroups (64 weight rows each) turn their fp8 rows into bf16 · 2**scale in
+registers (byte moves + two exact bf16 products, ``_rs_block``) and issue wgmmas with that as the
+left operand (Yᵀ = W·Xᵀ), converting step i+1 while step i's wgmmas run. No operand of an
+in-flight wgmma is loop-carried (ptxas would reuse its registers: kernels/NOTES.md session 14).
+
+``_mx_prefill_ws_kernel`` (``PrefillWSConfig``, session 9, not dispatched: slower) is described
+below.
 
 The same function as ``gemm._mx_gemm_kernel`` (read its module doc first): Y = X · dequant(W)ᵀ
 with X in bf16 (W8A8 callers round X to MX first, exactly, into bf16) and each weight element
