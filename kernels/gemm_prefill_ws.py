@@ -91,19 +91,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _loader(x_desc, w_desc, s_desc, x_smem, w8_smem, s_smem, wb_smem, ready, empty, wready, wempty,
                 off_m, off_n, n_k, STAGES: gl.constexpr, WBUF: gl.constexpr):  # fmt: skip
-        """Loader warp: TMA X [BLOCK_M, BLOCK_K], W [BLOCK_N, BLOCK_K] and the step's scales
-        [BLOCK_K / 32, BLOCK_N] (transposed) into the ring."""
-        BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
-        nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes
-        for i in range(n_k):
-            s = i % STAGES
-            # a fresh barrier counts as having completed the phase before 0: the first round passes
-            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-            bar = ready.index(s)
-            mbarrier.expect(bar, nbytes)
-            tma.async_copy_global_to_shared(x_desc, [off_m, i * BLOCK_K], bar, x_smem.index(s))
-            tma.async_copy_global_to_shared(w_desc, [off_n, i * BLOCK_K], bar, w8_smem.index(s))
-            tma.async_copy_global_to_shared(s_desc, [i * (BLOCK_K // 32), off_n], bar, s_smem.index(s))
+        """Loader warp of the shared x shared kernel: ``_ring_loader`` (the workers share one argument tuple)."""
+        _ring_loader(x_desc, w_desc, s_desc, x_smem, w8_smem, s_smem, ready, empty, off_m, off_n, n_k, STAGES)
 
     @gluon.jit
     def _converter(x_desc, w_desc, s_desc, x_smem, w8_smem, s_smem, wb_smem, ready, empty, wready, wempty,
@@ -235,13 +224,15 @@ if HAVE_GLUON:
             return w.to(gl.bfloat16) * _bf16_pow2(sb)[:, None]
 
     @gluon.jit
-    def _rs_loader(x_desc, w_desc, s_desc, x_smem, w8_smem, s_smem, ready, empty, off_m, off_n, n_k,
-                   STAGES: gl.constexpr):  # fmt: skip
-        """Loader warp of the register-operand kernel: X, W and scales per K step into the ring."""
+    def _ring_loader(x_desc, w_desc, s_desc, x_smem, w8_smem, s_smem, ready, empty, off_m, off_n, n_k,
+                     STAGES: gl.constexpr):  # fmt: skip
+        """Loader warp (both kernels): TMA X [BLOCK_M, BLOCK_K], W [BLOCK_N, BLOCK_K] and the step's
+        scales [BLOCK_K / 32, BLOCK_N] (transposed) into ring stage i % STAGES, once it is empty."""
         BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
         nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes
         for i in range(n_k):
             s = i % STAGES
+            # a fresh barrier counts as having completed the phase before 0: the first round passes
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
             bar = ready.index(s)
             mbarrier.expect(bar, nbytes)
@@ -339,7 +330,7 @@ if HAVE_GLUON:
                                STAGES, HAS_BIAS, 4, DEQ_BITS, 0)),
                     (_rs_mma, (x_smem, w8_smem, s_smem, ready, empty, b_ptr, y_ptr, M, N, stride_ym, off_m, off_n, n_k,
                                STAGES, HAS_BIAS, 4, DEQ_BITS, 64)),
-                    (_rs_loader, (x_desc, w_desc, s_desc, x_smem, w8_smem, s_smem, ready, empty, off_m, off_n, n_k, STAGES)),
+                    (_ring_loader, (x_desc, w_desc, s_desc, x_smem, w8_smem, s_smem, ready, empty, off_m, off_n, n_k, STAGES)),
                 ],
                 [4, 1],
                 [MMA_REGS, LOADER_REGS],
@@ -350,7 +341,7 @@ if HAVE_GLUON:
                 [
                     (_rs_mma, (x_smem, w8_smem, s_smem, ready, empty, b_ptr, y_ptr, M, N, stride_ym, off_m, off_n, n_k,
                                STAGES, HAS_BIAS, NUM_WARPS, DEQ_BITS, 0)),
-                    (_rs_loader, (x_desc, w_desc, s_desc, x_smem, w8_smem, s_smem, ready, empty, off_m, off_n, n_k, STAGES)),
+                    (_ring_loader, (x_desc, w_desc, s_desc, x_smem, w8_smem, s_smem, ready, empty, off_m, off_n, n_k, STAGES)),
                 ],
                 [1],
                 [LOADER_REGS],
