@@ -66,7 +66,25 @@ def _stub(*args, **kwargs):  # pragma: no cover
     raise RuntimeError("gemm_prefill_ws needs Gluon (triton >= 3.5)")
 
 
+
+
+def _bits_asm(shift: int, mask: int) -> str:
+    """PTX for ``_fp8_bits_bf16``: two fp8 codes (bits 0-15 of $1) -> two bf16 patterns in $0:
+    each code's byte moved to the top of its 16-bit half, the sign kept, the other 7 bits shifted
+    right by ``shift`` into the exponent/mantissa fields (``mask``)."""
+    return f"""{{
+    .reg .b32 t, u;
+    prmt.b32 t, $1, 0, 0x1404;
+    shr.b32 u, t, {shift};
+    and.b32 u, u, {mask:#010x};
+    and.b32 t, t, 0x80008000;
+    or.b32 $0, t, u;
+    }}"""
+
+
 if HAVE_GLUON:
+    _BITS_E4M3 = gl.constexpr(_bits_asm(4, 0x07F007F0))  # (code & 0x7F) << 4: x · 2**-120
+    _BITS_E5M2 = gl.constexpr(_bits_asm(3, 0x0FE00FE0))  # (code & 0x7F) << 5: x · 2**-112
 
     @gluon.jit
     def _pow2(sb):
@@ -173,23 +191,9 @@ if HAVE_GLUON:
         (one 16-bit shared load) per register: a byte permute, a shift and two masks (Triton's
         integer ops on the unpacked codes took ~3x the instructions)."""
         if MSH == 4:
-            asm: gl.constexpr = """{
-            .reg .b32 t, u;
-            prmt.b32 t, $1, 0, 0x1404;
-            shr.b32 u, t, 4;
-            and.b32 u, u, 0x07F007F0;
-            and.b32 t, t, 0x80008000;
-            or.b32 $0, t, u;
-            }"""
+            asm: gl.constexpr = _BITS_E4M3
         else:
-            asm: gl.constexpr = """{
-            .reg .b32 t, u;
-            prmt.b32 t, $1, 0, 0x1404;
-            shr.b32 u, t, 3;
-            and.b32 u, u, 0x0FE00FE0;
-            and.b32 t, t, 0x80008000;
-            or.b32 $0, t, u;
-            }"""
+            asm: gl.constexpr = _BITS_E5M2
         return gl.inline_asm_elementwise(asm, "=r,r", [v], dtype=gl.bfloat16, is_pure=True, pack=2)
 
     @gluon.jit
