@@ -32,6 +32,7 @@ try:
     from mxq.kernels import gemm_decode_ws as _decode_ws
     from mxq.kernels import gemm_prefill_ws as _prefill_ws
     from mxq.kernels import quantize as _quantize
+    from mxq.kernels.launch import cdiv
 
     HAS_TRITON = True
 except ImportError:  # no triton wheel (macOS, Windows): the reference runs everywhere
@@ -120,18 +121,19 @@ def path_name(m: int, n: int, k: int, device: torch.device, w8a8: bool = True) -
         return f"CUDA-core gemv {_gemm.pick_gemv_config(m, n, k, device)}"
     if w8a8 and cap >= (8, 9) and m <= DECODE_F8_DISPATCH_M:
         return f"fp8 MMA decode {_decode.pick_decode_f8_config(m, n, k, device)}"
-    if _use_prefill_rs(m, n, k, 32, cap[0] == 9, device):
-        return f"register-operand prefill, warp-specialized {_prefill_ws.pick_prefill_rs_config(m, n, k, device)}"
+    cfg = _prefill_rs_config(m, n, k, 32, cap[0] == 9, device)
+    if cfg is not None:
+        return f"register-operand prefill, warp-specialized {cfg}"
     return f"emulation {_gemm.pick_config(m, n, k, device)}"
 
 
-def _use_prefill_rs(m: int, n: int, k: int, block_size: int, hopper: bool, device: torch.device) -> bool:
-    """Large M on sm_90: the register-operand prefill kernel where it takes the shape (Gluon, block
-    32) and its [256, 128] output tiles fill the SMs once."""
+def _prefill_rs_config(m: int, n: int, k: int, block_size: int, hopper: bool, device: torch.device):
+    """Large M on sm_90: the register-operand prefill kernel's config where it takes the shape
+    (Gluon, block 32) and its [256, 128] output tiles fill the SMs once; else None."""
     if not (PREFILL_RS and hopper and m >= PREFILL_RS_MIN_M and _prefill_ws.takes(m, k, block_size)):
-        return False
+        return None
     cfg = _prefill_ws.pick_prefill_rs_config(m, n, k, device)
-    return -(-m // cfg.block_x) * -(-n // cfg.block_w) >= _gemm._sm_count(device)
+    return cfg if cdiv(m, cfg.block_x) * cdiv(n, cfg.block_w) >= _gemm._sm_count(device) else None
 
 
 def _use_ws(m: int, k: int, block_size: int, hopper: bool) -> bool:
@@ -211,12 +213,12 @@ def mx_linear_triton(
     else:
         if act_elem is not None:
             x2 = _quantize.fake_quantize_mx_rows(x2, act_elem, act_rule, block_size, out_dtype=torch.bfloat16)
-        if x2.dtype == torch.bfloat16 and _use_prefill_rs(x2.shape[0], weight.shape[0], k, block_size, hopper, x2.device):
+        rs = _prefill_rs_config(x2.shape[0], weight.shape[0], k, block_size, hopper, x2.device)
+        if x2.dtype == torch.bfloat16 and rs is not None:
             # Prefill on Hopper: the weight converted in registers as wgmma's left operand,
             # overlapped with the previous step's MMAs (gemm_prefill_ws, NOTES.md session 14).
             y = _prefill_ws.mx_prefill_gemm_ws(
-                x2, weight, weight_scale, bias, out_dtype=x.dtype, block_size=block_size,
-                config=_prefill_ws.pick_prefill_rs_config(x2.shape[0], weight.shape[0], k, x2.device),
+                x2, weight, weight_scale, bias, out_dtype=x.dtype, block_size=block_size, config=rs,
             )  # fmt: skip
         else:
             y = _gemm.mx_gemm(x2, weight, weight_scale, bias, out_dtype=x.dtype, block_size=block_size)

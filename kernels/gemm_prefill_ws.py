@@ -178,14 +178,6 @@ if HAVE_GLUON:
         gl.store(y_ptr + offs_m.to(gl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
     @gluon.jit
-    def _bf16_pow2(sb):
-        """E8M0 bytes (int32) -> bf16 2**(byte-127), exact: bits byte << 7; 0 -> 2**-127 (the
-        subnormal 0x0040), 255 -> NaN (as ``_pow2``)."""
-        b = gl.where(sb == 0, 0x40, sb << 7)
-        b = gl.where(sb == 255, 0x7FC0, b)
-        return b.to(gl.int16).to(gl.bfloat16, bitcast=True)
-
-    @gluon.jit
     def _fp8_bits_bf16(v, MSH: gl.constexpr):
         """fp8 codes (uint8) -> bf16 with bits (sign << 15) | (code & 0x7F) << MSH, a pair of codes
         (one 16-bit shared load) per register: a byte permute, a shift and two masks (Triton's
@@ -225,7 +217,7 @@ if HAVE_GLUON:
             f_hi = gl.where(sb == 255, float("nan"), _bf16_exp2(e - e_lo).to(gl.float32)).to(gl.bfloat16)
             return wb * _bf16_exp2(e_lo)[:, None] * f_hi[:, None]
         else:
-            return w.to(gl.bfloat16) * _bf16_pow2(sb)[:, None]
+            return w.to(gl.bfloat16) * _pow2(sb).to(gl.bfloat16)[:, None]  # powers of two: exact in bf16
 
     @gluon.jit
     def _ring_loader(x_desc, w_desc, s_desc, x_smem, w8_smem, s_smem, ready, empty, off_m, off_n, n_k,

@@ -873,14 +873,14 @@ def test_prefill_rs_dispatch_rule(monkeypatch):
     monkeypatch.setattr(G, "_sm_count", lambda device: 132)
     dev = torch.device("cuda", 0)
     m0 = D.PREFILL_RS_MIN_M
-    assert D._use_prefill_rs(2048, 4096, 4096, 32, True, dev)  # 8 x 32 = 256 tiles
-    assert D._use_prefill_rs(1024, 6144, 4096, 32, True, dev)  # 4 x 48 = 192
-    assert not D._use_prefill_rs(1024, 4096, 4096, 32, True, dev)  # 4 x 32 = 128 < 132
-    assert not D._use_prefill_rs(m0 - 1, 57344, 8192, 32, True, dev)
-    assert not D._use_prefill_rs(4096, 4096, 4096, 32, False, dev)
-    assert not D._use_prefill_rs(4096, 4096, 4096, 16, True, dev)
+    assert D._prefill_rs_config(2048, 4096, 4096, 32, True, dev)  # 8 x 32 = 256 tiles
+    assert D._prefill_rs_config(1024, 6144, 4096, 32, True, dev)  # 4 x 48 = 192
+    assert not D._prefill_rs_config(1024, 4096, 4096, 32, True, dev)  # 4 x 32 = 128 < 132
+    assert not D._prefill_rs_config(m0 - 1, 57344, 8192, 32, True, dev)
+    assert not D._prefill_rs_config(4096, 4096, 4096, 32, False, dev)
+    assert not D._prefill_rs_config(4096, 4096, 4096, 16, True, dev)
     monkeypatch.setattr(D, "PREFILL_RS", False)
-    assert not D._use_prefill_rs(4096, 4096, 4096, 32, True, dev)
+    assert not D._prefill_rs_config(4096, 4096, 4096, 32, True, dev)
 
 
 def _every_code_rows(w, ws, rows=3):
