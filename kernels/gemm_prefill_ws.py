@@ -4,8 +4,11 @@
 a loader warp streams X [256, 64] bf16, W [128, 64] fp8 and the step's scales through a 4-stage
 TMA ring; two MMA warpgroups (64 weight rows each) turn their fp8 rows into bf16 · 2**scale in
 registers (byte moves + two exact bf16 products, ``_rs_block``) and issue wgmmas with that as the
-left operand (Yᵀ = W·Xᵀ), converting step i+1 while step i's wgmmas run. No operand of an
-in-flight wgmma is loop-carried (ptxas would reuse its registers: kernels/NOTES.md session 14).
+left operand (Yᵀ = W·Xᵀ), converting step i+1 while step i's wgmmas run, and issuing step i+1
+before waiting for step i (the loop unrolled by two, two operand register sets taking turns, so
+no in-flight operand is copied at the back edge: ptxas would let the copy overwrite registers a
+running wgmma reads, kernels/NOTES.md sessions 14-15). ``persistent=True`` walks tiles per
+program instead (tested, measured slower).
 
 ``_mx_prefill_ws_kernel`` (``PrefillWSConfig``, session 9, not dispatched: slower) is described
 below.
@@ -40,7 +43,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from mxq.kernels.gemm import _check_gemm_args, _operands_and_output
+from mxq.kernels.gemm import _check_gemm_args, _operands_and_output, _sm_count
 from mxq.kernels.quantize import _capability
 
 try:  # Gluon: Triton >= 3.5
@@ -95,8 +98,12 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _tile_coords(M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP: gl.constexpr):
+        """This program's tile (one tile per program)."""
+        return _tile_of(gl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP)
+
+    @gluon.jit
+    def _tile_of(pid, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP: gl.constexpr):
         """Grouped order: GROUP row tiles of X walk the same weight columns (L2 reuse of W)."""
-        pid = gl.program_id(0)
         tiles_m = gl.cdiv(M, BLOCK_M)
         tiles_n = gl.cdiv(N, BLOCK_N)
         per_group = GROUP * tiles_n
@@ -222,14 +229,22 @@ if HAVE_GLUON:
     @gluon.jit
     def _ring_loader(x_desc, w_desc, s_desc, x_smem, w8_smem, s_smem, ready, empty, off_m, off_n, n_k,
                      STAGES: gl.constexpr):  # fmt: skip
-        """Loader warp (both kernels): TMA X [BLOCK_M, BLOCK_K], W [BLOCK_N, BLOCK_K] and the step's
-        scales [BLOCK_K / 32, BLOCK_N] (transposed) into ring stage i % STAGES, once it is empty."""
+        """Loader warp (both kernels, one tile per program): ``_ring_fill`` from ring step 0."""
+        _ring_fill(x_desc, w_desc, s_desc, x_smem, w8_smem, s_smem, ready, empty, off_m, off_n, n_k, 0, STAGES)
+
+    @gluon.jit
+    def _ring_fill(x_desc, w_desc, s_desc, x_smem, w8_smem, s_smem, ready, empty, off_m, off_n, n_k, base,
+                   STAGES: gl.constexpr):  # fmt: skip
+        """TMA X [BLOCK_M, BLOCK_K], W [BLOCK_N, BLOCK_K] and the step's scales [BLOCK_K / 32,
+        BLOCK_N] (transposed) of one tile's n_k steps into the ring, step i in ring step base + i
+        (stage (base + i) % STAGES), once that stage is empty."""
         BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
         nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes
         for i in range(n_k):
-            s = i % STAGES
+            r = base + i
+            s = r % STAGES
             # a fresh barrier counts as having completed the phase before 0: the first round passes
-            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+            mbarrier.wait(empty.index(s), ((r // STAGES) & 1) ^ 1)
             bar = ready.index(s)
             mbarrier.expect(bar, nbytes)
             tma.async_copy_global_to_shared(x_desc, [off_m, i * BLOCK_K], bar, x_smem.index(s))
@@ -237,46 +252,110 @@ if HAVE_GLUON:
             tma.async_copy_global_to_shared(s_desc, [i * (BLOCK_K // 32), off_n], bar, s_smem.index(s))
 
     @gluon.jit
-    def _rs_mma(x_smem, w8_smem, s_smem, ready, empty, b_ptr, y_ptr, M, N, stride_ym, off_m, off_n, n_k,
-                STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, NUM_WARPS: gl.constexpr, DEQ_BITS: gl.constexpr,
-                ROW0: gl.constexpr):  # fmt: skip
-        """MMA warps (NUM_WARPS / 4 warpgroups, 64 weight rows each, from row ROW0 of the program's
-        weight tile): accᵀ [rows, BLOCK_X] += (W · 2**s) X tileᵀ.
-        Step i is issued, then step i+1's register operands are converted while it runs, then
-        step i is waited for. The operands a wgmma reads are never loop-carried while it is in
-        flight: carried registers get rewritten at the back edge, and ptxas 13.5 does not stop
-        that (sass_dev's hazard check found 43 such writes in a wait-for-the-previous-step loop,
-        and the GPU gave wrong sums)."""
-        BLOCK_X: gl.constexpr = x_smem.type.shape[1]
+    def _rs_loader_tiles(x_desc, w_desc, s_desc, x_smem, w8_smem, s_smem, ready, empty, M, N, n_k,
+                         GROUP: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+        """Loader warp of the persistent kernel: the program's tiles one after another through one
+        ring, so the next tile's first stages load while the MMA warps store the last one."""
+        BLOCK_X: gl.constexpr = x_desc.block_type.shape[0]
+        BLOCK_W: gl.constexpr = w_desc.block_type.shape[0]
+        n_tiles = gl.cdiv(M, BLOCK_X) * gl.cdiv(N, BLOCK_W)
+        base = 0
+        for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            off_m, off_n = _tile_of(tile, M, N, BLOCK_X, BLOCK_W, GROUP)
+            _ring_fill(x_desc, w_desc, s_desc, x_smem, w8_smem, s_smem, ready, empty, off_m, off_n, n_k, base, STAGES)
+            base += n_k
+
+    @gluon.jit
+    def _rs_operands(w8_smem, s_smem, r, a_l: gl.constexpr, DEQ_BITS: gl.constexpr, ROW0: gl.constexpr,
+                     ROWS: gl.constexpr, ready, STAGES: gl.constexpr):  # fmt: skip
+        """Ring step r's two MX blocks of this warpgroup's weight rows as wgmma register operands
+        (waits for the stage to be loaded)."""
         BLOCK_W: gl.constexpr = w8_smem.type.shape[1]
+        flat_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        s = r % STAGES
+        mbarrier.wait(ready.index(s), (r // STAGES) & 1)
+        s_flat = s_smem.index(s)._reinterpret(gl.uint8, [2 * BLOCK_W], flat_l)
+        w8 = w8_smem.index(s).slice(ROW0, ROWS, dim=0)
+        return _rs_block(w8, s_flat, 0, a_l, DEQ_BITS, ROW0), _rs_block(w8, s_flat, 1, a_l, DEQ_BITS, ROW0)
+
+    @gluon.jit
+    def _rs_issue(b0, b1, x_smem, r, acc, use_acc, STAGES: gl.constexpr):
+        """Ring step r's wgmmas (two commit groups): acc += b0 · X[:, :32]ᵀ + b1 · X[:, 32:]ᵀ."""
+        x = x_smem.index(r % STAGES)
+        acc = warpgroup_mma(b0, x.slice(0, 32, dim=1).permute((1, 0)), acc, use_acc=use_acc, is_async=True)
+        return warpgroup_mma(b1, x.slice(32, 32, dim=1).permute((1, 0)), acc, is_async=True)
+
+    @gluon.jit
+    def _rs_tile(x_smem, w8_smem, s_smem, ready, empty, n_k, base, NUM_WARPS: gl.constexpr,
+                 STAGES: gl.constexpr, DEQ_BITS: gl.constexpr, ROW0: gl.constexpr, INFLIGHT: gl.constexpr):  # fmt: skip
+        """One tile's K loop on this warpgroup's weight rows (ring steps base .. base + n_k - 1):
+        accᵀ [rows, BLOCK_X] = (W · 2**s) X tileᵀ. Each stage goes back to the loader once the
+        wgmmas reading it have retired.
+
+        Step i+1's register operands are converted while step i's wgmmas run. The operands a
+        wgmma reads must stay in their registers until it retires: a loop-carried operand that
+        the back edge copies while its wgmma is in flight gets overwritten (ptxas 13.5 does not
+        stop that: sass_dev's hazard check found 43 such writes in session 14's first build and
+        the GPU gave wrong sums). Default: step i is waited for before the back edge, nothing in
+        flight is carried. INFLIGHT: unrolled by two with an a and a b operand pair taking turns,
+        step i+1 issued before step i is waited for, so the wgmma queue never runs dry; the pair
+        in flight at the back edge is only rewritten after the wait that retires it, so its
+        registers stay put (the hazard count checks it)."""
+        BLOCK_X: gl.constexpr = x_smem.type.shape[1]
         ROWS: gl.constexpr = 16 * NUM_WARPS
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_X, 16])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
-        flat_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         acc = gl.zeros([ROWS, BLOCK_X], gl.float32, acc_l)
-        mbarrier.wait(ready.index(0), 0)
-        s_flat = s_smem.index(0)._reinterpret(gl.uint8, [2 * BLOCK_W], flat_l)
-        b0 = _rs_block(w8_smem.index(0).slice(ROW0, ROWS, dim=0), s_flat, 0, a_l, DEQ_BITS, ROW0)
-        b1 = _rs_block(w8_smem.index(0).slice(ROW0, ROWS, dim=0), s_flat, 1, a_l, DEQ_BITS, ROW0)
-        for i in range(n_k - 1):
-            s = i % STAGES
-            t = warpgroup_mma(b0, x_smem.index(s).slice(0, 32, dim=1).permute((1, 0)), acc, use_acc=i > 0, is_async=True)
-            t = warpgroup_mma(b1, x_smem.index(s).slice(32, 32, dim=1).permute((1, 0)), t, is_async=True)
-            # step i-1 was waited for in the previous iteration: its stage goes back
-            mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
-            s2 = (i + 1) % STAGES
-            mbarrier.wait(ready.index(s2), ((i + 1) // STAGES) & 1)
-            s_flat = s_smem.index(s2)._reinterpret(gl.uint8, [2 * BLOCK_W], flat_l)
-            c0 = _rs_block(w8_smem.index(s2).slice(ROW0, ROWS, dim=0), s_flat, 0, a_l, DEQ_BITS, ROW0)
-            c1 = _rs_block(w8_smem.index(s2).slice(ROW0, ROWS, dim=0), s_flat, 1, a_l, DEQ_BITS, ROW0)
+        b0, b1 = _rs_operands(w8_smem, s_smem, base, a_l, DEQ_BITS, ROW0, ROWS, ready, STAGES)
+        if INFLIGHT:
+            a0 = b0
+            a1 = b1
+            acc = _rs_issue(a0, a1, x_smem, base, acc, False, STAGES)
+            acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))  # no wait: a tensor for the loop
+            for j in range((n_k - 1) // 2):
+                r = base + 2 * j + 1
+                b0, b1 = _rs_operands(w8_smem, s_smem, r, a_l, DEQ_BITS, ROW0, ROWS, ready, STAGES)
+                acc = _rs_issue(b0, b1, x_smem, r, acc, True, STAGES)
+                acc, a0, a1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc, a0, a1))  # step r-1 retired
+                mbarrier.arrive(empty.index((r - 1) % STAGES))
+                a0, a1 = _rs_operands(w8_smem, s_smem, r + 1, a_l, DEQ_BITS, ROW0, ROWS, ready, STAGES)
+                acc = _rs_issue(a0, a1, x_smem, r + 1, acc, True, STAGES)
+                acc, b0, b1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc, b0, b1))  # step r retired
+                mbarrier.arrive(empty.index(r % STAGES))
+            r = base + n_k - 1
+            if n_k % 2 == 0:  # the last step on the b pair
+                b0, b1 = _rs_operands(w8_smem, s_smem, r, a_l, DEQ_BITS, ROW0, ROWS, ready, STAGES)
+                acc = _rs_issue(b0, b1, x_smem, r, acc, True, STAGES)
+                acc, a0, a1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc, a0, a1))
+                mbarrier.arrive(empty.index((r - 1) % STAGES))
+                acc, b0, b1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, b0, b1))
+            else:
+                acc, a0, a1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a0, a1))
+            mbarrier.arrive(empty.index(r % STAGES))
+        else:
+            for i in range(n_k - 1):
+                r = base + i
+                t = _rs_issue(b0, b1, x_smem, r, acc, i > 0, STAGES)
+                # step i-1 was waited for in the previous iteration: its stage goes back
+                mbarrier.arrive(empty.index((r + STAGES - 1) % STAGES), pred=i > 0)
+                c0, c1 = _rs_operands(w8_smem, s_smem, r + 1, a_l, DEQ_BITS, ROW0, ROWS, ready, STAGES)
+                acc, b0, b1 = warpgroup_mma_wait(num_outstanding=0, deps=(t, b0, b1))
+                b0 = c0
+                b1 = c1
+            r = base + n_k - 1
+            t = _rs_issue(b0, b1, x_smem, r, acc, n_k > 1, STAGES)
+            mbarrier.arrive(empty.index((r + STAGES - 1) % STAGES), pred=n_k > 1)
             acc, b0, b1 = warpgroup_mma_wait(num_outstanding=0, deps=(t, b0, b1))
-            b0 = c0
-            b1 = c1
-        s = (n_k - 1) % STAGES
-        t = warpgroup_mma(b0, x_smem.index(s).slice(0, 32, dim=1).permute((1, 0)), acc, use_acc=n_k > 1, is_async=True)
-        t = warpgroup_mma(b1, x_smem.index(s).slice(32, 32, dim=1).permute((1, 0)), t, is_async=True)
-        acc, b0, b1 = warpgroup_mma_wait(num_outstanding=0, deps=(t, b0, b1))
+            mbarrier.arrive(empty.index(r % STAGES))
+        return acc
 
+    @gluon.jit
+    def _rs_store(acc, b_ptr, y_ptr, M, N, stride_ym, off_m, off_n, HAS_BIAS: gl.constexpr, ROW0: gl.constexpr):
+        """Y [off_m:, off_n + ROW0:] = accᵀ (+ bias), masked to M x N."""
+        acc_l: gl.constexpr = acc.type.layout
+        ROWS: gl.constexpr = acc.type.shape[0]
+        BLOCK_X: gl.constexpr = acc.type.shape[1]
+        NUM_WARPS: gl.constexpr = ROWS // 16
         offs_w = off_n + ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_l))
         if HAS_BIAS:  # along the accumulator's rows, before any layout change (gemm.py's lesson)
             acc += gl.load(b_ptr + offs_w, mask=offs_w < N, other=0.0).to(gl.float32)[:, None]
@@ -295,15 +374,40 @@ if HAVE_GLUON:
             gl.store(y_ptr + ox.to(gl.int64)[None, :] * stride_ym + offs_w[:, None], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
     @gluon.jit
+    def _rs_mma(x_smem, w8_smem, s_smem, ready, empty, b_ptr, y_ptr, M, N, stride_ym, off_m, off_n, n_k,
+                STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, NUM_WARPS: gl.constexpr, DEQ_BITS: gl.constexpr,
+                ROW0: gl.constexpr, INFLIGHT: gl.constexpr):  # fmt: skip
+        """MMA warps, one tile per program (NUM_WARPS / 4 warpgroups, 64 weight rows each, from
+        row ROW0 of the program's weight tile)."""
+        acc = _rs_tile(x_smem, w8_smem, s_smem, ready, empty, n_k, 0, NUM_WARPS, STAGES, DEQ_BITS, ROW0, INFLIGHT)
+        _rs_store(acc, b_ptr, y_ptr, M, N, stride_ym, off_m, off_n, HAS_BIAS, ROW0)
+
+    @gluon.jit
+    def _rs_mma_tiles(x_smem, w8_smem, s_smem, ready, empty, b_ptr, y_ptr, M, N, stride_ym, n_k,
+                      GROUP: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, NUM_WARPS: gl.constexpr,
+                      DEQ_BITS: gl.constexpr, INFLIGHT: gl.constexpr):  # fmt: skip
+        """MMA warps of the persistent kernel: the program's tiles in the loader's order."""
+        BLOCK_X: gl.constexpr = x_smem.type.shape[1]
+        BLOCK_W: gl.constexpr = w8_smem.type.shape[1]
+        n_tiles = gl.cdiv(M, BLOCK_X) * gl.cdiv(N, BLOCK_W)
+        base = 0
+        for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            off_m, off_n = _tile_of(tile, M, N, BLOCK_X, BLOCK_W, GROUP)
+            acc = _rs_tile(x_smem, w8_smem, s_smem, ready, empty, n_k, base, NUM_WARPS, STAGES, DEQ_BITS, 0, INFLIGHT)
+            _rs_store(acc, b_ptr, y_ptr, M, N, stride_ym, off_m, off_n, HAS_BIAS, 0)
+            base += n_k
+
+    @gluon.jit
     def _mx_prefill_rs_kernel(
         x_desc, w_desc, s_desc, b_ptr, y_ptr, M, N, K, stride_ym,
         STAGES: gl.constexpr, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, LOADER_REGS: gl.constexpr,
         NUM_WARPS: gl.constexpr, DEQ_BITS: gl.constexpr, SPLIT_WG: gl.constexpr, MMA_REGS: gl.constexpr,
+        INFLIGHT: gl.constexpr, PERSISTENT: gl.constexpr,
     ):  # fmt: skip
         """Yᵀ tile [BLOCK_W, BLOCK_X]: MMA warps (weight as the register operand) + a loader warp.
         SPLIT_WG: the two MMA warpgroups are two partitions (the default one and a worker), each
         releasing its ring stages on its own (no barrier between them per step); else one
-        partition of NUM_WARPS warps."""
+        partition of NUM_WARPS warps. PERSISTENT: each program walks tiles pid, pid + grid, ..."""
         BLOCK_X: gl.constexpr = x_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
         BLOCK_W: gl.constexpr = w_desc.block_type.shape[0]
@@ -318,14 +422,25 @@ if HAVE_GLUON:
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=2 if SPLIT_WG else 1)
-        if SPLIT_WG:
+        if PERSISTENT:
+            gl.static_assert(BLOCK_W == 16 * NUM_WARPS and not SPLIT_WG, "one MMA partition, 16 weight rows a warp")
+            gl.warp_specialize(
+                [
+                    (_rs_mma_tiles, (x_smem, w8_smem, s_smem, ready, empty, b_ptr, y_ptr, M, N, stride_ym, n_k,
+                                     GROUP, STAGES, HAS_BIAS, NUM_WARPS, DEQ_BITS, INFLIGHT)),
+                    (_rs_loader_tiles, (x_desc, w_desc, s_desc, x_smem, w8_smem, s_smem, ready, empty, M, N, n_k, GROUP, STAGES)),
+                ],
+                [1],
+                [LOADER_REGS],
+            )  # fmt: skip
+        elif SPLIT_WG:
             gl.static_assert(BLOCK_W == 128 and NUM_WARPS == 4, "two warpgroups of 64 weight rows")
             gl.warp_specialize(
                 [
                     (_rs_mma, (x_smem, w8_smem, s_smem, ready, empty, b_ptr, y_ptr, M, N, stride_ym, off_m, off_n, n_k,
-                               STAGES, HAS_BIAS, 4, DEQ_BITS, 0)),
+                               STAGES, HAS_BIAS, 4, DEQ_BITS, 0, INFLIGHT)),
                     (_rs_mma, (x_smem, w8_smem, s_smem, ready, empty, b_ptr, y_ptr, M, N, stride_ym, off_m, off_n, n_k,
-                               STAGES, HAS_BIAS, 4, DEQ_BITS, 64)),
+                               STAGES, HAS_BIAS, 4, DEQ_BITS, 64, INFLIGHT)),
                     (_ring_loader, (x_desc, w_desc, s_desc, x_smem, w8_smem, s_smem, ready, empty, off_m, off_n, n_k, STAGES)),
                 ],
                 [4, 1],
@@ -336,7 +451,7 @@ if HAVE_GLUON:
             gl.warp_specialize(
                 [
                     (_rs_mma, (x_smem, w8_smem, s_smem, ready, empty, b_ptr, y_ptr, M, N, stride_ym, off_m, off_n, n_k,
-                               STAGES, HAS_BIAS, NUM_WARPS, DEQ_BITS, 0)),
+                               STAGES, HAS_BIAS, NUM_WARPS, DEQ_BITS, 0, INFLIGHT)),
                     (_ring_loader, (x_desc, w_desc, s_desc, x_smem, w8_smem, s_smem, ready, empty, off_m, off_n, n_k, STAGES)),
                 ],
                 [1],
@@ -422,14 +537,16 @@ class PrefillRSConfig:
     block_x: int = 256  # X rows per program: the wgmma's N (m64n256k16)
     block_w: int = 128  # weight rows per program: 2 MMA warpgroups x 64
     block_k: int = 64  # K per step (two MX blocks)
-    stages: int = 3  # X + fp8 W + scales ring (40.25 KB a stage; 5 fit)
+    stages: int = 4  # X + fp8 W + scales ring (40.25 KB a stage; 5 fit; 4 beat 3 and 5, sessions 14-15)
     group: int = 8  # row tiles per L2 group
-    num_warps: int = 8  # MMA warps (the default partition)
+    num_warps: int = 8  # MMA warps (split_wg: 4 in the default partition + a worker warpgroup)
     maxnreg: int = 168  # 12 warps at launch (8 MMA + the loader's warpgroup); the MMA warps take the rest
     loader_regs: int = 24
     deq_bits: bool = True  # fp8 -> bf16 by bit moves (_rs_block)
-    split_wg: bool = False  # the two MMA warpgroups as two partitions (no per-step barrier between them)
+    split_wg: bool = True  # the two MMA warpgroups as two partitions (no per-step barrier between them)
     mma_regs: int = 240  # split_wg: the worker MMA warpgroup's registers after setmaxnreg
+    inflight: bool = True  # keep one step's wgmmas in flight across the loop (unrolled by two; session 15)
+    persistent: bool = False  # one program per SM walking tiles (measured slower, session 15)
 
 
 def takes(m: int, k: int, block_size: int) -> bool:
@@ -449,10 +566,11 @@ def pick_prefill_ws_config(m: int, n: int, k: int, device: torch.device) -> Pref
 
 
 def pick_prefill_rs_config(m: int, n: int, k: int, device: torch.device) -> PrefillRSConfig:
-    """One tile: 128 weight rows x 256 X rows x 64, 4 stages (H100 session 14: 4 stages beat 3
-    and 5 on all 12 Llama-3 rows; the split warpgroups within noise)."""
+    """One tile: 128 weight rows x 256 X rows x 64, 4 stages, one step in flight, the two MMA
+    warpgroups as two partitions (H200 session 15, interleaved A/B: +6-8 % for the step in flight,
+    +1-2 % more for the split warpgroups, 4 stages >= 3 and 5, on all Llama-3 rows at M = 2048)."""
     del m, n, k, device
-    return PrefillRSConfig(stages=4)
+    return PrefillRSConfig()
 
 
 def scales_kn(weight_scale: torch.Tensor) -> torch.Tensor:
@@ -500,6 +618,8 @@ def mx_prefill_gemm_ws(
     w_gl = gl.float8e4nv if weight.dtype == torch.float8_e4m3fn else gl.float8e5
     st = scales_kn(weight_scale)
     if isinstance(cfg, PrefillRSConfig):
+        if cfg.persistent and cfg.split_wg:
+            raise ValueError("PrefillRSConfig: persistent=True takes the MMA warps as one partition (split_wg=False)")
         bx, bw, bk = cfg.block_x, cfg.block_w, cfg.block_k
     else:
         bx, bw, bk = cfg.block_m, cfg.block_n, cfg.block_k
@@ -509,6 +629,8 @@ def mx_prefill_gemm_ws(
                               gl.NVMMASharedLayout.get_default_for([bw, bk], w_gl))  # fmt: skip
     grid = (triton.cdiv(m, bx) * triton.cdiv(n, bw),)
     if isinstance(cfg, PrefillRSConfig):
+        if cfg.persistent:
+            grid = (min(grid[0], _sm_count(x.device)),)
         # unswizzled: the MMA warps read the [2, BLOCK_W] box as flat bytes
         s_desc = TensorDescriptor(st, [k // BS, n], list(st.stride()), [bk // BS, bw],
                                   gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2))  # fmt: skip
@@ -517,7 +639,7 @@ def mx_prefill_gemm_ws(
             m, n, k, n,
             STAGES=cfg.stages, GROUP=cfg.group, HAS_BIAS=bias is not None, LOADER_REGS=cfg.loader_regs,
             NUM_WARPS=4 if cfg.split_wg else cfg.num_warps, DEQ_BITS=cfg.deq_bits, SPLIT_WG=cfg.split_wg,
-            MMA_REGS=cfg.mma_regs, num_warps=4 if cfg.split_wg else cfg.num_warps, maxnreg=cfg.maxnreg,
+            MMA_REGS=cfg.mma_regs, INFLIGHT=cfg.inflight, PERSISTENT=cfg.persistent, num_warps=4 if cfg.split_wg else cfg.num_warps, maxnreg=cfg.maxnreg,
         )  # fmt: skip
         return y
     s_desc = TensorDescriptor(st, [k // BS, n], list(st.stride()), [bk // BS, bw],

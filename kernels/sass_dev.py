@@ -166,7 +166,7 @@ def compile_prefill_ws(stages=4, wbuf=3, maxnreg=128, conv_regs=96, loader_regs=
 
 
 def compile_prefill_rs(stages=3, maxnreg=168, loader_regs=24, block_x=256, block_w=128, block_k=64, bias=False, out="bf16",
-                       deq_bits=True, split_wg=False):  # fmt: skip
+                       deq_bits=True, split_wg=True, inflight=True, persistent=False):  # fmt: skip
     """``gemm_prefill_ws._mx_prefill_rs_kernel`` (Gluon; the weight as the register operand) for
     sm_90 as mx_prefill_gemm_ws launches it with a ``PrefillRSConfig`` (bf16 X, E4M3 W)."""
     from triton.experimental.gluon import language as gl
@@ -175,7 +175,7 @@ def compile_prefill_rs(stages=3, maxnreg=168, loader_regs=24, block_x=256, block
     from mxq.kernels import gemm_prefill_ws as P
 
     cons = dict(STAGES=stages, GROUP=8, HAS_BIAS=bias, LOADER_REGS=loader_regs, NUM_WARPS=4 if split_wg else 8,
-                DEQ_BITS=deq_bits, SPLIT_WG=split_wg, MMA_REGS=240)  # fmt: skip
+                DEQ_BITS=deq_bits, SPLIT_WG=split_wg, MMA_REGS=240, INFLIGHT=inflight, PERSISTENT=persistent)  # fmt: skip
     lx = gl.NVMMASharedLayout.get_default_for([block_x, block_k], gl.bfloat16)
     lw = gl.NVMMASharedLayout.get_default_for([block_w, block_k], gl.float8e4nv)
     ls = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
@@ -318,7 +318,11 @@ def main():
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--maxnreg", type=int, default=None)
     ap.add_argument("--merge", choices=("fused", "kernel"), default="fused", help="decode: split merge in the kernel or not")
-    ap.add_argument("--split-wg", action="store_true", help="prefill_rs: the two MMA warpgroups as two partitions")
+    ap.add_argument("--no-split-wg", dest="split_wg", action="store_false",
+                    help="prefill_rs: the two MMA warpgroups as one 8-warp partition")
+    ap.add_argument("--no-inflight", dest="inflight", action="store_false",
+                    help="prefill_rs: wait for each step before the back edge (session 14's loop)")
+    ap.add_argument("--persistent", action="store_true", help="prefill_rs: one program per SM walking tiles")
     ap.add_argument("--ptxas", default=None, help="assemble with this ptxas instead of Triton's")
     ap.add_argument("--out", default=None, help="folder for k.ttgir, k.ptx, k.sass")
     args = ap.parse_args()
@@ -344,7 +348,8 @@ def main():
         unit = "64-wide K step (the first backward branch may be a worker's loop)"
     elif args.kernel == "prefill_rs":
         k = compile_prefill_rs(stages=args.stages, maxnreg=args.maxnreg or 168, deq_bits=args.deq != "fp32",
-                               split_wg=args.split_wg)  # fmt: skip
+                               split_wg=args.split_wg, inflight=args.inflight,
+                               persistent=args.persistent)  # fmt: skip
         unit = "64-wide K step (the MMA warps' loop)"
     elif args.kernel == "decode_f8":
         bm, bn, kb = (int(v) for v in args.tile.split("x"))

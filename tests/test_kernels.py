@@ -894,11 +894,12 @@ def _every_code_rows(w, ws, rows=3):
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k,wel", [(1, 130, 64, E4M3), (300, 1000, 96, E4M3), (257, 384, 4224, E5M2), (513, 257, 32, E4M3), (2048, 1000, 2080, E4M3), (300, 4096, 4096, E5M2)])
+@pytest.mark.parametrize("m,n,k,wel", [(1, 130, 64, E4M3), (300, 1000, 96, E4M3), (257, 384, 4224, E5M2), (513, 257, 32, E4M3), (2048, 1000, 2080, E4M3), (300, 4096, 4096, E5M2), (2050, 4100, 96, E4M3), (1100, 8200, 160, E5M2)])
 def test_gpu_prefill_rs_matches_reference(m, n, k, wel):
     """The register-operand kernel on awkward shapes (ragged last K step, M and N not multiples of
-    the tile), every fp8 code on some rows and a scale of 2**73, bias, bf16/fp32 out, both byte
-    routes, split warpgroups and ring depths, against float64; equal to the emulation within fp32
+    the tile, odd and even step counts, more tiles than SMs), every fp8 code on some rows and a
+    scale of 2**73, bias, bf16/fp32 out, both byte routes, split warpgroups, ring depths, one step
+    in flight, persistent programs, against float64; equal to the emulation within fp32
     accumulation order; a NaN scale byte gives a NaN column."""
     gen = torch.Generator().manual_seed(m + n + k + 1)
     w, ws, _ = _weight(n, k, wel, gen)
@@ -906,8 +907,12 @@ def test_gpu_prefill_rs_matches_reference(m, n, k, wel):
     w64 = dequantize_mx(MXTensor(w.cpu(), ws.cpu(), torch.Size((n, k)), -1, 32, wel), torch.float64).to(DEV)
     x = _activations(m, k, torch.bfloat16, gen, special=False, decades=(-2, 1))
     bias = torch.randn(n, generator=gen).to(torch.bfloat16).to(DEV)
-    cfgs = [PWS.PrefillRSConfig(stages=4), PWS.PrefillRSConfig(stages=3, split_wg=True), PWS.PrefillRSConfig(stages=2, deq_bits=False)]
-    for cfg, out in zip(cfgs, (None, torch.float32, torch.bfloat16)):
+    R = PWS.PrefillRSConfig
+    cfgs = [(R(), None), (R(stages=3), torch.float32), (R(stages=2, deq_bits=False), torch.bfloat16),
+            (R(split_wg=False), torch.float32), (R(inflight=False), None), (R(stages=3, inflight=False, split_wg=False), torch.float32),
+            (R(inflight=False, split_wg=False, persistent=True), torch.float32), (R(split_wg=False, persistent=True), None),
+            (R(stages=3, split_wg=False, persistent=True), torch.float32)]  # fmt: skip
+    for cfg, out in cfgs:
         y = PWS.mx_prefill_gemm_ws(x, w, ws, bias, out_dtype=out, config=cfg)
         assert y.dtype == (out or torch.bfloat16) and y.shape == (m, n)
         _assert_gemm_close(y, x, w64, bias, None)

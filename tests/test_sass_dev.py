@@ -170,21 +170,27 @@ def test_prefill_ws_compiles_warp_specialized(tmp_path):
     assert int(re.search(r"registers/thread (\d+)", out).group(1)) <= 128
 
 
-@pytest.mark.parametrize("split", [False, True])
-def test_prefill_rs_compiles_register_operand(tmp_path, split):
+@pytest.mark.parametrize("flags", [(), ("--no-inflight",), ("--no-inflight", "--no-split-wg"), ("--no-split-wg", "--persistent")])
+def test_prefill_rs_compiles_register_operand(tmp_path, flags):
     """The register-operand prefill GEMM (gemm_prefill_ws._mx_prefill_rs_kernel) compiled for
-    sm_90: bf16 wgmmas m64n256k16 whose left operand comes from registers (4 a step, loop + last
-    step, per MMA partition), no write to a register an in-flight wgmma reads (the hazard that gave
-    wrong sums when the operands were loop-carried), the fp8 -> bf16 by byte moves (no F2F in the
-    MMA loop), TMA loads only, the loader warp at 24 registers, no spills."""
+    sm_90: bf16 wgmmas m64n256k16 whose left operand comes from registers (4 a step: the first
+    step + two a loop iteration + an even tail, one step left in flight by waits down to 2 groups;
+    --no-inflight: loop + last step, every step waited for; per MMA partition: 2, or 1 with
+    --no-split-wg),
+    no write to a register an in-flight wgmma reads (the hazard that gave wrong sums when the
+    operands were loop-carried), the fp8 -> bf16 by byte moves (no F2F in the MMA loop), TMA
+    loads only, the loader warp at 24 registers, no spills."""
     pytest.importorskip("triton.experimental.gluon")
-    out = _cli("--kernel", "prefill_rs", "--stages", "4", *(["--split-wg"] if split else []), "--out", str(tmp_path))
+    out = _cli("--kernel", "prefill_rs", "--stages", "4", *flags, "--out", str(tmp_path))
     sass = (tmp_path / "k.sass").read_text()
     hg = re.findall(r"HGMMA\.64x256x16\.F32\.BF16 R\d+, R(\d+), gdesc", sass)
-    assert len(hg) == (16 if split else 8)
+    steps = 1 if "--no-inflight" in flags else 2  # K steps a loop iteration
+    assert len(hg) == 8 * steps * (1 if "--no-split-wg" in flags else 2)  # per MMA partition
     assert _hazards(out) == 0
     loop = re.search(r"main loop: (\d+) instructions", out)
-    assert loop and int(loop.group(1)) < 300
+    assert loop and int(loop.group(1)) < 300 * steps
+    depbar = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x(\d)", sass)
+    assert ("2" in depbar) == (steps == 2)
     assert "F2F" not in out.split("main loop")[1].split("wgmma register hazards")[0]
     assert "USETMAXREG.DEALLOC.CTAPOOL 0x18" in sass
     assert not re.search(r"\b(LDL|STL)\b", sass), "register spills"
