@@ -4,11 +4,14 @@ Single _bench_graph calls in a row drifted by ±8 % between runs on the H200 (rs
 so here every variant's CUDA graph is built first and then replayed in ROUNDS rounds, the variant order
 rotating each round; a variant's figure is the median over all its replays.
 
-    python ab.py [ms] [variants] [models]     (variants: comma list of CFGS keys; cublas is always timed)
+    python ab.py [ms] [variants] [models]     (variants: comma list of CFGS keys, or w8a8 / w8a8nopdl: dispatched
+                                               W8A8 with / without PDL — the PDL build of run5.sh, reverted
+                                               after it measured no gain; cublas is always timed)
 """
 import json, os, sys
 import torch
 from mxq.formats import E4M3, ScaleRule, dequantize_mx, quantize_mx
+from mxq.kernels import dispatch as D
 from mxq.kernels.gemm_prefill_ws import mx_prefill_gemm_ws, PrefillRSConfig as R
 sys.path.insert(0, "eval")
 from bench_gemm import _copies, LLAMA_SHAPES
@@ -54,7 +57,12 @@ for model in models:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             gs = {"cublas": graph([lambda w=w: x @ w.t() for w in wbs])}
             for nm in names:
-                gs[nm] = graph([lambda p=p, c=CFGS[nm]: mx_prefill_gemm_ws(x, p[0], p[1], config=c) for p in packs])
+                if nm.startswith("w8a8"):  # dispatched W8A8 (quantizer + GEMM), PDL on / off at capture
+                    os.environ["MXQ_PDL"] = "0" if nm == "w8a8nopdl" else "1"
+                    gs[nm] = graph([lambda p=p: D.mx_linear(x, p[0], p[1], act_elem=E4M3) for p in packs])
+                    os.environ["MXQ_PDL"] = "1"
+                else:
+                    gs[nm] = graph([lambda p=p, c=CFGS[nm]: mx_prefill_gemm_ws(x, p[0], p[1], config=c) for p in packs])
             times = {nm: [] for nm in gs}
             order = list(gs)
             for r in range(ROUNDS):
