@@ -165,7 +165,7 @@ def compile_prefill_ws(stages=4, wbuf=3, maxnreg=128, conv_regs=96, loader_regs=
                          source=GluonASTSource, **({"maxnreg": maxnreg} if maxnreg else {}))  # fmt: skip
 
 
-def compile_prefill_rs(stages=3, maxnreg=168, loader_regs=24, block_x=256, block_w=128, block_k=64, bias=False, out="bf16",
+def compile_prefill_rs(stages=4, maxnreg=168, loader_regs=24, block_x=256, block_w=128, block_k=64, bias=False, out="bf16",
                        deq_bits=True, split_wg=True, inflight=True, persistent=False):  # fmt: skip
     """``gemm_prefill_ws._mx_prefill_rs_kernel`` (Gluon; the weight as the register operand) for
     sm_90 as mx_prefill_gemm_ws launches it with a ``PrefillRSConfig`` (bf16 X, E4M3 W)."""

@@ -176,10 +176,9 @@ def test_prefill_rs_compiles_register_operand(tmp_path, flags):
     sm_90: bf16 wgmmas m64n256k16 whose left operand comes from registers (4 a step: the first
     step + two a loop iteration + an even tail, one step left in flight by waits down to 2 groups;
     --no-inflight: loop + last step, every step waited for; per MMA partition: 2, or 1 with
-    --no-split-wg),
-    no write to a register an in-flight wgmma reads (the hazard that gave wrong sums when the
-    operands were loop-carried), the fp8 -> bf16 by byte moves (no F2F in the MMA loop), TMA
-    loads only, the loader warp at 24 registers, no spills."""
+    --no-split-wg), no write to a register an in-flight wgmma reads (the hazard that gave wrong
+    sums when the operands were loop-carried), the fp8 -> bf16 by byte moves (no F2F in the MMA
+    loop), TMA loads only, the loader warp at 24 registers, no spills."""
     pytest.importorskip("triton.experimental.gluon")
     out = _cli("--kernel", "prefill_rs", "--stages", "4", *flags, "--out", str(tmp_path))
     sass = (tmp_path / "k.sass").read_text()
