@@ -41,12 +41,13 @@ from mxq.kernels.gemm import (
 )
 from mxq.kernels.gemm_decode import split_counters
 from mxq.kernels.launch import FAST, Launch, PlanCache, cdiv, descriptor, next_pow2
-from mxq.kernels.quantize import _capability, hw_cvt, pdl_ok, quantize_grid, quantize_launch
+from mxq.kernels.quantize import _RULE_ID, _capability, hw_cvt, pdl_ok, quantize_grid, quantize_launch
 
 try:  # Gluon: Triton >= 3.5
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
         mbarrier,
         tma,
         warpgroup_mma,
@@ -86,6 +87,42 @@ if HAVE_GLUON:
         gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
+    def _x_step(x_ptr, rows3, cols3, mmask3, k0, K):
+        """X [BLOCK_M, 4, 32] (one step: 128 K-columns as 4 MX blocks) from global, as stored;
+        zeros past K (the step after a program's last, loaded ahead and never used)."""
+        return gl.load(x_ptr + rows3 + (cols3 + k0), mask=mmask3 & (cols3 + k0 < K), other=0.0)
+
+    @gluon.jit
+    def _x_quantize(x, dst, x_l: gl.constexpr, col_l: gl.constexpr, EMAX: gl.constexpr, MBITS: gl.constexpr, MAXN: gl.constexpr,
+                    RULE: gl.constexpr):  # fmt: skip
+        """MX-quantize one step of X (``quantize._quantize_rows_kernel``'s hardware-rounding path,
+        amax rules): the fp8 elements go to the shared tile ``dst`` [BLOCK_M, 128] that the
+        step's wgmmas read, the 4 scale bytes come back as one int32 word per row (byte j =
+        block j, 255 for a block with a NaN or Inf) in the accumulator's column layout."""
+        BLOCK_M: gl.constexpr = x.shape[0]
+        xf = x.to(gl.float32)
+        imax = gl.max(xf.to(gl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)
+        f = (imax >> 23) - 127
+        mant = imax & 0x7FFFFF
+        if RULE == 0:  # FLOOR
+            e = f - EMAX
+        elif RULE == 2:  # EVEN
+            e = f - EMAX + (mant >= (0x800000 - (1 << (22 - MBITS)))).to(gl.int32)
+        else:  # RCEIL
+            e = f - EMAX + (mant > 0x600000).to(gl.int32)
+        e = gl.where(imax > 0, e, -126)
+        e = gl.minimum(gl.maximum(e, -126), 127)
+        sc = xf * ((127 - e) << 23).to(gl.float32, bitcast=True)[:, :, None]
+        if RULE != 1:  # FLOOR and EVEN may put the block max above max_normal
+            sc = gl.minimum(gl.maximum(sc, -MAXN), MAXN)
+        q = sc.to(dst.dtype, fp_downcast_rounding="rtne")
+        dst.store(gl.reshape(q, [BLOCK_M, 128]))
+        sb = gl.where(imax >= 0x7F800000, 255, e + 127)
+        j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, x_l)))
+        word = gl.sum(sb << (8 * j)[None, :], axis=1)
+        return gl.convert_layout(word, col_l)
+
+    @gluon.jit
     def _rescale(acc, p0, p1, p2, p3, sw, sx):
         """acc += Σ_j p_j · 2**sw_j[n] · 2**sx_j[m] for the KB = 4 block products of one step."""
         acc += p0 * (_e8m0(sw, 0)[:, None] * _e8m0(sx, 0)[None, :])
@@ -104,19 +141,25 @@ if HAVE_GLUON:
             return smem.index(slot).slice(j * 32, 32, dim=1)
 
     @gluon.jit
-    def _issue(w_smem, x_smem, slot, zero, BOX: gl.constexpr):
-        """The KB block products of one stage, asynchronous (tokens; wait before reading)."""
-        p0 = warpgroup_mma(_block(w_smem, slot, 0, BOX), _block(x_smem, slot, 0, BOX).permute((1, 0)), zero, use_acc=False, is_async=True)
-        p1 = warpgroup_mma(_block(w_smem, slot, 1, BOX), _block(x_smem, slot, 1, BOX).permute((1, 0)), zero, use_acc=False, is_async=True)
-        p2 = warpgroup_mma(_block(w_smem, slot, 2, BOX), _block(x_smem, slot, 2, BOX).permute((1, 0)), zero, use_acc=False, is_async=True)
-        p3 = warpgroup_mma(_block(w_smem, slot, 3, BOX), _block(x_smem, slot, 3, BOX).permute((1, 0)), zero, use_acc=False, is_async=True)
+    def _issue(w_smem, x_smem, slot, xslot, zero, BOX: gl.constexpr):
+        """The KB block products of one step, asynchronous (tokens; wait before reading): W's
+        ring stage ``slot`` with X's tile ``xslot`` (the same stage, or with FUSE_X one of two)."""
+        p0 = warpgroup_mma(_block(w_smem, slot, 0, BOX), _block(x_smem, xslot, 0, BOX).permute((1, 0)), zero, use_acc=False, is_async=True)
+        p1 = warpgroup_mma(_block(w_smem, slot, 1, BOX), _block(x_smem, xslot, 1, BOX).permute((1, 0)), zero, use_acc=False, is_async=True)
+        p2 = warpgroup_mma(_block(w_smem, slot, 2, BOX), _block(x_smem, xslot, 2, BOX).permute((1, 0)), zero, use_acc=False, is_async=True)
+        p3 = warpgroup_mma(_block(w_smem, slot, 3, BOX), _block(x_smem, xslot, 3, BOX).permute((1, 0)), zero, use_acc=False, is_async=True)
         return p0, p1, p2, p3
 
     @gluon.jit
-    def _loader(w_desc, x_desc, w_smem, x_smem, ready, empty, n0, k_lo, n_iter, STAGES: gl.constexpr, BOX: gl.constexpr):
-        """Loader warp: TMA tiles of W [BLOCK_N, BOX] and X [BLOCK_M, BOX], 128 K-columns per stage."""
+    def _loader(w_desc, x_desc, w_smem, x_smem, ready, empty, n0, k_lo, n_iter, STAGES: gl.constexpr, BOX: gl.constexpr,
+                FUSE_X: gl.constexpr):  # fmt: skip
+        """Loader warp: TMA tiles of W [BLOCK_N, BOX] and X [BLOCK_M, BOX], 128 K-columns per stage
+        (W only with FUSE_X: the math warpgroup quantizes X itself)."""
         NBOX: gl.constexpr = 128 // BOX
-        nbytes: gl.constexpr = NBOX * (w_desc.block_type.nbytes + x_desc.block_type.nbytes)
+        if FUSE_X:
+            nbytes: gl.constexpr = NBOX * w_desc.block_type.nbytes
+        else:
+            nbytes: gl.constexpr = NBOX * (w_desc.block_type.nbytes + x_desc.block_type.nbytes)
         # The first STAGES steps' weight tiles go out before X exists: with programmatic
         # dependent launch this kernel starts while the X quantizer still runs.
         for i in gl.static_range(STAGES):
@@ -124,11 +167,12 @@ if HAVE_GLUON:
                 mbarrier.expect(ready.index(i), nbytes)
                 for j in gl.static_range(NBOX):
                     tma.async_copy_global_to_shared(w_desc, [n0, k_lo + i * 128 + j * BOX], ready.index(i), w_smem.index(i * NBOX + j))
-        _gdc_wait()
-        for i in gl.static_range(STAGES):
-            if i < n_iter:
-                for j in gl.static_range(NBOX):
-                    tma.async_copy_global_to_shared(x_desc, [0, k_lo + i * 128 + j * BOX], ready.index(i), x_smem.index(i * NBOX + j))
+        if not FUSE_X:
+            _gdc_wait()
+            for i in gl.static_range(STAGES):
+                if i < n_iter:
+                    for j in gl.static_range(NBOX):
+                        tma.async_copy_global_to_shared(x_desc, [0, k_lo + i * 128 + j * BOX], ready.index(i), x_smem.index(i * NBOX + j))
         for i in range(STAGES, n_iter):
             s = i % STAGES
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
@@ -137,7 +181,34 @@ if HAVE_GLUON:
             for j in gl.static_range(NBOX):
                 k = k_lo + i * 128 + j * BOX
                 tma.async_copy_global_to_shared(w_desc, [n0, k], bar, w_smem.index(s * NBOX + j))
-                tma.async_copy_global_to_shared(x_desc, [0, k], bar, x_smem.index(s * NBOX + j))
+                if not FUSE_X:
+                    tma.async_copy_global_to_shared(x_desc, [0, k], bar, x_smem.index(s * NBOX + j))
+
+    @gluon.jit
+    def _epilogue(acc, acc_l: gl.constexpr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, pid_n, pid_k, offs_n, offs_m,
+                  nmask, mmask, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SPLIT: gl.constexpr, FUSED: gl.constexpr,
+                  HAS_BIAS: gl.constexpr):  # fmt: skip
+        """Yᵀ tile out: straight to Y (+ bias) without split; else this split's fp32 partial and,
+        FUSED, the last split to take the ticket sums the partials in split order."""
+        mask_t = nmask[:, None] & mmask[None, :]
+        y_offs_t = offs_m.to(gl.int64)[None, :] * stride_ym + offs_n[:, None]
+        if SPLIT == 1:
+            if HAS_BIAS:
+                acc += gl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(gl.float32)[:, None]
+            gl.store(y_ptr + y_offs_t, acc.to(y_ptr.dtype.element_ty), mask=mask_t)
+        else:
+            gl.store(ws_ptr + pid_k.to(gl.int64) * M * N + y_offs_t, acc, mask=mask_t)
+            if FUSED:
+                gl.thread_barrier()  # every thread's partial is stored before the release below
+                ticket = gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+                if ticket == SPLIT - 1:
+                    tot = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_l)
+                    for sp in gl.static_range(SPLIT):  # split order: the same sum whoever is last
+                        tot += gl.load(ws_ptr + sp * M * N + y_offs_t, mask=mask_t, other=0.0, cache_modifier=".cg")
+                    if HAS_BIAS:
+                        tot += gl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(gl.float32)[:, None]
+                    gl.store(y_ptr + y_offs_t, tot.to(y_ptr.dtype.element_ty), mask=mask_t)
+                    gl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
     @gluon.jit
     def _math(
@@ -162,7 +233,7 @@ if HAVE_GLUON:
         _gdc_wait()  # the X scales below come from the quantizer
 
         mbarrier.wait(ready.index(0), 0)
-        q0, q1, q2, q3 = _issue(w_smem, x_smem, 0, zero, BOX)
+        q0, q1, q2, q3 = _issue(w_smem, x_smem, 0, 0, zero, BOX)
         sw = gl.load(s_ptrs, mask=nmask, other=0x7F7F7F7F)
         sx = gl.load(xs_ptrs, mask=mmask, other=0x7F7F7F7F)
         p0, p1, p2, p3 = warpgroup_mma_wait(num_outstanding=0, deps=(q0, q1, q2, q3))
@@ -170,7 +241,7 @@ if HAVE_GLUON:
         for i in range(1, n_iter):
             s = i % STAGES
             mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-            q0, q1, q2, q3 = _issue(w_smem, x_smem, s, zero, BOX)
+            q0, q1, q2, q3 = _issue(w_smem, x_smem, s, s, zero, BOX)
             sw_next = gl.load(s_ptrs + i, mask=nmask, other=0x7F7F7F7F)
             sx_next = gl.load(xs_ptrs + i, mask=mmask, other=0x7F7F7F7F)
             acc = _rescale(acc, p0, p1, p2, p3, sw, sx)  # step i-1, while step i is on the tensor core
@@ -179,56 +250,119 @@ if HAVE_GLUON:
             sw = sw_next
             sx = sx_next
         acc = _rescale(acc, p0, p1, p2, p3, sw, sx)
+        _epilogue(acc, acc_l, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, pid_n, pid_k, offs_n, offs_m, nmask, mmask,
+                  BLOCK_N, BLOCK_M, SPLIT, FUSED, HAS_BIAS)  # fmt: skip
 
-        mask_t = nmask[:, None] & mmask[None, :]
-        y_offs_t = offs_m.to(gl.int64)[None, :] * stride_ym + offs_n[:, None]
-        if SPLIT == 1:
-            if HAS_BIAS:
-                acc += gl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(gl.float32)[:, None]
-            gl.store(y_ptr + y_offs_t, acc.to(y_ptr.dtype.element_ty), mask=mask_t)
-        else:
-            gl.store(ws_ptr + pid_k.to(gl.int64) * M * N + y_offs_t, acc, mask=mask_t)
-            if FUSED:
-                gl.thread_barrier()  # every thread's partial is stored before the release below
-                ticket = gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-                if ticket == SPLIT - 1:
-                    tot = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_l)
-                    for sp in gl.static_range(SPLIT):  # split order: the same sum whoever is last
-                        tot += gl.load(ws_ptr + sp * M * N + y_offs_t, mask=mask_t, other=0.0, cache_modifier=".cg")
-                    if HAS_BIAS:
-                        tot += gl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(gl.float32)[:, None]
-                    gl.store(y_ptr + y_offs_t, tot.to(y_ptr.dtype.element_ty), mask=mask_t)
-                    gl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+    @gluon.jit
+    def _math_fuse_x(
+        w_smem, x_smem, ready, empty, x_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
+        M, N, K, stride_xm, stride_sn4, stride_ym, pid_n, pid_k, k_lo, n_iter,
+        BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+        FUSED: gl.constexpr, HAS_BIAS: gl.constexpr,
+        EMAX: gl.constexpr, MBITS: gl.constexpr, MAXN: gl.constexpr, RULE: gl.constexpr,
+    ):  # fmt: skip
+        """``_math`` with X quantized here, one step ahead: while step i's block products run on
+        the tensor core, this warpgroup rescales step i-1, MX-quantizes step i+1's X (loaded from
+        global a step before that) into the other of two shared fp8 tiles, and loads step i+2's X.
+        One launch per call instead of the quantizer's and this kernel's; same bytes, same sums."""
+        acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 32])
+        row_l: gl.constexpr = gl.SliceLayout(1, acc_l)
+        col_l: gl.constexpr = gl.SliceLayout(0, acc_l)
+        # X steps [BLOCK_M, 4 blocks, 32]: 16-byte vectors, a block's 32 values in 4 threads of a warp
+        x_l: gl.constexpr = gl.BlockedLayout([1, 1, 8], [2, 4, 4], [4, 1, 1], [2, 1, 0])
+        offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=row_l)
+        offs_m = gl.arange(0, BLOCK_M, layout=col_l)
+        nmask = offs_n < N
+        mmask = offs_m < M
+        s_ptrs = s_ptr + offs_n.to(gl.int64) * stride_sn4 + k_lo // 128
+        xm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gl.SliceLayout(2, x_l)))
+        xj = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, x_l)))
+        xt = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, x_l)))
+        rows3 = (xm.to(gl.int64) * stride_xm)[:, None, None]
+        cols3 = (xj * 32)[None, :, None] + xt[None, None, :]
+        mmask3 = (xm < M)[:, None, None]
+        zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_l)
+        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_l)
+
+        xr = _x_step(x_ptr, rows3, cols3, mmask3, k_lo, K)
+        sx = _x_quantize(xr, x_smem.index(0), x_l, col_l, EMAX, MBITS, MAXN, RULE)
+        xr = _x_step(x_ptr, rows3, cols3, mmask3, k_lo + 128, K)
+        fence_async_shared()
+        gl.thread_barrier()  # every thread's part of X's tile is in shared memory before the wgmmas
+        mbarrier.wait(ready.index(0), 0)
+        q0, q1, q2, q3 = _issue(w_smem, x_smem, 0, 0, zero, 128)
+        sw = gl.load(s_ptrs, mask=nmask, other=0x7F7F7F7F)
+        sx_next = _x_quantize(xr, x_smem.index(1), x_l, col_l, EMAX, MBITS, MAXN, RULE)
+        xr = _x_step(x_ptr, rows3, cols3, mmask3, k_lo + 256, K)
+        p0, p1, p2, p3 = warpgroup_mma_wait(num_outstanding=0, deps=(q0, q1, q2, q3))
+        mbarrier.arrive(empty.index(0))
+        for i in range(1, n_iter):
+            fence_async_shared()
+            gl.thread_barrier()
+            s = i % STAGES
+            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            q0, q1, q2, q3 = _issue(w_smem, x_smem, s, i % 2, zero, 128)
+            sw_next = gl.load(s_ptrs + i, mask=nmask, other=0x7F7F7F7F)
+            sx_after = _x_quantize(xr, x_smem.index((i + 1) % 2), x_l, col_l, EMAX, MBITS, MAXN, RULE)
+            xr = _x_step(x_ptr, rows3, cols3, mmask3, k_lo + (i + 2) * 128, K)
+            acc = _rescale(acc, p0, p1, p2, p3, sw, sx)  # step i-1, while step i is on the tensor core
+            p0, p1, p2, p3 = warpgroup_mma_wait(num_outstanding=0, deps=(q0, q1, q2, q3))
+            mbarrier.arrive(empty.index(s))
+            sw = sw_next
+            sx = sx_next
+            sx_next = sx_after
+        acc = _rescale(acc, p0, p1, p2, p3, sw, sx)
+        _epilogue(acc, acc_l, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, pid_n, pid_k, offs_n, offs_m, nmask, mmask,
+                  BLOCK_N, BLOCK_M, SPLIT, FUSED, HAS_BIAS)  # fmt: skip
 
     @gluon.jit
     def _mx_decode_ws_kernel(
-        w_desc, x_desc, s_ptr, xs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
-        M, N, K, K_SPLIT, stride_sn4, stride_xsm4, stride_ym,
+        w_desc, x_desc, x_ptr, s_ptr, xs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
+        M, N, K, K_SPLIT, stride_xm, stride_sn4, stride_xsm4, stride_ym,
         BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
         FUSED: gl.constexpr, HAS_BIAS: gl.constexpr, LOADER_REGS: gl.constexpr, BOX: gl.constexpr,
+        FUSE_X: gl.constexpr = False, X_FP8: gl.constexpr = None, X_LAYOUT: gl.constexpr = None,
+        EMAX: gl.constexpr = 0, MBITS: gl.constexpr = 0, MAXN: gl.constexpr = 0.0, RULE: gl.constexpr = 1,
     ):  # fmt: skip
-        """Yᵀ tile [BLOCK_N, BLOCK_M] over this program's K range (4 warps of math + 1 loader warp)."""
+        """Yᵀ tile [BLOCK_N, BLOCK_M] over this program's K range (4 warps of math + 1 loader warp).
+        FUSE_X: X is the raw activations (x_ptr; x_desc unused), quantized by the math warpgroup;
+        otherwise X is the quantizer's fp8 (x_desc) and scales (xs_ptr)."""
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
         k_lo = pid_k * K_SPLIT
         n_iter = gl.cdiv(gl.minimum(k_lo + K_SPLIT, K) - k_lo, 128)
         w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES * (128 // BOX), BLOCK_N, BOX], w_desc.layout)
-        x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES * (128 // BOX), BLOCK_M, BOX], x_desc.layout)
+        if FUSE_X:
+            x_smem = gl.allocate_shared_memory(X_FP8, [2, BLOCK_M, 128], X_LAYOUT)
+        else:
+            x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES * (128 // BOX), BLOCK_M, BOX], x_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=1)
-        gl.warp_specialize(
-            [
-                (_math, (w_smem, x_smem, ready, empty, s_ptr, xs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
-                         M, N, stride_sn4, stride_xsm4, stride_ym, pid_n, pid_k, k_lo, n_iter,
-                         BLOCK_N, BLOCK_M, STAGES, SPLIT, FUSED, HAS_BIAS, BOX)),
-                (_loader, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BLOCK_N, k_lo, n_iter, STAGES, BOX)),
-            ],
-            [1],
-            [LOADER_REGS],
-        )  # fmt: skip
+        if FUSE_X:
+            gl.warp_specialize(
+                [
+                    (_math_fuse_x, (w_smem, x_smem, ready, empty, x_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
+                                    M, N, K, stride_xm, stride_sn4, stride_ym, pid_n, pid_k, k_lo, n_iter,
+                                    BLOCK_N, BLOCK_M, STAGES, SPLIT, FUSED, HAS_BIAS, EMAX, MBITS, MAXN, RULE)),
+                    (_loader, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BLOCK_N, k_lo, n_iter, STAGES, BOX, FUSE_X)),
+                ],
+                [1],
+                [LOADER_REGS],
+            )  # fmt: skip
+        else:
+            gl.warp_specialize(
+                [
+                    (_math, (w_smem, x_smem, ready, empty, s_ptr, xs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
+                             M, N, stride_sn4, stride_xsm4, stride_ym, pid_n, pid_k, k_lo, n_iter,
+                             BLOCK_N, BLOCK_M, STAGES, SPLIT, FUSED, HAS_BIAS, BOX)),
+                    (_loader, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BLOCK_N, k_lo, n_iter, STAGES, BOX, FUSE_X)),
+                ],
+                [1],
+                [LOADER_REGS],
+            )  # fmt: skip
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(s))
             mbarrier.invalidate(empty.index(s))
@@ -254,6 +388,10 @@ class DecodeWSConfig:
     # Programmatic dependent launch: the kernel starts while the X quantizer runs, streams its
     # first weight tiles, then waits for X (griddepcontrol). Off: the two launches serialize.
     pdl: bool = True
+    # X quantized inside the math warpgroup (one launch, no quantizer): the amax scale rules with
+    # the hardware fp8 conversion and box 128; ScaleRule.MSE or MXQ_BIT_ROUNDING=1 keep the
+    # quantizer kernel (and ``pdl``).
+    fuse_x: bool = True
 
 
 def takes(m: int, k: int, block_size: int) -> bool:
@@ -360,11 +498,17 @@ class _WSPlan:
         self.xs_off = m * k
         self.ws_off = cdiv(m * k + m * (k // BS), 16) * 16
         self.scratch = self.ws_off + (4 * split * m * n if split > 1 else 0)
-        self.quantize = quantize_launch(act_elem, act_rule, block_size, write_q=True, write_d=False,
-                                        pdl=pdl, device=x.device)  # fmt: skip
-        self.qgrid = quantize_grid(m, k, act_rule, block_size)
         consts = dict(BLOCK_N=cfg.block_n, BLOCK_M=block_m, STAGES=cfg.stages, SPLIT=split, HAS_BIAS=bias is not None,
                       LOADER_REGS=cfg.loader_regs, BOX=cfg.box)  # fmt: skip
+        self.fuse_x = cfg.fuse_x and act_rule is not ScaleRule.MSE and cfg.box == 128 and hw_cvt(x.device)
+        if self.fuse_x:
+            pdl = False  # one kernel: nothing to overlap with
+            consts.update(FUSE_X=True, X_FP8=x_gl, X_LAYOUT=self.x_layout, EMAX=act_elem.emax, MBITS=act_elem.mbits,
+                          MAXN=act_elem.max_normal, RULE=_RULE_ID[act_rule])  # fmt: skip
+        else:
+            self.quantize = quantize_launch(act_elem, act_rule, block_size, write_q=True, write_d=False,
+                                            pdl=pdl, device=x.device)  # fmt: skip
+            self.qgrid = quantize_grid(m, k, act_rule, block_size)
         opts = dict(num_warps=4, maxnreg=cfg.maxnreg, launch_pdl=pdl)
         self.gemm = {f: Launch(_mx_decode_ws_kernel, dict(consts, FUSED=f), opts) for f in (False, True)}
         self.has_bias = bias is not None
@@ -380,22 +524,26 @@ class _WSPlan:
         if self.copy_s:
             weight_scale = weight_scale.contiguous()
         dev = x.device
-        buf = torch.empty(self.scratch, dtype=torch.uint8, device=dev)
-        xq = buf[: self.xs_off].view(m, k)
-        xs = buf[self.xs_off : self.xs_off + m * (k // BS)].view(m, k // BS)
-        ws = buf[self.ws_off :].view(torch.float32).view(self.split, m, n) if self.split > 1 else None
         y = torch.empty((m, n), dtype=self.out_dtype, device=dev)
-        self.quantize(self.qgrid, x, xq, xs, x, m, k, k, k // BS, x.stride(0), k, k // BS, 0)
+        w_desc = descriptor(TensorDescriptor, weight, [n, k], [weight.stride(0), 1], self.w_block, self.w_layout)
+        s32 = weight_scale.view(torch.int32)
+        if self.fuse_x:
+            ws = torch.empty((self.split, m, n), dtype=torch.float32, device=dev) if self.split > 1 else None
+            x_desc, xs32 = w_desc, s32  # unused: the kernel reads x and quantizes it itself
+        else:
+            buf = torch.empty(self.scratch, dtype=torch.uint8, device=dev)
+            xq = buf[: self.xs_off].view(m, k)
+            xs = buf[self.xs_off : self.xs_off + m * (k // BS)].view(m, k // BS)
+            ws = buf[self.ws_off :].view(torch.float32).view(self.split, m, n) if self.split > 1 else None
+            self.quantize(self.qgrid, x, xq, xs, x, m, k, k, k // BS, x.stride(0), k, k // BS, 0)
+            x_desc = descriptor(TensorDescriptor, xq.view(self.x_dtype), [m, k], [k, 1], self.x_block, self.x_layout)
+            xs32 = xs.view(torch.int32)
         counters = split_counters(dev, self.tiles) if self.want_fused else None
         fused = counters is not None
-        w_desc = descriptor(TensorDescriptor, weight, [n, k], [weight.stride(0), 1], self.w_block, self.w_layout)
-        x_desc = descriptor(TensorDescriptor, xq.view(self.x_dtype), [m, k], [k, 1], self.x_block, self.x_layout)
-        s32 = weight_scale.view(torch.int32)
-        xs32 = xs.view(torch.int32)
         self.gemm[fused](
-            (self.tiles, self.split), w_desc, x_desc, s32, xs32, bias if self.has_bias else s32, y,
+            (self.tiles, self.split), w_desc, x_desc, x, s32, xs32, bias if self.has_bias else s32, y,
             ws if ws is not None else y, counters if fused else s32,
-            m, n, k, self.k_split, s32.stride(0), xs32.stride(0), n,
+            m, n, k, self.k_split, x.stride(0), s32.stride(0), xs32.stride(0), n,
         )  # fmt: skip
         if self.split > 1 and not fused:
             _split_k_finish(ws, y, bias, self.split)

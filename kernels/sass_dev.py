@@ -4,7 +4,7 @@
     python -m mxq.kernels.sass_dev --kernel gemm [--tile 256x128x64] [--warps 8] [--stages 3]
         [--loop old|zero_dot|peel] [--deq bf16|bits|fp32] [--ptxas PATH] [--out DIR]
     python -m mxq.kernels.sass_dev --kernel decode_f8 [--tile 16x128x4] [--split-k 4] [--quant-x] [--stages 2]
-    python -m mxq.kernels.sass_dev --kernel decode_ws [--split-k 4] [--stages 2] [--maxnreg 128]
+    python -m mxq.kernels.sass_dev --kernel decode_ws [--split-k 4] [--stages 2] [--maxnreg 128] [--fuse-x]
     python -m mxq.kernels.sass_dev --kernel attn_ws [--stages 4] [--head-dim 128] [--maxnreg 128]
     python -m mxq.kernels.sass_dev --kernel attn_prefill [--tile 64x64] [--warps 4] [--stages 3] [--pointer-x]
 
@@ -123,9 +123,9 @@ def compile_decode_f8(block_m=16, block_n=128, kb=4, warps=4, stages=4, split=4,
     return _compile_sm90(fn, cons, ptrs, warps, stages, not_div16={"M"})
 
 
-def compile_decode_ws(block_m=16, stages=2, split=4, box=128, maxnreg=128, loader_regs=24):
+def compile_decode_ws(block_m=16, stages=2, split=4, box=128, maxnreg=128, loader_regs=24, fuse_x=False):
     """``gemm_decode_ws._mx_decode_ws_kernel`` (Gluon) for sm_90 as mx_decode_gemm_ws launches it
-    (E4M3 W and X, bf16 out, no bias)."""
+    (E4M3 W and X, bf16 out, no bias); ``fuse_x``: bf16 X quantized in the kernel (RCEIL)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -135,9 +135,12 @@ def compile_decode_ws(block_m=16, stages=2, split=4, box=128, maxnreg=128, loade
                 LOADER_REGS=loader_regs, BOX=box)  # fmt: skip
     lw = gl.NVMMASharedLayout.get_default_for([128, box], gl.float8e4nv)
     lx = gl.NVMMASharedLayout.get_default_for([block_m, box], gl.float8e4nv)
+    w_desc = f"tensordesc<fp8e4nv[128, {box}],{lw!r}>"
+    cons.update(FUSE_X=fuse_x, X_FP8=gl.float8e4nv, X_LAYOUT=lx, EMAX=8, MBITS=3, MAXN=448.0, RULE=1)
     ptrs = {
-        "w_desc": f"tensordesc<fp8e4nv[128, {box}],{lw!r}>", "x_desc": f"tensordesc<fp8e4nv[{block_m}, {box}],{lx!r}>",
-        "s_ptr": "*i32", "xs_ptr": "*i32", "b_ptr": "*i32", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
+        "w_desc": w_desc, "x_desc": w_desc if fuse_x else f"tensordesc<fp8e4nv[{block_m}, {box}],{lx!r}>",
+        "x_ptr": "*bf16", "s_ptr": "*i32", "xs_ptr": "*i32", "b_ptr": "*i32", "y_ptr": "*bf16", "ws_ptr": "*fp32",
+        "cnt_ptr": "*i32",
     }  # fmt: skip
     # stages live in the kernel's own ring (STAGES); num_stages is unused by Gluon
     return _compile_sm90(W._mx_decode_ws_kernel, cons, ptrs, 4, 1, not_div16={"M", "stride_xsm4"},
@@ -323,6 +326,7 @@ def main():
     ap.add_argument("--no-inflight", dest="inflight", action="store_false",
                     help="prefill_rs: wait for each step before the back edge (session 14's loop)")
     ap.add_argument("--persistent", action="store_true", help="prefill_rs: one program per SM walking tiles")
+    ap.add_argument("--fuse-x", action="store_true", help="decode_ws: bf16 X quantized inside the kernel")
     ap.add_argument("--ptxas", default=None, help="assemble with this ptxas instead of Triton's")
     ap.add_argument("--out", default=None, help="folder for k.ttgir, k.ptx, k.sass")
     args = ap.parse_args()
@@ -334,7 +338,7 @@ def main():
         k = compile_decode(args.block_n, args.warps or 2, args.stages, args.maxnreg, fuse_merge=args.merge == "fused")
         unit = f"{args.block_n}-key tile"
     elif args.kernel == "decode_ws":
-        k = compile_decode_ws(stages=args.stages, split=args.split_k, maxnreg=args.maxnreg)
+        k = compile_decode_ws(stages=args.stages, split=args.split_k, maxnreg=args.maxnreg, fuse_x=args.fuse_x)
         unit = "128-wide K step (the first backward branch may be the loader warp's loop)"
     elif args.kernel == "attn_ws":
         k = compile_decode_attn_ws(stages=args.stages if args.stages != 3 else 4, d=args.head_dim, maxnreg=args.maxnreg or 128)

@@ -694,7 +694,7 @@ def test_decode_ws_plan_arguments(monkeypatch, m, n, k, split):
         y = WS.mx_decode_gemm_ws(x, w, ws, None, act_elem=E4M3, config=cfg, out_dtype=torch.float32)
     assert len(WS._PLANS) == 1 and len(calls) == 2 and y.shape == (m, n) and y.dtype == torch.float32
     grid, args, consts = calls[-1]
-    w_desc, x_desc, s32, xs32, _, y_arg, ws_arg, _ = args[:8]
+    w_desc, x_desc, x_arg, s32, xs32, _, y_arg, ws_arg, _ = args[:9]
     assert grid == (-(-n // 128), split) and consts["SPLIT"] == split and consts["FUSED"] == (split > 1)
     assert w_desc.base is w and w_desc.shape == [n, k] and w_desc.block_shape == [128, 128]
     assert x_desc.shape == [m, k] and x_desc.block_shape == [max(16, 1 << (m - 1).bit_length()), 128]
@@ -702,7 +702,44 @@ def test_decode_ws_plan_arguments(monkeypatch, m, n, k, split):
     assert torch.equal(x_desc.base.view(torch.uint8), ref.data.view(torch.uint8))
     assert torch.equal(xs32.view(torch.uint8), ref.scales) and torch.equal(s32.view(torch.uint8), ws)
     assert y_arg is y and (ws_arg is y if split == 1 else ws_arg.shape == (split, m, n))
-    assert args[8:12] == (m, n, k, -(-k // (128 * split)) * 128)
+    assert x_arg is x and args[9:14] == (m, n, k, -(-k // (128 * split)) * 128, k)
+
+
+@pytest.mark.parametrize("rule,fused", [(ScaleRule.RCEIL, True), (ScaleRule.EVEN, True), (ScaleRule.MSE, False)])
+def test_decode_ws_plan_fuses_x(monkeypatch, rule, fused):
+    """With the hardware fp8 conversion the plan launches one kernel that quantizes X itself
+    (raw X, its row stride and the format's constants; no quantizer, no X descriptor); MSE keeps
+    the quantizer kernel."""
+    monkeypatch.setattr(WS, "ws_supported", lambda *a: True)
+    monkeypatch.setattr(WS, "pdl_ok", lambda d: False)
+    monkeypatch.setattr(WS, "hw_cvt", lambda d: True)
+    monkeypatch.setattr(WS, "_PLANS", WS.PlanCache())
+    calls = []
+
+    class Recorder:
+        def __init__(self, fn, consts, opts):
+            self.fn, self.consts = fn, consts
+
+        def __call__(self, grid, *args):
+            calls.append((self.fn, grid, args, self.consts))
+
+    monkeypatch.setattr(WS, "Launch", Recorder)
+    monkeypatch.setattr(WS, "quantize_launch", lambda *a, **kw: Recorder("quantize", {}, {}))
+    gen = torch.Generator().manual_seed(5)
+    m, n, k = 5, 300, 640
+    w, ws, _ = _weight(n, k, E4M3, gen)
+    wide = torch.randn(m, k + 40, generator=gen).to(torch.bfloat16)
+    x = wide[:, 8 : 8 + k]
+    WS.mx_decode_gemm_ws(x, w.cpu(), ws.cpu(), None, act_elem=E5M2, act_rule=rule, config=WS.DecodeWSConfig(split_k=2))
+    if not fused:
+        assert [c[0] for c in calls] == ["quantize", WS._mx_decode_ws_kernel] and "FUSE_X" not in calls[-1][3]
+        return
+    assert len(calls) == 1
+    fn, grid, args, consts = calls[0]
+    assert fn is WS._mx_decode_ws_kernel and grid == (3, 2)
+    assert consts["FUSE_X"] and consts["RULE"] == {ScaleRule.RCEIL: 1, ScaleRule.EVEN: 2}[rule]
+    assert (consts["EMAX"], consts["MBITS"], consts["MAXN"]) == (E5M2.emax, E5M2.mbits, E5M2.max_normal)
+    assert args[1] is args[0] and args[2] is x and args[7].shape == (2, m, n) and args[13] == k + 40
 
 
 @hopper
@@ -741,7 +778,7 @@ def test_gpu_decode_ws_pdl_same_bits(m, n, k):
     gen = torch.Generator().manual_seed(m + n + k)
     w, ws, w64 = _weight(n, k, E4M3, gen)
     x = _activations(m, k, torch.bfloat16, gen, special=False, decades=(-2, 1))
-    cfg = WS.pick_decode_ws_config(m, n, k, torch.device(DEV))
+    cfg = dataclasses.replace(WS.pick_decode_ws_config(m, n, k, torch.device(DEV)), fuse_x=False)
     assert cfg.pdl
     off = dataclasses.replace(cfg, pdl=False)
     y_on = WS.mx_decode_gemm_ws(x, w, ws, out_dtype=torch.float32, config=cfg)
@@ -758,6 +795,49 @@ def test_gpu_decode_ws_pdl_same_bits(m, n, k):
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(yg, WS.mx_decode_gemm_ws(src, w, ws, out_dtype=torch.float32, config=off))
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(1, 1000, 640), (3, 257, 4224), (16, 6144, 4096), (9, 14336, 4096), (13, 130, 128), (16, 4096, 14336)])
+def test_gpu_decode_ws_fused_x_same_bits(m, n, k):
+    """X quantized inside the kernel (fuse_x, one launch) gives the same bits as the quantizer
+    kernel + the same GEMM, for every amax rule and element format, bf16/fp16/fp32 X with NaN,
+    Inf, zero and tiny blocks, rows with a stride wider than K, splits incl. uneven, bias; and in
+    a CUDA graph each replay reads the X of that moment."""
+    gen = torch.Generator().manual_seed(m * 5 + n + k)
+    w, ws, w64 = _weight(n, k, E4M3, gen)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16).to(DEV)
+    base = WS.pick_decode_ws_config(m, n, k, torch.device(DEV))
+    acts = [(E4M3, ScaleRule.RCEIL, torch.bfloat16), (E5M2, ScaleRule.FLOOR, torch.float16), (E4M3, ScaleRule.EVEN, torch.float32)]
+    for (act_elem, rule, dtype), split in zip(acts, (base.split_k, 3, 1)):
+        wide = torch.zeros(m, k + 96, dtype=dtype, device=DEV)
+        x = wide[:, 7 : 7 + k]  # row stride k + 96, not 16-byte aligned
+        x.copy_(_activations(m, k, dtype, gen, special=True, decades=(-3, 2)))
+        fused = dataclasses.replace(base, split_k=split)
+        plain = dataclasses.replace(fused, fuse_x=False)
+        for b in (None, bias):
+            y1 = WS.mx_decode_gemm_ws(x, w, ws, b, act_elem=act_elem, act_rule=rule, out_dtype=torch.float32, config=fused)
+            y0 = WS.mx_decode_gemm_ws(x, w, ws, b, act_elem=act_elem, act_rule=rule, out_dtype=torch.float32, config=plain)
+            torch.testing.assert_close(y1, y0, rtol=0, atol=0, equal_nan=True)
+        if m >= 4:
+            assert torch.isnan(y1[:2]).all() and not torch.isnan(y1[2:]).any()
+        clean = _activations(m, k, dtype, gen, special=False, decades=(-2, 1))
+        y = WS.mx_decode_gemm_ws(clean, w, ws, bias, act_elem=act_elem, act_rule=rule, config=fused)
+        _assert_gemm_close(y, clean, w64, bias, act_elem, rule, acc_rel=F8_ACC)
+    src = torch.empty(m, k, dtype=torch.bfloat16, device=DEV)
+    xin = torch.empty_like(src)
+    WS.mx_decode_gemm_ws(xin, w, ws, out_dtype=torch.float32, config=base)  # compile outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        xin.copy_(src)
+        yg = WS.mx_decode_gemm_ws(xin, w, ws, out_dtype=torch.float32, config=base)
+    for _ in range(3):
+        src.copy_(_activations(m, k, torch.bfloat16, gen, special=False, decades=(-2, 1)))
+        g.replay()
+        torch.cuda.synchronize()
+        plain = dataclasses.replace(base, fuse_x=False)
+        assert torch.equal(yg, WS.mx_decode_gemm_ws(src, w, ws, out_dtype=torch.float32, config=plain))
 
 
 @hopper

@@ -140,6 +140,21 @@ def test_decode_ws_compiles_warp_specialized(tmp_path):
     assert int(re.search(r"registers/thread (\d+)", out).group(1)) <= 128
 
 
+def test_decode_ws_fused_x_compiles(tmp_path):
+    """With X quantized inside the kernel (--fuse-x): the same 16 fp8 wgmmas, X rounded by the
+    hardware conversion (F2FP.SATFINITE.E4M3), its tiles stored to shared memory and fenced for the
+    async proxy, only W by TMA (3 of the unfused kernel's 6 TMA loads), no wait for a producer
+    kernel, no spills, at most 128 registers at launch."""
+    pytest.importorskip("triton.experimental.gluon")
+    out = _cli("--kernel", "decode_ws", "--split-k", "4", "--stages", "2", "--maxnreg", "128", "--fuse-x", "--out", str(tmp_path))
+    sass = (tmp_path / "k.sass").read_text()
+    assert len(re.findall(r"QGMMA\.64x16x32\.F32\.E4M3\.E4M3", sass)) == 16
+    assert "F2FP.SATFINITE.E4M3.F32.PACK" in sass and "STS" in sass and "FENCE.VIEW.ASYNC.S" in sass
+    assert len(re.findall(r"UTMALDG", sass)) == 3 and "ACQBULK" not in sass
+    assert not re.search(r"\b(LDL|STL)\b", sass), "register spills"
+    assert int(re.search(r"registers/thread (\d+)", out).group(1)) <= 128
+
+
 def test_decode_ws_waits_for_the_quantizer(tmp_path):
     """Programmatic dependent launch: the decode kernel waits for its producer (griddepcontrol.wait,
     ACQBULK in SASS) before it reads X; the quantizer it follows can release it early."""
