@@ -41,7 +41,14 @@ from mxq.kernels.gemm import (
 )
 from mxq.kernels.gemm_decode import split_counters
 from mxq.kernels.launch import FAST, Launch, PlanCache, cdiv, descriptor, next_pow2
-from mxq.kernels.quantize import _RULE_ID, _capability, hw_cvt, pdl_ok, quantize_grid, quantize_launch
+from mxq.kernels.quantize import (
+    _RULE_ID,
+    _capability,
+    hw_cvt,
+    pdl_ok,
+    quantize_grid,
+    quantize_launch,
+)
 
 try:  # Gluon: Triton >= 3.5
     from triton.experimental import gluon
