@@ -40,7 +40,7 @@ from mxq.kernels.gemm import (
     split_k_sizes,
 )
 from mxq.kernels.gemm_decode import split_counters
-from mxq.kernels.launch import FAST, Launch, PlanCache, cdiv, descriptor, next_pow2
+from mxq.kernels.launch import FAST, Launch, PlanCache, cdiv, descriptor
 from mxq.kernels.quantize import (
     _RULE_ID,
     _capability,
@@ -100,12 +100,12 @@ if HAVE_GLUON:
         return gl.load(x_ptr + rows3 + (cols3 + k0), mask=mmask3 & (cols3 + k0 < K), other=0.0)
 
     @gluon.jit
-    def _x_quantize(x, dst, x_l: gl.constexpr, col_l: gl.constexpr, EMAX: gl.constexpr, MBITS: gl.constexpr, MAXN: gl.constexpr,
+    def _x_quantize(x, dst, sdst, x_l: gl.constexpr, EMAX: gl.constexpr, MBITS: gl.constexpr, MAXN: gl.constexpr,
                     RULE: gl.constexpr):  # fmt: skip
-        """MX-quantize one step of X (``quantize._quantize_rows_kernel``'s hardware-rounding path,
-        amax rules): the fp8 elements go to the shared tile ``dst`` [BLOCK_M, 128] that the
-        step's wgmmas read, the 4 scale bytes come back as one int32 word per row (byte j =
-        block j, 255 for a block with a NaN or Inf) in the accumulator's column layout."""
+        """MX-quantize one step of X [BLOCK_M, 4, 32] (``quantize._quantize_rows_kernel``'s
+        hardware-rounding path, amax rules): the fp8 elements go to the shared tile ``dst``
+        [BLOCK_M, 128] that the step's wgmmas read, the 4 scale bytes as one int32 word per row
+        (byte j = block j, 255 for a block with a NaN or Inf) to ``sdst`` [BLOCK_M]."""
         BLOCK_M: gl.constexpr = x.shape[0]
         xf = x.to(gl.float32)
         imax = gl.max(xf.to(gl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)
@@ -126,8 +126,7 @@ if HAVE_GLUON:
         dst.store(gl.reshape(q, [BLOCK_M, 128]))
         sb = gl.where(imax >= 0x7F800000, 255, e + 127)
         j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, x_l)))
-        word = gl.sum(sb << (8 * j)[None, :], axis=1)
-        return gl.convert_layout(word, col_l)
+        sdst.store(gl.sum(sb << (8 * j)[None, :], axis=1))
 
     @gluon.jit
     def _rescale(acc, p0, p1, p2, p3, sw, sx):
@@ -262,16 +261,17 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _math_fuse_x(
-        w_smem, x_smem, ready, empty, x_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
+        w_smem, x_smem, xs_smem, ready, empty, x_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
         M, N, K, stride_xm, stride_sn4, stride_ym, pid_n, pid_k, k_lo, n_iter,
         BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
         FUSED: gl.constexpr, HAS_BIAS: gl.constexpr,
         EMAX: gl.constexpr, MBITS: gl.constexpr, MAXN: gl.constexpr, RULE: gl.constexpr,
     ):  # fmt: skip
         """``_math`` with X quantized here, one step ahead: while step i's block products run on
-        the tensor core, this warpgroup rescales step i-1, MX-quantizes step i+1's X (loaded from
-        global a step before that) into the other of two shared fp8 tiles, and loads step i+2's X.
-        One launch per call instead of the quantizer's and this kernel's; same bytes, same sums."""
+        the tensor core, this warpgroup MX-quantizes step i+1's X (loaded from global a step
+        before) into the other of two shared fp8 tiles (+ scale words), loads step i+2's X and
+        rescales step i-1. One launch per call instead of the quantizer's and this kernel's;
+        same bytes, same sums."""
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 32])
         row_l: gl.constexpr = gl.SliceLayout(1, acc_l)
         col_l: gl.constexpr = gl.SliceLayout(0, acc_l)
@@ -292,32 +292,34 @@ if HAVE_GLUON:
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_l)
 
         xr = _x_step(x_ptr, rows3, cols3, mmask3, k_lo, K)
-        sx = _x_quantize(xr, x_smem.index(0), x_l, col_l, EMAX, MBITS, MAXN, RULE)
+        _x_quantize(xr, x_smem.index(0), xs_smem.index(0), x_l, EMAX, MBITS, MAXN, RULE)
         xr = _x_step(x_ptr, rows3, cols3, mmask3, k_lo + 128, K)
         fence_async_shared()
         gl.thread_barrier()  # every thread's part of X's tile is in shared memory before the wgmmas
         mbarrier.wait(ready.index(0), 0)
         q0, q1, q2, q3 = _issue(w_smem, x_smem, 0, 0, zero, 128)
         sw = gl.load(s_ptrs, mask=nmask, other=0x7F7F7F7F)
-        sx_next = _x_quantize(xr, x_smem.index(1), x_l, col_l, EMAX, MBITS, MAXN, RULE)
+        sx = xs_smem.index(0).load(col_l)
+        _x_quantize(xr, x_smem.index(1), xs_smem.index(1), x_l, EMAX, MBITS, MAXN, RULE)
         xr = _x_step(x_ptr, rows3, cols3, mmask3, k_lo + 256, K)
         p0, p1, p2, p3 = warpgroup_mma_wait(num_outstanding=0, deps=(q0, q1, q2, q3))
         mbarrier.arrive(empty.index(0))
         for i in range(1, n_iter):
             fence_async_shared()
-            gl.thread_barrier()
+            gl.thread_barrier()  # step i's X tile and scale words are written (one step ago)
             s = i % STAGES
             mbarrier.wait(ready.index(s), (i // STAGES) & 1)
             q0, q1, q2, q3 = _issue(w_smem, x_smem, s, i % 2, zero, 128)
             sw_next = gl.load(s_ptrs + i, mask=nmask, other=0x7F7F7F7F)
-            sx_after = _x_quantize(xr, x_smem.index((i + 1) % 2), x_l, col_l, EMAX, MBITS, MAXN, RULE)
+            sx_next = xs_smem.index(i % 2).load(col_l)
+            # the other tile: step i-1's, whose wgmmas were waited for and whose words are in sx
+            _x_quantize(xr, x_smem.index((i + 1) % 2), xs_smem.index((i + 1) % 2), x_l, EMAX, MBITS, MAXN, RULE)
             xr = _x_step(x_ptr, rows3, cols3, mmask3, k_lo + (i + 2) * 128, K)
             acc = _rescale(acc, p0, p1, p2, p3, sw, sx)  # step i-1, while step i is on the tensor core
             p0, p1, p2, p3 = warpgroup_mma_wait(num_outstanding=0, deps=(q0, q1, q2, q3))
             mbarrier.arrive(empty.index(s))
             sw = sw_next
             sx = sx_next
-            sx_next = sx_after
         acc = _rescale(acc, p0, p1, p2, p3, sw, sx)
         _epilogue(acc, acc_l, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, pid_n, pid_k, offs_n, offs_m, nmask, mmask,
                   BLOCK_N, BLOCK_M, SPLIT, FUSED, HAS_BIAS)  # fmt: skip
@@ -341,6 +343,7 @@ if HAVE_GLUON:
         w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES * (128 // BOX), BLOCK_N, BOX], w_desc.layout)
         if FUSE_X:
             x_smem = gl.allocate_shared_memory(X_FP8, [2, BLOCK_M, 128], X_LAYOUT)
+            xs_smem = gl.allocate_shared_memory(gl.int32, [2, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         else:
             x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES * (128 // BOX), BLOCK_M, BOX], x_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -351,7 +354,7 @@ if HAVE_GLUON:
         if FUSE_X:
             gl.warp_specialize(
                 [
-                    (_math_fuse_x, (w_smem, x_smem, ready, empty, x_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
+                    (_math_fuse_x, (w_smem, x_smem, xs_smem, ready, empty, x_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
                                     M, N, K, stride_xm, stride_sn4, stride_ym, pid_n, pid_k, k_lo, n_iter,
                                     BLOCK_N, BLOCK_M, STAGES, SPLIT, FUSED, HAS_BIAS, EMAX, MBITS, MAXN, RULE)),
                     (_loader, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BLOCK_N, k_lo, n_iter, STAGES, BOX, FUSE_X)),
@@ -399,6 +402,9 @@ class DecodeWSConfig:
     # the hardware fp8 conversion and box 128; ScaleRule.MSE or MXQ_BIT_ROUNDING=1 keep the
     # quantizer kernel (and ``pdl``).
     fuse_x: bool = True
+    # Activation rows per tile (the wgmma's N): None = 8 for M <= 8 (half the block products and
+    # rescale work of 16), else 16.
+    block_m: int | None = None
 
 
 def takes(m: int, k: int, block_size: int) -> bool:
@@ -488,7 +494,7 @@ class _WSPlan:
         self.copy_w = weight.stride(1) != 1 or weight.stride(0) % 16 or weight.data_ptr() % 16
         self.copy_s = weight_scale.stride(1) != 1 or weight_scale.stride(0) % 4 or weight_scale.data_ptr() % 4
         cfg = config or pick_decode_ws_config(m, n, k, x.device)
-        block_m = max(16, next_pow2(m))
+        block_m = cfg.block_m or (8 if m <= 8 else 16)
         self.split, self.k_split, _ = split_k_sizes(k, cfg.split_k, KB * BS)
         split = self.split
         self.tiles = cdiv(n, cfg.block_n)

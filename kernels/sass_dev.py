@@ -327,6 +327,7 @@ def main():
                     help="prefill_rs: wait for each step before the back edge (session 14's loop)")
     ap.add_argument("--persistent", action="store_true", help="prefill_rs: one program per SM walking tiles")
     ap.add_argument("--fuse-x", action="store_true", help="decode_ws: bf16 X quantized inside the kernel")
+    ap.add_argument("--block-m", type=int, default=16, help="decode_ws: activation rows per tile (8 or 16)")
     ap.add_argument("--ptxas", default=None, help="assemble with this ptxas instead of Triton's")
     ap.add_argument("--out", default=None, help="folder for k.ttgir, k.ptx, k.sass")
     args = ap.parse_args()
@@ -338,7 +339,7 @@ def main():
         k = compile_decode(args.block_n, args.warps or 2, args.stages, args.maxnreg, fuse_merge=args.merge == "fused")
         unit = f"{args.block_n}-key tile"
     elif args.kernel == "decode_ws":
-        k = compile_decode_ws(stages=args.stages, split=args.split_k, maxnreg=args.maxnreg, fuse_x=args.fuse_x)
+        k = compile_decode_ws(block_m=args.block_m, stages=args.stages, split=args.split_k, maxnreg=args.maxnreg, fuse_x=args.fuse_x)
         unit = "128-wide K step (the first backward branch may be the loader warp's loop)"
     elif args.kernel == "attn_ws":
         k = compile_decode_attn_ws(stages=args.stages if args.stages != 3 else 4, d=args.head_dim, maxnreg=args.maxnreg or 128)

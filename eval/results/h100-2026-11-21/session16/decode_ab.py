@@ -1,5 +1,5 @@
 """Session 16: interleaved A/B of the W8A8 decode GEMM with X quantized inside the kernel (fuse_x, one
-launch) against the quantizer kernel + GEMM (with and without PDL), and cuBLAS bf16, at M = 1, 4, 16.
+launch) against the quantizer kernel + GEMM (PDL; 8 or 16 activation rows per tile), and cuBLAS bf16, at M = 1, 4, 16.
 
 Method of session15/ab.py: every variant's CUDA graph (over weight copies, so weights stream from HBM)
 is built first, then replayed in ROUNDS rounds with the variant order rotating; a figure is the median
@@ -50,7 +50,7 @@ for model in models:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             base = WS.pick_decode_ws_config(m, n, k, x.device)
             cfgs = {"fused": base, "pdl": dataclasses.replace(base, fuse_x=False),
-                    "nopdl": dataclasses.replace(base, fuse_x=False, pdl=False)}
+                    "pdl16": dataclasses.replace(base, fuse_x=False, block_m=16)}
             ys = {nm: WS.mx_decode_gemm_ws(x, *packs[0], config=c, out_dtype=torch.float32) for nm, c in cfgs.items()}
             same = all(torch.equal(ys["fused"], y) for y in ys.values())
             gs = {"cublas": graph([lambda w=w: x @ w.t() for w in wbs])}
@@ -80,9 +80,9 @@ for model in models:
         torch.cuda.empty_cache()
 
 print(f"\n{torch.cuda.get_device_name()}  (x cuBLAS bf16, higher is faster; median of {ROUNDS * REPS} interleaved graph replays)")
-print("| model | layer | M | split | cuBLAS µs | fused µs | PDL µs | no-PDL µs | fused x | PDL x | no-PDL x | fused/PDL | same bits |")
+print("| model | layer | M | split | cuBLAS µs | fused µs | PDL µs | PDL 16-row µs | fused x | PDL x | PDL 16-row x | fused/PDL | same bits |")
 print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 for r in res:
     u, x = r["us"], r["x_cublas"]
-    print(f"| {r['model']} | {r['layer']} | {r['m']} | {r['split']} | {u['cublas']} | {u['fused']} | {u['pdl']} | {u['nopdl']} | "
-          f"{x['fused']:.2f} | {x['pdl']:.2f} | {x['nopdl']:.2f} | {u['pdl'] / u['fused']:.3f} | {r['same_bits']} |")
+    print(f"| {r['model']} | {r['layer']} | {r['m']} | {r['split']} | {u['cublas']} | {u['fused']} | {u['pdl']} | {u['pdl16']} | "
+          f"{x['fused']:.2f} | {x['pdl']:.2f} | {x['pdl16']:.2f} | {u['pdl'] / u['fused']:.3f} | {r['same_bits']} |")
