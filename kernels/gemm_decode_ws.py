@@ -400,8 +400,10 @@ class DecodeWSConfig:
     pdl: bool = True
     # X quantized inside the math warpgroup (one launch, no quantizer): the amax scale rules with
     # the hardware fp8 conversion and box 128; ScaleRule.MSE or MXQ_BIT_ROUNDING=1 keep the
-    # quantizer kernel (and ``pdl``).
-    fuse_x: bool = True
+    # quantizer kernel (and ``pdl``). Faster only where the launch is a large part of the call
+    # (``pick_decode_ws_config``): elsewhere the quantization on the math warpgroup's critical
+    # path costs more than the quantizer that PDL hides (kernels/NOTES.md session 16).
+    fuse_x: bool = False
     # Activation rows per tile (the wgmma's N): None = 8 for M <= 8 (half the block products and
     # rescale work of 16), else 16.
     block_m: int | None = None
@@ -422,14 +424,17 @@ def pick_decode_ws_config(m: int, n: int, k: int, device: torch.device) -> Decod
     """K split into the most pieces (a power of two <= 16) that keep the programs within two per
     SM (what fits: 2 x 256 threads x 128 registers) and >= 4 steps per split; 2 stages of
     128-byte-wide tiles. H200 sweep (kernels/NOTES.md session 8): the best split on 7 of the 8
-    Llama-3 8B/70B shapes at M = 1, 4 and 16 (8B o: 4 beats 8 by 0.5 µs at M = 16)."""
+    Llama-3 8B/70B shapes at M = 1, 4 and 16 (8B o: 4 beats 8 by 0.5 µs at M = 16). X is
+    quantized inside the kernel (``fuse_x``) for weights of at most 2**24 elements, where the
+    second launch weighs most (session 16, H200: 8B o +1-8 %; 8B qkv ties; larger weights lose
+    2-13 %)."""
     sms = _sm_count(device)
     tiles = cdiv(n, 128)
     steps = k // 128
     split = 1
     while split < 16 and steps // (split * 2) >= 4 and tiles * split * 2 <= 2 * sms:
         split *= 2
-    return DecodeWSConfig(block_n=128, stages=2, split_k=split, box=128)
+    return DecodeWSConfig(block_n=128, stages=2, split_k=split, box=128, fuse_x=n * k <= 1 << 24)
 
 
 def mx_decode_gemm_ws(

@@ -645,7 +645,7 @@ def test_decode_ws_config_rule(monkeypatch, n, k, sms, split):
     """K splits: the most (a power of two <= 16) with programs <= 2 per SM and >= 4 steps of 128 each."""
     monkeypatch.setattr(WS, "_sm_count", lambda device: sms)
     cfg = WS.pick_decode_ws_config(16, n, k, torch.device("cpu"))
-    assert cfg.split_k == split and cfg.box == 128
+    assert cfg.split_k == split and cfg.box == 128 and cfg.fuse_x == (n * k <= 1 << 24)
     tiles = -(-n // 128)
     assert tiles * cfg.split_k <= max(2 * sms, tiles) and (k // 128) // cfg.split_k >= min(4, k // 128)
 
@@ -730,7 +730,7 @@ def test_decode_ws_plan_fuses_x(monkeypatch, rule, fused):
     w, ws, _ = _weight(n, k, E4M3, gen)
     wide = torch.randn(m, k + 40, generator=gen).to(torch.bfloat16)
     x = wide[:, 8 : 8 + k]
-    WS.mx_decode_gemm_ws(x, w.cpu(), ws.cpu(), None, act_elem=E5M2, act_rule=rule, config=WS.DecodeWSConfig(split_k=2))
+    WS.mx_decode_gemm_ws(x, w.cpu(), ws.cpu(), None, act_elem=E5M2, act_rule=rule, config=WS.DecodeWSConfig(split_k=2, fuse_x=True))
     if not fused:
         assert [c[0] for c in calls] == ["quantize", WS._mx_decode_ws_kernel] and "FUSE_X" not in calls[-1][3]
         return
@@ -778,7 +778,8 @@ def test_gpu_decode_ws_pdl_same_bits(m, n, k):
     gen = torch.Generator().manual_seed(m + n + k)
     w, ws, w64 = _weight(n, k, E4M3, gen)
     x = _activations(m, k, torch.bfloat16, gen, special=False, decades=(-2, 1))
-    cfg = dataclasses.replace(WS.pick_decode_ws_config(m, n, k, torch.device(DEV)), fuse_x=False)
+    cfg = WS.pick_decode_ws_config(m, n, k, torch.device(DEV))
+    cfg = dataclasses.replace(cfg, fuse_x=False)
     assert cfg.pdl
     off = dataclasses.replace(cfg, pdl=False)
     y_on = WS.mx_decode_gemm_ws(x, w, ws, out_dtype=torch.float32, config=cfg)
@@ -808,7 +809,7 @@ def test_gpu_decode_ws_fused_x_same_bits(m, n, k):
     gen = torch.Generator().manual_seed(m * 5 + n + k)
     w, ws, w64 = _weight(n, k, E4M3, gen)
     bias = torch.randn(n, generator=gen).to(torch.bfloat16).to(DEV)
-    base = WS.pick_decode_ws_config(m, n, k, torch.device(DEV))
+    base = dataclasses.replace(WS.pick_decode_ws_config(m, n, k, torch.device(DEV)), fuse_x=True)
     acts = [(E4M3, ScaleRule.RCEIL, torch.bfloat16), (E5M2, ScaleRule.FLOOR, torch.float16), (E4M3, ScaleRule.EVEN, torch.float32)]
     for (act_elem, rule, dtype), split in zip(acts, (base.split_k, 3, 1)):
         wide = torch.zeros(m, k + 96, dtype=dtype, device=DEV)
