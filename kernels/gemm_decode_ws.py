@@ -17,6 +17,11 @@ accumulator. What differs is the schedule, which plain Triton does not let us wr
   loaded straight into the accumulator's row / column layouts, a step before they are used: no
   layout conversion, no shared-memory round trip, no barrier per block.
 
+With ``fuse_x`` (dispatched for small weights) there is no quantizer launch: the math warpgroup
+loads X itself and quantizes step i+1 into one of two shared fp8 tiles while step i's wgmmas run
+(``_math_fuse_x``); the loader streams W only. Same bytes, same sums. At M <= 8 a tile has 8
+activation rows (wgmma n8), else 16.
+
 Split-K as in ``gemm_decode`` (fp32 partials, an atomic ticket per N tile, the last split sums
 the partials in split order and resets the ticket). Shapes: M <= 16, K % 128 == 0
 (whole int32 scale words per step); other shapes take ``gemm_decode``. This module needs Gluon
@@ -454,7 +459,7 @@ def mx_decode_gemm_ws(
     X (bf16/fp16/fp32) is MX-quantized along K (``quantize_mx_rows``' kernel, any ScaleRule),
     then this kernel runs. Same result as ``gemm_decode.mx_decode_gemm`` up to fp32 accumulation
     order. Everything that depends only on shapes, dtypes, alignment and the options is worked
-    out once per such combination (``_WSPlan``): an eager call costs two direct launches
+    out once per such combination (``_WSPlan``): an eager call costs one or two direct launches
     (``mxq.kernels.launch``) and two allocations of host time.
     """
     dev = x.device
