@@ -48,6 +48,8 @@ from mxq.kernels.gemm_decode import split_counters
 from mxq.kernels.launch import FAST, Launch, PlanCache, cdiv, descriptor
 from mxq.kernels.quantize import (
     _RULE_ID,
+    _mx_fast_exponent,
+    _mx_scaled,
     _capability,
     hw_cvt,
     pdl_ok,
@@ -113,23 +115,10 @@ if HAVE_GLUON:
         (byte j = block j, 255 for a block with a NaN or Inf) to ``sdst`` [BLOCK_M]."""
         BLOCK_M: gl.constexpr = x.shape[0]
         xf = x.to(gl.float32)
-        imax = gl.max(xf.to(gl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)
-        f = (imax >> 23) - 127
-        mant = imax & 0x7FFFFF
-        if RULE == 0:  # FLOOR
-            e = f - EMAX
-        elif RULE == 2:  # EVEN
-            e = f - EMAX + (mant >= (0x800000 - (1 << (22 - MBITS)))).to(gl.int32)
-        else:  # RCEIL
-            e = f - EMAX + (mant > 0x600000).to(gl.int32)
-        e = gl.where(imax > 0, e, -126)
-        e = gl.minimum(gl.maximum(e, -126), 127)
-        sc = xf * ((127 - e) << 23).to(gl.float32, bitcast=True)[:, :, None]
-        if RULE != 1:  # FLOOR and EVEN may put the block max above max_normal
-            sc = gl.minimum(gl.maximum(sc, -MAXN), MAXN)
-        q = sc.to(dst.dtype, fp_downcast_rounding="rtne")
+        e, nonfinite = _mx_fast_exponent(xf, EMAX, MBITS, RULE)
+        q = _mx_scaled(xf, e, MAXN, RULE).to(dst.dtype, fp_downcast_rounding="rtne")
         dst.store(gl.reshape(q, [BLOCK_M, 128]))
-        sb = gl.where(imax >= 0x7F800000, 255, e + 127)
+        sb = gl.where(nonfinite, 255, e + 127)
         j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, x_l)))
         sdst.store(gl.sum(sb << (8 * j)[None, :], axis=1))
 
