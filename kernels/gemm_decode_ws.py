@@ -48,9 +48,9 @@ from mxq.kernels.gemm_decode import split_counters
 from mxq.kernels.launch import FAST, Launch, PlanCache, cdiv, descriptor
 from mxq.kernels.quantize import (
     _RULE_ID,
+    _capability,
     _mx_fast_exponent,
     _mx_scaled,
-    _capability,
     hw_cvt,
     pdl_ok,
     quantize_grid,
