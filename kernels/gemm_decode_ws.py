@@ -32,11 +32,13 @@ reference and with ``mx_decode_gemm``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from mxq.formats import E4M3, ElemFormat, ScaleRule, as_elem_format, as_scale_rule
+from mxq.kernels import tune
 from mxq.kernels.gemm import (
     _check_gemm_args,
     _operands_and_output,
@@ -414,21 +416,57 @@ def ws_supported(m: int, k: int, block_size: int, device: torch.device) -> bool:
     return takes(m, k, block_size) and device.type == "cuda" and _capability(device)[0] == 9
 
 
-def pick_decode_ws_config(m: int, n: int, k: int, device: torch.device) -> DecodeWSConfig:
-    """K split into the most pieces (a power of two <= 16) that keep the programs within two per
-    SM (what fits: 2 x 256 threads x 128 registers) and >= 4 steps per split; 2 stages of
-    128-byte-wide tiles. H200 sweep (kernels/NOTES.md session 8): the best split on 7 of the 8
-    Llama-3 8B/70B shapes at M = 1, 4 and 16 (8B o: 4 beats 8 by 0.5 µs at M = 16). X is
+def _split_rule(n: int, k: int, block_n: int, per_sm: int, sms: int) -> int:
+    """The most K splits (a power of two <= 16) that keep the programs within ``per_sm`` per SM
+    and >= 4 steps of 128 per split."""
+    tiles, steps, split = cdiv(n, block_n), k // 128, 1
+    while split < 16 and steps // (split * 2) >= 4 and tiles * split * 2 <= per_sm * sms:
+        split *= 2
+    return split
+
+
+def rule_decode_ws_config(m: int, n: int, k: int, device: torch.device) -> DecodeWSConfig:
+    """The built-in rule: 128-row tiles, 2 stages of 128-byte-wide tiles, K split into the most
+    pieces that keep the programs within two per SM (what fits: 2 x 256 threads x 128 registers)
+    and >= 4 steps per split. H200 sweep (kernels/NOTES.md session 8): the best split on 7 of the
+    8 Llama-3 8B/70B shapes at M = 1, 4 and 16 (8B o: 4 beats 8 by 0.5 µs at M = 16). X is
     quantized inside the kernel (``fuse_x``) for weights of at most 2**24 elements, where the
     second launch weighs most (session 16, H200: 8B o +1-8 %; 8B qkv ties; larger weights lose
     2-13 %)."""
-    sms = _sm_count(device)
-    tiles = cdiv(n, 128)
-    steps = k // 128
-    split = 1
-    while split < 16 and steps // (split * 2) >= 4 and tiles * split * 2 <= 2 * sms:
-        split *= 2
+    split = _split_rule(n, k, 128, 2, _sm_count(device))
     return DecodeWSConfig(block_n=128, stages=2, split_k=split, box=128, fuse_x=n * k <= 1 << 24)
+
+
+def pick_decode_ws_config(m: int, n: int, k: int, device: torch.device) -> DecodeWSConfig:
+    """The config ``mx_decode_gemm_ws`` runs without one: this device's tuned entry for the shape
+    and M bucket (``mxq tune``, ``kernels/tune.py``) if there is one, else ``rule_decode_ws_config``."""
+    return tune.lookup("decode_ws", device, m, n, k, DecodeWSConfig) or rule_decode_ws_config(m, n, k, device)
+
+
+# Candidates besides the rule (kernels/NOTES.md session 17, H100 sweep): 64-row tiles at 80 / 64
+# registers (3 / 4 programs per SM: 65536 registers / (256 threads x maxnreg)), 2 or 3 stages, the
+# K split re-derived for that many programs per SM.
+_TILE_CANDIDATES = ((64, 80, 2), (64, 80, 3), (64, 64, 2), (64, 64, 3))
+
+
+def decode_ws_candidates(m: int, n: int, k: int, device: torch.device) -> list[DecodeWSConfig]:
+    """The configs ``mxq tune`` times for this shape, the rule's first: the 64-row tiles above, the
+    rule with half its K split, and the rule with ``fuse_x`` flipped."""
+    base = rule_decode_ws_config(m, n, k, device)
+    sms = _sm_count(device)
+    out = [base]
+    for bn, reg, st in _TILE_CANDIDATES:
+        split = _split_rule(n, k, bn, 65536 // (256 * reg), sms)
+        out.append(dataclasses.replace(base, block_n=bn, maxnreg=reg, stages=st, split_k=split))
+    if base.split_k > 1:
+        out.append(dataclasses.replace(base, split_k=base.split_k // 2))
+    out.append(dataclasses.replace(base, fuse_x=not base.fuse_x))
+    return list(dict.fromkeys(out))
+
+
+def describe(cfg: DecodeWSConfig) -> str:
+    """A short name for tables: rows per tile, registers, stages, K split, X fused or not."""
+    return f"bn{cfg.block_n} r{cfg.maxnreg} s{cfg.stages} split{cfg.split_k}" + (" fused-x" if cfg.fuse_x else "")
 
 
 def mx_decode_gemm_ws(

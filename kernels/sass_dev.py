@@ -123,7 +123,7 @@ def compile_decode_f8(block_m=16, block_n=128, kb=4, warps=4, stages=4, split=4,
     return _compile_sm90(fn, cons, ptrs, warps, stages, not_div16={"M"})
 
 
-def compile_decode_ws(block_m=16, stages=2, split=4, box=128, maxnreg=128, loader_regs=24, fuse_x=False):
+def compile_decode_ws(block_m=16, stages=2, split=4, box=128, maxnreg=128, loader_regs=24, fuse_x=False, block_n=128):
     """``gemm_decode_ws._mx_decode_ws_kernel`` (Gluon) for sm_90 as mx_decode_gemm_ws launches it
     (E4M3 W and X, bf16 out, no bias); ``fuse_x``: bf16 X quantized in the kernel (RCEIL)."""
     from triton.experimental.gluon import language as gl
@@ -131,11 +131,11 @@ def compile_decode_ws(block_m=16, stages=2, split=4, box=128, maxnreg=128, loade
 
     from mxq.kernels import gemm_decode_ws as W
 
-    cons = dict(BLOCK_N=128, BLOCK_M=block_m, STAGES=stages, SPLIT=split, FUSED=True, HAS_BIAS=False,
+    cons = dict(BLOCK_N=block_n, BLOCK_M=block_m, STAGES=stages, SPLIT=split, FUSED=True, HAS_BIAS=False,
                 LOADER_REGS=loader_regs, BOX=box)  # fmt: skip
-    lw = gl.NVMMASharedLayout.get_default_for([128, box], gl.float8e4nv)
+    lw = gl.NVMMASharedLayout.get_default_for([block_n, box], gl.float8e4nv)
     lx = gl.NVMMASharedLayout.get_default_for([block_m, box], gl.float8e4nv)
-    w_desc = f"tensordesc<fp8e4nv[128, {box}],{lw!r}>"
+    w_desc = f"tensordesc<fp8e4nv[{block_n}, {box}],{lw!r}>"
     cons.update(FUSE_X=fuse_x, X_FP8=gl.float8e4nv, X_LAYOUT=lx, EMAX=8, MBITS=3, MAXN=448.0, RULE=1)
     ptrs = {
         "w_desc": w_desc, "x_desc": w_desc if fuse_x else f"tensordesc<fp8e4nv[{block_m}, {box}],{lx!r}>",
@@ -309,7 +309,7 @@ def main_loop_histogram(sass: str, contains: str = "") -> tuple[int, collections
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--kernel", choices=("decode", "gemm", "decode_f8", "decode_ws", "prefill_ws", "prefill_rs", "attn_ws", "attn_prefill"), default="decode")
-    ap.add_argument("--block-n", type=int, default=64, help="decode: keys per tile")
+    ap.add_argument("--block-n", type=int, default=None, help="decode: keys per tile (64); decode_ws: weight rows per tile (128)")
     ap.add_argument("--head-dim", type=int, default=128, help="attn_ws: head_dim (64 or 128)")
     ap.add_argument("--tile", default="256x128x64", help="gemm: BLOCK_M x BLOCK_N x BLOCK_K")
     ap.add_argument("--loop", choices=("old", "zero_dot", "peel"), default="zero_dot", help="gemm: accumulator start")
@@ -336,10 +336,11 @@ def main():
     out = args.out or tempfile.mkdtemp(prefix="mxq_sass_")
     os.makedirs(out, exist_ok=True)
     if args.kernel == "decode":
-        k = compile_decode(args.block_n, args.warps or 2, args.stages, args.maxnreg, fuse_merge=args.merge == "fused")
+        k = compile_decode(args.block_n or 64, args.warps or 2, args.stages, args.maxnreg, fuse_merge=args.merge == "fused")
         unit = f"{args.block_n}-key tile"
     elif args.kernel == "decode_ws":
-        k = compile_decode_ws(block_m=args.block_m, stages=args.stages, split=args.split_k, maxnreg=args.maxnreg, fuse_x=args.fuse_x)
+        k = compile_decode_ws(block_m=args.block_m, stages=args.stages, split=args.split_k, maxnreg=args.maxnreg, fuse_x=args.fuse_x,
+                              block_n=args.block_n or 128)
         unit = "128-wide K step (the first backward branch may be the loader warp's loop)"
     elif args.kernel == "attn_ws":
         k = compile_decode_attn_ws(stages=args.stages if args.stages != 3 else 4, d=args.head_dim, maxnreg=args.maxnreg or 128)

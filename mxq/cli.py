@@ -29,6 +29,10 @@ app.add_typer(eval_app, name="eval")
 from mxq.cli_bench import bench_cmd  # noqa: E402
 
 app.command("bench")(bench_cmd)
+
+from mxq.cli_tune import tune_cmd  # noqa: E402
+
+app.command("tune")(tune_cmd)
 _state = {"debug": False}
 
 

@@ -10,6 +10,7 @@ and the final rounding to the output dtype.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -644,10 +645,57 @@ hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU and Gluon")
 def test_decode_ws_config_rule(monkeypatch, n, k, sms, split):
     """K splits: the most (a power of two <= 16) with programs <= 2 per SM and >= 4 steps of 128 each."""
     monkeypatch.setattr(WS, "_sm_count", lambda device: sms)
-    cfg = WS.pick_decode_ws_config(16, n, k, torch.device("cpu"))
+    cfg = WS.rule_decode_ws_config(16, n, k, torch.device("cpu"))
     assert cfg.split_k == split and cfg.box == 128 and cfg.fuse_x == (n * k <= 1 << 24)
     tiles = -(-n // 128)
     assert tiles * cfg.split_k <= max(2 * sms, tiles) and (k // 128) // cfg.split_k >= min(4, k // 128)
+
+
+@pytest.mark.parametrize("n,k,sms", [(4096, 4096, 132), (28672, 4096, 132), (10240, 8192, 132), (1000, 512, 114), (130, 128, 132)])
+def test_decode_ws_candidates(monkeypatch, n, k, sms):
+    """The tuner's candidates: the rule's config first, no duplicates, the rule with fuse_x flipped,
+    and 64-row tiles whose K split keeps their programs within what their registers let share an SM
+    (65536 / (256 x maxnreg)) with >= 4 steps of 128 per split (or one split)."""
+    monkeypatch.setattr(WS, "_sm_count", lambda device: sms)
+    dev = torch.device("cpu")
+    cands = WS.decode_ws_candidates(16, n, k, dev)
+    rule = WS.rule_decode_ws_config(16, n, k, dev)
+    assert cands[0] == rule and len(set(cands)) == len(cands) >= 4
+    assert dataclasses.replace(rule, fuse_x=not rule.fuse_x) in cands
+    for c in cands:
+        per_sm = 65536 // (256 * c.maxnreg)
+        tiles = -(-n // c.block_n)
+        assert c.block_n in (64, 128) and c.box == 128 and 1 <= c.split_k <= 16
+        assert c.split_k == 1 or ((k // 128) // c.split_k >= 4 and tiles * c.split_k <= per_sm * sms)
+    assert {(c.block_n, c.maxnreg, c.stages) for c in cands} >= {(64, 80, 2), (64, 80, 3), (64, 64, 2), (64, 64, 3)}
+
+
+def test_pick_decode_ws_config_reads_the_tuning_cache(monkeypatch, tmp_path):
+    """With a cache entry for this device, shape and M bucket, the dispatch's config is the entry's;
+    other M buckets, shapes and devices, and MXQ_TUNE=0, get the rule."""
+    from mxq.kernels import tune
+
+    monkeypatch.setattr(WS, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(tune, "device_name", lambda device: "Fake H100")
+    monkeypatch.setenv("MXQ_TUNE_CACHE", str(tmp_path / "t.json"))
+    tune.reset()
+    gpu = type("Dev", (), {"type": "cuda", "index": 0})()
+    rule = WS.rule_decode_ws_config(16, 4096, 4096, gpu)
+    chosen = WS.DecodeWSConfig(block_n=64, maxnreg=80, stages=3, split_k=4, box=128, fuse_x=True)
+    tune.cache().put("decode_ws", "Fake H100", {tune.shape_key(16, 4096, 4096): tune.record(chosen, 10.0, 11.0, 16, 7)})
+    tune.reset()  # read back from the file
+    try:
+        assert WS.pick_decode_ws_config(12, 4096, 4096, gpu) == chosen  # 9..16 share the entry
+        assert WS.pick_decode_ws_config(8, 4096, 4096, gpu) == WS.rule_decode_ws_config(8, 4096, 4096, gpu)
+        assert WS.pick_decode_ws_config(16, 4096, 8192, gpu) == WS.rule_decode_ws_config(16, 4096, 8192, gpu)
+        assert WS.pick_decode_ws_config(16, 4096, 4096, torch.device("cpu")) == rule
+        monkeypatch.setattr(tune, "device_name", lambda device: "Fake H200")
+        assert WS.pick_decode_ws_config(16, 4096, 4096, gpu) == rule
+        monkeypatch.setattr(tune, "device_name", lambda device: "Fake H100")
+        monkeypatch.setattr(tune, "ENABLED", False)
+        assert WS.pick_decode_ws_config(16, 4096, 4096, gpu) == rule
+    finally:
+        tune.reset()
 
 
 def test_decode_ws_rejects_what_it_cannot_take():
@@ -766,6 +814,59 @@ def test_gpu_decode_ws_matches_reference(m, n, k, wel, act):
     y1 = WS.mx_decode_gemm_ws(x, w, ws, bias, act_elem=act_elem, act_rule=rule, out_dtype=torch.float32)
     mag = (x.double().abs() @ w64.abs().t())
     assert ((y0.double() - y1.double()).abs() <= 2 * F8_ACC * mag + 1e-30).all()
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(1, 1000, 640), (7, 4160, 4096), (16, 6144, 4096), (13, 200, 1152)])
+def test_gpu_decode_ws_candidates_agree(m, n, k):
+    """Every config the tuner may choose (64-row tiles at 3-4 programs per SM, other splits, X fused
+    or not) computes the rule's function: within the fp8-accumulation bound of float64, and equal
+    to the rule's output up to the fp32 summation order of the splits; with bias, N not a multiple
+    of 64, uneven splits."""
+    gen = torch.Generator().manual_seed(m * 31 + n + k)
+    w, ws, w64 = _weight(n, k, E4M3, gen)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16).to(DEV)
+    x = _activations(m, k, torch.bfloat16, gen, special=False, decades=(-2, 1))
+    cands = WS.decode_ws_candidates(m, n, k, torch.device(DEV))
+    cands.append(dataclasses.replace(cands[1], split_k=3))
+    y0 = WS.mx_decode_gemm_ws(x, w, ws, bias, out_dtype=torch.float32, config=cands[0])
+    for c in cands:
+        y = WS.mx_decode_gemm_ws(x, w, ws, bias, out_dtype=torch.float32, config=c)
+        torch.testing.assert_close(y, y0, rtol=1e-5, atol=1e-5 * float(y0.abs().max()), msg=lambda s, c=c: f"{c}: {s}")
+        _assert_gemm_close(y, x, w64, bias, E4M3, ScaleRule.RCEIL, acc_rel=F8_ACC)
+
+
+@hopper
+@pytest.mark.gpu
+def test_gpu_tune_decode_ws_writes_and_dispatch_reads(monkeypatch, tmp_path):
+    """``tune_decode_ws`` times the candidates, writes one entry per (shape, M bucket) with the
+    fastest config (or the rule's when nothing beats it by MIN_GAIN), and ``mx_linear`` then runs
+    that config: same output as the config run directly."""
+    from mxq.kernels import tune
+
+    monkeypatch.setenv("MXQ_TUNE_CACHE", str(tmp_path / "tune.json"))
+    tune.reset()
+    try:
+        rows = tune.tune_decode_ws([(1536, 1024)], (1, 16), log=lambda s: None)
+        assert [(r["n"], r["k"], r["m"]) for r in rows] == [(1536, 1024, 1), (1536, 1024, 16)]
+        data = json.loads((tmp_path / "tune.json").read_text())
+        entries = data["devices"][torch.cuda.get_device_name()]["decode_ws"]
+        assert set(entries) == {"m1_n1536_k1024", "m16_n1536_k1024"}
+        for r in rows:
+            assert r["best"] == tune.pick(r["us"], r["default"])
+            rec = entries[tune.shape_key(r["m"], 1536, 1024)]
+            assert WS.describe(WS.DecodeWSConfig(**rec["config"])) == r["best"] and rec["us"] == round(r["us"][r["best"]], 3)
+        tune.reset()
+        gen = torch.Generator().manual_seed(5)
+        w, ws, _ = _weight(1536, 1024, E4M3, gen)
+        x = _activations(16, 1024, torch.bfloat16, gen, special=False, decades=(-2, 1))
+        cfg = WS.pick_decode_ws_config(16, 1536, 1024, x.device)
+        assert cfg == WS.DecodeWSConfig(**entries["m16_n1536_k1024"]["config"])
+        y = mx_linear(x, w, ws, act_elem=E4M3)
+        assert torch.equal(y, WS.mx_decode_gemm_ws(x, w, ws, act_elem=E4M3, config=cfg))
+    finally:
+        tune.reset()
 
 
 @hopper

@@ -155,6 +155,22 @@ def test_decode_ws_fused_x_compiles(tmp_path):
     assert int(re.search(r"registers/thread (\d+)", out).group(1)) <= 128
 
 
+@pytest.mark.parametrize("maxnreg,block_m", [(80, 16), (64, 16), (64, 8)])
+def test_decode_ws_64_row_tiles_compile(tmp_path, maxnreg, block_m):
+    """The tuner's 64-row decode tiles (one m64 wgmma per MX block: 8 in all) at 80 and 64 registers
+    per thread at launch (3 and 4 programs per SM): the math warpgroup gets 136 / 104 registers from
+    the loader's (USETMAXREG 0x88 / 0x68, loader 0x18) and nothing spills, at 16 and 8 activation rows."""
+    pytest.importorskip("triton.experimental.gluon")
+    out = _cli("--kernel", "decode_ws", "--block-n", "64", "--block-m", str(block_m), "--split-k", "4", "--stages", "3",
+               "--maxnreg", str(maxnreg), "--out", str(tmp_path))  # fmt: skip
+    sass = (tmp_path / "k.sass").read_text()
+    assert len(re.findall(rf"QGMMA\.64x{block_m}x32\.F32\.E4M3\.E4M3", sass)) == 8
+    assert f"USETMAXREG.TRY_ALLOC.CTAPOOL UP0, {hex(maxnreg + maxnreg - 24)}" in sass
+    assert "USETMAXREG.DEALLOC.CTAPOOL 0x18" in sass
+    assert not re.search(r"\b(LDL|STL)\b", sass), "register spills"
+    assert int(re.search(r"registers/thread (\d+)", out).group(1)) <= maxnreg
+
+
 def test_decode_ws_waits_for_the_quantizer(tmp_path):
     """Programmatic dependent launch: the decode kernel waits for its producer (griddepcontrol.wait,
     ACQBULK in SASS) before it reads X; the quantizer it follows can release it early."""

@@ -1,0 +1,309 @@
+"""Per-shape autotuning, cached on disk per device (``mxq tune``).
+
+The dispatch picks each kernel's tiles by rules measured on the Llama-3 shapes (``pick_*_config``).
+A rule is right on most shapes and a few % off on others (kernels/NOTES.md session 17: 64-row decode
+tiles at 3 programs per SM are up to 9 % faster on 8B o at M = 16, slower on gate_up). The tuner
+times a small set of candidate configs per (kernel, shape, M bucket) on the GPU at hand, keeps the
+fastest -- the rule's own config unless another is at least ``MIN_GAIN`` faster, so noise does not
+move it -- and writes it to a JSON cache that the dispatch reads when it builds a launch plan:
+
+    {"version": 1, "devices": {"NVIDIA H100 80GB HBM3": {"decode_ws": {"m16_n6144_k4096": {
+        "config": {...}, "us": 16.2, "default_us": 17.1, "m": 16, "date": "...", ...}}}}}
+
+- where: ``$MXQ_TUNE_CACHE``, else ``$XDG_CACHE_HOME/mxq/tune.json`` (``~/.cache/mxq/tune.json``);
+- ``MXQ_TUNE=0``: the cache is not read (the rules alone);
+- entries are keyed by the device's name, so one file serves several GPU models;
+- a cache that cannot be read or parsed is reported once (a warning naming the file) and ignored;
+  an entry whose config does not fit the kernel's config class is ignored the same way;
+- writes go to a temporary file in the same folder, then ``os.replace``: a crash leaves the old
+  cache whole; the file is re-read just before writing, so entries written meanwhile are kept.
+
+Timing (``time_interleaved``): every candidate's CUDA graph runs its kernel over several copies of
+the weight (more bytes than three L2s, so weights stream from HBM as they do in a model), all graphs
+are built first, then replayed in rotated rounds; a candidate's figure is the median of its replays
+(session 15's interleaved A/B: one-shot timings moved ±8 % between calls).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import tempfile
+import warnings
+from pathlib import Path
+
+VERSION = 1
+# A candidate replaces the rule's config only if it is at least this much faster (the interleaved
+# timings repeat to ~1-2 %; a smaller "win" is as likely noise as not).
+MIN_GAIN = 0.02
+ENABLED = os.environ.get("MXQ_TUNE", "1") != "0"
+
+
+def cache_path() -> Path:
+    """Where the tuning cache lives (module doc)."""
+    env = os.environ.get("MXQ_TUNE_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "mxq" / "tune.json"
+
+
+def m_bucket(m: int) -> int:
+    """Decode batch sizes share an entry by bucket: 1, 2..8 (8-row tiles), 9..16."""
+    return 1 if m <= 1 else 8 if m <= 8 else 16
+
+
+def shape_key(m: int, n: int, k: int) -> str:
+    return f"m{m_bucket(m)}_n{n}_k{k}"
+
+
+class TuneCache:
+    """The JSON file of tuned configs (module doc); loaded on first use."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._data: dict | None = None
+        self._warned: set[str] = set()
+
+    def _warn(self, what: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            warnings.warn(f"{self.path}: {what}; using the built-in tile rules", stacklevel=3)
+
+    def _read(self, warn: bool) -> dict:
+        try:
+            with open(self.path) as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            return {}
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            if warn:
+                self._warn(f"unreadable tuning cache ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+            return {}
+        if not isinstance(data, dict) or data.get("version") != VERSION or not isinstance(data.get("devices"), dict):
+            if warn:
+                self._warn(f"not an mxq tuning cache of version {VERSION}")
+            return {}
+        return data["devices"]
+
+    @property
+    def devices(self) -> dict:
+        if self._data is None:
+            self._data = self._read(warn=True)
+        return self._data
+
+    def get(self, kernel: str, device: str, key: str) -> dict | None:
+        """The record for (kernel, device name, shape key), or None."""
+        rec = self.devices.get(device, {}).get(kernel, {}).get(key) if isinstance(self.devices.get(device), dict) else None
+        if rec is not None and not (isinstance(rec, dict) and isinstance(rec.get("config"), dict)):
+            self._warn(f"entry {device} / {kernel} / {key} has no config")
+            return None
+        return rec
+
+    def config(self, kernel: str, device: str, key: str, cls):
+        """The cached config as an instance of the dataclass ``cls``, or None (no entry, or an entry
+        whose fields do not fit ``cls``: warned once, ignored)."""
+        rec = self.get(kernel, device, key)
+        if rec is None:
+            return None
+        fields = {f.name: f.type for f in dataclasses.fields(cls)}
+        cfg = rec["config"]
+        if set(cfg) - set(fields) or not all(isinstance(v, (int, bool, type(None))) for v in cfg.values()):
+            self._warn(f"entry {device} / {kernel} / {key} does not fit {cls.__name__}")
+            return None
+        return cls(**cfg)
+
+    def put(self, kernel: str, device: str, records: dict[str, dict]) -> None:
+        """Add or replace ``records`` (shape key -> record) and write the file atomically."""
+        data = self._read(warn=False)  # entries another tuner wrote since we loaded stay
+        dev = data.setdefault(device, {})
+        if not isinstance(dev, dict):
+            dev = data[device] = {}
+        kern = dev.setdefault(kernel, {})
+        if not isinstance(kern, dict):
+            kern = dev[kernel] = {}
+        kern.update(records)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".", suffix=".tmp", dir=self.path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump({"version": VERSION, "devices": data}, f, indent=1, sort_keys=True)
+                f.write("\n")
+            os.replace(tmp, self.path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+        self._data = data
+
+
+_CACHE: TuneCache | None = None
+_DEVICE_NAMES: dict[int, str] = {}
+
+
+def cache() -> TuneCache:
+    """The process's cache (path fixed at first use; ``reset`` re-reads the environment)."""
+    global _CACHE
+    if _CACHE is None:
+        _CACHE = TuneCache(cache_path())
+    return _CACHE
+
+
+def reset() -> None:
+    """Forget the loaded cache (tests; after ``MXQ_TUNE_CACHE`` changes)."""
+    global _CACHE
+    _CACHE = None
+
+
+def device_name(device) -> str:
+    import torch
+
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _DEVICE_NAMES:
+        _DEVICE_NAMES[idx] = torch.cuda.get_device_name(idx)
+    return _DEVICE_NAMES[idx]
+
+
+def lookup(kernel: str, device, m: int, n: int, k: int, cls):
+    """The tuned config of ``kernel`` for this shape on ``device`` (an instance of ``cls``), or
+    None: not tuned, ``MXQ_TUNE=0``, or not a CUDA device."""
+    if not ENABLED or getattr(device, "type", None) != "cuda":
+        return None
+    return cache().config(kernel, device_name(device), shape_key(m, n, k), cls)
+
+
+def pick(times: dict[str, float], default: str, min_gain: float = MIN_GAIN) -> str:
+    """The fastest candidate, or ``default`` unless the fastest beats it by ``min_gain``."""
+    best = min(times, key=times.get)
+    return best if times[best] < times[default] * (1 - min_gain) else default
+
+
+def time_interleaved(fns: dict[str, list], rounds: int = 7, reps: int = 5) -> dict[str, float]:
+    """Median µs per call of each named list of calls (one list = the same kernel over several
+    weight copies), CUDA-graph replays interleaved across candidates (module doc)."""
+    import torch
+
+    graphs = {}
+    for name, calls in fns.items():
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for c in calls:
+                c()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for c in calls:
+                c()
+        graphs[name] = (g, len(calls))
+    times: dict[str, list[float]] = {n: [] for n in graphs}
+    order = list(graphs)
+    for r in range(rounds):
+        for name in order[r % len(order) :] + order[: r % len(order)]:
+            g, cnt = graphs[name]
+            for _ in range(reps):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                g.replay()
+                b.record()
+                b.synchronize()
+                times[name].append(a.elapsed_time(b) * 1e3 / cnt)
+    del graphs
+    return {n: sorted(v)[len(v) // 2] for n, v in times.items()}
+
+
+def weight_copies(nbytes: int, l2_bytes: int) -> int:
+    """Copies of a weight whose total exceeds three L2s, at most 8 (so the timed calls stream
+    their weight from HBM, not L2)."""
+    return max(1, min(8, -(-3 * l2_bytes // max(1, nbytes))))
+
+
+def record(config, us: float, default_us: float, m: int, n_candidates: int) -> dict:
+    """A cache entry: the config's fields and how it was chosen."""
+    import torch
+
+    try:
+        import triton
+
+        tv = triton.__version__
+    except ImportError:  # pragma: no cover
+        tv = None
+    return {
+        "config": dataclasses.asdict(config), "us": round(us, 3), "default_us": round(default_us, 3), "m": m,
+        "candidates": n_candidates, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+        "triton": tv,
+    }  # fmt: skip
+
+
+def tune_decode_ws(shapes, ms=(1, 8, 16), device=None, *, log=print, progress=None) -> list[dict]:
+    """Tune ``gemm_decode_ws`` (W8A8 decode, E4M3 X, RCEIL) for each weight shape (N, K) at each
+    M bucket of ``ms`` and write the winners to the cache. Weights are random fp8 (the kernel's
+    speed does not depend on their values). Every candidate's output is checked against the
+    rule's before it is timed; one that differs is reported and dropped. Returns one row per
+    (shape, M): the timings and the choice. ``progress(done, total)`` is called after each row."""
+    import torch
+
+    from mxq.kernels import gemm_decode_ws as WS
+
+    device = torch.device(device or "cuda")
+    if not (device.type == "cuda" and torch.cuda.is_available()):
+        raise RuntimeError("mxq tune needs a CUDA GPU")
+    if not WS.HAVE_GLUON or torch.cuda.get_device_capability(device)[0] != 9:
+        raise RuntimeError(
+            f"mxq tune: the tuned kernel (gemm_decode_ws) runs on Hopper (sm_90) with Triton Gluon; "
+            f"{torch.cuda.get_device_name(device)} is sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}"
+        )
+    buckets: dict[int, int] = {}
+    for m in ms:
+        if not 1 <= m <= WS.WS_MAX_M:
+            raise ValueError(f"--ms: {m} is outside 1..{WS.WS_MAX_M} (the decode GEMM's batch sizes)")
+        buckets.setdefault(m_bucket(m), m)
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    name = device_name(device)
+    rows, total = [], len(shapes) * len(buckets)
+    for n, k in shapes:
+        if not WS.takes(1, k, 32):
+            log(f"skip {n}x{k}: K % 128 != 0 (the decode GEMM does not take it; the dispatch runs another kernel)")
+            total -= len(buckets)
+            continue
+        packs = [
+            ((torch.randn(n, k, device=device) * 64).to(torch.float8_e4m3fn),
+             torch.randint(118, 130, (n, k // 32), dtype=torch.uint8, device=device))
+            for _ in range(weight_copies(n * k, l2))
+        ]  # fmt: skip
+        records = {}
+        for m in buckets.values():
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            cands = WS.decode_ws_candidates(m, n, k, device)
+            ys, ok = {}, {}
+            for c in cands:
+                try:
+                    ys[c] = WS.mx_decode_gemm_ws(x, *packs[0], config=c, out_dtype=torch.float32)
+                except Exception as e:  # noqa: BLE001 - a candidate that does not build is dropped
+                    log(f"  {n}x{k} M={m}: {WS.describe(c)} dropped: {type(e).__name__}: {str(e).splitlines()[0]}")
+            y0 = ys.get(cands[0])
+            if y0 is None:
+                raise RuntimeError(f"{n}x{k} M={m}: the rule's own config failed")
+            tol = 1e-5 * float(y0.abs().max()) + 1e-30
+            for c, y in ys.items():
+                err = float((y - y0).abs().max())
+                if err <= tol:
+                    ok[WS.describe(c)] = c
+                else:
+                    log(f"  {n}x{k} M={m}: {WS.describe(c)} dropped: differs from the rule's config by {err:.3g} (> {tol:.3g})")
+            times = time_interleaved(
+                {d: [lambda p=p, c=c, x=x: WS.mx_decode_gemm_ws(x, p[0], p[1], config=c) for p in packs] for d, c in ok.items()}
+            )
+            default = WS.describe(cands[0])
+            best = pick(times, default)
+            records[shape_key(m, n, k)] = record(ok[best], times[best], times[default], m, len(ok))
+            rows.append(dict(n=n, k=k, m=m, us=times, default=default, best=best))
+            log(f"{n}x{k} M={m}: {best} {times[best]:.2f} µs (rule {times[default]:.2f} µs, x{times[default] / times[best]:.3f})")
+            if progress is not None:
+                progress(len(rows), total)
+        cache().put("decode_ws", name, records)  # after every shape: an interrupted run keeps what it measured
+        del packs
+    WS._PLANS.clear()  # plans built before hold the old choice
+    return rows

@@ -1,0 +1,98 @@
+"""``mxq tune``: time candidate tiles of the decode GEMM for a model's weight shapes on this GPU and
+cache the fastest per shape and batch-size bucket (``kernels/tune.py``); the dispatch reads the
+cache from then on, in every process on this machine (``MXQ_TUNE=0`` ignores it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+# Llama-3 linear shapes (N, K) as serving stacks run them (qkv and gate/up fused), as in the GEMM benchmark.
+PRESETS = {
+    "llama3-8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],
+    "llama3-70b": [(10240, 8192), (8192, 8192), (57344, 8192), (8192, 28672)],
+}
+FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """'6144x4096,4096x4096' -> [(6144, 4096), (4096, 4096)]; a preset name gives its shapes."""
+    out: list[tuple[int, int]] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        if part in PRESETS:
+            out += PRESETS[part]
+            continue
+        nk = part.lower().split("x")
+        if len(nk) != 2 or not all(v.isdigit() and int(v) > 0 for v in nk):
+            raise typer.BadParameter(
+                f"--shapes: {part!r} is not NxK (weight rows x columns, e.g. 4096x14336) nor one of {', '.join(PRESETS)}"
+            )
+        out.append((int(nk[0]), int(nk[1])))
+    return out
+
+
+def checkpoint_shapes(path: Path) -> list[tuple[int, int]]:
+    """The distinct (N, K) of a quantized checkpoint's fp8 2-D weights, in file order."""
+    from mxq.checkpoint import read_index
+
+    shapes = {tuple(i.shape): None for i in read_index(path).values() if i.dtype in FP8_DTYPES and len(i.shape) == 2}
+    if not shapes:
+        raise ValueError(f"{path}: no fp8 weights to tune for; quantize the model first (mxq quantize)")
+    return list(shapes)  # type: ignore[arg-type]
+
+
+def tune_cmd(
+    checkpoint: Path | None = typer.Argument(
+        None, help="A quantized checkpoint directory: tune for its weight shapes."
+    ),
+    shapes: str = typer.Option(
+        "", "--shapes", help="Weight shapes NxK, comma-separated, or a preset: " + ", ".join(PRESETS) + "."
+    ),
+    ms: str = typer.Option(
+        "1,8,16", "--ms", help="Batch sizes (1-16) to tune at; one entry per bucket 1, 2-8, 9-16."
+    ),
+    cache: Path | None = typer.Option(
+        None, "--cache", help="Cache file (default: $MXQ_TUNE_CACHE or ~/.cache/mxq/tune.json)."
+    ),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Print the shapes and batch sizes that would be tuned; no GPU needed."
+    ),
+) -> None:
+    """Tune the decode GEMM's tiles for a model's shapes on this GPU and cache the fastest."""
+    import os
+
+    todo = checkpoint_shapes(checkpoint) if checkpoint is not None else []
+    todo += [s for s in parse_shapes(shapes) if s not in todo]
+    if not todo:
+        raise typer.BadParameter("give a checkpoint directory or --shapes")
+    try:
+        m_list = [int(v) for v in ms.split(",") if v.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"--ms: {ms!r} is not a comma-separated list of integers") from None
+    if not m_list or any(not 1 <= m <= 16 for m in m_list):
+        raise typer.BadParameter(f"--ms: {ms!r}: batch sizes must be 1-16 (the decode GEMM's range)")
+    if cache is not None:
+        os.environ["MXQ_TUNE_CACHE"] = str(cache)
+    from mxq.kernels import tune
+
+    tune.reset()
+    typer.echo(f"shapes (N x K): {', '.join(f'{n}x{k}' for n, k in todo)}; M: {', '.join(map(str, m_list))}", err=True)
+    typer.echo(f"cache: {tune.cache_path()}", err=True)
+    if dry_run:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError("tune times kernels on a CUDA GPU and none is visible; --dry-run lists what it would tune")
+    from mxq.progress import progress_bar
+
+    with progress_bar("tune") as bar:
+        task = bar.add_task("tune", total=len(todo) * len({tune.m_bucket(m) for m in m_list}))
+        rows = tune.tune_decode_ws(
+            todo, m_list, log=lambda s: bar.console.print(s), progress=lambda done, total: bar.update(task, completed=done, total=total)
+        )  # fmt: skip
+    changed = sum(r["best"] != r["default"] for r in rows)
+    typer.echo(f"tuned {len(rows)} (shape, M) entries, {changed} differ from the built-in rule; written to {tune.cache_path()}")

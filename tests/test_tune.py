@@ -1,0 +1,171 @@
+"""The tuning cache (kernels/tune.py) and ``mxq tune``'s inputs: file format, atomic writes, bad
+files, the choice rule. The timing itself runs on a GPU (tests/test_kernels.py, marked gpu)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from dataclasses import dataclass
+
+import pytest
+
+from mxq.kernels import tune
+
+
+@dataclass(frozen=True)
+class Cfg:
+    block_n: int = 128
+    split_k: int = 1
+    fuse_x: bool = False
+    block_m: int | None = None
+
+
+def _put(path, device="GPU A", key="m1_n64_k128", cfg=Cfg(64, 4, True)):
+    tune.TuneCache(path).put("k", device, {key: tune.record(cfg, 9.5, 10.0, 1, 3)})
+
+
+def test_round_trip(tmp_path):
+    p = tmp_path / "sub" / "tune.json"  # the folder is made on first write
+    _put(p)
+    _put(p, key="m16_n64_k128", cfg=Cfg(128, 2, False, 16))
+    c = tune.TuneCache(p)
+    assert c.config("k", "GPU A", "m1_n64_k128", Cfg) == Cfg(64, 4, True)
+    assert c.config("k", "GPU A", "m16_n64_k128", Cfg) == Cfg(128, 2, False, 16)
+    assert c.config("k", "GPU B", "m1_n64_k128", Cfg) is None
+    assert c.config("other", "GPU A", "m1_n64_k128", Cfg) is None
+    data = json.loads(p.read_text())
+    rec = data["devices"]["GPU A"]["k"]["m1_n64_k128"]
+    assert data["version"] == tune.VERSION and rec["us"] == 9.5 and rec["default_us"] == 10.0 and rec["m"] == 1
+    assert [f.name for f in p.parent.iterdir()] == ["tune.json"]  # no temporary left behind
+
+
+def test_put_keeps_entries_written_meanwhile(tmp_path):
+    """Two tuners (processes) sharing the file: each re-reads before writing, so neither loses the other's entries."""
+    p = tmp_path / "t.json"
+    a, b = tune.TuneCache(p), tune.TuneCache(p)
+    assert a.config("k", "GPU A", "x", Cfg) is None  # a has loaded the (missing) file
+    b.put("k", "GPU B", {"y": tune.record(Cfg(), 1.0, 1.0, 1, 1)})
+    a.put("k", "GPU A", {"x": tune.record(Cfg(64), 1.0, 1.0, 1, 1)})
+    c = tune.TuneCache(p)
+    assert c.config("k", "GPU A", "x", Cfg) == Cfg(64) and c.config("k", "GPU B", "y", Cfg) == Cfg()
+
+
+def test_failed_write_leaves_the_old_file(tmp_path, monkeypatch):
+    p = tmp_path / "t.json"
+    _put(p)
+    before = p.read_bytes()
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(tune.json, "dump", boom)
+    with pytest.raises(OSError, match="disk full"):
+        _put(p, key="m8_n64_k128")
+    assert p.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["t.json"]
+
+
+@pytest.mark.parametrize(
+    "text,what",
+    [("{not json", "unreadable tuning cache"), ('{"version": 99, "devices": {}}', "not an mxq tuning cache"),
+     ("[1, 2]", "not an mxq tuning cache"), (b"\xff\xfe\x00", "unreadable tuning cache")],
+)  # fmt: skip
+def test_bad_file_is_reported_once_and_ignored(tmp_path, text, what):
+    p = tmp_path / "t.json"
+    p.write_bytes(text if isinstance(text, bytes) else text.encode())
+    c = tune.TuneCache(p)
+    with pytest.warns(UserWarning, match=f"{p}: {what}.*built-in tile rules") as rec:
+        assert c.config("k", "GPU A", "m1_n64_k128", Cfg) is None
+        assert c.config("k", "GPU A", "m8_n64_k128", Cfg) is None
+    assert len(rec) == 1
+    _put(p)  # a later tune replaces the bad file with a good one
+    assert tune.TuneCache(p).config("k", "GPU A", "m1_n64_k128", Cfg) == Cfg(64, 4, True)
+
+
+def test_entry_that_does_not_fit_the_config_is_ignored(tmp_path):
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps({"version": 1, "devices": {"GPU A": {"k": {
+        "a": {"config": {"block_n": 64, "warp_size": 7}}, "b": {"config": {"block_n": "64"}}, "c": {"us": 1.0},
+        "d": {"config": {"block_n": 64}}}}}}))  # fmt: skip
+    c = tune.TuneCache(p)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        assert c.config("k", "GPU A", "a", Cfg) is None
+        assert c.config("k", "GPU A", "b", Cfg) is None
+        assert c.config("k", "GPU A", "c", Cfg) is None
+        assert c.config("k", "GPU A", "d", Cfg) == Cfg(block_n=64)
+    msgs = [str(w.message) for w in rec]
+    assert len(msgs) == 3 and all(str(p) in m for m in msgs)
+    assert "GPU A / k / a does not fit Cfg" in msgs[0] and "c has no config" in msgs[2]
+
+
+def test_buckets_keys_and_choice():
+    assert [tune.m_bucket(m) for m in (1, 2, 8, 9, 16)] == [1, 8, 8, 16, 16]
+    assert tune.shape_key(5, 4096, 14336) == "m8_n4096_k14336"
+    # the rule's config stays unless another is >= MIN_GAIN faster
+    assert tune.pick({"rule": 10.0, "a": 9.9, "b": 10.5}, "rule") == "rule"
+    assert tune.pick({"rule": 10.0, "a": 9.7, "b": 9.5}, "rule") == "b"
+    assert tune.pick({"rule": 10.0, "a": 10.0 * (1 - tune.MIN_GAIN) - 1e-9}, "rule") == "a"
+    assert tune.weight_copies(10**9, 50 * 2**20) == 1 and tune.weight_copies(10**6, 50 * 2**20) == 8
+    assert tune.weight_copies(32 * 2**20, 50 * 2**20) == 5
+
+
+def test_cache_path(monkeypatch, tmp_path):
+    monkeypatch.setenv("MXQ_TUNE_CACHE", str(tmp_path / "x.json"))
+    assert tune.cache_path() == tmp_path / "x.json"
+    monkeypatch.delenv("MXQ_TUNE_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert tune.cache_path() == tmp_path / "mxq" / "tune.json"
+
+
+def _mxq(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "mxq.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=300)  # fmt: skip
+
+
+def test_cli_dry_run_lists_checkpoint_shapes(tmp_path):
+    """The shapes come from the checkpoint's fp8 2-D weights (distinct, in the index's order) plus --shapes."""
+    import torch
+    from safetensors.torch import save_file
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    f8 = torch.float8_e4m3fn
+    save_file({
+        "a.q.weight": torch.zeros(96, 256, dtype=f8), "a.q.weight_scale": torch.zeros(96, 8, dtype=torch.uint8),
+        "a.o.weight": torch.zeros(256, 96 * 4, dtype=f8), "b.q.weight": torch.zeros(96, 256, dtype=f8),
+        "norm.weight": torch.zeros(256, dtype=torch.bfloat16), "emb.weight": torch.zeros(10, 256, dtype=torch.bfloat16),
+    }, str(ck / "model.safetensors"))  # fmt: skip
+    r = _mxq("tune", str(ck), "--shapes", "4096x4096,96x256", "--ms", "1,4", "--dry-run", env={"MXQ_TUNE_CACHE": str(tmp_path / "c.json")})
+    assert r.returncode == 0, r.stderr
+    assert "shapes (N x K): 256x384, 96x256, 4096x4096; M: 1, 4" in r.stderr and str(tmp_path / "c.json") in r.stderr
+
+
+@pytest.mark.parametrize(
+    "args,msg",
+    [(["--shapes", "40x"], "--shapes: '40x' is not NxK"), (["--shapes", "llama3-9b"], "'llama3-9b' is not NxK"),
+     (["--shapes", "64x128", "--ms", "1,17"], "--ms: '1,17': batch sizes must be 1-16"),
+     (["--shapes", "64x128", "--ms", "a"], "--ms: 'a' is not a comma-separated list"), ([], "give a checkpoint directory or --shapes")],
+)  # fmt: skip
+def test_cli_bad_options_are_one_line(args, msg):
+    r = _mxq("tune", *args, "--dry-run")
+    assert r.returncode != 0 and msg in r.stderr
+    assert len([ln for ln in r.stderr.splitlines() if ln.strip()]) == 1, r.stderr
+
+
+def test_cli_checkpoint_without_fp8_weights(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"w.weight": torch.zeros(4, 4)}, str(tmp_path / "model.safetensors"))
+    r = _mxq("tune", str(tmp_path), "--dry-run")
+    assert r.returncode == 1 and f"{tmp_path}: no fp8 weights to tune for" in r.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_cli_without_gpu_says_so(tmp_path):
+    r = _mxq("tune", "--shapes", "64x128", env={"MXQ_TUNE_CACHE": str(tmp_path / "c.json")})
+    assert r.returncode == 1 and "mxq: error: tune times kernels on a CUDA GPU and none is visible" in r.stderr
+    assert not (tmp_path / "c.json").exists()
