@@ -11,7 +11,9 @@ move it -- and writes it to a JSON cache that the dispatch reads when it builds 
         "config": {...}, "us": 16.2, "default_us": 17.1, "m": 16, "date": "...", ...}}}}}
 
 - where: ``$MXQ_TUNE_CACHE``, else ``$XDG_CACHE_HOME/mxq/tune.json`` (``~/.cache/mxq/tune.json``);
-- ``MXQ_TUNE=0``: the cache is not read (the rules alone);
+- shipped entries (``kernels/tuned.json``: the Llama-3 8B/70B shapes tuned on an H100 80GB HBM3 and an
+  H200, session 17) answer where the user's cache has no entry for the device, shape and bucket;
+- ``MXQ_TUNE=0``: neither is read (the rules alone);
 - entries are keyed by the device's name, so one file serves several GPU models;
 - a cache that cannot be read or parsed is reported once (a warning naming the file) and ignored;
   an entry whose config does not fit the kernel's config class is ignored the same way;
@@ -139,6 +141,7 @@ class TuneCache:
 
 
 _CACHE: TuneCache | None = None
+SHIPPED = TuneCache(Path(__file__).with_name("tuned.json"))
 _DEVICE_NAMES: dict[int, str] = {}
 
 
@@ -166,11 +169,12 @@ def device_name(device) -> str:
 
 
 def lookup(kernel: str, device, m: int, n: int, k: int, cls):
-    """The tuned config of ``kernel`` for this shape on ``device`` (an instance of ``cls``), or
-    None: not tuned, ``MXQ_TUNE=0``, or not a CUDA device."""
+    """The tuned config of ``kernel`` for this shape on ``device`` (an instance of ``cls``): the user's
+    cache's, else the shipped one's; None if neither has it, with ``MXQ_TUNE=0``, or off CUDA."""
     if not ENABLED or getattr(device, "type", None) != "cuda":
         return None
-    return cache().config(kernel, device_name(device), shape_key(m, n, k), cls)
+    name, key = device_name(device), shape_key(m, n, k)
+    return cache().config(kernel, name, key, cls) or SHIPPED.config(kernel, name, key, cls)
 
 
 def pick(times: dict[str, float], default: str, min_gain: float = MIN_GAIN) -> str:

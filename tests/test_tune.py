@@ -169,3 +169,44 @@ def test_cli_without_gpu_says_so(tmp_path):
     r = _mxq("tune", "--shapes", "64x128", env={"MXQ_TUNE_CACHE": str(tmp_path / "c.json")})
     assert r.returncode == 1 and "mxq: error: tune times kernels on a CUDA GPU and none is visible" in r.stderr
     assert not (tmp_path / "c.json").exists()
+
+
+def test_shipped_entries_are_candidates(monkeypatch):
+    """kernels/tuned.json (the H100 and H200 tunings of session 17): every entry is a config the
+    tuner could have chosen for its shape and bucket on a 132-SM Hopper, timed at an M of that bucket."""
+    torch = pytest.importorskip("torch")
+    from mxq.kernels import gemm_decode_ws as WS
+
+    monkeypatch.setattr(WS, "_sm_count", lambda device: 132)  # H100 SXM and H200 both have 132
+    devices = tune.SHIPPED.devices
+    assert set(devices) >= {"NVIDIA H100 80GB HBM3", "NVIDIA H200"}
+    for dev, kernels in devices.items():
+        assert len(kernels["decode_ws"]) == 24
+        for key, rec in kernels["decode_ws"].items():
+            b, n, k = (int(v[1:]) for v in key.split("_"))
+            assert tune.shape_key(rec["m"], n, k) == key and tune.m_bucket(rec["m"]) == b
+            cfg = tune.SHIPPED.config("decode_ws", dev, key, WS.DecodeWSConfig)
+            cands = WS.decode_ws_candidates(rec["m"], n, k, torch.device("cpu"))
+            assert cfg in cands, (dev, key)
+            # the rule's config unless another was MIN_GAIN faster
+            assert cfg == cands[0] or rec["us"] <= rec["default_us"] * (1 - tune.MIN_GAIN), (dev, key)
+
+
+def test_lookup_prefers_the_users_cache_then_the_shipped_one(monkeypatch, tmp_path):
+    from mxq.kernels import gemm_decode_ws as WS
+
+    monkeypatch.setattr(WS, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(tune, "device_name", lambda device: "NVIDIA H200")
+    monkeypatch.setenv("MXQ_TUNE_CACHE", str(tmp_path / "t.json"))
+    tune.reset()
+    gpu = type("Dev", (), {"type": "cuda", "index": 0})()
+    try:
+        shipped = tune.SHIPPED.config("decode_ws", "NVIDIA H200", "m1_n10240_k8192", WS.DecodeWSConfig)
+        assert shipped is not None and WS.pick_decode_ws_config(1, 10240, 8192, gpu) == shipped
+        mine = WS.DecodeWSConfig(split_k=8)
+        tune.cache().put("decode_ws", "NVIDIA H200", {"m1_n10240_k8192": tune.record(mine, 1.0, 1.0, 1, 1)})
+        assert WS.pick_decode_ws_config(1, 10240, 8192, gpu) == mine
+        monkeypatch.setattr(tune, "ENABLED", False)
+        assert WS.pick_decode_ws_config(1, 10240, 8192, gpu) == WS.rule_decode_ws_config(1, 10240, 8192, gpu)
+    finally:
+        tune.reset()
