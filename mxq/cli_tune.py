@@ -60,10 +60,16 @@ def tune_cmd(
     dry_run: bool = typer.Option(
         False, "--dry-run", help="Print the shapes and batch sizes that would be tuned; no GPU needed."
     ),
+    show: bool = typer.Option(False, "--show", help="List the cached and shipped entries and exit; no GPU needed."),
 ) -> None:
     """Tune the decode GEMM's tiles for a model's shapes on this GPU and cache the fastest."""
     import os
 
+    if show:
+        if cache is not None:
+            os.environ["MXQ_TUNE_CACHE"] = str(cache)
+        _show()
+        return
     todo = checkpoint_shapes(checkpoint) if checkpoint is not None else []
     todo += [s for s in parse_shapes(shapes) if s not in todo]
     if not todo:
@@ -96,3 +102,36 @@ def tune_cmd(
         )  # fmt: skip
     changed = sum(r["best"] != r["default"] for r in rows)
     typer.echo(f"tuned {len(rows)} (shape, M) entries, {changed} differ from the built-in rule; written to {tune.cache_path()}")
+
+
+def _config_text(kernel: str, cfg: dict) -> str:
+    if kernel == "decode_ws":
+        from mxq.kernels import gemm_decode_ws as WS
+
+        try:
+            return WS.describe(WS.DecodeWSConfig(**cfg))
+        except TypeError:
+            pass
+    return " ".join(f"{k}={v}" for k, v in cfg.items())
+
+
+def _show() -> None:
+    """Every entry of the user's cache and of the shipped file: device, kernel, shape, the chosen
+    config and its time against the rule's."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from mxq.kernels import tune
+
+    tune.reset()
+    for title, c in (("cache " + str(tune.cache_path()), tune.cache()), ("shipped " + str(tune.SHIPPED.path), tune.SHIPPED)):
+        t = Table(title=title)
+        for col in ("device", "kernel", "entry", "config", "µs", "rule µs"):
+            t.add_column(col)
+        for dev, kernels in sorted(c.devices.items()):
+            for kern, entries in sorted((kernels if isinstance(kernels, dict) else {}).items()):
+                for key, rec in sorted(entries.items()) if isinstance(entries, dict) else ():
+                    cfg = rec.get("config", {}) if isinstance(rec, dict) else {}
+                    t.add_row(dev, kern, key, _config_text(kern, cfg), str(rec.get("us", "")),
+                              str(rec.get("default_us", "")))  # fmt: skip
+        Console().print(t if t.row_count else f"{title}: no entries")

@@ -210,3 +210,11 @@ def test_lookup_prefers_the_users_cache_then_the_shipped_one(monkeypatch, tmp_pa
         assert WS.pick_decode_ws_config(1, 10240, 8192, gpu) == WS.rule_decode_ws_config(1, 10240, 8192, gpu)
     finally:
         tune.reset()
+
+
+def test_cli_show_lists_cache_and_shipped_entries(tmp_path):
+    _put(tmp_path / "c.json", device="GPU Z", key="m8_n96_k256", cfg=Cfg(64, 2, False))
+    r = _mxq("tune", "--show", "--cache", str(tmp_path / "c.json"), env={"COLUMNS": "250"})
+    assert r.returncode == 0, r.stderr
+    assert "GPU Z" in r.stdout and "m8_n96_k256" in r.stdout and "block_n=64 fuse_x=False split_k=2" in r.stdout
+    assert "NVIDIA H200" in r.stdout and "m16_n57344_k8192" in r.stdout
