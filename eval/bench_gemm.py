@@ -39,17 +39,9 @@ def _bench_graph(fns) -> float:
     """Median µs per call of a CUDA graph that calls each of ``fns`` once (different weight
     copies, so weights come from HBM, not L2, as in a model). Graphs remove launch gaps,
     which at decode sizes would otherwise be most of what is measured."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
+    from mxq.kernels.tune import capture_graph
+
+    g = capture_graph(fns)
     for _ in range(3):
         g.replay()
     times = []

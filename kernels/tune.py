@@ -183,25 +183,31 @@ def pick(times: dict[str, float], default: str, min_gain: float = MIN_GAIN) -> s
     return best if times[best] < times[default] * (1 - min_gain) else default
 
 
+def capture_graph(calls):
+    """A CUDA graph that makes each of ``calls`` once, after one warm-up pass on a side stream
+    (compiles, allocator pools) as graph capture requires."""
+    import torch
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    return g
+
+
 def time_interleaved(fns: dict[str, list], rounds: int = 7, reps: int = 5) -> dict[str, float]:
     """Median µs per call of each named list of calls (one list = the same kernel over several
     weight copies), CUDA-graph replays interleaved across candidates (module doc)."""
     import torch
 
-    graphs = {}
-    for name, calls in fns.items():
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for c in calls:
-                c()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for c in calls:
-                c()
-        graphs[name] = (g, len(calls))
+    graphs = {name: (capture_graph(calls), len(calls)) for name, calls in fns.items()}
     times: dict[str, list[float]] = {n: [] for n in graphs}
     order = list(graphs)
     for r in range(rounds):
