@@ -22,6 +22,10 @@ loads X itself and quantizes step i+1 into one of two shared fp8 tiles while ste
 (``_math_fuse_x``); the loader streams W only. Same bytes, same sums. At M <= 8 a tile has 8
 activation rows (wgmma n8), else 16.
 
+Tiles: 128 weight rows per program (2 programs per SM) by the built-in rule, or 64 rows at 3-4
+programs per SM where ``mxq tune`` (``kernels/tune.py``) measured that faster for the shape and
+batch bucket on this GPU (``pick_decode_ws_config``).
+
 Split-K as in ``gemm_decode`` (fp32 partials, an atomic ticket per N tile, the last split sums
 the partials in split order and resets the ticket). Shapes: M <= 16, K % 128 == 0
 (whole int32 scale words per step); other shapes take ``gemm_decode``. This module needs Gluon
