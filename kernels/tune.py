@@ -98,7 +98,10 @@ class TuneCache:
 
     def get(self, kernel: str, device: str, key: str) -> dict | None:
         """The record for (kernel, device name, shape key), or None."""
-        rec = self.devices.get(device, {}).get(kernel, {}).get(key) if isinstance(self.devices.get(device), dict) else None
+        node = self.devices
+        for part in (device, kernel):
+            node = node.get(part) if isinstance(node, dict) else None
+        rec = node.get(key) if isinstance(node, dict) else None
         if rec is not None and not (isinstance(rec, dict) and isinstance(rec.get("config"), dict)):
             self._warn(f"entry {device} / {kernel} / {key} has no config")
             return None
@@ -110,9 +113,8 @@ class TuneCache:
         rec = self.get(kernel, device, key)
         if rec is None:
             return None
-        fields = {f.name: f.type for f in dataclasses.fields(cls)}
         cfg = rec["config"]
-        if set(cfg) - set(fields) or not all(isinstance(v, (int, bool, type(None))) for v in cfg.values()):
+        if set(cfg) - {f.name for f in dataclasses.fields(cls)} or not all(isinstance(v, (int, bool, type(None))) for v in cfg.values()):
             self._warn(f"entry {device} / {kernel} / {key} does not fit {cls.__name__}")
             return None
         return cls(**cfg)
@@ -120,13 +122,12 @@ class TuneCache:
     def put(self, kernel: str, device: str, records: dict[str, dict]) -> None:
         """Add or replace ``records`` (shape key -> record) and write the file atomically."""
         data = self._read(warn=False)  # entries another tuner wrote since we loaded stay
-        dev = data.setdefault(device, {})
-        if not isinstance(dev, dict):
-            dev = data[device] = {}
-        kern = dev.setdefault(kernel, {})
-        if not isinstance(kern, dict):
-            kern = dev[kernel] = {}
-        kern.update(records)
+        node = data
+        for part in (device, kernel):  # a malformed level is replaced, not merged into
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node.update(records)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".", suffix=".tmp", dir=self.path.parent)
         try:

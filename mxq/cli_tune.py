@@ -65,9 +65,9 @@ def tune_cmd(
     """Tune the decode GEMM's tiles for a model's shapes on this GPU and cache the fastest."""
     import os
 
+    if cache is not None:
+        os.environ["MXQ_TUNE_CACHE"] = str(cache)
     if show:
-        if cache is not None:
-            os.environ["MXQ_TUNE_CACHE"] = str(cache)
         _show()
         return
     todo = checkpoint_shapes(checkpoint) if checkpoint is not None else []
@@ -80,8 +80,6 @@ def tune_cmd(
         raise typer.BadParameter(f"--ms: {ms!r} is not a comma-separated list of integers") from None
     if not m_list or any(not 1 <= m <= 16 for m in m_list):
         raise typer.BadParameter(f"--ms: {ms!r}: batch sizes must be 1-16 (the decode GEMM's range)")
-    if cache is not None:
-        os.environ["MXQ_TUNE_CACHE"] = str(cache)
     from mxq.kernels import tune
 
     tune.reset()

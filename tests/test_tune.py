@@ -218,3 +218,14 @@ def test_cli_show_lists_cache_and_shipped_entries(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "GPU Z" in r.stdout and "m8_n96_k256" in r.stdout and "block_n=64 fuse_x=False split_k=2" in r.stdout
     assert "NVIDIA H200" in r.stdout and "m16_n57344_k8192" in r.stdout
+
+
+def test_malformed_levels_read_as_missing_and_are_replaced_on_write(tmp_path):
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps({"version": 1, "devices": {"GPU A": {"k": [1, 2]}, "GPU B": "x"}}))
+    c = tune.TuneCache(p)
+    assert c.config("k", "GPU A", "m1_n64_k128", Cfg) is None and c.config("k", "GPU B", "m1_n64_k128", Cfg) is None
+    _put(p)
+    _put(p, device="GPU B")
+    c = tune.TuneCache(p)
+    assert c.config("k", "GPU A", "m1_n64_k128", Cfg) == Cfg(64, 4, True) == c.config("k", "GPU B", "m1_n64_k128", Cfg)
