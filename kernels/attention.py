@@ -62,10 +62,12 @@ from mxq.kernels.quantize import (
     _elem_bits,
     _mx_fast_exponent,
     _mx_scaled,
+    _pow2_f32,
     _round_to_elem,
     fake_quantize_mx_rows,
     fp8_dtype,
     hw_cvt,
+    mx_round_codes,
     mx_round_dequant,
 )
 from mxq.kernels.reference import (
@@ -909,10 +911,12 @@ def _decode_qn(
     GROUP_C: tl.constexpr, GP: tl.constexpr, BLOCK_D: tl.constexpr, DB: tl.constexpr,
     EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
     RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr,
-    QPARTS: tl.constexpr, QM: tl.constexpr, ROT_NB: tl.constexpr,
+    QPARTS: tl.constexpr, QM: tl.constexpr, ROT_NB: tl.constexpr, CODES: tl.constexpr = False,
 ):  # fmt: skip
     """The GROUP_C query heads of kv head ``hk`` (rotated if QPARTS), MX-rounded along head_dim,
-    each 32-block normalized by a power of two: qn [GP, BLOCK_D] fp32 (exact in fp16), cq [GP, DB]."""
+    each 32-block normalized by a power of two: qn [GP, BLOCK_D] fp32 (exact in fp16), cq [GP, DB].
+    CODES: qn the MX elements themselves (exact in the element format) and cq = 2**scale (NaN for
+    a block with a NaN or Inf, whose elements are then 0)."""
     offs_g = tl.arange(0, GP)
     offs_d = tl.arange(0, BLOCK_D)
     heads = hk * GROUP_C + offs_g
@@ -937,13 +941,19 @@ def _decode_qn(
             mask=gmask[:, None] & (offs_d < D)[None, :], other=0.0,
         )  # fmt: skip
         qf = q.to(tl.float32)
-    qr = mx_round_dequant(tl.reshape(qf, (GP, DB, 32)), EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8)
-    # Normalize each Q block by a power of two so its MX values are exact in fp16 (|x| < 2;
-    # e4m3 spans < 2^18 inside a block, fp16 subnormals reach 2^-24); cq undoes it after the dot.
-    cbits = tl.max(qr.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2) & 0x7F800000
-    cbits = tl.where(cbits == 0, 0x3F800000, cbits)
-    cq = cbits.to(tl.float32, bitcast=True)  # [GP, DB]
-    return tl.reshape(qr / cq[:, :, None], (GP, BLOCK_D)), cq
+    if CODES:
+        r, e, nonfinite = mx_round_codes(tl.reshape(qf, (GP, DB, 32)), EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8)
+        cq = tl.where(nonfinite, float("nan"), _pow2_f32(e))
+        qn = tl.where(nonfinite[:, :, None], 0.0, r)
+    else:
+        qr = mx_round_dequant(tl.reshape(qf, (GP, DB, 32)), EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8)
+        # Normalize each Q block by a power of two so its MX values are exact in fp16 (|x| < 2;
+        # e4m3 spans < 2^18 inside a block, fp16 subnormals reach 2^-24); cq undoes it after the dot.
+        cbits = tl.max(qr.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2) & 0x7F800000
+        cbits = tl.where(cbits == 0, 0x3F800000, cbits)
+        cq = cbits.to(tl.float32, bitcast=True)  # [GP, DB]
+        qn = qr / cq[:, :, None]
+    return tl.reshape(qn, (GP, BLOCK_D)), cq
 
 
 @triton.jit
@@ -952,36 +962,40 @@ def _decode_q_prep_kernel(
     GROUP_C: tl.constexpr, GP: tl.constexpr, BLOCK_D: tl.constexpr, DB: tl.constexpr,
     EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
     RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr,
-    QPARTS: tl.constexpr, QM: tl.constexpr, ROT_NB: tl.constexpr, PDL: tl.constexpr,
+    QPARTS: tl.constexpr, QM: tl.constexpr, ROT_NB: tl.constexpr, PDL: tl.constexpr, CODES: tl.constexpr = False,
 ):  # fmt: skip
-    """``_decode_qn`` for one (batch, kv head) into QN [B*Hkv*GP, BLOCK_D] fp16, CQ [B*Hkv*GP, DB]."""
+    """``_decode_qn`` for one (batch, kv head) into QN [B*Hkv*GP, BLOCK_D] (fp16, or the element
+    format's fp8 with CODES), CQ [B*Hkv*GP, DB]."""
     if PDL:  # the decode kernel launched behind this one may start streaming the cache now
         tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
     pid = tl.program_id(0)
     qn, cq = _decode_qn(
         Q, ROT, pid // Hkv, pid % Hkv, stride_qb, stride_qh, stride_qd, D, GROUP_C, GP, BLOCK_D, DB,
-        EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8, INTERP, QPARTS, QM, ROT_NB,
+        EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8, INTERP, QPARTS, QM, ROT_NB, CODES,
     )  # fmt: skip
     rows = pid * GP + tl.arange(0, GP)
-    tl.store(QN + rows[:, None] * BLOCK_D + tl.arange(0, BLOCK_D)[None, :], qn.to(tl.float16))
+    tl.store(QN + rows[:, None] * BLOCK_D + tl.arange(0, BLOCK_D)[None, :], qn.to(QN.dtype.element_ty))
     tl.store(CQ + rows[:, None] * DB + tl.arange(0, DB)[None, :], cq)
 
 
 def decode_query_blocks(
     q: torch.Tensor, hkv: int, *, gp: int = 8, elem: ElemFormat | str = E4M3, rule: ScaleRule | str = ScaleRule.RCEIL,
-    qk_rotation: bool = False, pdl: bool = False,
+    qk_rotation: bool = False, pdl: bool = False, codes: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The decode query as the warp-specialized decode kernel reads it (``attention_decode_ws``):
     q [B, Hq, 1, D] -> qn fp16 [B*Hkv*gp, BLOCK_D], cq fp32 [B*Hkv*gp, BLOCK_D/32] with
     qn·cq (per 32-block) = the MX-rounded (and, with ``qk_rotation``, rotated) query; rows of
-    a kv head's gp slots past its Hq/Hkv query heads are zero (cq 1)."""
+    a kv head's gp slots past its Hq/Hkv query heads are zero. ``codes``: qn holds the MX
+    elements in the element format's fp8 dtype and cq = 2**scale (the fp8 MMA's operand);
+    otherwise each block is normalized to max |qn| in [1, 2) (cq a power of two, 1 for a zero block)."""
     elem, rule = as_elem_format(elem), as_scale_rule(rule)
     b, hq, _, d = q.shape
     group = hq // hkv
     if group > gp:
         raise ValueError(f"decode_query_blocks: {group} query heads per kv head, more than gp={gp}")
     bd = _block_d(d)
-    qn = torch.empty((b * hkv * gp, bd), dtype=torch.float16, device=q.device)
+    qdt = (torch.float8_e4m3fn if elem.mbits == 3 else torch.float8_e5m2) if codes else torch.float16
+    qn = torch.empty((b * hkv * gp, bd), dtype=qdt, device=q.device)
     cq = torch.empty((b * hkv * gp, bd // 32), dtype=torch.float32, device=q.device)
     rot_nb, rot = _rotation_factored(d, bd, q.device) if qk_rotation and FACTORED_ROTATION else (0, None)
     if rot is None:
@@ -989,7 +1003,7 @@ def decode_query_blocks(
     _decode_q_prep_kernel[(b * hkv,)](
         q, rot, qn, cq, hkv, q.stride(0), q.stride(1), q.stride(3), d,
         GROUP_C=group, GP=gp, BLOCK_D=bd, DB=bd // 32, **_fmt(elem, rule, q.device), INTERP=INTERPRET,
-        QPARTS=_parts(q.dtype) if qk_rotation else 0, QM=max(16, gp), ROT_NB=rot_nb, PDL=pdl, num_warps=4,
+        QPARTS=_parts(q.dtype) if qk_rotation else 0, QM=max(16, gp), ROT_NB=rot_nb, PDL=pdl, CODES=codes, num_warps=4,
     )  # fmt: skip
     return qn, cq
 

@@ -116,6 +116,12 @@ if HAVE_GLUON:
         return warpgroup_mma(a, q_smem.slice(j * 32, 32, dim=1).permute((1, 0)), zero, use_acc=False, is_async=True), a
 
     @gluon.jit
+    def _kblock8(k_tile, q_smem, j: gl.constexpr, zero):
+        """Block j's scores from the fp8 codes of K and Q in shared memory (one k32 fp8 wgmma), asynchronous."""
+        b = q_smem.slice(j * 32, 32, dim=1).permute((1, 0))
+        return warpgroup_mma(k_tile.slice(j * 32, 32, dim=1), b, zero, use_acc=False, is_async=True)
+
+    @gluon.jit
     def _kscale(kw, cqj, j: gl.constexpr):
         """2**ke[n, j] · cq[g, j]: block j's factor for the scores [keys, heads]."""
         return _pow2((kw >> (8 * j)) & 0xFF)[:, None] * cqj[None, :]
@@ -157,7 +163,26 @@ if HAVE_GLUON:
         k_tile = k_smem.index(s)
         zero_s = gl.zeros([BLOCK_N, 8], gl.float32, mma_l)
         # scores: DB block products in flight together; the K scale words (one per key) meanwhile
-        if DB == 4:
+        # (the fp8 MMAs' accumulator layout names k32 instructions; its registers are mma_l's)
+        mma8_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 32])
+        if q_smem.dtype.is_fp8() and DB == 4:  # fp8 codes of both sides straight from shared memory
+            zero8 = gl.zeros([BLOCK_N, 8], gl.float32, mma8_l)
+            t0 = _kblock8(k_tile, q_smem, 0, zero8)
+            t1 = _kblock8(k_tile, q_smem, 1, zero8)
+            t2 = _kblock8(k_tile, q_smem, 2, zero8)
+            t3 = _kblock8(k_tile, q_smem, 3, zero8)
+            kw = ks_smem.index(s)._reinterpret(gl.int32, [BLOCK_N], flat_l).load(row_l)
+            r0, r1, r2, r3 = warpgroup_mma_wait(0, deps=(t0, t1, t2, t3))
+            sc = (gl.convert_layout(r0, mma_l) * _kscale(kw, cq0, 0) + gl.convert_layout(r1, mma_l) * _kscale(kw, cq1, 1)
+                  + gl.convert_layout(r2, mma_l) * _kscale(kw, cq2, 2) + gl.convert_layout(r3, mma_l) * _kscale(kw, cq3, 3))  # fmt: skip
+        elif q_smem.dtype.is_fp8():
+            zero8 = gl.zeros([BLOCK_N, 8], gl.float32, mma8_l)
+            t0 = _kblock8(k_tile, q_smem, 0, zero8)
+            t1 = _kblock8(k_tile, q_smem, 1, zero8)
+            kw = ks_smem.index(s)._reinterpret(gl.int16, [BLOCK_N], flat_l).load(row_l).to(gl.int32)
+            r0, r1 = warpgroup_mma_wait(0, deps=(t0, t1))
+            sc = gl.convert_layout(r0, mma_l) * _kscale(kw, cq0, 0) + gl.convert_layout(r1, mma_l) * _kscale(kw, cq1, 1)
+        elif DB == 4:
             t0, a0 = _kblock(k_tile, q_smem, 0, zero_s, a_l)
             t1, a1 = _kblock(k_tile, q_smem, 1, zero_s, a_l)
             t2, a2 = _kblock(k_tile, q_smem, 2, zero_s, a_l)
@@ -381,6 +406,10 @@ class DecodeAttnWSConfig:
     # (32-byte rows) per page: session 8 measured 32-byte TMA rows streaming ~15 % below 128-byte ones;
     # here 16k 55.7 -> 54.2 µs on the H100, and on the H200 a gain only at 3 programs per SM (NOTES)
     wide_v: bool = True
+    # Q·Kᵀ as fp8 wgmmas (k32, one per 32-wide D block) on the MX codes of K and of the query, both
+    # from shared memory, instead of K widened to fp16 in registers against a normalized fp16 query:
+    # no K loads or conversions in the math warps (the query's codes come from the query preparation)
+    qk_fp8: bool = False
 
 
 def default_config(device: torch.device) -> DecodeAttnWSConfig:
@@ -408,16 +437,21 @@ def takes(q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor, v_data: 
     )  # fmt: skip
 
 
-def _boxes(bn: int, d: int, fp8: torch.dtype, wide_v: bool = True) -> tuple[list, list]:
-    """TMA boxes and shared layouts of K, K scales, V, V scales, the query: the scale bytes
-    unswizzled (the math warps read them as flat words). V: the tile's bn/32 pages as one box of
-    128-byte rows, unswizzled (``wide_v``), or a [D, 32] box per page (32-byte rows, swizzled)."""
-    f8 = gl.float8e4nv if fp8 == torch.float8_e4m3fn else gl.float8e5
+def _gl_dtype(dt: torch.dtype):
+    return {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5, torch.float16: gl.float16}[dt]
+
+
+def _boxes(bn: int, d: int, fp8: torch.dtype, wide_v: bool = True, q_dtype: torch.dtype = torch.float16) -> tuple[list, list]:
+    """TMA boxes and shared layouts of K, K scales, V, V scales, the query (fp16 normalized blocks,
+    or fp8 codes): the scale bytes unswizzled (the math warps read them as flat words). V: the
+    tile's bn/32 pages as one box of 128-byte rows, unswizzled (``wide_v``), or a [D, 32] box per
+    page (32-byte rows, swizzled)."""
+    f8 = _gl_dtype(fp8)
     lay = gl.NVMMASharedLayout.get_default_for
     flat = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
     v_box, v_lay = ([bn * d // 128, 128], flat) if wide_v else ([d, 32], lay([d, 32], f8))
     boxes = [[bn, d], [bn * (d // 32) // 64, 64], v_box, [bn // 32, d], [GP, d]]
-    return boxes, [lay([bn, d], f8), flat, v_lay, flat, lay([GP, d], gl.float16)]
+    return boxes, [lay([bn, d], f8), flat, v_lay, flat, lay([GP, d], _gl_dtype(q_dtype))]
 
 
 def mx_attention_decode_ws(
@@ -466,7 +500,8 @@ def mx_attention_decode_ws(
     nsplit = A._cdiv(length, chunk)
     pdl = cfg.pdl and pdl_ok(q.device)
     merge_pdl = cfg.merge_pdl and pdl_ok(q.device)
-    qn, cq = A.decode_query_blocks(q, hkv, gp=GP, elem=elem, rule=rule, qk_rotation=qk_rotation, pdl=pdl)
+    qk_fp8 = cfg.qk_fp8 and (k_data.dtype == torch.float8_e4m3fn) == (elem.mbits == 3)  # one fp8 type in the MMA
+    qn, cq = A.decode_query_blocks(q, hkv, gp=GP, elem=elem, rule=rule, qk_rotation=qk_rotation, pdl=pdl, codes=qk_fp8)
     if out is None:
         out = torch.empty((b, 1, hq, d), dtype=q.dtype, device=q.device).transpose(1, 2)
     fused = nsplit > 1 and cfg.fused_merge
@@ -488,7 +523,7 @@ def mx_attention_decode_ws(
     vs2 = v_scale.view(-1, d)
     k_desc, ks_desc, v_desc, vs_desc, q_desc = (
         TensorDescriptor(t, list(t.shape), list(t.stride()), box, lay)
-        for t, box, lay in zip((k2, ks2, v2, vs2, qn), *_boxes(bn, d, k_data.dtype, cfg.wide_v))
+        for t, box, lay in zip((k2, ks2, v2, vs2, qn), *_boxes(bn, d, k_data.dtype, cfg.wide_v, qn.dtype))
     )
     _decode_ws_kernel[(b * hkv, nsplit)](
         k_desc, ks_desc, v_desc, vs_desc, q_desc, cq, ml, acc, out, counters if fused else cq,

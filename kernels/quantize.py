@@ -153,12 +153,13 @@ def _mx_scaled(xf, e, MAXN: tl.constexpr, RULE: tl.constexpr):
 
 
 @triton.jit
-def mx_round_dequant(
+def mx_round_codes(
     xf,  # fp32 [BM, NB, BS]
     EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
     RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
-    """The MX-rounded values of xf (fp32, exact; NaN for a non-finite block). Not for MSE.
+    """xf's MX rounding as (elements r [BM, NB, BS] fp32, exactly on the element grid; scale
+    exponents e [BM, NB] int32; non-finite block mask [BM, NB]): the value is r·2**e. Not for MSE.
 
     HW_CVT rounds with the hardware fp32 -> fp8 conversion (round to nearest even, sm_89+);
     otherwise (interpreter) with the add/subtract trick of ``_round_to_elem``.
@@ -168,6 +169,17 @@ def mx_round_dequant(
         r = _mx_scaled(xf, e, MAXN, RULE).to(FP8, fp_downcast_rounding="rtne").to(tl.float32)
     else:
         r = _round_to_elem(xf, e, MAXN, MBITS, EMIN)
+    return r, e, nonfinite
+
+
+@triton.jit
+def mx_round_dequant(
+    xf,  # fp32 [BM, NB, BS]
+    EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
+    RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr,
+):  # fmt: skip
+    """The MX-rounded values of xf (fp32, exact; NaN for a non-finite block). Not for MSE."""
+    r, e, nonfinite = mx_round_codes(xf, EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8)
     d = r * _pow2_f32(e)[:, :, None]
     return tl.where(nonfinite[:, :, None], float("nan"), d)
 

@@ -652,26 +652,41 @@ def test_gpu_decode_variants(variant, block_n, warps, stages):
     assert _rel(mx_attention_decode(q.float(), *args[1:], attention_mask=mask, **kw), want.float()) < 3e-5
 
 
-@pytest.mark.parametrize("hq,hkv,d,dtype,rotate", [(6, 2, 64, torch.bfloat16, True), (8, 1, 128, torch.float32, False), (3, 3, 96, torch.float16, True)])
-def test_decode_query_blocks_equal_format_core(hq, hkv, d, dtype, rotate):
-    """The warp-specialized decode's query operand (``decode_query_blocks``): qn (fp16) x cq per
-    32-block = the query rotated in float64 and MX-rounded by the format core; qn's blocks
-    normalized (max |qn| in [1, 2)), cq powers of two; padded head slots zero."""
+@pytest.mark.parametrize(
+    "hq,hkv,d,dtype,rotate,codes,elem",
+    [(6, 2, 64, torch.bfloat16, True, False, "e4m3"), (8, 1, 128, torch.float32, False, False, "e4m3"),
+     (3, 3, 96, torch.float16, True, False, "e4m3"), (6, 2, 64, torch.bfloat16, True, True, "e4m3"),
+     (5, 1, 128, torch.float32, False, True, "e4m3"), (3, 3, 96, torch.float16, True, True, "e5m2")],
+)  # fmt: skip
+def test_decode_query_blocks_equal_format_core(hq, hkv, d, dtype, rotate, codes, elem):
+    """The warp-specialized decode's query operand (``decode_query_blocks``): qn x cq per 32-block
+    = the query rotated in float64 and MX-rounded by the format core; padded head slots zero.
+    fp16 qn: blocks normalized (max |qn| in [1, 2)), cq powers of two. ``codes``: qn's fp8 bytes
+    are the format core's element bytes and cq its scales, bit for bit."""
     from mxq.kernels.attention import decode_query_blocks
 
     b, gp = 2, 8
     q = (torch.randn(b, hq, 1, d) * 3).to(dtype)
-    qn, cq = decode_query_blocks(q.cuda() if CUDA else q, hkv, gp=gp, qk_rotation=rotate)
+    q[0, 0, 0, :32] *= 1e-3  # a block whose scale is far from its neighbours'
+    qn, cq = decode_query_blocks(q.cuda() if CUDA else q, hkv, gp=gp, elem=elem, qk_rotation=rotate, codes=codes)
     qn, cq = qn.cpu(), cq.cpu()
     x = _rotate(q.float(), d) if rotate else q.float()
-    want = dequantize_mx(quantize_mx(x, -1)).reshape(b, hkv, hq // hkv, d)
+    ref = quantize_mx(x, -1, elem=elem)
+    want = dequantize_mx(ref).reshape(b, hkv, hq // hkv, d)
     db = qn.shape[1] // 32  # the kernel's head_dim: a power of two >= d
     got = (qn.double().view(b * hkv, gp, db, 32) * cq.double().view(b * hkv, gp, db, 1)).view(b, hkv, gp, db * 32)
     assert torch.equal(got[:, :, : hq // hkv, :d].float(), want)
     assert torch.all(got[:, :, hq // hkv :] == 0) and torch.all(got[..., d:] == 0)
-    m = qn.float().abs().view(b * hkv, gp, db, 32).amax(-1)
-    assert torch.all((m == 0) | ((m >= 1) & (m < 2)))
     assert torch.equal(torch.exp2(torch.log2(cq).round()), cq)
+    if codes:
+        assert qn.dtype == (torch.float8_e4m3fn if elem == "e4m3" else torch.float8_e5m2)
+        used = qn.view(b, hkv, gp, db * 32)[:, :, : hq // hkv, :d].reshape(b, hq, 1, d)
+        assert torch.equal(used.view(torch.uint8), ref.data.view(torch.uint8))
+        scales = cq.view(b, hkv, gp, db)[:, :, : hq // hkv, : -(-d // 32)].reshape(b, hq, 1, -1)
+        assert torch.equal(scales, torch.exp2(ref.scales.float() - 127))
+    else:
+        m = qn.float().abs().view(b * hkv, gp, db, 32).amax(-1)
+        assert torch.all((m == 0) | ((m >= 1) & (m < 2)))
 
 
 def _garbage_past(layer, n):
@@ -711,16 +726,24 @@ def test_gpu_decode_ws_matches_reference(hq, hkv, d, n, dtype, rotate):
     assert W.takes(*args[:5], None)
     want = _independent(q.cpu(), kd.cpu(), vd.cpu(), rotate=rotate, k_rotated=True)
     tol = 3e-5 if dtype == torch.float32 else 5e-3
+    # qk_fp8: the fp8 MMA sums a 32-block of products in fewer bits than fp32 (relative to the sum
+    # of |products|, 2**-12 as gemm_decode_ws's bound in test_kernels): the scores move by at most
+    # 2**-12 * Σ|q_d k_d| * scale <= 2**-12 * |q| |k| * 1.07**2 * scale (MX rounding: |x| grows
+    # by < 6.25 %; the rotation keeps norms), and the output by at most twice that, relative
+    s_err = 2.0**-12 * 1.07**2 * q.float().norm(dim=-1).max().item() * k.float().norm(dim=-1).max().item() / d**0.5
+    tol8 = tol + 2 * s_err
     triton_kernel = mx_attention_decode(*args, variant="gqa", qk_rotation=rotate).cpu()
     counters = layer.decode_counters()
     for cfg in (W.DecodeAttnWSConfig(), W.DecodeAttnWSConfig(programs=1), W.DecodeAttnWSConfig(stages=2, maxnreg=80),
                 W.DecodeAttnWSConfig(stages=6, pdl=False, merge_pdl=False), W.DecodeAttnWSConfig(fused_merge=True),
-                W.DecodeAttnWSConfig(wide_v=False)):  # fmt: skip
+                W.DecodeAttnWSConfig(wide_v=False), W.DecodeAttnWSConfig(qk_fp8=True),
+                W.DecodeAttnWSConfig(qk_fp8=False), W.DecodeAttnWSConfig(qk_fp8=True, programs=528, maxnreg=64),
+                W.DecodeAttnWSConfig(qk_fp8=True, programs=1, wide_v=False)):  # fmt: skip
         for cnt in (None, counters):  # the device's shared tickets, the layer's own
             got = W.mx_attention_decode_ws(*args, qk_rotation=rotate, config=cfg, counters=cnt).cpu()
             assert got.dtype == dtype and torch.isfinite(got).all(), cfg
-            assert _rel(got, want) < tol, cfg
-            assert _rel(got, triton_kernel) < tol, cfg
+            assert _rel(got, want) < (tol8 if cfg.qk_fp8 else tol), cfg
+            assert _rel(got, triton_kernel) < (tol8 if cfg.qk_fp8 else tol), cfg
         assert not counters.any(), "the fused merge leaves its tickets at zero"
     # eager calls default to the Triton kernel (one launch); under CUDA-graph capture, to this one
     assert torch.equal(mx_attention_decode(*args, qk_rotation=rotate).cpu(), triton_kernel)

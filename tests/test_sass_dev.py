@@ -244,6 +244,21 @@ def test_attention_decode_ws_compiles_warp_specialized(tmp_path, d, maxnreg):
     tile_loops = [lp for lp in sass_dev.loops(sass) if any(op.startswith("HGMMA") for _, op, _ in lp)]
     body = " ".join(op for _, op, _ in min(tile_loops, key=len))  # the unmasked tile loop
     assert body.count("HGMMA") == per_tile and body.count("WARPGROUP.DEPBAR") == 2
+    # Q·Kᵀ on the fp8 codes (DecodeAttnWSConfig.qk_fp8): one fp8 wgmma m64n8k32 per D block, both
+    # operands from shared memory; the P·V wgmmas as before; fewer shared loads and conversions
+    f8 = tmp_path / "f8"
+    out8 = _cli("--kernel", "attn_ws", "--head-dim", str(d), "--maxnreg", str(maxnreg), "--qk-fp8", "--out", str(f8))
+    sass8 = (f8 / "k.sass").read_text()
+    body8 = [op for _, op, _ in min((lp for lp in sass_dev.loops(sass8) if any(op.startswith("QGMMA") for _, op, _ in lp)), key=len)]
+    assert sum(op.startswith("QGMMA") for op in body8) == d // 32  # (the opcode as parsed stops at "x")
+    assert sum(op.startswith("HGMMA") for op in body8) == per_tile - (d // 32) * 2
+    assert len(re.findall(r"QGMMA\.64x8x32\.F32\.E4M3\.E4M3 ", sass8)) == 2 * (d // 32)
+    assert " ".join(body8).count("WARPGROUP.DEPBAR") == 2
+    ops = body.split()
+    for op in ("LDS", "F2FP"):
+        assert sum(o.startswith(op) for o in body8) < sum(o.startswith(op) for o in ops), op
+    assert not re.search(r"\b(LDL|STL)\b", sass8), "register spills"
+    assert int(re.search(r"registers/thread (\d+)", out8).group(1)) <= maxnreg
     assert "LDG" not in body.replace("UTMALDG", "")
     assert "USETMAXREG" in sass and "UTMALDG" in sass
     assert not re.search(r"\b(LDL|STL)\b", sass), "register spills"
