@@ -35,7 +35,8 @@ for n in ctxs:
         L = MXFP8CacheLayer()
         L.update(k, torch.randn_like(k))
         layers.append(L)
-    bf = [(torch.randn(b, hkv, n, d, device="cuda", dtype=torch.bfloat16),) * 2 for _ in range(weight_copies(2 * b * hkv * n * d * 2, l2))]
+    bf = [tuple(torch.randn(b, hkv, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+          for _ in range(weight_copies(2 * b * hkv * n * d * 2, l2))]  # fmt: skip
     out = torch.empty(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
     sd = torch.nn.functional.scaled_dot_product_attention
     fns = {"sdpa": [lambda k=k, v=v: sd(q, k, v, enable_gqa=True) for k, v in bf]}
