@@ -20,6 +20,8 @@ CFGS = {
     "f8_396s3": C(programs=396, maxnreg=80, stages=3, qk_fp8=True), "f8_528": C(programs=528, maxnreg=64, qk_fp8=True),
     "f8_264s3": C(stages=3, qk_fp8=True), "f8_396fm": C(programs=396, maxnreg=80, qk_fp8=True, fused_merge=True),
     "f8_264fm": C(qk_fp8=True, fused_merge=True),
+    "f8_396pf2": C(programs=396, maxnreg=80, qk_fp8=True, l2_prefetch=2), "f8_396pf4": C(programs=396, maxnreg=80, qk_fp8=True, l2_prefetch=4),
+    "f8_264pf2": C(qk_fp8=True, l2_prefetch=2), "f8_264pf4": C(qk_fp8=True, l2_prefetch=4),
 }
 ctxs = [int(v) for v in (sys.argv[1] if len(sys.argv) > 1 else "4096,8192,16384,32768").split(",")]
 names = (sys.argv[2] if len(sys.argv) > 2 else ",".join(CFGS)).split(",")
