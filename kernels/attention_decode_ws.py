@@ -96,31 +96,14 @@ if HAVE_GLUON:
     @gluon.jit
     def _loader(k_desc, ks_desc, v_desc, vs_desc, q_desc, k_smem, ks_smem, v_smem, vs_smem, q_smem, p_smem,
                 ready, empty, q_bar, cq_ptr, ml_ptr, acc_ptr, out_ptr, cnt_ptr, key0, page0, q_row, n_iter, n_full,
-                lo, L, qk_scale, out_off, stride_oh, ml_row, split, NSPLIT, k_ptr, v_ptr, STAGES: gl.constexpr,
-                BLOCK_N: gl.constexpr, GROUP_C: gl.constexpr, FUSED: gl.constexpr, PREFETCH: gl.constexpr):  # fmt: skip
-        """Loader warp: the first STAGES tiles (the cache is complete when this kernel starts), the
-        next PREFETCH tiles' K and V codes into L2, then the query (written by the kernel this one
-        may overlap), then the rest of the ring."""
+                lo, L, qk_scale, out_off, stride_oh, ml_row, split, NSPLIT, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+                GROUP_C: gl.constexpr, FUSED: gl.constexpr):  # fmt: skip
+        """Loader warp: the first STAGES tiles (the cache is complete when this kernel starts),
+        then the query (written by the kernel this one may overlap), then the rest of the ring."""
         for i in gl.static_range(STAGES):
             if i < n_iter:
                 _load_stage(k_desc, ks_desc, v_desc, vs_desc, k_smem, ks_smem, v_smem, vs_smem, ready.index(i), i, i,
                             key0, page0, BLOCK_N)  # fmt: skip
-        if PREFETCH > 0:  # while the query preparation runs, DRAM would idle once the ring is full
-            D: gl.constexpr = k_desc.block_type.shape[1]
-            TILE: gl.constexpr = BLOCK_N * D  # bytes of K (and of V) a tile, contiguous in the cache
-            lane_l: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-            lane = gl.arange(0, 32, layout=lane_l)
-            size = gl.full([32], TILE, gl.int32, lane_l)
-            for i in gl.static_range(STAGES, STAGES + PREFETCH):
-                # this program's tiles, whole ones inside the context (in bounds); one address for all
-                # lanes, so the instruction is issued once
-                if (i < n_iter) & (lo + (i + 1) * BLOCK_N <= L):
-                    kp = k_ptr + (key0 + i * BLOCK_N).to(gl.int64) * D + lane * 0
-                    vp = v_ptr + (page0 + i * (BLOCK_N // 32)).to(gl.int64) * (D * 32) + lane * 0
-                    gl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; // $0", "=r,l,r", [kp, size],
-                                              dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
-                    gl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; // $0", "=r,l,r", [vp, size],
-                                              dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
         _gdc_wait()
         mbarrier.expect(q_bar, q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem)
@@ -255,8 +238,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _math(k_desc, ks_desc, v_desc, vs_desc, q_desc, k_smem, ks_smem, v_smem, vs_smem, q_smem, p_smem,
               ready, empty, q_bar, cq_ptr, ml_ptr, acc_ptr, out_ptr, cnt_ptr, key0, page0, q_row, n_iter, n_full, lo,
-              L, qk_scale, out_off, stride_oh, ml_row, split, NSPLIT, k_ptr, v_ptr, STAGES: gl.constexpr,
-              BLOCK_N: gl.constexpr, GROUP_C: gl.constexpr, FUSED: gl.constexpr, PREFETCH: gl.constexpr):  # fmt: skip
+              L, qk_scale, out_off, stride_oh, ml_row, split, NSPLIT, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+              GROUP_C: gl.constexpr, FUSED: gl.constexpr):  # fmt: skip
         """Math warpgroup: the tiles of this program's key range, then its partial (or final) output."""
         D: gl.constexpr = q_smem.type.shape[1]
         mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
@@ -341,9 +324,9 @@ if HAVE_GLUON:
     @gluon.jit
     def _decode_ws_kernel(
         k_desc, ks_desc, v_desc, vs_desc, q_desc, cq_ptr, ml_ptr, acc_ptr, out_ptr, cnt_ptr,
-        Hkv, C, L, CHUNK, NSPLIT, qk_scale, stride_ob, stride_oh, k_ptr, v_ptr,
+        Hkv, C, L, CHUNK, NSPLIT, qk_scale, stride_ob, stride_oh,
         STAGES: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_C: gl.constexpr, LOADER_REGS: gl.constexpr,
-        FUSED: gl.constexpr, PREFETCH: gl.constexpr = 0,
+        FUSED: gl.constexpr,
     ):  # fmt: skip
         """One program per (batch, kv head, split): 4 warps of math + 1 loader warp."""
         D: gl.constexpr = q_desc.block_type.shape[1]
@@ -385,12 +368,12 @@ if HAVE_GLUON:
             [
                 (_math, (k_desc, ks_desc, v_desc, vs_desc, q_desc, k_smem, ks_smem, v_smem, vs_smem, q_smem, p_smem,
                          ready, empty, q_bar, cq_ptr, ml_ptr, acc_ptr, out_ptr, cnt, key0, page0, q_row, n_iter,
-                         n_full, lo, L, qk_scale, out_off, stride_oh, ml_row, split, NSPLIT, k_ptr, v_ptr, STAGES,
-                         BLOCK_N, GROUP_C, FUSED, PREFETCH)),
+                         n_full, lo, L, qk_scale, out_off, stride_oh, ml_row, split, NSPLIT, STAGES, BLOCK_N, GROUP_C,
+                         FUSED)),
                 (_loader, (k_desc, ks_desc, v_desc, vs_desc, q_desc, k_smem, ks_smem, v_smem, vs_smem, q_smem, p_smem,
                            ready, empty, q_bar, cq_ptr, ml_ptr, acc_ptr, out_ptr, cnt, key0, page0, q_row, n_iter,
-                           n_full, lo, L, qk_scale, out_off, stride_oh, ml_row, split, NSPLIT, k_ptr, v_ptr, STAGES,
-                           BLOCK_N, GROUP_C, FUSED, PREFETCH)),
+                           n_full, lo, L, qk_scale, out_off, stride_oh, ml_row, split, NSPLIT, STAGES, BLOCK_N,
+                           GROUP_C, FUSED)),
             ],
             [1],
             [LOADER_REGS],
@@ -435,10 +418,6 @@ class DecodeAttnWSConfig:
     # the fp16 route). The fp8 MMA sums each 32-block in fewer bits than fp32 (2**-12 of the sum of
     # |products| at most; the GPU test's bound), well under the bf16 output's rounding
     qk_fp8: bool = True
-    # tiles past the ring whose K and V codes the loader prefetches into L2 (bulk prefetch) before it
-    # waits for the query preparation (PDL): DRAM keeps streaming while the ring is full and the
-    # math warpgroup waits for the query
-    l2_prefetch: int = 0
 
 
 def default_config(device: torch.device) -> DecodeAttnWSConfig:
@@ -556,8 +535,8 @@ def mx_attention_decode_ws(
     )
     _decode_ws_kernel[(b * hkv, nsplit)](
         k_desc, ks_desc, v_desc, vs_desc, q_desc, cq, ml, acc, out, counters if fused else cq,
-        hkv, cap, length, chunk, nsplit, scale * LOG2E, out.stride(0), out.stride(1), k_data, v_data,
-        STAGES=cfg.stages, BLOCK_N=bn, GROUP_C=group, LOADER_REGS=cfg.loader_regs, FUSED=fused, PREFETCH=cfg.l2_prefetch,
+        hkv, cap, length, chunk, nsplit, scale * LOG2E, out.stride(0), out.stride(1),
+        STAGES=cfg.stages, BLOCK_N=bn, GROUP_C=group, LOADER_REGS=cfg.loader_regs, FUSED=fused,
         num_warps=4, maxnreg=cfg.maxnreg, launch_pdl=pdl,
     )  # fmt: skip
     if nsplit > 1 and not fused:

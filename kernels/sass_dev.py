@@ -190,8 +190,7 @@ def compile_prefill_rs(stages=4, maxnreg=168, loader_regs=24, block_x=256, block
                          source=GluonASTSource, **({"maxnreg": maxnreg} if maxnreg else {}))  # fmt: skip
 
 
-def compile_decode_attn_ws(stages=4, d=128, group=4, maxnreg=128, loader_regs=24, fused=True, wide_v=True, qk_fp8=False,
-                           prefetch=0):  # fmt: skip
+def compile_decode_attn_ws(stages=4, d=128, group=4, maxnreg=128, loader_regs=24, fused=True, wide_v=True, qk_fp8=False):
     """``attention_decode_ws._decode_ws_kernel`` (Gluon) for sm_90 as mx_attention_decode_ws launches it
     (E4M3 cache, bf16 out; ``qk_fp8``: the query as fp8 codes)."""
     import torch
@@ -204,9 +203,8 @@ def compile_decode_attn_ws(stages=4, d=128, group=4, maxnreg=128, loader_regs=24
     types = ("fp8e4nv", "u8", "fp8e4nv", "u8", "fp8e4nv" if qk_fp8 else "fp16")
     names = ("k_desc", "ks_desc", "v_desc", "vs_desc", "q_desc")
     ptrs = {n: f"tensordesc<{t}[{box[0]}, {box[1]}],{lay!r}>" for n, t, box, lay in zip(names, types, boxes, lays)}
-    ptrs.update(cq_ptr="*fp32", ml_ptr="*fp32", acc_ptr="*fp32", out_ptr="*bf16", cnt_ptr="*i32", qk_scale="fp32",
-                k_ptr="*fp8e4nv", v_ptr="*fp8e4nv")  # fmt: skip
-    cons = dict(STAGES=stages, BLOCK_N=block_n, GROUP_C=group, LOADER_REGS=loader_regs, FUSED=fused, PREFETCH=prefetch)
+    ptrs.update(cq_ptr="*fp32", ml_ptr="*fp32", acc_ptr="*fp32", out_ptr="*bf16", cnt_ptr="*i32", qk_scale="fp32")
+    cons = dict(STAGES=stages, BLOCK_N=block_n, GROUP_C=group, LOADER_REGS=loader_regs, FUSED=fused)
     return _compile_sm90(W._decode_ws_kernel, cons, ptrs, 4, 1, not_div16={"Hkv", "L", "NSPLIT", "stride_oh"},
                          source=GluonASTSource, **({"maxnreg": maxnreg} if maxnreg else {}))  # fmt: skip
 
@@ -330,7 +328,6 @@ def main():
     ap.add_argument("--persistent", action="store_true", help="prefill_rs: one program per SM walking tiles")
     ap.add_argument("--fuse-x", action="store_true", help="decode_ws: bf16 X quantized inside the kernel")
     ap.add_argument("--block-m", type=int, default=16, help="decode_ws: activation rows per tile (8 or 16)")
-    ap.add_argument("--prefetch", type=int, default=0, help="attn_ws: tiles prefetched into L2 (DecodeAttnWSConfig.l2_prefetch)")
     ap.add_argument("--qk-fp8", action="store_true", help="attn_ws: Q·Kᵀ as fp8 wgmmas on the codes (DecodeAttnWSConfig.qk_fp8)")
     ap.add_argument("--ptxas", default=None, help="assemble with this ptxas instead of Triton's")
     ap.add_argument("--out", default=None, help="folder for k.ttgir, k.ptx, k.sass")
@@ -348,7 +345,7 @@ def main():
         unit = "128-wide K step (the first backward branch may be the loader warp's loop)"
     elif args.kernel == "attn_ws":
         k = compile_decode_attn_ws(stages=args.stages if args.stages != 3 else 4, d=args.head_dim, maxnreg=args.maxnreg or 128,
-                                   qk_fp8=args.qk_fp8, prefetch=args.prefetch)  # fmt: skip
+                                   qk_fp8=args.qk_fp8)  # fmt: skip
         unit = "64-key tile (the first backward branch may be the loader warp's loop)"
     elif args.kernel == "attn_prefill":
         bm, bn = (int(v) for v in args.tile.split("x")[:2]) if args.tile != "256x128x64" else (64, 64)

@@ -738,8 +738,7 @@ def test_gpu_decode_ws_matches_reference(hq, hkv, d, n, dtype, rotate):
                 W.DecodeAttnWSConfig(stages=6, pdl=False, merge_pdl=False), W.DecodeAttnWSConfig(fused_merge=True),
                 W.DecodeAttnWSConfig(wide_v=False), W.DecodeAttnWSConfig(qk_fp8=True),
                 W.DecodeAttnWSConfig(qk_fp8=False), W.DecodeAttnWSConfig(qk_fp8=True, programs=528, maxnreg=64),
-                W.DecodeAttnWSConfig(qk_fp8=True, programs=1, wide_v=False), W.DecodeAttnWSConfig(l2_prefetch=4),
-                W.DecodeAttnWSConfig(programs=1, l2_prefetch=2)):  # fmt: skip
+                W.DecodeAttnWSConfig(qk_fp8=True, programs=1, wide_v=False)):  # fmt: skip
         for cnt in (None, counters):  # the device's shared tickets, the layer's own
             got = W.mx_attention_decode_ws(*args, qk_rotation=rotate, config=cfg, counters=cnt).cpu()
             assert got.dtype == dtype and torch.isfinite(got).all(), cfg

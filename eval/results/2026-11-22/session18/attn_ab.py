@@ -6,6 +6,10 @@ not L2) is captured first, then replayed in rotated rounds (mxq.kernels.tune.tim
 B=4 Hq=32 Hkv=8 D=128, bf16 query, Q/K rotation on (the cache layer's default).
 
     python attn_ab.py [contexts] [variants]      e.g. 4096,16384 base264,f8_264
+
+The *pf* variants (DecodeAttnWSConfig.l2_prefetch) need commit cf385c0: the option measured slower
+and was taken out again. Runs 2-3 (attn_ab_h100/h200.json) predate the qk_fp8 default, so their
+base* rows are the fp16 route; in later runs base* = f8_* (the default config).
 """
 import json, os, sys
 import torch
