@@ -36,23 +36,18 @@ def _bench(fn) -> float:
 
 
 def _bench_graph(fns) -> float:
-    """Median µs per call of a CUDA graph that calls each of ``fns`` once (different weight
-    copies, so weights come from HBM, not L2, as in a model). Graphs remove launch gaps,
-    which at decode sizes would otherwise be most of what is measured."""
-    from mxq.kernels.tune import capture_graph
+    """Median µs per call of a CUDA graph that calls each of ``fns`` in turn (different weight
+    copies, so weights come from HBM, not L2, as in a model), cycled to at least
+    ``tune.MIN_GRAPH_CALLS`` calls. Graphs remove launch gaps, which at decode sizes would otherwise
+    be most of what is measured; the replays are timed behind a spin kernel
+    (``tune.time_replays``), so the graph's own launch latency is not counted either."""
+    from mxq.kernels.tune import capture_graph, graph_calls, time_replays
 
-    g = capture_graph(fns)
+    calls = graph_calls(fns)
+    g = capture_graph(calls)
     for _ in range(3):
         g.replay()
-    times = []
-    for _ in range(25):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(fns))
-    times.sort()
+    times = sorted(time_replays(g) / (2 * len(calls)) for _ in range(25))
     return times[len(times) // 2]
 
 

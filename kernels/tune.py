@@ -21,9 +21,12 @@ move it -- and writes it to a JSON cache that the dispatch reads when it builds 
   cache whole; the file is re-read just before writing, so entries written meanwhile are kept.
 
 Timing (``time_interleaved``): every candidate's CUDA graph runs its kernel over several copies of
-the weight (more bytes than three L2s, so weights stream from HBM as they do in a model), all graphs
-are built first, then replayed in rotated rounds; a candidate's figure is the median of its replays
-(session 15's interleaved A/B: one-shot timings moved ±8 % between calls).
+the weight (more bytes than three L2s, so weights stream from HBM as they do in a model), cycled to
+at least ``MIN_GRAPH_CALLS`` calls; all graphs are built first, then replayed in rotated rounds; a
+candidate's figure is the median of its replays (session 15's interleaved A/B: one-shot timings
+moved ±8 % between calls). Replays are timed behind a spin kernel (``time_replays``), so the graph
+launch latency is not counted: before session 19 each replay was timed right after a synchronize,
+which added ~12 µs (H200) divided by the calls in the graph to every figure, baselines included.
 """
 
 from __future__ import annotations
@@ -184,6 +187,22 @@ def pick(times: dict[str, float], default: str, min_gain: float = MIN_GAIN) -> s
     return best if times[best] < times[default] * (1 - min_gain) else default
 
 
+# Calls per timed CUDA graph, at least: the calls are cycled (over the weight copies) up to this
+# count, so a graph is long against the host's enqueueing of the next replay (module doc, Timing).
+MIN_GRAPH_CALLS = 32
+# GPU cycles of the spin kernel queued ahead of a timed batch of replays: ~100 µs at 2 GHz, longer
+# than the host takes to enqueue the start event and the replays behind it.
+SPIN_CYCLES = 200_000
+
+
+def graph_calls(calls: list, min_calls: int = MIN_GRAPH_CALLS) -> list:
+    """``calls`` repeated in order until there are at least ``min_calls`` (each copy is still
+    visited in turn, so consecutive calls never read the same copy)."""
+    if not calls:
+        raise ValueError("graph_calls: no calls to time")
+    return list(calls) * -(-min_calls // len(calls))
+
+
 def capture_graph(calls):
     """A CUDA graph that makes each of ``calls`` once, after one warm-up pass on a side stream
     (compiles, allocator pools) as graph capture requires."""
@@ -203,24 +222,38 @@ def capture_graph(calls):
     return g
 
 
+def time_replays(g, replays: int = 2) -> float:
+    """GPU µs of ``replays`` back-to-back replays of graph ``g``, between two events queued behind
+    a spin kernel: the GPU is still busy with the spin while the host enqueues the start event and
+    the replays, so the graph's launch latency (~12 µs a replay on an H200, kernels/NOTES.md
+    attention session 19) is not in the figure, as it is not in a model whose whole step is one
+    graph. Timing one replay right after a synchronize counted it in full."""
+    import torch
+
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(SPIN_CYCLES)
+    a.record()
+    for _ in range(replays):
+        g.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e3
+
+
 def time_interleaved(fns: dict[str, list], rounds: int = 7, reps: int = 5) -> dict[str, float]:
     """Median µs per call of each named list of calls (one list = the same kernel over several
     weight copies), CUDA-graph replays interleaved across candidates (module doc)."""
-    import torch
-
-    graphs = {name: (capture_graph(calls), len(calls)) for name, calls in fns.items()}
+    graphs = {}
+    for name, calls in fns.items():
+        calls = graph_calls(calls)
+        graphs[name] = (capture_graph(calls), len(calls))
     times: dict[str, list[float]] = {n: [] for n in graphs}
     order = list(graphs)
     for r in range(rounds):
         for name in order[r % len(order) :] + order[: r % len(order)]:
             g, cnt = graphs[name]
             for _ in range(reps):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                g.replay()
-                b.record()
-                b.synchronize()
-                times[name].append(a.elapsed_time(b) * 1e3 / cnt)
+                times[name].append(time_replays(g) / (2 * cnt))
     del graphs
     return {n: sorted(v)[len(v) // 2] for n, v in times.items()}
 

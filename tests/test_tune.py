@@ -112,6 +112,17 @@ def test_buckets_keys_and_choice():
     assert tune.weight_copies(32 * 2**20, 50 * 2**20) == 5
 
 
+@pytest.mark.parametrize("n,min_calls", [(1, 32), (3, 32), (5, 7), (40, 32), (7, 1)])
+def test_graph_calls_cycle_the_copies(n, min_calls):
+    calls = [object() for _ in range(n)]
+    got = tune.graph_calls(calls, min_calls)
+    # at least min_calls, whole passes only (each copy as often as the others), copies in turn
+    assert len(got) >= min_calls and len(got) % n == 0 and len(got) - n < max(min_calls, n)
+    assert all(got[i] is calls[i % n] for i in range(len(got)))
+    with pytest.raises(ValueError, match="no calls"):
+        tune.graph_calls([], min_calls)
+
+
 def test_cache_path(monkeypatch, tmp_path):
     monkeypatch.setenv("MXQ_TUNE_CACHE", str(tmp_path / "x.json"))
     assert tune.cache_path() == tmp_path / "x.json"
