@@ -22,7 +22,8 @@ move it -- and writes it to a JSON cache that the dispatch reads when it builds 
 
 Timing (``time_interleaved``): every candidate's CUDA graph runs its kernel over several copies of
 the weight (more bytes than three L2s, so weights stream from HBM as they do in a model), cycled to
-at least ``MIN_GRAPH_CALLS`` calls; all graphs are built first, then replayed in rotated rounds; a
+at least ``MIN_GRAPH_CALLS`` calls with a small ``separator`` kernel after each (as a model's norms and
+adds sit between its GEMMs; a graph of separators alone is timed too and subtracted); all graphs are built first, then replayed in rotated rounds; a
 candidate's figure is the median of its replays (session 15's interleaved A/B: one-shot timings
 moved ±8 % between calls). Replays are timed behind a spin kernel (``time_replays``), so the graph
 launch latency is not counted: before session 19 each replay was timed right after a synchronize,
@@ -240,22 +241,45 @@ def time_replays(g, replays: int = 2) -> float:
     return a.elapsed_time(b) * 1e3
 
 
+def separator():
+    """A call that launches one small elementwise kernel (a bf16 multiply over 4096 values, the size
+    of a token's hidden state), put between the timed calls as a model puts a norm or an add
+    between its GEMMs and its attention. Without it, chained copies of one kernel overlap through
+    programmatic dependent launch (PDL), which a model's neighbours do not."""
+    import torch
+
+    buf = torch.ones(1, 4096, dtype=torch.bfloat16, device="cuda")
+    return lambda: buf.mul_(1.0)
+
+
+def separated(calls: list, sep) -> list:
+    """``calls`` with ``sep`` after each one."""
+    return [f for call in calls for f in (call, sep)]
+
+
 def time_interleaved(fns: dict[str, list], rounds: int = 7, reps: int = 5) -> dict[str, float]:
     """Median µs per call of each named list of calls (one list = the same kernel over several
-    weight copies), CUDA-graph replays interleaved across candidates (module doc)."""
-    graphs = {}
+    weight copies), CUDA-graph replays interleaved across candidates (module doc): each graph makes
+    the calls cycled to ``MIN_GRAPH_CALLS``, a ``separator`` kernel after each; the median time of a
+    graph of separators alone is subtracted."""
+    sep = separator()
+    graphs, seps = {}, {}
     for name, calls in fns.items():
         calls = graph_calls(calls)
-        graphs[name] = (capture_graph(calls), len(calls))
-    times: dict[str, list[float]] = {n: [] for n in graphs}
-    order = list(graphs)
+        graphs[name] = (capture_graph(separated(calls, sep)), len(calls))
+        if len(calls) not in seps:
+            seps[len(calls)] = (capture_graph([sep] * len(calls)), len(calls))
+    seps = {f"sep{n}": gc for n, gc in seps.items()}
+    times: dict[str, list[float]] = {n: [] for n in [*graphs, *seps]}
+    order = list(graphs) + list(seps)
     for r in range(rounds):
         for name in order[r % len(order) :] + order[: r % len(order)]:
-            g, cnt = graphs[name]
+            g, cnt = graphs[name] if name in graphs else seps[name]
             for _ in range(reps):
                 times[name].append(time_replays(g) / (2 * cnt))
-    del graphs
-    return {n: sorted(v)[len(v) // 2] for n, v in times.items()}
+    med = {n: sorted(v)[len(v) // 2] for n, v in times.items()}
+    del graphs, seps
+    return {n: med[n] - med[f"sep{len(graph_calls(fns[n]))}"] for n in fns}
 
 
 def weight_copies(nbytes: int, l2_bytes: int) -> int:
