@@ -966,7 +966,11 @@ def _decode_q_prep_kernel(
 ):  # fmt: skip
     """``_decode_qn`` for one (batch, kv head) into QN [B*Hkv*GP, BLOCK_D] (fp16, or the element
     format's fp8 with CODES), CQ [B*Hkv*GP, DB]."""
-    if PDL:  # the decode kernel launched behind this one may start streaming the cache now
+    if PDL:
+        # launched behind the kernel that wrote q and the cache (or not: then the wait returns at once):
+        # wait for it, and only then let the decode kernel launched behind this one start streaming
+        # the cache, which that kernel may still have been writing before the wait
+        tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
         tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
     pid = tl.program_id(0)
     qn, cq = _decode_qn(
@@ -980,7 +984,7 @@ def _decode_q_prep_kernel(
 
 def decode_query_blocks(
     q: torch.Tensor, hkv: int, *, gp: int = 8, elem: ElemFormat | str = E4M3, rule: ScaleRule | str = ScaleRule.RCEIL,
-    qk_rotation: bool = False, pdl: bool = False, codes: bool = False,
+    qk_rotation: bool = False, pdl: bool = False, codes: bool = False, launch_pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The decode query as the warp-specialized decode kernel reads it (``attention_decode_ws``):
     q [B, Hq, 1, D] -> qn fp16 [B*Hkv*gp, BLOCK_D], cq fp32 [B*Hkv*gp, BLOCK_D/32] with
@@ -1004,6 +1008,7 @@ def decode_query_blocks(
         q, rot, qn, cq, hkv, q.stride(0), q.stride(1), q.stride(3), d,
         GROUP_C=group, GP=gp, BLOCK_D=bd, DB=bd // 32, **_fmt(elem, rule, q.device), INTERP=INTERPRET,
         QPARTS=_parts(q.dtype) if qk_rotation else 0, QM=max(16, gp), ROT_NB=rot_nb, PDL=pdl, CODES=codes, num_warps=4,
+        **({"launch_pdl": True} if launch_pdl and pdl else {}),
     )  # fmt: skip
     return qn, cq
 

@@ -401,6 +401,9 @@ class DecodeAttnWSConfig:
     maxnreg: int = 128
     loader_regs: int = 24
     pdl: bool = True  # the query preparation lets this kernel start and stream its first tiles
+    # the query preparation itself launched with PDL behind whatever wrote q and the cache: it waits
+    # for that kernel before it lets this one start (session 19 A/B)
+    prep_pdl: bool = False
     merge_pdl: bool = True  # the split merge kernel launches while this kernel's last programs finish
     # the split merge inside this kernel (the last split of each (batch, kv head), by an atomic
     # ticket) instead of the merge kernel: one launch fewer, but 0.2-0.8 µs slower per call in
@@ -509,7 +512,8 @@ def mx_attention_decode_ws(
     pdl = cfg.pdl and pdl_ok(q.device)
     merge_pdl = cfg.merge_pdl and pdl_ok(q.device)
     qk_fp8 = cfg.qk_fp8 and k_data.dtype == torch.float8_e4m3fn and elem.mbits == 3  # E4M3 x E4M3 (the one tested)
-    qn, cq = A.decode_query_blocks(q, hkv, gp=GP, elem=elem, rule=rule, qk_rotation=qk_rotation, pdl=pdl, codes=qk_fp8)
+    qn, cq = A.decode_query_blocks(q, hkv, gp=GP, elem=elem, rule=rule, qk_rotation=qk_rotation, pdl=pdl, codes=qk_fp8,
+                                   launch_pdl=cfg.prep_pdl)  # fmt: skip
     if out is None:
         out = torch.empty((b, 1, hq, d), dtype=q.dtype, device=q.device).transpose(1, 2)
     fused = nsplit > 1 and cfg.fused_merge

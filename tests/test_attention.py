@@ -736,6 +736,7 @@ def test_gpu_decode_ws_matches_reference(hq, hkv, d, n, dtype, rotate):
     counters = layer.decode_counters()
     for cfg in (W.DecodeAttnWSConfig(), W.DecodeAttnWSConfig(programs=1), W.DecodeAttnWSConfig(stages=2, maxnreg=80),
                 W.DecodeAttnWSConfig(stages=6, pdl=False, merge_pdl=False), W.DecodeAttnWSConfig(fused_merge=True),
+                W.DecodeAttnWSConfig(prep_pdl=True),
                 W.DecodeAttnWSConfig(wide_v=False), W.DecodeAttnWSConfig(qk_fp8=True),
                 W.DecodeAttnWSConfig(qk_fp8=False), W.DecodeAttnWSConfig(qk_fp8=True, programs=528, maxnreg=64),
                 W.DecodeAttnWSConfig(qk_fp8=True, programs=1, wide_v=False)):  # fmt: skip

@@ -25,7 +25,7 @@ D = dict(programs=dflt.programs, maxnreg=dflt.maxnreg)
 CFGS = {
     "s3": dict(D, stages=3), "p264r80": dict(programs=264, maxnreg=80), "p330r80": dict(programs=330, maxnreg=80),
     "p528r64": dict(programs=528, maxnreg=64), "p264": dict(programs=264, maxnreg=128), "nopdl": dict(D, pdl=False),
-    "nomergepdl": dict(D, merge_pdl=False), "fm": dict(D, fused_merge=True), "fm264": dict(programs=264, maxnreg=128, fused_merge=True),
+    "nomergepdl": dict(D, merge_pdl=False), "fm": dict(D, fused_merge=True), "ppdl": dict(D, prep_pdl=True), "fm264": dict(programs=264, maxnreg=128, fused_merge=True),
 }
 
 
