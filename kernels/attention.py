@@ -991,7 +991,9 @@ def decode_query_blocks(
     qn·cq (per 32-block) = the MX-rounded (and, with ``qk_rotation``, rotated) query; rows of
     a kv head's gp slots past its Hq/Hkv query heads are zero. ``codes``: qn holds the MX
     elements in the element format's fp8 dtype and cq = 2**scale (the fp8 MMA's operand);
-    otherwise each block is normalized to max |qn| in [1, 2) (cq a power of two, 1 for a zero block)."""
+    otherwise each block is normalized to max |qn| in [1, 2) (cq a power of two, 1 for a zero block).
+    ``pdl``: the kernel lets the decode kernel behind it start (after waiting for its own predecessor);
+    ``launch_pdl`` (with ``pdl``): it is itself launched with PDL behind that predecessor."""
     elem, rule = as_elem_format(elem), as_scale_rule(rule)
     b, hq, _, d = q.shape
     group = hq // hkv

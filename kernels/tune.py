@@ -12,7 +12,7 @@ move it -- and writes it to a JSON cache that the dispatch reads when it builds 
 
 - where: ``$MXQ_TUNE_CACHE``, else ``$XDG_CACHE_HOME/mxq/tune.json`` (``~/.cache/mxq/tune.json``);
 - shipped entries (``kernels/tuned.json``: the Llama-3 8B/70B shapes tuned on an H100 80GB HBM3 and an
-  H200, session 17) answer where the user's cache has no entry for the device, shape and bucket;
+  H200, session 17; re-tuned in session 19 with the corrected timing) answer where the user's cache has no entry for the device, shape and bucket;
 - ``MXQ_TUNE=0``: neither is read (the rules alone);
 - entries are keyed by the device's name, so one file serves several GPU models;
 - a cache that cannot be read or parsed is reported once (a warning naming the file) and ignored;
