@@ -12,7 +12,8 @@ move it -- and writes it to a JSON cache that the dispatch reads when it builds 
 
 - where: ``$MXQ_TUNE_CACHE``, else ``$XDG_CACHE_HOME/mxq/tune.json`` (``~/.cache/mxq/tune.json``);
 - shipped entries (``kernels/tuned.json``: the Llama-3 8B/70B shapes tuned on an H100 80GB HBM3 and an
-  H200, session 17; re-tuned in session 19 with the corrected timing) answer where the user's cache has no entry for the device, shape and bucket;
+  H200, session 17; re-tuned in session 19 with the corrected timing) answer where the user's cache has
+  no entry for the device, shape and bucket;
 - ``MXQ_TUNE=0``: neither is read (the rules alone);
 - entries are keyed by the device's name, so one file serves several GPU models;
 - a cache that cannot be read or parsed is reported once (a warning naming the file) and ignored;
@@ -22,12 +23,13 @@ move it -- and writes it to a JSON cache that the dispatch reads when it builds 
 
 Timing (``time_interleaved``): every candidate's CUDA graph runs its kernel over several copies of
 the weight (more bytes than three L2s, so weights stream from HBM as they do in a model), cycled to
-at least ``MIN_GRAPH_CALLS`` calls with a small ``separator`` kernel after each (as a model's norms and
-adds sit between its GEMMs; a graph of separators alone is timed too and subtracted); all graphs are built first, then replayed in rotated rounds; a
-candidate's figure is the median of its replays (session 15's interleaved A/B: one-shot timings
+at least ``MIN_GRAPH_CALLS`` calls with a small ``separator`` kernel after each (as a model's norms
+and adds sit between its GEMMs; a graph of separators alone is timed too and subtracted); all graphs
+are built first, then replayed in rotated rounds; a candidate's figure is the median of its replays (session 15's interleaved A/B: one-shot timings
 moved ±8 % between calls). Replays are timed behind a spin kernel (``time_replays``), so the graph
 launch latency is not counted: before session 19 each replay was timed right after a synchronize,
-which added ~12 µs (H200) divided by the calls in the graph to every figure, baselines included.
+which added ~19 µs (H200; ~13 on an H100) divided by the calls in the graph to every figure,
+baselines included.
 """
 
 from __future__ import annotations
@@ -197,8 +199,8 @@ SPIN_CYCLES = 200_000
 
 
 def graph_calls(calls: list, min_calls: int = MIN_GRAPH_CALLS) -> list:
-    """``calls`` repeated in order until there are at least ``min_calls`` (each copy is still
-    visited in turn, so consecutive calls never read the same copy)."""
+    """``calls`` repeated in order until there are at least ``min_calls``: each copy is visited in
+    turn, as often as the others (with one copy, its bytes must exceed L2 on their own)."""
     if not calls:
         raise ValueError("graph_calls: no calls to time")
     return list(calls) * -(-min_calls // len(calls))
@@ -226,8 +228,8 @@ def capture_graph(calls):
 def time_replays(g, replays: int = 2) -> float:
     """GPU µs of ``replays`` back-to-back replays of graph ``g``, between two events queued behind
     a spin kernel: the GPU is still busy with the spin while the host enqueues the start event and
-    the replays, so the graph's launch latency (~12 µs a replay on an H200, kernels/NOTES.md
-    attention session 19) is not in the figure, as it is not in a model whose whole step is one
+    the replays, so the graph's launch latency (~19 µs a replay on an H200, kernels/NOTES.md
+    "Measurement, session 19") is not in the figure, as it is not in a model whose whole step is one
     graph. Timing one replay right after a synchronize counted it in full."""
     import torch
 
