@@ -35,31 +35,15 @@ def _bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3  # µs
 
 
-_SEP: dict = {}
-
-
 def _bench_graph(fns) -> float:
-    """Median µs per call of a CUDA graph that calls each of ``fns`` in turn (different weight
-    copies, so weights come from HBM, not L2, as in a model), cycled to at least
-    ``tune.MIN_GRAPH_CALLS`` calls, a small separator kernel after each (``tune.separator``: a model's
-    norm or add), minus a graph of the separators alone. Graphs remove launch gaps, which at decode
-    sizes would otherwise be most of what is measured; the replays are timed behind a spin kernel
-    (``tune.time_replays``), so the graph's own launch latency is not counted either."""
-    from mxq.kernels.tune import capture_graph, graph_calls, separated, separator, time_replays
+    """Median µs per call of ``fns`` (the same call over different weight copies, so weights come
+    from HBM, not L2, as in a model), timed as CUDA-graph replays by ``tune.time_interleaved``: at
+    least ``tune.MIN_GRAPH_CALLS`` calls a graph, a model-like separator kernel between calls
+    (subtracted), the graph's launch latency hidden behind a spin kernel. Graphs remove launch
+    gaps, which at decode sizes would otherwise be most of what is measured."""
+    from mxq.kernels.tune import time_interleaved
 
-    if "sep" not in _SEP:
-        _SEP["sep"] = separator()
-    sep = _SEP["sep"]
-    calls = graph_calls(fns)
-
-    def med(g, n):
-        for _ in range(3):
-            g.replay()
-        return sorted(time_replays(g) / (2 * n) for _ in range(25))[12]
-
-    if len(calls) not in _SEP:
-        _SEP[len(calls)] = med(capture_graph([sep] * len(calls)), len(calls))
-    return med(capture_graph(separated(calls, sep)), len(calls)) - _SEP[len(calls)]
+    return time_interleaved({"call": fns}, rounds=5, reps=5)["call"]
 
 
 def _copies(nbytes: int) -> int:
