@@ -335,13 +335,8 @@ if HAVE_GLUON:
         split = gl.program_id(1)
         b = pid // Hkv
         hk = pid % Hkv
-        if CHUNK > 0:  # splits of CHUNK keys (a multiple of BLOCK_N), the last one shorter
-            lo = split * CHUNK
-            hi = gl.minimum(lo + CHUNK, L)
-        else:  # balanced: the context's 32-key pages dealt out evenly, split sizes differ by a page at most
-            npages = gl.cdiv(L, 32)
-            lo = (split * npages // NSPLIT) * 32
-            hi = gl.minimum(((split + 1) * npages // NSPLIT) * 32, L)
+        lo = split * CHUNK
+        hi = gl.minimum(lo + CHUNK, L)
         n_iter = gl.cdiv(hi - lo, BLOCK_N)
         n_full = (hi - lo) // BLOCK_N
         key0 = pid * C + lo  # row of the [B*Hkv*C, D] K view
@@ -373,11 +368,11 @@ if HAVE_GLUON:
             [
                 (_math, (k_desc, ks_desc, v_desc, vs_desc, q_desc, k_smem, ks_smem, v_smem, vs_smem, q_smem, p_smem,
                          ready, empty, q_bar, cq_ptr, ml_ptr, acc_ptr, out_ptr, cnt, key0, page0, q_row, n_iter,
-                         n_full, lo, hi, qk_scale, out_off, stride_oh, ml_row, split, NSPLIT, STAGES, BLOCK_N, GROUP_C,
+                         n_full, lo, L, qk_scale, out_off, stride_oh, ml_row, split, NSPLIT, STAGES, BLOCK_N, GROUP_C,
                          FUSED)),
                 (_loader, (k_desc, ks_desc, v_desc, vs_desc, q_desc, k_smem, ks_smem, v_smem, vs_smem, q_smem, p_smem,
                            ready, empty, q_bar, cq_ptr, ml_ptr, acc_ptr, out_ptr, cnt, key0, page0, q_row, n_iter,
-                           n_full, lo, hi, qk_scale, out_off, stride_oh, ml_row, split, NSPLIT, STAGES, BLOCK_N,
+                           n_full, lo, L, qk_scale, out_off, stride_oh, ml_row, split, NSPLIT, STAGES, BLOCK_N,
                            GROUP_C, FUSED)),
             ],
             [1],
@@ -426,10 +421,6 @@ class DecodeAttnWSConfig:
     # the fp16 route). The fp8 MMA sums each 32-block in fewer bits than fp32 (2**-12 of the sum of
     # |products| at most; the GPU test's bound), well under the bf16 output's rounding
     qk_fp8: bool = True
-    # split the context into pages dealt out evenly (split sizes at most 32 keys apart) instead of
-    # BLOCK_N-multiple chunks with a short last one: at 16k on 12 splits the longest split is 21.5
-    # tiles instead of 22 (session 20 A/B)
-    balanced: bool = False
 
 
 def default_config(device: torch.device) -> DecodeAttnWSConfig:
@@ -516,11 +507,8 @@ def mx_attention_decode_ws(
         scale = scale / A.hadamard_block(d)
     bn = BLOCK_N
     want = max(1, cfg.programs // (b * hkv))
-    if cfg.balanced:  # want splits of whole pages, their sizes at most a page apart (chunk 0 tells the kernel)
-        chunk, nsplit = 0, min(want, A._cdiv(length, 32))
-    else:
-        chunk = max(bn, A._cdiv(A._cdiv(length, want), bn) * bn)
-        nsplit = A._cdiv(length, chunk)
+    chunk = max(bn, A._cdiv(A._cdiv(length, want), bn) * bn)
+    nsplit = A._cdiv(length, chunk)
     pdl = cfg.pdl and pdl_ok(q.device)
     merge_pdl = cfg.merge_pdl and pdl_ok(q.device)
     qk_fp8 = cfg.qk_fp8 and k_data.dtype == torch.float8_e4m3fn and elem.mbits == 3  # E4M3 x E4M3 (the one tested)

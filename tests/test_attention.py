@@ -739,9 +739,7 @@ def test_gpu_decode_ws_matches_reference(hq, hkv, d, n, dtype, rotate):
                 W.DecodeAttnWSConfig(prep_pdl=True),
                 W.DecodeAttnWSConfig(wide_v=False), W.DecodeAttnWSConfig(qk_fp8=True),
                 W.DecodeAttnWSConfig(qk_fp8=False), W.DecodeAttnWSConfig(qk_fp8=True, programs=528, maxnreg=64),
-                W.DecodeAttnWSConfig(qk_fp8=True, programs=1, wide_v=False), W.DecodeAttnWSConfig(balanced=True),
-                W.DecodeAttnWSConfig(balanced=True, fused_merge=True, programs=396, maxnreg=80),
-                W.DecodeAttnWSConfig(balanced=True, qk_fp8=False, programs=1000)):  # fmt: skip
+                W.DecodeAttnWSConfig(qk_fp8=True, programs=1, wide_v=False)):  # fmt: skip
         for cnt in (None, counters):  # the device's shared tickets, the layer's own
             got = W.mx_attention_decode_ws(*args, qk_rotation=rotate, config=cfg, counters=cnt).cpu()
             assert got.dtype == dtype and torch.isfinite(got).all(), cfg

@@ -10,6 +10,8 @@ interleaved (mxq.kernels.tune.time_interleaved) over cache copies beyond L2:
   kernel / balk   the decode kernel alone (query preparation done beforehand, no merge).
 B=4 Hq=32 Hkv=8 D=128, bf16 query, Q/K rotation on.
 
+    (DecodeAttnWSConfig.balanced existed in commit 3ab8ec0 only; removed after this A/B.)
+
     python balance.py [contexts] [extra configs as name=field:value/field:value,...]
 """
 import contextlib, dataclasses, json, os, sys
