@@ -705,17 +705,20 @@ def mx_gemm(
     tma_x, x_arg = _tma(x, [cfg.block_m, cfg.block_k], cfg.tma_x and not quant)
     tma_w, w_arg = _tma(weight, [cfg.block_n, cfg.block_k], cfg.tma_w)
     ae = act_elem or E4M3
-    _mx_gemm_kernel[grid](
-        x_arg, w_arg, weight_scale, bias if bias is not None else weight_scale, target,
-        m, n, k, k_split, triton.next_power_of_2(m),
-        x.stride(0), weight.stride(0), weight_scale.stride(0), n,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BS=block_size,
-        GROUP=cfg.group, DOT=dot, PRECISION=precision,
-        HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_K=even_k,
-        TMA_X=tma_x, TMA_W=tma_w, SCALE_GATHER=cfg.scale_gather, DEQ_BF16=cfg.deq_bf16 and dot == tl.bfloat16,
-        DEQ_BITS=cfg.deq_bits, W_E5M2=weight.dtype == torch.float8_e5m2, PREFETCH_S=PREFETCH, PEEL=cfg.peel, ZERO_DOT=cfg.zero_dot and not cfg.peel,
-        QUANT=quant, EMAX=ae.emax, MBITS=ae.mbits, MAXN=ae.max_normal, EMIN=1 - ae.bias,
-        RULE=_RULE_ID[act_rule], HW_CVT=hw_cvt(x.device), FP8=fp8_dtype(ae),
+    # through launch.call: the prefill path runs this for every projection too narrow for the
+    # register-operand kernel, where the JIT's per-call binding made the model's forward host-bound
+    call(
+        _mx_gemm_kernel, grid,
+        (x_arg, w_arg, weight_scale, bias if bias is not None else weight_scale, target,
+         m, n, k, k_split, next_pow2(m), x.stride(0), weight.stride(0), weight_scale.stride(0), n),
+        dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BS=block_size,
+             GROUP=cfg.group, DOT=dot, PRECISION=precision,
+             HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_K=even_k,
+             TMA_X=tma_x, TMA_W=tma_w, SCALE_GATHER=cfg.scale_gather, DEQ_BF16=cfg.deq_bf16 and dot == tl.bfloat16,
+             DEQ_BITS=cfg.deq_bits, W_E5M2=weight.dtype == torch.float8_e5m2, PREFETCH_S=PREFETCH, PEEL=cfg.peel,
+             ZERO_DOT=cfg.zero_dot and not cfg.peel,
+             QUANT=quant, EMAX=ae.emax, MBITS=ae.mbits, MAXN=ae.max_normal, EMIN=1 - ae.bias,
+             RULE=_RULE_ID[act_rule], HW_CVT=hw_cvt(x.device), FP8=fp8_dtype(ae)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return _split_k_finish(target, y, bias, split)

@@ -38,12 +38,14 @@ it for sm_90 (tests/test_sass_dev.py) and GPU tests compare it with the torch re
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
 import triton
 
 from mxq.kernels.gemm import _check_gemm_args, _operands_and_output, _sm_count
+from mxq.kernels.launch import Launch, PlanCache, cdiv, descriptor
 from mxq.kernels.quantize import _capability
 
 try:  # Gluon: Triton >= 3.5
@@ -583,6 +585,61 @@ def scales_kn(weight_scale: torch.Tensor) -> torch.Tensor:
     return st
 
 
+_ST_CACHE: dict = {}  # id(weight_scale) -> (weakref to it, its _version, scales_kn of it)
+
+
+def _scales_kn_cached(weight_scale: torch.Tensor) -> torch.Tensor:
+    """``scales_kn`` once per weight: a model's scales are fixed, so the transposed copy (a torch
+    kernel and ~40 µs of host time per call) is made on the first call and kept while the scales
+    tensor lives and is not written in place. Not kept when made under CUDA-graph capture (it
+    would live in the graph's pool)."""
+    hit = _ST_CACHE.get(id(weight_scale))
+    if hit is not None and hit[0]() is weight_scale and hit[1] == weight_scale._version:
+        return hit[2]
+    st = scales_kn(weight_scale)
+    if weight_scale.is_cuda and not torch.cuda.is_current_stream_capturing():
+        key = id(weight_scale)
+        _ST_CACHE[key] = (weakref.ref(weight_scale, lambda _r, key=key: _ST_CACHE.pop(key, None)), weight_scale._version, st)
+    return st
+
+
+class _RSPlan:
+    """One ``mx_prefill_gemm_ws`` call signature on the register-operand kernel: grid, the
+    descriptors' block shapes and layouts, and the launch (``launch.Launch``: no JIT binding per
+    call). The key it is kept under fixes what Triton specializes on (module ``launch``). Holds
+    no tensor."""
+
+    def __init__(self, m: int, n: int, k: int, w_dtype: torch.dtype, has_bias: bool, cfg: PrefillRSConfig,
+                 device: torch.device):  # fmt: skip
+        if cfg.persistent and cfg.split_wg:
+            raise ValueError("PrefillRSConfig: persistent=True takes the MMA warps as one partition (split_wg=False)")
+        bx, bw, bk = cfg.block_x, cfg.block_w, cfg.block_k
+        w_gl = gl.float8e4nv if w_dtype == torch.float8_e4m3fn else gl.float8e5
+        self.x_block, self.w_block, self.s_block = [bx, bk], [bw, bk], [bk // BS, bw]
+        self.x_layout = gl.NVMMASharedLayout.get_default_for(self.x_block, gl.bfloat16)
+        self.w_layout = gl.NVMMASharedLayout.get_default_for(self.w_block, w_gl)
+        # unswizzled: the MMA warps read the [2, BLOCK_W] box as flat bytes
+        self.s_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
+        tiles = cdiv(m, bx) * cdiv(n, bw)
+        self.grid = (min(tiles, _sm_count(device)) if cfg.persistent else tiles,)
+        nw = 4 if cfg.split_wg else cfg.num_warps
+        consts = dict(STAGES=cfg.stages, GROUP=cfg.group, HAS_BIAS=has_bias, LOADER_REGS=cfg.loader_regs, NUM_WARPS=nw,
+                      DEQ_BITS=cfg.deq_bits, SPLIT_WG=cfg.split_wg, MMA_REGS=cfg.mma_regs, INFLIGHT=cfg.inflight,
+                      PERSISTENT=cfg.persistent)  # fmt: skip
+        self.launch = Launch(_mx_prefill_rs_kernel, consts, dict(num_warps=nw, maxnreg=cfg.maxnreg))
+
+    def __call__(self, x, weight, st, bias, y) -> None:
+        m, k = x.shape
+        n = weight.shape[0]
+        x_desc = descriptor(TensorDescriptor, x, [m, k], [x.stride(0), 1], self.x_block, self.x_layout)
+        w_desc = descriptor(TensorDescriptor, weight, [n, k], [weight.stride(0), 1], self.w_block, self.w_layout)
+        s_desc = descriptor(TensorDescriptor, st, [k // BS, n], [st.stride(0), 1], self.s_block, self.s_layout)
+        self.launch(self.grid, x_desc, w_desc, s_desc, bias if bias is not None else y, y, m, n, k, n)
+
+
+_RS_PLANS = PlanCache()
+
+
 def mx_prefill_gemm_ws(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -615,33 +672,22 @@ def mx_prefill_gemm_ws(
     if weight.stride(0) % 16 or weight.data_ptr() % 16:
         weight = weight.contiguous()
     cfg = config or pick_prefill_ws_config(m, n, k, x.device)
+    if isinstance(cfg, PrefillRSConfig):  # the dispatched kernel: a plan per call signature
+        key = (m, n, k, weight.dtype, y.dtype, bias is not None and (bias.dtype, bias.data_ptr() % 16 == 0), cfg,
+               x.device.index)  # fmt: skip
+        plan = _RS_PLANS.get(key)
+        if plan is None:
+            plan = _RS_PLANS.put(key, _RSPlan(m, n, k, weight.dtype, bias is not None, cfg, x.device))
+        plan(x, weight, _scales_kn_cached(weight_scale), bias, y)
+        return y
     w_gl = gl.float8e4nv if weight.dtype == torch.float8_e4m3fn else gl.float8e5
     st = scales_kn(weight_scale)
-    if isinstance(cfg, PrefillRSConfig):
-        if cfg.persistent and cfg.split_wg:
-            raise ValueError("PrefillRSConfig: persistent=True takes the MMA warps as one partition (split_wg=False)")
-        bx, bw, bk = cfg.block_x, cfg.block_w, cfg.block_k
-    else:
-        bx, bw, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    bx, bw, bk = cfg.block_m, cfg.block_n, cfg.block_k
     x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [bx, bk],
                               gl.NVMMASharedLayout.get_default_for([bx, bk], gl.bfloat16))  # fmt: skip
     w_desc = TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [bw, bk],
                               gl.NVMMASharedLayout.get_default_for([bw, bk], w_gl))  # fmt: skip
     grid = (triton.cdiv(m, bx) * triton.cdiv(n, bw),)
-    if isinstance(cfg, PrefillRSConfig):
-        if cfg.persistent:
-            grid = (min(grid[0], _sm_count(x.device)),)
-        # unswizzled: the MMA warps read the [2, BLOCK_W] box as flat bytes
-        s_desc = TensorDescriptor(st, [k // BS, n], list(st.stride()), [bk // BS, bw],
-                                  gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2))  # fmt: skip
-        _mx_prefill_rs_kernel[grid](
-            x_desc, w_desc, s_desc, bias if bias is not None else y, y,
-            m, n, k, n,
-            STAGES=cfg.stages, GROUP=cfg.group, HAS_BIAS=bias is not None, LOADER_REGS=cfg.loader_regs,
-            NUM_WARPS=4 if cfg.split_wg else cfg.num_warps, DEQ_BITS=cfg.deq_bits, SPLIT_WG=cfg.split_wg,
-            MMA_REGS=cfg.mma_regs, INFLIGHT=cfg.inflight, PERSISTENT=cfg.persistent, num_warps=4 if cfg.split_wg else cfg.num_warps, maxnreg=cfg.maxnreg,
-        )  # fmt: skip
-        return y
     s_desc = TensorDescriptor(st, [k // BS, n], list(st.stride()), [bk // BS, bw],
                               gl.NVMMASharedLayout.get_default_for([bk // BS, bw], gl.uint8))  # fmt: skip
     _mx_prefill_ws_kernel[grid](

@@ -1110,6 +1110,41 @@ def test_gpu_prefill_rs_matches_reference(m, n, k, wel):
 
 @hopper
 @pytest.mark.gpu
+def test_gpu_prefill_rs_scales_kept_per_weight():
+    """The transposed scales the register-operand kernel reads are made once per scales tensor:
+    the same tensor on a repeat call, a fresh one after an in-place write (the GEMM then uses the
+    new scales), none kept for a tensor that is gone or for a call under CUDA-graph capture."""
+    import gc
+
+    gen = torch.Generator().manual_seed(20)
+    n, k, m = 300, 1056, 1031
+    w, ws, _ = _weight(n, k, E4M3, gen)
+    x = _activations(m, k, torch.bfloat16, gen, special=False, decades=(-2, 1))
+    cfg = PWS.PrefillRSConfig()
+    st = PWS._scales_kn_cached(ws)
+    assert PWS._scales_kn_cached(ws) is st and torch.equal(st[:, :n], ws.t())
+    y0 = PWS.mx_prefill_gemm_ws(x, w, ws, None, out_dtype=torch.float32, config=cfg)
+    ws[:, 0] += 1  # every row's first block scaled by 2
+    st2 = PWS._scales_kn_cached(ws)
+    assert st2 is not st and torch.equal(st2[:, :n], ws.t())
+    y1 = PWS.mx_prefill_gemm_ws(x, w, ws, None, out_dtype=torch.float32, config=cfg)
+    w64 = dequantize_mx(MXTensor(w.cpu(), ws.cpu(), torch.Size((n, k)), -1, 32, E4M3), torch.float64).to(DEV)
+    _assert_gemm_close(y1, x, w64, None, None)
+    assert not torch.equal(y0, y1)
+    key = id(ws)
+    del ws, st, st2
+    gc.collect()
+    assert key not in PWS._ST_CACHE
+    ws2 = torch.randint(100, 140, (n, k // 32), dtype=torch.uint8, device=DEV)
+    g = torch.cuda.CUDAGraph()
+    PWS.mx_prefill_gemm_ws(x, w, ws2.clone(), None, config=cfg)  # compile outside the capture
+    with torch.cuda.graph(g):
+        PWS.mx_prefill_gemm_ws(x, w, ws2, None, config=cfg)
+    assert id(ws2) not in PWS._ST_CACHE
+
+
+@hopper
+@pytest.mark.gpu
 @pytest.mark.parametrize("act", [None, E4M3])
 def test_gpu_dispatch_prefill_rs(act):
     """mx_linear at M >= PREFILL_RS_MIN_M on Hopper runs the register-operand kernel (path_name)
