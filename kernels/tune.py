@@ -265,23 +265,24 @@ def time_interleaved(fns: dict[str, list], rounds: int = 7, reps: int = 5) -> di
     the calls cycled to ``MIN_GRAPH_CALLS``, a ``separator`` kernel after each; the median time of a
     graph of separators alone is subtracted."""
     sep = separator()
-    graphs, seps = {}, {}
+    graphs, base = {}, {}  # name or ("sep", calls) -> (graph, calls); name -> its separators' graph
     for name, calls in fns.items():
         calls = graph_calls(calls)
+        base[name] = ("sep", len(calls))
+        if base[name] not in graphs:
+            graphs[base[name]] = (capture_graph([sep] * len(calls)), len(calls))
         graphs[name] = (capture_graph(separated(calls, sep)), len(calls))
-        if len(calls) not in seps:
-            seps[len(calls)] = (capture_graph([sep] * len(calls)), len(calls))
-    seps = {f"sep{n}": gc for n, gc in seps.items()}
-    times: dict[str, list[float]] = {n: [] for n in [*graphs, *seps]}
-    order = list(graphs) + list(seps)
+    times: dict = {n: [] for n in graphs}
+    order = list(fns) + [n for n in graphs if n not in fns]
+    replays = 2
     for r in range(rounds):
         for name in order[r % len(order) :] + order[: r % len(order)]:
-            g, cnt = graphs[name] if name in graphs else seps[name]
+            g, cnt = graphs[name]
             for _ in range(reps):
-                times[name].append(time_replays(g) / (2 * cnt))
+                times[name].append(time_replays(g, replays) / (replays * cnt))
     med = {n: sorted(v)[len(v) // 2] for n, v in times.items()}
-    del graphs, seps
-    return {n: med[n] - med[f"sep{len(graph_calls(fns[n]))}"] for n in fns}
+    del graphs
+    return {n: med[n] - med[base[n]] for n in fns}
 
 
 def weight_copies(nbytes: int, l2_bytes: int) -> int:
