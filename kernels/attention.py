@@ -52,6 +52,7 @@ from mxq.formats import (
     as_elem_format,
     as_scale_rule,
 )
+from mxq.kernels.buffers import persistent
 from mxq.kernels.launch import call
 from mxq.kernels.launch import cdiv as _cdiv
 from mxq.kernels.quantize import (
@@ -193,7 +194,10 @@ def _rotation_operand(d: int, block_d: int, device: torch.device) -> torch.Tenso
     if key not in _ROTATIONS:
         r = torch.zeros(block_d, block_d, dtype=torch.bfloat16)
         r[:d, :d] = qk_rotation(d)
-        _ROTATIONS[key] = r.to(device)
+        kept = persistent(lambda: r.to(device), device)
+        if kept is None:  # under stream capture: made per call, inside the graph
+            return r.to(device)
+        _ROTATIONS[key] = kept
     return _ROTATIONS[key]
 
 
@@ -209,7 +213,11 @@ def _rotation_factored(d: int, block_d: int, device: torch.device) -> tuple[int,
         rows = torch.arange(d)
         signs = torch.zeros(block_d)
         signs[:d] = r[rows, rows // n * n]  # R[i, first column of i's block] = s[i]·H[., 0] = s[i]
-        _ROTATIONS[key] = torch.cat([sylvester_hadamard(32).flatten(), signs]).to(torch.bfloat16).to(device)
+        host = torch.cat([sylvester_hadamard(32).flatten(), signs]).to(torch.bfloat16)
+        kept = persistent(lambda: host.to(device), device)
+        if kept is None:  # under stream capture: made per call, inside the graph
+            return n // 32, host.to(device)
+        _ROTATIONS[key] = kept
     return n // 32, _ROTATIONS[key]
 
 
@@ -1249,10 +1257,24 @@ def mx_attention_decode(
     if variant == "ws" or (in_graph and os.environ.get("MXQ_ATTN_WS", "1") != "0"):
         from mxq.kernels import attention_decode_ws as _ws
 
-        if variant == "ws" or _ws.takes(q, k_data, k_scale, v_data, v_scale, attention_mask):
+        if variant == "ws":
             return _ws.mx_attention_decode_ws(
                 q, k_data, k_scale, v_data, v_scale, length, scale=scale, elem=elem, rule=rule, out=out,
                 qk_rotation=qk_rotation, counters=counters,
+            )  # fmt: skip
+        if _ws.takes(q, k_data, k_scale, v_data, v_scale, attention_mask):
+            from mxq.kernels import gluon_api
+
+            return gluon_api.run_or_fall_back(
+                "attention_decode_ws",
+                lambda: _ws.mx_attention_decode_ws(
+                    q, k_data, k_scale, v_data, v_scale, length, scale=scale, elem=elem, rule=rule, out=out,
+                    qk_rotation=qk_rotation, counters=counters,
+                ),
+                lambda: mx_attention_decode(
+                    q, k_data, k_scale, v_data, v_scale, length, attention_mask=attention_mask, scale=scale,
+                    elem=elem, rule=rule, out=out, qk_rotation=qk_rotation, counters=counters, variant="gqa",
+                ),
             )  # fmt: skip
     paged = v_data.dim() == 5
     if paged:  # [B, Hkv, P, D, 32] pages: address V as (page, channel, slot) through the strides

@@ -43,21 +43,20 @@ from mxq.formats import E4M3, ElemFormat, ScaleRule, as_elem_format, as_scale_ru
 from mxq.kernels.gemm_decode import split_counters
 from mxq.kernels.quantize import _capability, pdl_ok
 
-try:  # Gluon: Triton >= 3.5
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
+from mxq.kernels import gluon_api
+
+HAVE_GLUON = gluon_api.PROBLEM is None  # the Gluon API as the kernels spell it (gluon_api)
+if HAVE_GLUON:
+    from mxq.kernels.gluon_api import (
+        TensorDescriptor,
         fence_async_shared,
+        gl,
+        gluon,
         mbarrier,
         tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    HAVE_GLUON = True
-except ImportError:  # pragma: no cover - older Triton
-    HAVE_GLUON = False
 
 GP = 8  # query-head slots per kv head: the MMAs' N
 BLOCK_N = 64  # keys per tile: 2 V pages
@@ -436,7 +435,7 @@ def default_config(device: torch.device) -> DecodeAttnWSConfig:
 def takes(q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor, v_data: torch.Tensor,
           v_scale: torch.Tensor, attention_mask) -> bool:  # fmt: skip
     """The calls this kernel takes (module doc); the rest go to the Triton decode kernel."""
-    if not HAVE_GLUON or attention_mask is not None or v_data.dim() != 5:
+    if not gluon_api.usable("attention_decode_ws") or attention_mask is not None or v_data.dim() != 5:
         return False
     b, hq, sq, d = q.shape
     hkv = k_data.shape[1]

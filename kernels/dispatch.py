@@ -31,12 +31,13 @@ try:
     from mxq.kernels import gemm_decode as _decode
     from mxq.kernels import gemm_decode_ws as _decode_ws
     from mxq.kernels import gemm_prefill_ws as _prefill_ws
+    from mxq.kernels import gluon_api
     from mxq.kernels import quantize as _quantize
     from mxq.kernels.launch import cdiv
 
     HAS_TRITON = True
 except ImportError:  # no triton wheel (macOS, Windows): the reference runs everywhere
-    _gemm = _decode = _decode_ws = _prefill_ws = _quantize = None
+    _gemm = _decode = _decode_ws = _prefill_ws = _quantize = gluon_api = None
     HAS_TRITON = False
 
 _CAPABILITY: dict[int, tuple[int, int]] = {}
@@ -130,6 +131,8 @@ def path_name(m: int, n: int, k: int, device: torch.device, w8a8: bool = True) -
 def _prefill_rs_config(m: int, n: int, k: int, block_size: int, hopper: bool, device: torch.device):
     """Large M on sm_90: the register-operand prefill kernel's config where it takes the shape
     (Gluon, block 32) and its [256, 128] output tiles fill the SMs once; else None."""
+    if hopper:
+        gluon_api.note_unavailable()
     if not (PREFILL_RS and hopper and m >= PREFILL_RS_MIN_M and _prefill_ws.takes(m, k, block_size)):
         return None
     cfg = _prefill_ws.pick_prefill_rs_config(m, n, k, device)
@@ -138,6 +141,8 @@ def _prefill_rs_config(m: int, n: int, k: int, block_size: int, hopper: bool, de
 
 def _use_ws(m: int, k: int, block_size: int, hopper: bool) -> bool:
     """W8A8 on sm_90 takes gemm_decode_ws where it takes the shape (1 <= M <= 16, K % 128 == 0, block 32)."""
+    if hopper:
+        gluon_api.note_unavailable()
     return DECODE_WS and hopper and _decode_ws.takes(m, k, block_size)
 
 
@@ -175,8 +180,12 @@ def mx_linear_triton(
     elif act_elem is not None and _use_ws(x2.shape[0], k, block_size, hopper):
         # Decode, W8A8 on Hopper: fp8 tensor cores, warp-specialized (TMA loader warp); faster
         # than the CUDA-core gemv at M = 1 on all 8 Llama-3 shapes (H200, NOTES.md session 8).
-        y = _decode_ws.mx_decode_gemm_ws(
-            x2, weight, weight_scale, bias, act_elem=act_elem, act_rule=act_rule, out_dtype=x.dtype,
+        y = gluon_api.run_or_fall_back(
+            "gemm_decode_ws",
+            lambda: _decode_ws.mx_decode_gemm_ws(
+                x2, weight, weight_scale, bias, act_elem=act_elem, act_rule=act_rule, out_dtype=x.dtype,
+            ),
+            lambda: _retry(x2, weight, weight_scale, bias, act_elem, act_rule, block_size, native, fp8_mma, hopper),
         )  # fmt: skip
     elif x2.shape[0] <= _gemm.GEMV_MAX_M:
         # Decode: the CUDA-core weight stream, X MX-rounded inside it (one launch) unless MSE.
@@ -217,9 +226,21 @@ def mx_linear_triton(
         if x2.dtype == torch.bfloat16 and rs is not None:
             # Prefill on Hopper: the weight converted in registers as wgmma's left operand,
             # overlapped with the previous step's MMAs (gemm_prefill_ws, NOTES.md session 14).
-            y = _prefill_ws.mx_prefill_gemm_ws(
-                x2, weight, weight_scale, bias, out_dtype=x.dtype, block_size=block_size, config=rs,
+            y = gluon_api.run_or_fall_back(
+                "gemm_prefill_ws",
+                lambda: _prefill_ws.mx_prefill_gemm_ws(
+                    x2, weight, weight_scale, bias, out_dtype=x.dtype, block_size=block_size, config=rs,
+                ),
+                lambda: _gemm.mx_gemm(x2, weight, weight_scale, bias, out_dtype=x.dtype, block_size=block_size),
             )  # fmt: skip
         else:
             y = _gemm.mx_gemm(x2, weight, weight_scale, bias, out_dtype=x.dtype, block_size=block_size)
     return y.reshape(*lead, weight.shape[0])
+
+
+def _retry(x2, weight, weight_scale, bias, act_elem, act_rule, block_size, native, fp8_mma, hopper):
+    """The same call once more, after ``gluon_api`` turned a kernel off: dispatch takes the next path."""
+    return mx_linear_triton(
+        x2, weight, weight_scale, bias, act_elem=act_elem, act_rule=act_rule, block_size=block_size,
+        native=native, fp8_mma=fp8_mma, hopper=hopper,
+    )  # fmt: skip

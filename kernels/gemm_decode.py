@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from mxq.formats import E4M3, ElemFormat, ScaleRule
+from mxq.kernels.buffers import persistent
 from mxq.kernels.gemm import (
     INTERPRET,
     _check_gemm_args,
@@ -189,18 +190,24 @@ _COUNTERS: dict[int, torch.Tensor] = {}
 
 def split_counters(device: torch.device, n: int) -> torch.Tensor | None:
     """Zeroed int32 tickets (one per N tile) shared by every fused split-K launch on ``device``;
-    each launch leaves them at zero. None while a CUDA graph is being captured and none exist
-    yet (an allocation there would be uninitialised until the first replay): the caller then
-    sums the partials with the reduction kernel. Launches on two streams at once must not
-    share them (one stream per device, as inference runs)."""
+    each launch leaves them at zero. Made outside any CUDA-graph memory pool (``buffers``); None
+    while a CUDA graph is being captured and none big enough exist yet: the caller then sums the
+    partials with the reduction kernel. A buffer that grows keeps the old one alive, since a
+    captured graph may still point at it. Launches on two streams at once must not share them
+    (one stream per device, as inference runs)."""
     idx = device.index if device.index is not None else torch.cuda.current_device() if device.type == "cuda" else -1
     buf = _COUNTERS.get(idx)
     if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        fresh = persistent(lambda: torch.zeros(max(n, 4096), dtype=torch.int32, device=device), device)
+        if fresh is None:
             return None
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[idx] = buf
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = _COUNTERS[idx] = fresh
     return buf
+
+
+_RETIRED: list[torch.Tensor] = []
 
 
 def pick_decode_f8_config(m: int, n: int, k: int, device: torch.device) -> DecodeF8Config:

@@ -63,21 +63,20 @@ from mxq.kernels.quantize import (
     quantize_launch,
 )
 
-try:  # Gluon: Triton >= 3.5
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
+from mxq.kernels import gluon_api
+
+HAVE_GLUON = gluon_api.PROBLEM is None  # the Gluon API as the kernels spell it (gluon_api)
+if HAVE_GLUON:
+    from mxq.kernels.gluon_api import (
+        TensorDescriptor,
         fence_async_shared,
+        gl,
+        gluon,
         mbarrier,
         tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    HAVE_GLUON = True
-except ImportError:  # pragma: no cover - older Triton
-    HAVE_GLUON = False
 
 BS = 32  # MX block = one fp8 wgmma's K
 KB = 4  # blocks per step: one int32 scale word per row
@@ -410,9 +409,9 @@ class DecodeWSConfig:
 
 
 def takes(m: int, k: int, block_size: int) -> bool:
-    """The shapes this kernel takes (on a Hopper GPU): Gluon present, 1 <= M <= WS_MAX_M,
+    """The shapes this kernel takes (on a Hopper GPU): Gluon usable (``gluon_api``), 1 <= M <= WS_MAX_M,
     K % 128 == 0 (whole scale words per step), MX block 32."""
-    return HAVE_GLUON and 1 <= m <= WS_MAX_M and k % 128 == 0 and block_size == BS
+    return gluon_api.usable("gemm_decode_ws") and 1 <= m <= WS_MAX_M and k % 128 == 0 and block_size == BS
 
 
 def ws_supported(m: int, k: int, block_size: int, device: torch.device) -> bool:

@@ -44,25 +44,24 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from mxq.kernels import gluon_api
+from mxq.kernels.buffers import persistent
 from mxq.kernels.gemm import _check_gemm_args, _operands_and_output, _sm_count
 from mxq.kernels.launch import Launch, PlanCache, cdiv, descriptor
 from mxq.kernels.quantize import _capability
 
-try:  # Gluon: Triton >= 3.5
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
+HAVE_GLUON = gluon_api.PROBLEM is None  # the Gluon API as the kernels spell it (gluon_api)
+if HAVE_GLUON:
+    from mxq.kernels.gluon_api import (
+        TensorDescriptor,
         fence_async_shared,
+        gl,
+        gluon,
         mbarrier,
         tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    HAVE_GLUON = True
-except ImportError:  # pragma: no cover - older Triton
-    HAVE_GLUON = False
 
 BS = 32  # MX block along K
 
@@ -552,8 +551,8 @@ class PrefillRSConfig:
 
 
 def takes(m: int, k: int, block_size: int) -> bool:
-    """The shapes this kernel takes (on a Hopper GPU): Gluon present, M >= 1, MX block 32."""
-    return HAVE_GLUON and m >= 1 and k % BS == 0 and block_size == BS
+    """The shapes this kernel takes (on a Hopper GPU): Gluon usable (``gluon_api``), M >= 1, MX block 32."""
+    return gluon_api.usable("gemm_prefill_ws") and m >= 1 and k % BS == 0 and block_size == BS
 
 
 def ws_supported(m: int, k: int, block_size: int, device: torch.device) -> bool:
@@ -591,15 +590,16 @@ _ST_CACHE: dict = {}  # id(weight_scale) -> (weakref to it, its _version, scales
 def _scales_kn_cached(weight_scale: torch.Tensor) -> torch.Tensor:
     """``scales_kn`` once per weight: a model's scales are fixed, so the transposed copy (a torch
     kernel and ~40 µs of host time per call) is made on the first call and kept while the scales
-    tensor lives and is not written in place. Not kept when made under CUDA-graph capture (it
-    would live in the graph's pool)."""
+    tensor lives and is not written in place. Kept copies are made outside any CUDA-graph memory
+    pool (``buffers``); under stream capture the copy is made per call, inside the graph."""
     hit = _ST_CACHE.get(id(weight_scale))
     if hit is not None and hit[0]() is weight_scale and hit[1] == weight_scale._version:
         return hit[2]
-    st = scales_kn(weight_scale)
-    if weight_scale.is_cuda and not torch.cuda.is_current_stream_capturing():
-        key = id(weight_scale)
-        _ST_CACHE[key] = (weakref.ref(weight_scale, lambda _r, key=key: _ST_CACHE.pop(key, None)), weight_scale._version, st)
+    st = persistent(lambda: scales_kn(weight_scale), weight_scale.device) if weight_scale.is_cuda else None
+    if st is None:
+        return scales_kn(weight_scale)
+    key = id(weight_scale)
+    _ST_CACHE[key] = (weakref.ref(weight_scale, lambda _r, key=key: _ST_CACHE.pop(key, None)), weight_scale._version, st)
     return st
 
 

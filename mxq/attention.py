@@ -48,6 +48,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from mxq.formats import E4M3, ScaleRule, decode_e8m0, quantize_mx
+from mxq.kernels.buffers import persistent
 
 ATTN_IMPLEMENTATION = "mxfp8"
 # Element format and scale rule of the attention operands (Q, K, V and the cache).
@@ -201,7 +202,12 @@ class MXFP8CacheLayer(DynamicLayer):
         """The fused split merge's counters for this layer's decode calls (B*Hkv int32, zero)."""
         need = self.k_data.shape[0] * self.k_data.shape[1]
         if self.counters is None or self.counters.numel() < need or self.counters.device != self.k_data.device:
-            self.counters = torch.zeros(need, dtype=torch.int32, device=self.k_data.device)
+            dev = self.k_data.device
+            # kept by the layer across CUDA-graph replays: made outside any graph's memory pool
+            kept = persistent(lambda: torch.zeros(need, dtype=torch.int32, device=dev), dev)
+            if kept is None:  # under stream capture: a zeroed one for this call, inside the graph
+                return torch.zeros(need, dtype=torch.int32, device=dev)
+            self.counters = kept
         return self.counters
 
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:

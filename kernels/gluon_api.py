@@ -1,0 +1,104 @@
+"""The Gluon API the Hopper kernels are written for, and what happens where it is missing.
+
+The warp-specialized kernels (``gemm_decode_ws``, ``gemm_prefill_ws``, ``attention_decode_ws``)
+are written in Gluon (``triton.experimental.gluon``), an experimental API that changes between
+Triton releases: Triton 3.9 removed ``gl.thread_barrier``, ``shared_memory_descriptor._reinterpret``
+and ``tma.async_copy_global_to_shared``, which the kernels use as Triton 3.6 spells them. Two
+guards keep such a Triton from breaking mxq:
+
+- at import, ``PROBLEM`` says why the kernels cannot be built with the installed Triton (None
+  when the API they use is there); the kernel modules then define nothing Gluon and dispatch
+  takes the plain Triton kernels, with one warning on the first Hopper call (``note_unavailable``);
+- at the first launch, a compile error of a Gluon kernel (``run_or_fall_back``) turns that kernel
+  off for the process, warns once with the reason, and the same call runs on the next kernel in
+  dispatch's order. Only Triton's own errors (compilation, ptxas) are caught: a wrong argument
+  still raises.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+PROBLEM: str | None = None
+try:
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.errors import TritonError
+except ImportError as e:  # no Triton, or one without Gluon (< 3.5)
+    PROBLEM = f"Gluon is not importable ({e})"
+    TritonError = None
+else:
+    # what the kernels call that Gluon releases have renamed or removed
+    _NEEDED = (
+        ("gl.thread_barrier", lambda: gl.thread_barrier),
+        ("gl.warp_specialize", lambda: gl.warp_specialize),
+        ("gl.shared_memory_descriptor._reinterpret", lambda: gl.shared_memory_descriptor._reinterpret),
+        ("gl.NVMMASharedLayout.get_default_for", lambda: gl.NVMMASharedLayout.get_default_for),
+        ("tma.async_copy_global_to_shared", lambda: tma.async_copy_global_to_shared),
+        ("mbarrier.expect", lambda: mbarrier.expect),
+    )
+    _missing = []
+    for _name, _get in _NEEDED:
+        try:
+            _get()
+        except AttributeError:
+            _missing.append(_name)
+    if _missing:
+        PROBLEM = f"Triton {triton.__version__}'s Gluon has no {', '.join(_missing)}"
+
+# kernel name -> why it stopped being used in this process (a compile error at its first launch)
+DISABLED: dict[str, str] = {}
+_WARNED: set[str] = set()
+
+
+def usable(name: str) -> bool:
+    """The Gluon kernel ``name`` may be dispatched: the API is there and it has not failed to compile."""
+    return PROBLEM is None and name not in DISABLED
+
+
+def note_unavailable() -> None:
+    """One warning per process when a Hopper call finds the Gluon kernels unavailable."""
+    if PROBLEM is not None and "import" not in _WARNED:
+        _WARNED.add("import")
+        warnings.warn(
+            f"mxq: the Hopper kernels are off ({PROBLEM}); the plain Triton kernels run instead (slower). "
+            f"Triton 3.6 has the API they are written for.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def run_or_fall_back(name: str, run, fall_back):
+    """``run()``; if the Gluon kernel ``name`` does not compile with this Triton, turn it off for the
+    process, warn once naming the reason, and return ``fall_back()`` instead."""
+    try:
+        return run()
+    except Exception as e:
+        if TritonError is None or not isinstance(e, TritonError):
+            raise
+        reason = " ".join(str(e).split())[-300:] or type(e).__name__
+        DISABLED[name] = f"{type(e).__name__}: {reason}"
+        if name not in _WARNED:
+            _WARNED.add(name)
+            warnings.warn(
+                f"mxq: {name} does not compile with Triton {triton.__version__} ({DISABLED[name]}); "
+                f"using the next kernel in dispatch order",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return fall_back()
+
+
+__all__ = [
+    "DISABLED", "PROBLEM", "TensorDescriptor", "fence_async_shared", "gl", "gluon", "mbarrier", "note_unavailable",
+    "run_or_fall_back", "tma", "usable", "warpgroup_mma", "warpgroup_mma_wait",
+]  # fmt: skip
