@@ -213,6 +213,7 @@ def _q_out(x: torch.Tensor, wq: torch.Tensor, bias, act: TensorSpec | None, perm
 
 
 def _output_sqnr(lin: nn.Linear, x: torch.Tensor, w: TensorSpec, a: TensorSpec | None, perm=None) -> float:
+    x = x.to(lin.weight.device)  # the sampled rows are kept on the host; the model may be on a GPU
     ref = x.float() @ lin.weight.detach().float().t()
     return sqnr_db(ref, _q_out(x, _fq_weight(lin.weight, w, perm), None, a, perm))
 
@@ -538,7 +539,7 @@ def parse_plan(data, where: str = "<plan>") -> Plan:
 # --- choosing ------------------------------------------------------------------------------------
 
 def _candidates(st: LinearStats, w: torch.Tensor) -> dict[str, torch.Tensor]:
-    wcol = w.detach().float().abs().amax(0).double()
+    wcol = w.detach().float().abs().amax(0).double().cpu()  # beside the host-side statistics
     keys = {"absmax": st.absmax.double(), "rms": st.second_moment.sqrt(), "absmax_x_weight": st.absmax.double() * wcol}
     return {k: torch.argsort(v, descending=True, stable=True) for k, v in keys.items()}
 
@@ -546,7 +547,7 @@ def _candidates(st: LinearStats, w: torch.Tensor) -> dict[str, torch.Tensor]:
 def _v_candidates(st: LinearStats, geom: Geometry, w: torch.Tensor) -> dict[str, list[list[int]]]:
     """Per KV head orders of head_dim, from the o_proj input columns of all its query heads."""
     d, rep = geom.head_dim, geom.n_rep
-    wcol = w.detach().float().abs().amax(0).double()
+    wcol = w.detach().float().abs().amax(0).double().cpu()  # beside the host-side statistics
     per_col = {"absmax": st.absmax.double(), "rms": st.second_moment.sqrt(), "absmax_x_weight": st.absmax.double() * wcol}
     out = {}
     for key, v in per_col.items():

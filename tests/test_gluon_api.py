@@ -1,7 +1,7 @@
 """kernels/gluon_api.py: a Triton whose Gluon API differs from the one the Hopper kernels are
 written for never breaks mxq. Dispatch is driven as on an sm_90 device (``hopper=True``) with CPU
-tensors, so the fallback kernels run through the Triton interpreter and are compared with the
-torch reference."""
+tensors (CUDA tensors where there is a GPU), so the fallback kernels run through the Triton
+interpreter (or on the GPU) and are compared with the torch reference."""
 
 import importlib
 import sys
@@ -27,12 +27,15 @@ def fresh_state(monkeypatch):
     return monkeypatch
 
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the fallback kernels run on the GPU there
+
+
 def _problem(m: int, n: int, k: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
     q = quantize_mx(torch.randn(n, k, generator=gen), -1, E4M3)
     bias = torch.randn(n, generator=gen).to(torch.bfloat16)
-    return x, q.data, q.scales, bias
+    return x.to(DEV), q.data.to(DEV), q.scales.to(DEV), bias.to(DEV)
 
 
 def _mxq_warnings(seen) -> list[str]:
