@@ -14,7 +14,6 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 MXQ = [sys.executable, "-m", "mxq.cli"]
