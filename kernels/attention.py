@@ -1252,7 +1252,7 @@ def mx_attention_decode(
     b, hq, sq, d = q.shape
     # The warp-specialized Gluon kernel (Hopper): by default only under CUDA-graph capture, where GPU
     # time decides (3-4 % less than gqa on an H100); eager calls are launch-bound and gqa is one
-    # launch, ws three (kernels/NOTES.md, attention session 10)
+    # launch, ws three (kernels/NOTES.md, "Attention: decode warp-specialized in Gluon")
     in_graph = variant is None and q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if variant == "ws" or (in_graph and os.environ.get("MXQ_ATTN_WS", "1") != "0"):
         from mxq.kernels import attention_decode_ws as _ws
@@ -1380,6 +1380,6 @@ def _decode_config(variant: str, on_gpu: bool) -> tuple[int, int, int, int]:
     # 528 programs (4 per SM): 16k 72.9 -> 52.8 µs (0.90x -> 1.24x bf16 SDPA). Small programs
     # let more of them share an SM, which hides the latency of the per-tile instruction chain
     # (Nsight: 2 warps per scheduler issued 0.27 instructions/cycle with 4-warp programs).
-    # Re-checked after the scales-ahead loads and the paged V (session 4, dec_sweep5/6.json): still
+    # Re-checked after the scales-ahead loads and the paged V (H200 sweep, 2026-11-21): still
     # best at 16k and 32k; register caps (maxnreg 128/168) with more programs per SM are slower.
     return 64, 2, 3, 528

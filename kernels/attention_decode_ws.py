@@ -4,7 +4,7 @@ The same function as ``attention._decode_gqa_kernel`` (read ``attention``'s modu
 one query token per sequence, all query heads of a kv head in one program, the context split
 over programs (split-KV), scores and softmax in fp32, partial results merged by
 ``attention._decode_merge_kernel``. What differs is the schedule, which plain Triton does not
-let us write (kernels/NOTES.md, attention session 6: that kernel reaches ~65 % of DRAM bandwidth
+let us write (kernels/NOTES.md, "Attention: decode fixed cost, the split merge": that kernel reaches ~65 % of DRAM bandwidth
 because each warp's loads wait behind its own per-tile instruction chain):
 
 - a **loader warp** streams each tile of BLOCK_N keys — K [BLOCK_N, D] fp8, its scale bytes,
@@ -390,8 +390,8 @@ else:  # pragma: no cover
 class DecodeAttnWSConfig:
     """Tiles of ``_decode_ws_kernel``; the defaults are the H100's (``default_config``: per device)."""
 
-    # ring depth in tiles of BLOCK_N = 64 keys (16.9 KB a stage at D = 128). H100 sweeps (kernels/NOTES.md
-    # sessions 10-11): 2 beats 4 at every context 4k-32k, ties 3 with the wide V rows; 264 programs beat
+    # ring depth in tiles of BLOCK_N = 64 keys (16.9 KB a stage at D = 128). H100 sweeps (2026-11-21, kernels/NOTES.md,
+    # "Attention: decode warp-specialized in Gluon"): 2 beats 4 at every context 4k-32k, ties 3 with the wide V rows; 264 programs beat
     # 528 and tie 396 at maxnreg 80 (3 programs per SM, the H200's choice: ``default_config``)
     stages: int = 2
     programs: int = 264  # programs wanted over the grid (2 per SM on 132 SMs): sets the split
@@ -401,22 +401,22 @@ class DecodeAttnWSConfig:
     loader_regs: int = 24
     pdl: bool = True  # the query preparation lets this kernel start and stream its first tiles
     # the query preparation itself launched with PDL behind whatever wrote q and the cache: it waits
-    # for that kernel before it lets this one start (session 19 A/B)
+    # for that kernel before it lets this one start (A/B on H100 and H200, 2026-11-22)
     prep_pdl: bool = False
     merge_pdl: bool = True  # the split merge kernel launches while this kernel's last programs finish
     # the split merge inside this kernel (the last split of each (batch, kv head), by an atomic
     # ticket) instead of the merge kernel: one launch fewer, but 0.2-0.8 µs slower per call in
-    # CUDA graphs on an H100 (kernels/NOTES.md attention session 11), so off by default
+    # CUDA graphs on an H100 (kernels/NOTES.md, "Attention: decode stream, per-device tiles, quality levers"), so off by default
     fused_merge: bool = False
     # V by TMA as one box of 128-byte rows a tile (both pages, unswizzled) instead of a [D, 32] box
-    # (32-byte rows) per page: session 8 measured 32-byte TMA rows streaming ~15 % below 128-byte ones;
+    # (32-byte rows) per page: an H200 measurement (2026-11-21) found 32-byte TMA rows streaming ~15 % below 128-byte ones;
     # here 16k 55.7 -> 54.2 µs on the H100, and on the H200 a gain only at 3 programs per SM (NOTES)
     wide_v: bool = True
     # Q·Kᵀ as fp8 wgmmas (k32, one per 32-wide D block) on the MX codes of K and of the query, both
     # from shared memory, instead of K widened to fp16 in registers against a normalized fp16 query:
     # no K loads or conversions in the math warps (the query's codes come from the query preparation);
     # 423 -> 372 instructions per warp and tile, 16k context 44.0 -> 41.8 µs (H200, 3 per SM) and
-    # 57.0 -> 56.1 (H100) (kernels/NOTES.md attention session 18). E4M3 cache and query only (else
+    # 57.0 -> 56.1 (H100) (kernels/NOTES.md, "Attention: decode scores on fp8 codes"). E4M3 cache and query only (else
     # the fp16 route). The fp8 MMA sums each 32-block in fewer bits than fp32 (2**-12 of the sum of
     # |products| at most; the GPU test's bound), well under the bf16 output's rounding
     qk_fp8: bool = True
@@ -426,7 +426,7 @@ def default_config(device: torch.device) -> DecodeAttnWSConfig:
     """The tiles ``mx_attention_decode_ws`` uses on ``device`` when no config is given. Both have 132
     SMs; the H200's HBM3e (4.8 TB/s against 3.35) wants more bytes in flight: 3 programs per SM (396,
     maxnreg 80) beat 2 there at 8k-32k (16k 44.9 -> 42.4 µs) and tie on the H100 (54.2 vs 54.9).
-    Sweeps: kernels/NOTES.md attention session 11. Other devices take the H100's tiles."""
+    Sweeps: kernels/NOTES.md, "Attention: decode stream, per-device tiles, quality levers". Other devices take the H100's tiles."""
     if "H200" in torch.cuda.get_device_name(device):
         return DecodeAttnWSConfig(programs=396, maxnreg=80)
     return DecodeAttnWSConfig()

@@ -45,17 +45,17 @@ _CAPABILITY: dict[int, tuple[int, int]] = {}
 # MXQ_KERNELS=reference runs the torch reference on every device (A/B checks of the fast path).
 FORCE_REFERENCE = os.environ.get("MXQ_KERNELS", "").lower() == "reference"
 # Largest M whose W8A8 runs on fp8 tensor cores (gemm_decode). H200, Llama-3 8B/70B shapes
-# (kernels/NOTES.md session 7): 1.0-1.7x the emulation at M = 4 and 16; M <= 2 stays on the
+# (kernels/NOTES.md, "GEMM: W8A8 decode on fp8 tensor cores", H200 2026-11-21): 1.0-1.7x the emulation at M = 4 and 16; M <= 2 stays on the
 # CUDA-core kernel (faster on 6 of 8 shapes at M = 1); M > 16 not measured faster yet.
 DECODE_F8_DISPATCH_M = 16
 # On Hopper (sm_90) with Gluon, K % 128 == 0, W8A8 at 1 <= M <= 16: the warp-specialized version
 # of that kernel (gemm_decode_ws: TMA loader warp, 128-byte tiles, block products overlapped with
-# the rescale). H200 session 8: 1.0-1.3x gemm_decode at M = 16, 1.0-1.3x the gemv at M = 1.
+# the rescale). H200, 2026-11-21 (NOTES.md, "GEMM: the decode GEMM warp-specialized in Gluon"): 1.0-1.3x gemm_decode at M = 16, 1.0-1.3x the gemv at M = 1.
 # MXQ_DECODE_WS=0 keeps the session-7 paths.
 DECODE_WS = os.environ.get("MXQ_DECODE_WS", "1") != "0"
 # On Hopper with Gluon, bf16 operands (W8A16 with bf16 X; W8A8 after rounding X into bf16),
 # M >= PREFILL_RS_MIN_M and at least one 256 x 128 output tile per SM: the register-operand
-# warp-specialized prefill GEMM (gemm_prefill_ws, PrefillRSConfig). H100 session 14: faster than
+# warp-specialized prefill GEMM (gemm_prefill_ws, PrefillRSConfig). H100, 2026-11-21 (NOTES.md, "GEMM: the register-operand prefill kernel"): faster than
 # the emulation on all 12 Llama-3 8B/70B rows at M = 2048 and 8192 (0.73-0.88x cuBLAS bf16 vs
 # 0.68-0.85x); slower at M <= 512 and where the tiles leave SMs idle (the emulation splits K
 # there). MXQ_PREFILL_RS=0 keeps the emulation.
@@ -179,7 +179,7 @@ def mx_linear_triton(
         y = _gemm.mx_gemm_dot_scaled(xq, xs, weight, weight_scale, bias, out_dtype=x.dtype)
     elif act_elem is not None and _use_ws(x2.shape[0], k, block_size, hopper):
         # Decode, W8A8 on Hopper: fp8 tensor cores, warp-specialized (TMA loader warp); faster
-        # than the CUDA-core gemv at M = 1 on all 8 Llama-3 shapes (H200, NOTES.md session 8).
+        # than the CUDA-core gemv at M = 1 on all 8 Llama-3 shapes (H200, 2026-11-21; NOTES.md, "GEMM: the decode GEMM warp-specialized in Gluon").
         y = gluon_api.run_or_fall_back(
             "gemm_decode_ws",
             lambda: _decode_ws.mx_decode_gemm_ws(
@@ -225,7 +225,7 @@ def mx_linear_triton(
         rs = _prefill_rs_config(x2.shape[0], weight.shape[0], k, block_size, hopper, x2.device)
         if x2.dtype == torch.bfloat16 and rs is not None:
             # Prefill on Hopper: the weight converted in registers as wgmma's left operand,
-            # overlapped with the previous step's MMAs (gemm_prefill_ws, NOTES.md session 14).
+            # overlapped with the previous step's MMAs (gemm_prefill_ws; NOTES.md, "GEMM: the register-operand prefill kernel").
             y = gluon_api.run_or_fall_back(
                 "gemm_prefill_ws",
                 lambda: _prefill_ws.mx_prefill_gemm_ws(

@@ -110,7 +110,7 @@ def _fp8_bits_dequant(w, sc, BLOCK_N: tl.constexpr, NB: tl.constexpr, BS: tl.con
     bf16 subnormal results (blocks scaled below ~2**-120). An fp8 NaN code under a finite scale
     decodes as a finite value here (mxq.formats writes NaN only as a whole block, scale byte 255).
     Replaces cvt e4m3 -> f16 -> bf16 (one slow-pipe F2F per element on sm_90), but measured equal or
-    slower on the dispatched tiles (more issue slots; kernels/NOTES.md session 5): a config option,
+    slower on the dispatched tiles (more issue slots; kernels/NOTES.md, "GEMM: the wgmma register hazard and the pipelined prefill loop"): a config option,
     not dispatched."""
     s = sc.to(tl.uint16)
     # f1 = 2**(s - 127 + 127 - bias) as bf16 bits for s <= 254 - (127 - bias); f2 the rest.
@@ -594,8 +594,8 @@ def _sm_count(device: torch.device) -> int:
 # zeroed before it) makes ptxas serialize every wgmma (C7515), which hides a register hazard: with
 # the wgmmas in flight (zero-tile start or first K step peeled), ptxas < 13.3 lets the next K
 # step's dequant overwrite the registers of a wgmma still reading them (triton-lang/triton#9433;
-# inf/garbage at M = 2048 and at N = 14336, H200, sessions 4-5). With ptxas >= 13.3 the zero-tile
-# start is right on every tested shape and 16-24 % faster at M = 2048 (kernels/NOTES.md session 5),
+# inf/garbage at M = 2048 and at N = 14336, H200, 2026-11-21). With ptxas >= 13.3 the zero-tile
+# start is right on every tested shape and 16-24 % faster at M = 2048 (kernels/NOTES.md, "GEMM: the wgmma register hazard and the pipelined prefill loop"),
 # so it is used when Triton assembles with such a ptxas (kernels/toolchain.py).
 PREFILL_LOOP = dict(peel=False, zero_dot=False)
 PREFILL_ASYNC = dict(peel=False, zero_dot=True)
@@ -612,8 +612,8 @@ def pick_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
         return GemmConfig(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=1, split_k=split)
     sms = _sm_count(device)
     if m <= 64:
-        # Weight streaming (H200 sweeps, kernels/NOTES.md sessions 2 and 4): weight tiles through
-        # TMA, K split until the N tiles x splits cover the SMs twice. Session 4 (M <= 16, W8A8):
+        # Weight streaming (H200 sweeps, kernels/NOTES.md, "GEMM, first pass: outcomes" to "GEMM: unserialized wgmma for small M, X rounded inside the MMA kernel"): weight tiles through
+        # TMA, K split until the N tiles x splits cover the SMs twice. H200, 2026-11-21, M <= 16, W8A8:
         # N <= 4096 fastest as 128x128 tiles with X rounded inside (8B o 19.1 -> 15.7 µs, down
         # 42.7 -> 32.4); large N fastest with the quantizer launch first (gate_up 68 -> 53-59).
         block_m = max(16, triton.next_power_of_2(m))
@@ -633,7 +633,7 @@ def pick_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
         return GemmConfig(block_m, block_n, block_k, warps, stages, split_k=split, tma_w=True, quant_x=quant_x, peel=peel)
     loop = _prefill_loop()
     if 128 < m <= 512 and loop is PREFILL_ASYNC:
-        # Pipelined loop (ptxas >= 13.3), M = 256 sweep (session 5, H200): 256x128 tiles with K split
+        # Pipelined loop (ptxas >= 13.3), M = 256 sweep (H200, 2026-11-21): 256x128 tiles with K split
         # until the tiles x splits fill the SMs once: 8B down 110.6 -> 64.0 µs (128x64 -> 256x128
         # split 4), o 36.4 -> 29.7, qkv 45.9 -> 40.6 (split 2); gate_up (224 tiles) unsplit.
         tiles = triton.cdiv(m, 256) * triton.cdiv(n, 128)
@@ -643,14 +643,14 @@ def pick_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
         return GemmConfig(block_m=256, block_n=128, block_k=64, num_warps=8, num_stages=3, split_k=split,
                           tma_x=True, tma_w=True, deq_bf16=True, **loop)  # fmt: skip
     if m <= 512 and n < 16384:
-        # 256x128 tiles leave most SMs idle here (N/128 programs); 128x64 won the M=256 sweep of
-        # session 3 (serialized loop). M 65..128 keeps it with either loop (not swept since).
+        # 256x128 tiles leave most SMs idle here (N/128 programs); 128x64 won the M=256 sweep on the
+        # H200, 2026-11-21 (serialized loop). M 65..128 keeps it with either loop (not swept since).
         return GemmConfig(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4, tma_x=True, tma_w=True, deq_bf16=True, **loop)
     if n % 128 == 0 or loop is PREFILL_ASYNC:
         return GemmConfig(block_m=256, block_n=128, block_k=64, num_warps=8, num_stages=3, tma_x=True, tma_w=True, deq_bf16=True, **loop)
     # 256-wide activation tiles with the serialized loop gave wrong results when N is not a
     # multiple of BLOCK_N (H200, triton 3.6 + ptxas 12.8; right with ptxas 13.5 and the zero-tile
-    # start, session 5): 128-wide tiles there.
+    # start, H200 2026-11-21): 128-wide tiles there.
     return GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, tma_x=True, tma_w=True, deq_bf16=True, **loop)
 
 
@@ -688,7 +688,7 @@ def mx_gemm(
         # The 8-warp prefill epilogues (256x128x64 and 128x128x64) give inf/garbage with a float32
         # output at M=2048 (H200, triton 3.6, tests/test_e2e.py::test_gpu_mx_linear_model_shapes;
         # like the bias case, NOTES.md item 7); the 4-warp 128x64x64 tile was right on every shape.
-        # The pipelined loop (zero_dot, ptxas >= 13.3) was right with fp32 output there (session 5).
+        # The pipelined loop (zero_dot, ptxas >= 13.3) was right with fp32 output there (H200, 2026-11-21).
         cfg = GemmConfig(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4, tma_x=cfg.tma_x,
                          tma_w=cfg.tma_w, deq_bf16=cfg.deq_bf16, **_prefill_loop())  # fmt: skip
     if cfg.block_k % block_size:
@@ -748,7 +748,7 @@ def pick_gemv_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig
         return GemvConfig(block_n=16, block_k=64, num_warps=4, num_stages=1, split_k=2 if k >= 128 else 1)
     sms = _sm_count(device)
     cfg = GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=3)
-    # H200 sweep (NOTES.md, session 2): best at 512-800 programs (8B o: split 4, gate_up: 1).
+    # H200 sweep (kernels/NOTES.md, "GEMM, first pass: outcomes"): best at 512-800 programs (8B o: split 4, gate_up: 1).
     tiles = cdiv(n, cfg.block_n)
     split = 1
     while tiles * split * 2 <= 6 * sms and k // (split * 2) >= 2 * cfg.block_k and split < 8:
@@ -815,7 +815,7 @@ class GemvRowsConfig:
     load2d: bool = False  # load the weight as a 2-D [BLOCK_N, BLOCK_K] tile, reshape after
 
 
-# Largest M for the deferred-reduction decode kernel. H200 sweep (kernels/NOTES.md, session 3):
+# Largest M for the deferred-reduction decode kernel. H200 sweep (kernels/NOTES.md, "GEMM: decode gemv and tile work"):
 # 1.5-10x slower than the MMA path at M = 4..16 (lanes along N: uncoalesced weight loads), so it
 # is not dispatched (M <= GEMV_MAX_M goes to mx_gemv first); kept, tested, for the next layout.
 GEMV_ROWS_MAX_M = 2

@@ -1,8 +1,8 @@
 """W8A8 decode GEMM on fp8 tensor cores: Y [M, N] = MX(X) · dequant(W)ᵀ for small M (Hopper).
 
 The emulation in ``gemm.py`` converts every weight element to bf16 in registers before its
-wgmma: at decode sizes that conversion, not the weight stream, bounds the kernel (NOTES.md,
-sessions 2-5). Here no weight element is converted. The MX block is 32 wide along K, and so
+wgmma: at decode sizes that conversion, not the weight stream, bounds the kernel (kernels/NOTES.md, GEMM sections,
+H200, 2026-11-21). Here no weight element is converted. The MX block is 32 wide along K, and so
 is one fp8 wgmma (k32), so each 32-block's product is one MMA of raw fp8 bytes:
 
     Yᵀ[n, m] = Σ_b  2**sw[n, b] · 2**sx[m, b] · Σ_{k in block b} w[n, k] · q[m, k]
@@ -211,7 +211,7 @@ _RETIRED: list[torch.Tensor] = []
 
 
 def pick_decode_f8_config(m: int, n: int, k: int, device: torch.device) -> DecodeF8Config:
-    """Tiles from the shape alone (H200 sweeps, kernels/NOTES.md session 7). X quantized first;
+    """Tiles from the shape alone (H200 sweeps, kernels/NOTES.md, "GEMM: W8A8 decode on fp8 tensor cores"). X quantized first;
     K split into the most pieces (<= 16, a power of two) that keep >= 8 steps of 128 per split
     and <= 4 programs per SM (the best measured split on all 8 Llama-3 8B/70B shapes); 3 stages
     when that is at most one program per SM (8B o: 17.5 -> 13.1 µs), else 2 (more programs fit)."""

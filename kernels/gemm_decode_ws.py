@@ -7,7 +7,7 @@ The same function as ``gemm_decode._mx_decode_f8_kernel`` (read its module doc f
 one fp8 wgmma (k32) per MX block on the raw bytes of W and of X (quantized first by
 ``quantize_mx_rows``), each block product scaled by its two powers of two into an fp32
 accumulator. What differs is the schedule, which plain Triton does not let us write
-(kernels/NOTES.md session 7: that kernel is latency bound, 1.3-3.1 TB/s):
+(kernels/NOTES.md, "GEMM: W8A8 decode on fp8 tensor cores": that kernel is latency bound, 1.3-3.1 TB/s):
 
 - a **loader warp** streams W and X tiles through a ring of shared-memory stages with TMA and
   mbarriers, as far ahead as the ring allows, independent of the math;
@@ -401,7 +401,7 @@ class DecodeWSConfig:
     # the hardware fp8 conversion and box 128; ScaleRule.MSE or MXQ_BIT_ROUNDING=1 keep the
     # quantizer kernel (and ``pdl``). Faster only where the launch is a large part of the call
     # (``pick_decode_ws_config``): elsewhere the quantization on the math warpgroup's critical
-    # path costs more than the quantizer that PDL hides (kernels/NOTES.md session 16).
+    # path costs more than the quantizer that PDL hides (kernels/NOTES.md, "GEMM: decode fixed cost").
     fuse_x: bool = False
     # Activation rows per tile (the wgmma's N): None = 8 for M <= 8 (half the block products and
     # rescale work of 16), else 16.
@@ -431,10 +431,10 @@ def _split_rule(n: int, k: int, block_n: int, per_sm: int, sms: int) -> int:
 def rule_decode_ws_config(m: int, n: int, k: int, device: torch.device) -> DecodeWSConfig:
     """The built-in rule: 128-row tiles, 2 stages of 128-byte-wide tiles, K split into the most
     pieces that keep the programs within two per SM (what fits: 2 x 256 threads x 128 registers)
-    and >= 4 steps per split. H200 sweep (kernels/NOTES.md session 8): the best split on 7 of the
+    and >= 4 steps per split. H200 sweep (kernels/NOTES.md, "GEMM: the decode GEMM warp-specialized in Gluon"): the best split on 7 of the
     8 Llama-3 8B/70B shapes at M = 1, 4 and 16 (8B o: 4 beats 8 by 0.5 µs at M = 16). X is
     quantized inside the kernel (``fuse_x``) for weights of at most 2**24 elements, where the
-    second launch weighs most (session 16, H200: 8B o +1-8 %; 8B qkv ties; larger weights lose
+    second launch weighs most (H200, 2026-11-21: 8B o +1-8 %; 8B qkv ties; larger weights lose
     2-13 %)."""
     split = _split_rule(n, k, 128, 2, _sm_count(device))
     return DecodeWSConfig(block_n=128, stages=2, split_k=split, box=128, fuse_x=n * k <= 1 << 24)
@@ -446,7 +446,7 @@ def pick_decode_ws_config(m: int, n: int, k: int, device: torch.device) -> Decod
     return tune.lookup("decode_ws", device, m, n, k, DecodeWSConfig) or rule_decode_ws_config(m, n, k, device)
 
 
-# Candidates besides the rule (kernels/NOTES.md session 17, H100 sweep): 64-row tiles at 80 / 64
+# Candidates besides the rule (kernels/NOTES.md, "GEMM: decode tiles per shape", H100 sweep): 64-row tiles at 80 / 64
 # registers (3 / 4 programs per SM: 65536 registers / (256 threads x maxnreg)), 2 or 3 stages, the
 # K split re-derived for that many programs per SM.
 _TILE_CANDIDATES = ((64, 80, 2), (64, 80, 3), (64, 64, 2), (64, 64, 3))

@@ -7,10 +7,10 @@ registers (byte moves + two exact bf16 products, ``_rs_block``) and issue wgmmas
 left operand (Yᵀ = W·Xᵀ), converting step i+1 while step i's wgmmas run, and issuing step i+1
 before waiting for step i (the loop unrolled by two, two operand register sets taking turns, so
 no in-flight operand is copied at the back edge: ptxas would let the copy overwrite registers a
-running wgmma reads, kernels/NOTES.md sessions 14-15). ``persistent=True`` walks tiles per
+running wgmma reads, kernels/NOTES.md, "GEMM: the register-operand prefill kernel" to "GEMM: prefill with one K step in flight and split MMA warpgroups"). ``persistent=True`` walks tiles per
 program instead (tested, measured slower).
 
-``_mx_prefill_ws_kernel`` (``PrefillWSConfig``, session 9, not dispatched: slower) is described
+``_mx_prefill_ws_kernel`` (``PrefillWSConfig``, H100, 2026-11-21, not dispatched: slower) is described
 below.
 
 The same function as ``gemm._mx_gemm_kernel`` (read its module doc first): Y = X · dequant(W)ᵀ
@@ -19,7 +19,7 @@ converted to bf16 as fp8 · 2**scale (exact: four significant bits), products su
 bf16 wgmma. What differs is where the conversion runs. In ``_mx_gemm_kernel`` each consumer
 warpgroup converts its own weight tile into the registers of a register-operand wgmma, so the
 conversion and the MMAs of one warpgroup take turns (H200: 0.69-0.85x cuBLAS bf16 at M >= 2048,
-kernels/NOTES.md sessions 2-5). Here three kinds of warps run side by side:
+kernels/NOTES.md, "GEMM, first pass: outcomes" to "GEMM: the wgmma register hazard and the pipelined prefill loop"). Here three kinds of warps run side by side:
 
 - a **loader warp** streams X tiles [BLOCK_M, BLOCK_K] (bf16) and fp8 weight tiles
   [BLOCK_N, BLOCK_K] through a ring of shared-memory stages with TMA and mbarriers;
@@ -296,7 +296,7 @@ if HAVE_GLUON:
         Step i+1's register operands are converted while step i's wgmmas run. The operands a
         wgmma reads must stay in their registers until it retires: a loop-carried operand that
         the back edge copies while its wgmma is in flight gets overwritten (ptxas 13.5 does not
-        stop that: sass_dev's hazard check found 43 such writes in session 14's first build and
+        stop that: sass_dev's hazard check found 43 such writes in the first build (H100, 2026-11-21) and
         the GPU gave wrong sums). Default: step i is waited for before the back edge, nothing in
         flight is carried. INFLIGHT: unrolled by two with an a and a b operand pair taking turns,
         step i+1 issued before step i is waited for, so the wgmma queue never runs dry; the pair
@@ -538,7 +538,7 @@ class PrefillRSConfig:
     block_x: int = 256  # X rows per program: the wgmma's N (m64n256k16)
     block_w: int = 128  # weight rows per program: 2 MMA warpgroups x 64
     block_k: int = 64  # K per step (two MX blocks)
-    stages: int = 4  # X + fp8 W + scales ring (40.25 KB a stage; 5 fit; 4 beat 3 and 5, sessions 14-15)
+    stages: int = 4  # X + fp8 W + scales ring (40.25 KB a stage; 5 fit; 4 beat 3 and 5, H200, 2026-11-21)
     group: int = 8  # row tiles per L2 group
     num_warps: int = 8  # MMA warps (split_wg: 4 in the default partition + a worker warpgroup)
     maxnreg: int = 168  # 12 warps at launch (8 MMA + the loader's warpgroup); the MMA warps take the rest
@@ -546,8 +546,8 @@ class PrefillRSConfig:
     deq_bits: bool = True  # fp8 -> bf16 by bit moves (_rs_block)
     split_wg: bool = True  # the two MMA warpgroups as two partitions (no per-step barrier between them)
     mma_regs: int = 240  # split_wg: the worker MMA warpgroup's registers after setmaxnreg
-    inflight: bool = True  # keep one step's wgmmas in flight across the loop (unrolled by two; session 15)
-    persistent: bool = False  # one program per SM walking tiles (measured slower, session 15)
+    inflight: bool = True  # keep one step's wgmmas in flight across the loop (unrolled by two; H200, 2026-11-21)
+    persistent: bool = False  # one program per SM walking tiles (measured slower, H200, 2026-11-21)
 
 
 def takes(m: int, k: int, block_size: int) -> bool:
@@ -561,14 +561,14 @@ def ws_supported(m: int, k: int, block_size: int, device: torch.device) -> bool:
 
 
 def pick_prefill_ws_config(m: int, n: int, k: int, device: torch.device) -> PrefillWSConfig:
-    """One tile for now: 256 x 128 x 64, 4 stages (kernels/NOTES.md session 9)."""
+    """One tile for now: 256 x 128 x 64, 4 stages (kernels/NOTES.md, "GEMM: a warp-specialized prefill GEMM; PDL for decode")."""
     del m, n, k, device
     return PrefillWSConfig()
 
 
 def pick_prefill_rs_config(m: int, n: int, k: int, device: torch.device) -> PrefillRSConfig:
     """One tile: 128 weight rows x 256 X rows x 64, 4 stages, one step in flight, the two MMA
-    warpgroups as two partitions (H200 session 15, interleaved A/B: +6-8 % for the step in flight,
+    warpgroups as two partitions (H200, 2026-11-21, interleaved A/B: +6-8 % for the step in flight,
     +1-2 % more for the split warpgroups, 4 stages >= 3 and 5, on all Llama-3 rows at M = 2048)."""
     del m, n, k, device
     return PrefillRSConfig()

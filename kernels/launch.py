@@ -1,7 +1,7 @@
 """Repeat launches of a compiled Triton or Gluon kernel without the JIT's per-call work.
 
 An eager decode step launches a few kernels per layer on tiny grids, so host time, not GPU
-time, sets its speed. On the H100 machine's CPU (session 13, ``kernels/NOTES.md``)
+time, sets its speed. On the H100 machine's CPU (2026-11-21, ``kernels/NOTES.md``, "Launch: eager host cost")
 ``fn[grid](...)`` costs ~21 µs: argument binding and specialization (~4 µs), cache-key hashing,
 device and stream queries, launch metadata for the hooks, and the launcher itself (~6 µs).
 

@@ -5,12 +5,12 @@ loop keeps several wgmmas in flight, the next K step's dequant writes new values
 that a previous wgmma may still be reading. PTX leaves that hazard to the assembler, and ptxas
 before CUDA 13.3 does not guard it (triton-lang/triton#9433: our zero-tile-start prefill loop
 gave inf/garbage with ptxas 12.8, the one Triton 3.6 bundles; 13.3+ orders the register writes
-after the matching ``wgmma.wait_group``). ``python -m mxq.kernels.sass_dev --kernel gemm`` shows
+after the matching ``wgmma.wait_group``). ``python tools/sass_dev.py --kernel gemm`` shows
 it in the machine code on a CPU machine (``wgmma_register_hazards``).
 
 So the GEMM dispatch uses the pipelined (async-wgmma) prefill loop only when the ptxas Triton
 uses is 13.3 or newer, and otherwise the loop whose wgmmas ptxas serializes (about 20 % slower at
-M = 2048, kernels/NOTES.md session 5). ``prefer_fixed_ptxas`` (called when the GEMM module is
+M = 2048, kernels/NOTES.md, "GEMM: the wgmma register hazard and the pipelined prefill loop"). ``prefer_fixed_ptxas`` (called when the GEMM module is
 imported) points Triton at a ptxas >= 13.3 from the ``nvidia-cuda-nvcc`` wheel (``pip install
 mxq[cuda]``) or ``$CUDA_HOME`` when the user has not chosen one through ``TRITON_PTXAS_PATH``;
 ``MXQ_PTXAS=0`` leaves Triton's choice alone. This affects every Triton kernel the process

@@ -1,7 +1,7 @@
 """Per-shape autotuning, cached on disk per device (``mxq tune``).
 
 The dispatch picks each kernel's tiles by rules measured on the Llama-3 shapes (``pick_*_config``).
-A rule is right on most shapes and a few % off on others (kernels/NOTES.md session 17: 64-row decode
+A rule is right on most shapes and a few % off on others (kernels/NOTES.md, "GEMM: decode tiles per shape": 64-row decode
 tiles at 3 programs per SM are up to 9 % faster on 8B o at M = 16, slower on gate_up). The tuner
 times a small set of candidate configs per (kernel, shape, M bucket) on the GPU at hand, keeps the
 fastest -- the rule's own config unless another is at least ``MIN_GAIN`` faster, so noise does not
@@ -12,7 +12,7 @@ move it -- and writes it to a JSON cache that the dispatch reads when it builds 
 
 - where: ``$MXQ_TUNE_CACHE``, else ``$XDG_CACHE_HOME/mxq/tune.json`` (``~/.cache/mxq/tune.json``);
 - shipped entries (``kernels/tuned.json``: the Llama-3 8B/70B shapes tuned on an H100 80GB HBM3 and an
-  H200, session 17; re-tuned in session 19 with the corrected timing) answer where the user's cache has
+  H200 on 2026-11-21; re-tuned on 2026-11-22 with the corrected timing) answer where the user's cache has
   no entry for the device, shape and bucket;
 - ``MXQ_TUNE=0``: neither is read (the rules alone);
 - entries are keyed by the device's name, so one file serves several GPU models;
@@ -25,9 +25,9 @@ Timing (``time_interleaved``): every candidate's CUDA graph runs its kernel over
 the weight (more bytes than three L2s, so weights stream from HBM as they do in a model), cycled to
 at least ``MIN_GRAPH_CALLS`` calls with a small ``separator`` kernel after each (as a model's norms
 and adds sit between its GEMMs; a graph of separators alone is timed too and subtracted); all graphs
-are built first, then replayed in rotated rounds; a candidate's figure is the median of its replays (session 15's interleaved A/B: one-shot timings
+are built first, then replayed in rotated rounds; a candidate's figure is the median of its replays (the interleaved A/B of 2026-11-21 on the H200: one-shot timings
 moved ±8 % between calls). Replays are timed behind a spin kernel (``time_replays``), so the graph
-launch latency is not counted: before session 19 each replay was timed right after a synchronize,
+launch latency is not counted: before the timing fix of 2026-11-22 each replay was timed right after a synchronize,
 which added ~19 µs (H200; ~13 on an H100) divided by the calls in the graph to every figure,
 baselines included.
 """
@@ -229,7 +229,7 @@ def time_replays(g, replays: int = 2) -> float:
     """GPU µs of ``replays`` back-to-back replays of graph ``g``, between two events queued behind
     a spin kernel: the GPU is still busy with the spin while the host enqueues the start event and
     the replays, so the graph's launch latency (~19 µs a replay on an H200, kernels/NOTES.md
-    "Measurement, session 19") is not in the figure, as it is not in a model whose whole step is one
+    "Measurement: graph timing counted the launch latency") is not in the figure, as it is not in a model whose whole step is one
     graph. Timing one replay right after a synchronize counted it in full."""
     import torch
 

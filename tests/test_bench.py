@@ -14,7 +14,7 @@ from mxq.cli import app
 from mxq.cli_bench import part_commands
 from mxq.eval import plots
 
-RESULTS = Path(__file__).resolve().parents[1] / "eval" / "results" / "h200-2026-11-21"
+RESULTS = Path(__file__).resolve().parents[1] / "eval" / "results" / "2026-11-21-h200"
 HAS_MPL = importlib.util.find_spec("matplotlib") is not None
 
 

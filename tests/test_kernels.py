@@ -415,7 +415,7 @@ def test_gpu_cuda_graph_capture():
     "cfg",
     [
         # inf/garbage with a bias at N=1000 (H200, triton 3.6), also with the bias added before
-        # tl.trans(acc) (session 3); dispatch uses 256-wide tiles only when N % 128 == 0.
+        # tl.trans(acc) (H200, 2026-11-21); dispatch uses 256-wide tiles only when N % 128 == 0.
         pytest.param(
             G.GemmConfig(256, 128, 64, 8, 3, tma_x=True, tma_w=True),
             marks=pytest.mark.xfail(reason="wrong values at N=1000 with 256x128 tiles; not dispatched"),
@@ -980,7 +980,7 @@ def test_gpu_decode_ws_nonfinite_and_dispatch():
 
 # --------------------------------------------------------------------------------------
 # Warp-specialized prefill GEMM (gemm_prefill_ws, Gluon; Hopper only). Not dispatched: slower
-# than the emulation on the H100 (kernels/NOTES.md session 9); kept right for the work it starts.
+# than the emulation on the H100 (kernels/NOTES.md, "GEMM: a warp-specialized prefill GEMM; PDL for decode"); kept right for the work it starts.
 # --------------------------------------------------------------------------------------
 
 from mxq.kernels import gemm_prefill_ws as PWS  # noqa: E402

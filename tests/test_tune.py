@@ -183,7 +183,7 @@ def test_cli_without_gpu_says_so(tmp_path):
 
 
 def test_shipped_entries_are_candidates(monkeypatch):
-    """kernels/tuned.json (the H100 and H200 tunings of session 17): every entry is a config the
+    """kernels/tuned.json (the H100 and H200 tunings written by `mxq tune`): every entry is a config the
     tuner could have chosen for its shape and bucket on a 132-SM Hopper, timed at an M of that bucket."""
     torch = pytest.importorskip("torch")
     from mxq.kernels import gemm_decode_ws as WS
