@@ -35,7 +35,9 @@ class ModelSource:
 
     @property
     def hf_kwargs(self) -> dict:
-        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
+        # never the model directory's own Python code (and never transformers' prompt about it)
+        kw = {"trust_remote_code": False}
+        return {"gguf_file": self.gguf_file, **kw} if self.gguf_file else kw
 
 
 def default_model_file() -> Path:
@@ -69,11 +71,35 @@ def resolve_source(source: str | os.PathLike | None) -> ModelSource:
             if len(ggufs) == 1:
                 return ModelSource("gguf", str(p), ggufs[0].name)
             raise ModelSourceError(f"{p}: missing config.json (not a Hugging Face model directory)")
+        refuse_remote_code(p)
         return ModelSource("dir", str(p))
     s = str(source)
     if s.count("/") == 1 and not s.startswith((".", "/", "~")):
         return ModelSource("hub", s)
     raise ModelSourceError(f"{s}: no such file or directory, and not a hub id of the form owner/name")
+
+
+def refuse_remote_code(path: str | os.PathLike) -> None:
+    """A model directory whose architecture exists only as its own Python code (``auto_map`` and a
+    ``model_type`` transformers does not know) cannot be loaded: mxq never runs code from a model
+    directory. A known ``model_type`` loads with transformers' own classes; ``auto_map`` is ignored."""
+    import json
+
+    from transformers import CONFIG_MAPPING
+
+    cfg_path = Path(path) / "config.json"
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelSourceError(f"{cfg_path}: not readable JSON ({_first_line(e)})") from None
+    if not isinstance(cfg, dict):
+        raise ModelSourceError(f"{cfg_path}: not a JSON object")
+    model_type = cfg.get("model_type")
+    if "auto_map" in cfg and not (isinstance(model_type, str) and model_type in CONFIG_MAPPING):
+        raise ModelSourceError(
+            f"{cfg_path}: model_type {model_type!r} is defined by the directory's own Python code (auto_map); "
+            "mxq never runs code from a model directory"
+        )
 
 
 def load_tokenizer(source: ModelSource | str | None):

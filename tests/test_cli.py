@@ -81,3 +81,23 @@ def test_ctrl_c_exits_130_with_one_line_and_leaves_nothing(tmp_path):
     assert proc.returncode == 130, err[-1500:]
     assert err.strip().splitlines()[-1] == "mxq: interrupted"
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_model_code_is_never_run(tmp_path):
+    """A model directory whose architecture is its own Python (auto_map, unknown model_type), with
+    a `y` waiting on stdin for transformers' prompt: `mxq quantize` and `mxq eval ppl` refuse in
+    one line, the directory's module never runs (its marker file never appears), OUT is not made."""
+    model = tmp_path / "model"
+    _tiny_model(model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg.update(model_type="evilnet", auto_map={"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"})
+    (model / "config.json").write_text(json.dumps(cfg))
+    marker = tmp_path / "ran.txt"
+    (model / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    out = tmp_path / "out"
+    for cmd in (["quantize", str(model), str(out)], ["eval", "ppl", str(model), "--dataset", "pydoc", "--max-windows", "1"]):
+        r = subprocess.run(MXQ + cmd, input="y\ny\n", capture_output=True, text=True, timeout=300)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 1 and len(lines) == 1, (cmd, r.stderr[-1500:])
+        assert "never runs code from a model directory" in lines[0] and "config.json" in lines[0]
+    assert not marker.exists() and not out.exists()
