@@ -250,7 +250,7 @@ def calibrate(
     progress: bool = True,
 ) -> Calibration:
     """Statistics and per-layer sensitivity of ``model`` (bf16, eval mode) on the calibration text."""
-    from mxq.linear import select_layers
+    from mxq.linear import select_model_layers as select_layers
 
     t0 = time.perf_counter()
     model.eval()
@@ -696,7 +696,8 @@ def _keep_for_budget(model, settings, perms, ranking, batches, max_dppl, at_leas
 
 def apply_plan(model: nn.Module, plan: Plan) -> nn.Module:
     """Fold the plan's permutations into a bf16 model and swap its layers for MXLinear (in place)."""
-    from mxq.hf import MXQConfig, native_config
+    from mxq.config import native_config
+    from mxq.hf import MXQConfig
     from mxq.linear import MXLinear
 
     geom = Geometry.from_config(model.config)

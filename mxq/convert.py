@@ -32,6 +32,7 @@ from mxq.checkpoint import (
     read_index,
     read_tensor,
 )
+from mxq.config import LayerSelectionError, LinearLayer, native_config, read_config, select_layers
 from mxq.formats import quantize_mx, sqnr_db
 from mxq.models import ModelSource, ModelSourceError, resolve_source
 from mxq.progress import progress_bar
@@ -42,7 +43,6 @@ TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
     "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
 )
-QUANTIZABLE_DTYPES = ("F32", "F16", "BF16")
 
 
 class ConversionError(RuntimeError):
@@ -100,14 +100,12 @@ class _Source:
 def _open_dir(path: Path) -> _Source:
     from transformers import AutoConfig
 
-    from mxq.hf import read_config
-
     raw = read_config(path)
     if raw.get("quantization_config"):
         qm = raw["quantization_config"].get("quant_method")
         raise ConversionError(f"{path}: already quantized (quant_method {qm!r}); mxq quantize needs a bf16/fp16/fp32 model")
     try:
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     except (ValueError, KeyError, OSError) as e:
         raise ConversionError(f"{path}/config.json: {_line(e)}") from None
     infos: dict[str, TensorInfo] = read_index(path)
@@ -121,7 +119,8 @@ def _open_gguf(src: ModelSource) -> _Source:
 
     # GGUF weights are block-quantized in their own formats: transformers dequantizes the
     # whole file, so this source holds the model in memory (small models only).
-    model = AutoModelForCausalLM.from_pretrained(src.path, gguf_file=src.gguf_file, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(src.path, gguf_file=src.gguf_file, dtype=torch.bfloat16,
+                                                 trust_remote_code=False)
     sd = model.state_dict()
     if getattr(model.config.get_text_config(), "tie_word_embeddings", False):
         sd.pop("lm_head.weight", None)  # tied to the embedding: the loader re-ties it
@@ -173,22 +172,18 @@ def _plan(src: _Source, recipe: Recipe, warn: Callable[[str], None], cplan=None)
             "besides its output head: nothing to quantize"
         )
     weights = {name: (dtype, shape) for name, dtype, shape in src.tensors}
-    chosen: set[str] = set()
-    kept: dict[str, str] = {}
-    for mod, _lin in linears.items():
-        if mod + ".weight" not in weights:
-            kept[mod] = "tied to another tensor (not in the checkpoint)"
-            continue
-        dtype, shape = weights[mod + ".weight"]
-        if not recipe.selects(mod):
-            kept[mod] = "excluded by recipe"
-        elif len(shape) != 2 or shape[1] % recipe.block_size:
-            kept[mod] = f"K={shape[-1]} is not a multiple of {recipe.block_size}"
-            warn(f"keeping {mod} in its original dtype: {kept[mod]}")
-        elif dtype not in QUANTIZABLE_DTYPES:
-            raise ConversionError(f"tensor {mod}.weight: unsupported dtype {dtype} (mxq quantizes F32, F16 and BF16 weights)")
+    layers = []
+    for mod in linears:
+        if mod + ".weight" in weights:
+            dtype, shape = weights[mod + ".weight"]
+            layers.append(LinearLayer(mod, tuple(shape), dtype))
         else:
-            chosen.add(mod)
+            layers.append(LinearLayer(mod, tied="tied to another tensor (not in the checkpoint)"))
+    try:
+        selected, kept = select_layers(layers, recipe, warn)
+    except LayerSelectionError as e:
+        raise ConversionError(str(e)) from None
+    chosen = set(selected)
     if not chosen:
         raise ConversionError("no Linear layer is selected for quantization (check the recipe's include/exclude)")
     specs = {m: (recipe.weights, recipe.activations) for m in chosen}
@@ -383,8 +378,6 @@ def _quantize_weight(name: str, w: torch.Tensor, spec: TensorSpec, block_size: i
 def _write_configs(
     tmp: Path, src: _Source, recipe: Recipe, specs: dict, kept: dict, fmt: str, msrc: ModelSource, cplan=None
 ) -> None:
-    from mxq.hf import native_config
-
     if src.gguf is not None:
         src.config.save_pretrained(tmp)
         cfg = json.loads((tmp / "config.json").read_text())

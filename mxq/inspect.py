@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mxq.checkpoint import CheckpointError, TensorInfo, checkpoint_files, read_header, read_tensor
-from mxq.hf import checkpoint_format, read_config
+from mxq.config import checkpoint_format, read_config
 
 FP8 = {"F8_E4M3": "e4m3", "F8_E5M2": "e5m2"}
 

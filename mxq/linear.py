@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mxq.config import LinearLayer, NativeConfig, native_config, select_layers
 from mxq.formats import (
     E4M3,
     ElemFormat,
@@ -25,6 +26,8 @@ from mxq.formats import (
     quantize_mx,
 )
 from mxq.recipe import Recipe, TensorSpec
+
+TIED_TO_EMBEDDING = "tied to the input embedding (quantizing it would add a second copy)"
 
 
 @torch.library.custom_op("mxq::mx_linear", mutates_args=())
@@ -154,23 +157,23 @@ def linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
     return {n: m for n, m in model.named_modules() if type(m) is nn.Linear}
 
 
-def select_layers(model: nn.Module, recipe: Recipe, warn=None) -> tuple[list[str], dict[str, str]]:
-    """Names of the Linear layers the recipe quantizes, and the kept ones with the reason."""
-    chosen, kept = [], {}
+def model_layers(model: nn.Module) -> list[LinearLayer]:
+    """The model's Linear layers as ``mxq.config.select_layers`` sees them."""
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     emb_weight = getattr(emb, "weight", None)
-    for name, lin in linear_layers(model).items():
-        if not recipe.selects(name):
-            kept[name] = "excluded by recipe"
-        elif emb_weight is not None and lin.weight is emb_weight:
-            kept[name] = "tied to the input embedding (quantizing it would add a second copy)"
-        elif lin.in_features % recipe.block_size:
-            kept[name] = f"in_features {lin.in_features} not a multiple of {recipe.block_size}"
-            if warn:
-                warn(f"keeping {name} in bf16: {kept[name]}")
-        else:
-            chosen.append(name)
-    return chosen, kept
+    return [
+        LinearLayer(
+            name,
+            tuple(lin.weight.shape),
+            tied=TIED_TO_EMBEDDING if emb_weight is not None and lin.weight is emb_weight else "",
+        )
+        for name, lin in linear_layers(model).items()
+    ]
+
+
+def select_model_layers(model: nn.Module, recipe: Recipe, warn=None) -> tuple[list[str], dict[str, str]]:
+    """``mxq.config.select_layers`` over an in-memory model's Linear layers."""
+    return select_layers(model_layers(model), recipe, warn)
 
 
 def quantize_model(model: nn.Module, recipe: Recipe | str | None = None) -> nn.Module:
@@ -183,7 +186,7 @@ def quantize_model(model: nn.Module, recipe: Recipe | str | None = None) -> nn.M
         recipe = load_recipe(recipe)
     if not linear_layers(model):
         raise ValueError(f"{type(model).__name__} has no torch.nn.Linear layers to quantize")
-    chosen, kept = select_layers(model, recipe, warn=lambda m: warnings.warn(m, stacklevel=3))
+    chosen, kept = select_model_layers(model, recipe, warn=lambda m: warnings.warn(m, stacklevel=4))
     for name in chosen:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -193,10 +196,6 @@ def quantize_model(model: nn.Module, recipe: Recipe | str | None = None) -> nn.M
             MXLinear.from_linear(getattr(parent, child), recipe.weights, recipe.activations),
         )
     if hasattr(model, "config"):
-        from mxq.hf import MXQConfig, native_config
-
         layers = {n: (recipe.weights, recipe.activations) for n in chosen}
-        model.config.quantization_config = MXQConfig.from_dict(
-            native_config(recipe, layers, sorted(kept))
-        )
+        model.config.quantization_config = NativeConfig(**native_config(recipe, layers, sorted(kept)))
     return model

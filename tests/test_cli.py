@@ -54,6 +54,11 @@ def test_shards_outside_the_model_directory_are_refused(tmp_path, where):
         assert lines[0].startswith("mxq: error: ") and ("outside the model directory" in lines[0] or "is not a file name" in lines[0])
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+    import mxq
+    from mxq.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match="outside the model directory|is not a file name"):
+        mxq.load(model)
 
 
 def test_weight_map_of_wrong_types_is_one_line(tmp_path):

@@ -1,0 +1,154 @@
+"""The import graph of ``mxq/*.py`` follows docs/ARCHITECTURE.md: imports run only downward.
+
+``cli → {calibrate, convert, hf, eval} → {linear, attention, checkpoint, recipe, config} →
+{formats, kernels}``; no two modules import each other, not even lazily inside a function; the
+on-disk config schema (``mxq.config``) and ``mxq.formats`` need no transformers. The graph is read
+with ``ast`` from the source (imports inside functions included), so a lazy import that closes a
+circle fails here although Python would tolerate it.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parent.parent / "mxq"
+PACKAGE = "mxq"  # the node of mxq/__init__.py: what ``import mxq`` runs (public API, registration)
+OUTSIDE = ("kernels", "eval")  # subpackages mapped into mxq (package-dir), one node each
+
+# Layer of every module, top (0) to bottom (3). A module may import its own layer or lower ones.
+LAYERS = {
+    0: {"cli", "cli_bench", "cli_eval", "cli_tune"},
+    1: {PACKAGE, "calibrate", "convert", "hf", "eval", "inspect", "models"},
+    2: {"linear", "attention", "checkpoint", "recipe", "config", "reorder", "progress", "decode"},
+    3: {"formats", "kernels"},
+}
+LAYER = {m: rank for rank, mods in LAYERS.items() for m in mods}
+NO_TRANSFORMERS = ("config", "formats")
+
+
+def _modules() -> dict[str, Path]:
+    mods = {p.stem: p for p in SRC.glob("*.py") if p.stem != "__init__"}
+    mods[PACKAGE] = SRC / "__init__.py"
+    return mods
+
+
+def _target(dotted: str, names: list[str], known: set[str]) -> set[str]:
+    """The mxq nodes an ``import``/``from ... import`` of ``dotted`` (names: what ``from`` takes) reaches."""
+    parts = dotted.split(".")
+    if parts[0] != PACKAGE:
+        return set()
+    if len(parts) > 1:
+        return {parts[1]}
+    # ``import mxq`` or ``from mxq import a, b``: submodules by name, anything else is the package
+    if not names:
+        return {PACKAGE}
+    return {n if n in known else PACKAGE for n in names}
+
+
+def _imports(path: Path, known: set[str]) -> tuple[set[str], set[str]]:
+    """(mxq nodes, other top-level packages) that ``path`` imports anywhere in its body."""
+    tree = ast.parse(path.read_text(), str(path))
+    mxq_deps, other = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                mxq_deps |= _target(alias.name, [], known)
+                other.add(alias.name.split(".")[0])
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: from . import x / from .x import y, inside mxq/
+                dotted = ".".join(filter(None, [PACKAGE, node.module]))
+            else:
+                dotted = node.module or ""
+            mxq_deps |= _target(dotted, [a.name for a in node.names], known)
+            other.add(dotted.split(".")[0])
+    return mxq_deps, other - {PACKAGE}
+
+
+@pytest.fixture(scope="module")
+def graph() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    mods = _modules()
+    known = set(mods) | set(OUTSIDE)
+    edges, external = {}, {}
+    for name, path in mods.items():
+        deps, other = _imports(path, known)
+        edges[name] = deps - {name}
+        external[name] = other
+    return edges, external
+
+
+def test_every_module_has_a_layer(graph):
+    edges, _ = graph
+    missing = sorted((set(edges) | {d for ds in edges.values() for d in ds}) - set(LAYER))
+    assert not missing, f"mxq modules with no layer in tests/test_layers.py (place them per ARCHITECTURE.md): {missing}"
+
+
+def test_no_upward_import(graph):
+    edges, _ = graph
+    upward = sorted(
+        f"mxq/{a}.py imports mxq.{b} (layer {LAYER[a]} -> {LAYER[b]})"
+        for a, ds in edges.items()
+        for b in ds
+        if a in LAYER and b in LAYER and LAYER[b] < LAYER[a]
+    )
+    assert not upward, "imports that run upward:\n" + "\n".join(upward)
+
+
+def test_no_import_cycle(graph):
+    edges, _ = graph
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    stack: list[str] = []
+    cycles: list[str] = []
+
+    def visit(n: str) -> None:
+        state[n] = 1
+        stack.append(n)
+        for d in sorted(edges.get(n, ())):
+            if state.get(d) == 1:
+                cycles.append(" -> ".join([*stack[stack.index(d):], d]))
+            elif d not in state:
+                visit(d)
+        stack.pop()
+        state[n] = 2
+
+    for n in sorted(edges):
+        if n not in state:
+            visit(n)
+    assert not cycles, "import cycles among mxq modules:\n" + "\n".join(cycles)
+
+
+def test_config_and_formats_reach_no_transformers(graph):
+    edges, external = graph
+    for root in NO_TRANSFORMERS:
+        assert root in edges, f"mxq/{root}.py is missing"
+        seen, todo = set(), [root]
+        while todo:
+            n = todo.pop()
+            if n not in seen:
+                seen.add(n)
+                todo.extend(edges.get(n, ()))
+        assert not seen & {PACKAGE, "hf", "attention"}, f"mxq.{root} reaches {sorted(seen & {PACKAGE, 'hf', 'attention'})}"
+        bad = sorted(m for m in seen if "transformers" in external.get(m, ()))
+        assert not bad, f"mxq.{root} imports (through {bad}) transformers"
+
+
+def test_config_and_formats_import_without_transformers():
+    """Import ``mxq.config`` and ``mxq.formats`` for real, past ``mxq/__init__.py`` (which loads the
+    transformers glue on purpose): nothing they pull in, third-party packages included, may load
+    transformers."""
+    code = (
+        "import sys, types\n"
+        f"pkg = types.ModuleType({PACKAGE!r}); pkg.__path__ = [{str(SRC)!r}]; sys.modules[{PACKAGE!r}] = pkg\n"
+        + "".join(
+            f"import mxq.{m}\nassert mxq.{m}.__file__.startswith({str(SRC)!r}), mxq.{m}.__file__\n"
+            for m in NO_TRANSFORMERS
+        )
+        + "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'transformers')\n"
+        "assert not bad, bad[:5]\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
