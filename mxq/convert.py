@@ -19,6 +19,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from glob import escape as glob_escape
 from pathlib import Path
 
 import torch
@@ -26,6 +27,7 @@ import torch
 import mxq
 from mxq.checkpoint import (
     DTYPE_NAMES,
+    INDEX_NAME,
     PlannedTensor,
     ShardWriter,
     TensorInfo,
@@ -294,6 +296,7 @@ def quantize_checkpoint(
         compressed_tensors_config(recipe, [])  # reject what the format cannot hold before any work
 
     msrc, src = _open_source(source)
+    _check_out(out, msrc, force)
     cplan = plan
     geom = None
     if cplan is not None:
@@ -304,6 +307,7 @@ def quantize_checkpoint(
     report = ConversionReport(msrc.display, str(out), recipe.name, fmt, device, kept=dict(sorted(kept.items())))
 
     out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale(out)
     tmp = out.parent / f".{out.name}.mxq-tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -332,7 +336,7 @@ def quantize_checkpoint(
         _write_configs(tmp, src, recipe, specs, kept, fmt, msrc, cplan)
         report.seconds = time.perf_counter() - t0
         (tmp / "quantization_report.json").write_text(json.dumps(report.to_dict(), indent=1) + "\n")
-        _replace(tmp, out)
+        _replace(tmp, out, force)
     except OSError as e:
         writer.abort()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -408,18 +412,70 @@ def _write_configs(
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
-def _replace(tmp: Path, out: Path) -> None:
-    """Move the finished directory into place; an existing OUT (with --force) goes only after."""
-    if out.exists():
+def _replace(tmp: Path, out: Path, force: bool) -> None:
+    """Move the finished directory into place. Without --force, an OUT that appeared while this
+    run worked (another mxq run, say) stays; with it, only a previous mxq output is replaced,
+    and only after the new one is complete."""
+    if out.exists() or out.is_symlink():
+        if not force:
+            raise ConversionError(f"{out}: appeared while converting (another run?); it was left as it is")
+        _check_replaceable(out)
         old = out.parent / f".{out.name}.mxq-old-{os.getpid()}"
         out.rename(old)
         tmp.rename(out)
-        if old.is_dir():
-            shutil.rmtree(old, ignore_errors=True)
-        else:
+        if old.is_symlink() or not old.is_dir():
             old.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(old, ignore_errors=True)
     else:
-        tmp.rename(out)
+        tmp.rename(out)  # onto a directory made in the last instant this fails unless it is empty
+
+
+# what an mxq output holds; --force replaces a directory only if it holds nothing else
+_OUTPUT_FILES = {"config.json", "generation_config.json", "quantization_report.json", INDEX_NAME, *TOKENIZER_FILES}
+
+
+def _check_out(out: Path, msrc: ModelSource, force: bool) -> None:
+    """OUT is never the source, a directory that contains it, or (with --force) anything but a
+    previous mxq output."""
+    if msrc.kind in ("dir", "gguf"):
+        src = Path(msrc.path).resolve()
+        if msrc.kind == "gguf":
+            src = src / str(msrc.gguf_file)
+        real = out.resolve()
+        if real == src or src.is_relative_to(real):
+            raise ConversionError(f"{out}: is the source model or contains it ({src}); choose another OUT")
+    if force and (out.exists() or out.is_symlink()):
+        _check_replaceable(out)
+
+
+def _check_replaceable(out: Path) -> None:
+    target = out.resolve()
+    if not target.is_dir():
+        raise ConversionError(f"{out}: exists and is not a directory written by mxq; --force replaces only mxq output")
+    foreign = sorted(p.name for p in target.iterdir() if p.name not in _OUTPUT_FILES and p.suffix != ".safetensors")
+    if foreign or not (target / "quantization_report.json").is_file():
+        why = f"holds {foreign[0]!r}" if foreign else "has no quantization_report.json"
+        raise ConversionError(f"{out}: not a directory written by mxq ({why}); --force replaces only mxq output")
+
+
+def _remove_stale(out: Path) -> None:
+    """Temporary directories beside OUT left by runs that were killed (their process is gone)."""
+    for p in out.parent.glob(f".{glob_escape(out.name)}.mxq-*-*"):
+        kind, _, pid = p.name[len(out.name) + 1 :].rpartition("-")
+        if kind not in (".mxq-tmp", ".mxq-old") or not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # that run is still going
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OverflowError):
+            continue
+        if p.is_symlink() or not p.is_dir():
+            p.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def _line(e: BaseException) -> str:

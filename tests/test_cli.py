@@ -106,3 +106,73 @@ def test_model_code_is_never_run(tmp_path):
         assert r.returncode == 1 and len(lines) == 1, (cmd, r.stderr[-1500:])
         assert "never runs code from a model directory" in lines[0] and "config.json" in lines[0]
     assert not marker.exists() and not out.exists()
+
+
+def _quantize(*args, cwd=None):
+    return subprocess.run(MXQ + ["quantize", *map(str, args)], capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
+def test_force_never_touches_the_source_or_foreign_files(tmp_path):
+    """`--force` replaces only a previous mxq output: never the source, a directory containing it,
+    or a directory with files mxq did not write; each refusal is one line and every file survives."""
+    parent = tmp_path / "P"
+    model = parent / "model"
+    _tiny_model(model)
+    (parent / "notes.txt").write_text("keep me")
+    before = sorted(p.name for p in model.iterdir())
+    d = tmp_path / "D"
+    d.mkdir()
+    (d / "unrelated.txt").write_text("keep me too")
+    for args, cwd in (((model, parent, "--force"), None), ((model, model, "--force"), None), ((model, ".", "--force"), d)):
+        r = _quantize(*args, cwd=cwd)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 1 and len(lines) == 1 and lines[0].startswith("mxq: error: "), (args, r.stderr[-1500:])
+    assert sorted(p.name for p in model.iterdir()) == before and (parent / "notes.txt").read_text() == "keep me"
+    assert (d / "unrelated.txt").read_text() == "keep me too"
+    # a previous mxq output is replaced; a symlink to one is replaced as a link, and nothing is left beside it
+    out = tmp_path / "out"
+    assert _quantize(model, out).returncode == 0
+    r = _quantize(model, out, "--force")
+    assert r.returncode == 0, r.stderr[-1500:]
+    link = tmp_path / "link"
+    link.symlink_to(out)
+    assert _quantize(model, link, "--force").returncode == 0
+    assert link.is_dir() and not link.is_symlink() and out.is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["D", "P", "link", "out"]
+
+
+def test_out_that_appears_meanwhile_is_left_alone(tmp_path, monkeypatch):
+    """Two runs onto one OUT: the one that finishes second fails instead of replacing the other's
+    result (no --force), and removes its own temporary directory."""
+    from mxq import convert
+
+    model = tmp_path / "model"
+    _tiny_model(model)
+    out = tmp_path / "out"
+    real = convert._write_configs
+
+    def meanwhile(tmp, *a, **k):
+        real(tmp, *a, **k)
+        out.mkdir()
+        (out / "theirs.txt").write_text("the other run's result")
+
+    monkeypatch.setattr(convert, "_write_configs", meanwhile)
+    with pytest.raises(convert.ConversionError, match="appeared while converting"):
+        convert.quantize_checkpoint(model, out, "mxfp8", progress=False)
+    assert (out / "theirs.txt").read_text() == "the other run's result"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "out"]
+
+
+def test_stale_temporary_directories_of_dead_runs_are_removed(tmp_path):
+    model = tmp_path / "model"
+    _tiny_model(model)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = [tmp_path / f".out.mxq-tmp-{dead.pid}", tmp_path / f".out.mxq-old-{dead.pid}"]
+    for p in stale:
+        p.mkdir()
+        (p / "model.safetensors").write_bytes(b"half-written")
+    live = tmp_path / f".out.mxq-tmp-{os.getpid()}"  # a run that is still going keeps its directory
+    live.mkdir()
+    assert _quantize(model, tmp_path / "out").returncode == 0
+    assert not any(p.exists() for p in stale) and live.is_dir()

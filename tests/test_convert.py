@@ -356,8 +356,15 @@ def test_existing_out_needs_force(tmp_path, llama_dir):
     with pytest.raises(ConversionError, match="already exists.*--force"):
         quantize_checkpoint(llama_dir, out, progress=False)
     assert (out / "keep.txt").read_text() == "mine"
-    quantize_checkpoint(llama_dir, out, progress=False, force=True)
-    assert not (out / "keep.txt").exists() and (out / "config.json").is_file()
+    # --force replaces only a previous mxq output, never a directory holding files mxq did not write
+    with pytest.raises(ConversionError, match="not a directory written by mxq.*keep.txt"):
+        quantize_checkpoint(llama_dir, out, progress=False, force=True)
+    assert (out / "keep.txt").read_text() == "mine"
+    mine = tmp_path / "q2"
+    quantize_checkpoint(llama_dir, mine, progress=False)
+    (mine / "config.json").write_text("{}")  # stale content of an earlier mxq run
+    quantize_checkpoint(llama_dir, mine, progress=False, force=True)
+    assert json.loads((mine / "config.json").read_text())["quantization_config"]["quant_method"] == "mxq"
     assert _leftovers(tmp_path) == []
 
 
