@@ -1,11 +1,8 @@
 """mxq: quantize Hugging Face language models to MXFP8 and run them fast."""
 
-from importlib.metadata import PackageNotFoundError, version
+from mxq.config import mxq_version
 
-try:
-    __version__ = version("mxq")
-except PackageNotFoundError:  # running from a source tree that was never installed
-    __version__ = "0.0.0+unknown"
+__version__ = mxq_version()
 
 import mxq.attention  # noqa: E402,F401  (registers attn_implementation "mxfp8")
 from mxq.formats import (  # noqa: E402
