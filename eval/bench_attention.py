@@ -8,8 +8,9 @@ rounding pre-pass of K and V (it is part of every call); SDPA and MXFP8 alike ti
 replays (GPU time), the MXFP8 default also eagerly (host launch cost included). Decode: B=4, Hq=32, Hkv=8, D=128, one
 query token against a context of 4k..32k, MXFP8 cache (fp8 + E8M0, split-KV kernel) against bf16
 SDPA decode (GQA); timed as CUDA-graph replays (launch gaps out) and eagerly. The MXFP8 default
-is the warp-specialized kernel on Hopper (``attention_decode_ws``), the Triton kernel ("gqa")
-beside it; the sweeps try other tiles of both. Ratios are against the
+is what the kernel registry chooses under a CUDA graph (``attention.decode_path``: the
+warp-specialized kernel on Hopper, ``attention_decode_ws``), the Triton kernel ("gqa") beside it;
+the tables name the path that ran. The sweeps try other tiles of both. Ratios are against the
 strongest baseline measured in the same run. Medians of ``triton.testing.do_bench``.
 The MXFP8 calls include the Q/K rotation as shipped (``mxq.attention``); ``--no-rotation``
 times them without it.
@@ -29,7 +30,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mxq.attention import MXFP8CacheLayer
 from mxq.kernels import attention_decode_ws as W
-from mxq.kernels.attention import mx_attention_decode, mx_attention_prefill, mx_attention_reference
+from mxq.kernels.attention import (
+    decode_path,
+    mx_attention_decode,
+    mx_attention_prefill,
+    mx_attention_reference,
+)
+from mxq.kernels.attention_decode import VARIANTS
+from mxq.kernels.attention_decode_common import decode_problem
 from mxq.kernels.toolchain import triton_ptxas
 
 ROT = {"qk_rotation": True}
@@ -99,8 +107,8 @@ def decode(ctxs, results, sweep=True, ws_sweep=True):
     b, hq, hkv, d = 4, 32, 8, 128
     print("\n## Decode, B=4 Hq=32 Hkv=8 D=128, one token, CUDA-graph replays")
     print(
-        "| context | SDPA bf16 us | MXFP8 default us | x SDPA | Triton gqa us | x SDPA | best us (config) | x SDPA "
-        "| default GB/s | bf16 GB/s | eager us SDPA / default / gqa / ws |"
+        "| context | SDPA bf16 us | MXFP8 default us (path) | x SDPA | Triton gqa us | x SDPA | best us (config) | x SDPA "
+        "| default GB/s | bf16 GB/s | eager us SDPA / default (path) / gqa / ws |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for n in ctxs:
@@ -114,12 +122,10 @@ def decode(ctxs, results, sweep=True, ws_sweep=True):
         want = mx_attention_reference(q.float(), kd, vd, k_rotated=True, **ROT)
         ms_sdpa = _bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True), graph=True)
         args = (q, layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, n)
-        configs = [("dequant", bn, 4, 3, p) for bn in (64, 128) for p in (264, 528, 1056)]
-        if sweep:
-            configs += [
-                ("gqa", bn, w, st, p)
-                for bn in (64, 128) for w in (2, 4) for st in (2, 3, 4) for p in (264, 528, 1056)
-            ]  # fmt: skip
+        configs = [
+            ("gqa", bn, w, st, p)
+            for bn in (64, 128) for w in (2, 4) for st in (2, 3, 4) for p in (264, 528, 1056)
+        ] if sweep else []  # fmt: skip
         best = {}
         for variant, bn, w, st, progs in configs:
             chunk = max(bn, triton.cdiv(triton.cdiv(n, max(1, progs // (b * hkv))), bn) * bn)
@@ -153,9 +159,15 @@ def decode(ctxs, results, sweep=True, ws_sweep=True):
                 results["decode_configs"].append({"context": n, **kw, "us": ms * 1e3, "rel_err": err})
                 if err < 5e-3 and ("ws" not in best or ms < best["ws"][0]):
                     best["ws"] = (ms, kw, err)
-        # the default under a CUDA graph (the ws kernel on Hopper), as the cache layer calls it
+        # the default under a CUDA graph (the ws kernel on Hopper), as the cache layer calls it; the
+        # path named as the registry chooses it there (asked after the run: a Gluon kernel that did
+        # not compile is off by then), its error from the same path run eagerly
         default_ms = _bench(lambda: mx_attention_decode(*args, **cnt, **ROT), graph=True)
-        err = _rel(mx_attention_decode(*args, variant="ws" if W.takes(*args[:5], None) else None, **cnt, **ROT), want)
+        graph_path = decode_path(*args[:5], capturing=True)
+        eager_path = decode_path(*args[:5])
+        variant = next((v for v, p in VARIANTS.items() if p is graph_path), None)
+        forced = {"variant": variant} if variant else {"kernels": "reference"}
+        err = _rel(mx_attention_decode(*args, **forced, **cnt, **ROT), want)
         best["default"] = (default_ms, {"default": True}, err)  # the shipped settings compete too
         triton_ms = _bench(lambda: mx_attention_decode(*args, variant="gqa", **cnt, **ROT), graph=True)
         err_t = _rel(mx_attention_decode(*args, variant="gqa", **cnt, **ROT), want)
@@ -173,7 +185,8 @@ def decode(ctxs, results, sweep=True, ws_sweep=True):
         bf_bytes = 2 * b * hkv * n * d * 2
         row = {
             "context": n, "sdpa_us": ms_sdpa * 1e3, "mx_us": ms_mx * 1e3, "mx_default_us": default_ms * 1e3,
-            "best": kw_best, "first_kernel_us": best["dequant"][0] * 1e3, "speedup": ms_sdpa / ms_mx,
+            "best": kw_best, "default_path": graph_path.describe(decode_problem(*args[:5], capturing=True)),
+            "eager_path": eager_path.name, "speedup": ms_sdpa / ms_mx,
             "default_speedup": ms_sdpa / default_ms, "rel_err": err, "rel_err_best": err_best,
             "mx_GBps": mx_bytes / ms_mx / 1e6, "mx_default_GBps": mx_bytes / default_ms / 1e6,
             "bf16_GBps": bf_bytes / ms_sdpa / 1e6, "triton_gqa_us": triton_ms * 1e3, "rel_err_triton_gqa": err_t,
@@ -181,10 +194,10 @@ def decode(ctxs, results, sweep=True, ws_sweep=True):
         }  # fmt: skip
         results["decode"].append(row)
         print(
-            f"| {n} | {row['sdpa_us']:.1f} | {row['mx_default_us']:.1f} | {row['default_speedup']:.2f} "
+            f"| {n} | {row['sdpa_us']:.1f} | {row['mx_default_us']:.1f} ({graph_path.name}) | {row['default_speedup']:.2f} "
             f"| {row['triton_gqa_us']:.1f} | {row['triton_gqa_speedup']:.2f} | {row['mx_us']:.1f} ({kw_best}) "
             f"| {row['speedup']:.2f} | {row['mx_default_GBps']:.0f} | {row['bf16_GBps']:.0f} "
-            f"| {eager['sdpa'] * 1e3:.1f} / {eager['default'] * 1e3:.1f} / {eager['triton_gqa'] * 1e3:.1f} "
+            f"| {eager['sdpa'] * 1e3:.1f} / {eager['default'] * 1e3:.1f} ({eager_path.name}) / {eager['triton_gqa'] * 1e3:.1f} "
             f"/ {eager.get('ws', float('nan')) * 1e3:.1f} |",
             flush=True,
         )
@@ -219,7 +232,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--decode-only", action="store_true")
     ap.add_argument("--prefill-only", action="store_true")
-    ap.add_argument("--no-sweep", action="store_true", help="decode: defaults and the first kernel only")
+    ap.add_argument("--no-sweep", action="store_true", help="decode: the defaults only, no tile sweep")
     ap.add_argument("--no-ws-sweep", action="store_true", help="decode: the warp-specialized kernel's defaults only")
     ap.add_argument("--no-rotation", action="store_true", help="time the MXFP8 kernels without the Q/K rotation")
     ap.add_argument("--no-tiles", action="store_true", help="skip the prefill tile sweep")

@@ -89,6 +89,7 @@ def bench_gemm(models, ms, sweep: bool, sweep_ms=(1, 16, 64, 2048)) -> tuple[lis
     from mxq.formats import E4M3, ScaleRule, dequantize_mx, quantize_mx
     from mxq.kernels import gemm as G
     from mxq.kernels.dispatch import mx_linear, path_name
+    from mxq.kernels.gemm_dot_scaled import mx_gemm_dot_scaled
     from mxq.kernels.quantize import fake_quantize_mx_rows, quantize_mx_rows
 
     rows, sweeps = [], []
@@ -102,7 +103,7 @@ def bench_gemm(models, ms, sweep: bool, sweep_ms=(1, 16, 64, 2048)) -> tuple[lis
             w_row8 = (w_bf16.float() / w_rs).to(torch.float8_e4m3fn)
             del w_bf16
             r8, rbf = _copies(n * k), _copies(2 * n * k)
-            packs = [G.pack_weight(t.data.clone(), t.scales.clone()) for _ in range(r8)]
+            packs = [(t.data.clone(), t.scales.clone()) for _ in range(r8)]  # (fp8 data, E8M0 scales)
             rows8 = [w_row8.clone() for _ in range(r8)]
             wbfs = [w_deq.to(torch.bfloat16) for _ in range(rbf)]
             p0 = packs[0]
@@ -111,7 +112,7 @@ def bench_gemm(models, ms, sweep: bool, sweep_ms=(1, 16, 64, 2048)) -> tuple[lis
                 row = dict(model=model, layer=layer, m=m, n=n, k=k, weight_copies=r8)
                 # correctness first, on these fresh inputs
                 for name, act in (("w8a8", E4M3), ("w8a16", None)):
-                    y = mx_linear(x, p0.data, p0.scales, None, act_elem=act)
+                    y = mx_linear(x, *p0, None, act_elem=act)
                     xr = x.float() if act is None else fake_quantize_mx_rows(x, E4M3, out_dtype=torch.float32)
                     ref = xr @ w_deq.t()
                     row[f"{name}_relerr"] = ((y.float() - ref).norm() / ref.norm()).item()
@@ -129,18 +130,18 @@ def bench_gemm(models, ms, sweep: bool, sweep_ms=(1, 16, 64, 2048)) -> tuple[lis
 
                     def ds(p, bm=bm, bn=bn, bk=bk, nw=nw):
                         xq, xs = quantize_mx_rows(x, E4M3, ScaleRule.RCEIL)
-                        return G.mx_gemm_dot_scaled(xq, xs, p.data, p.scales, block_m=bm, block_n=bn, block_k=bk, num_warps=nw)
+                        return mx_gemm_dot_scaled(xq, xs, *p, block_m=bm, block_n=bn, block_k=bk, num_warps=nw)
 
                     tds = _try(None, [lambda p=p: ds(p) for p in packs])
                     if isinstance(tds, float) and (best_ds is None or tds < best_ds):
                         best_ds = tds
                 row["dot_scaled_w8a8_us"] = best_ds
                 row["mxq_w8a8_us"] = _try(None, [
-                    lambda p=p: mx_linear(x, p.data, p.scales, None, act_elem=E4M3) for p in packs
+                    lambda p=p: mx_linear(x, *p, None, act_elem=E4M3) for p in packs
                 ])  # fmt: skip
-                row["mxq_w8a16_us"] = _try(None, [lambda p=p: mx_linear(x, p.data, p.scales, None) for p in packs])
+                row["mxq_w8a16_us"] = _try(None, [lambda p=p: mx_linear(x, *p, None) for p in packs])
                 row["mxq_quant_only_us"] = _try(None, [lambda: fake_quantize_mx_rows(x, E4M3, out_dtype=torch.bfloat16)])
-                row["mxq_w8a16_eager_us"] = _bench(lambda: mx_linear(x, p0.data, p0.scales, None))
+                row["mxq_w8a16_eager_us"] = _bench(lambda: mx_linear(x, *p0, None))
                 row["config"] = path_name(m, n, k, x.device)
                 flops = 2 * m * n * k
                 for key in ("mxq_w8a8", "mxq_w8a16", "cublas_bf16"):
@@ -154,7 +155,7 @@ def bench_gemm(models, ms, sweep: bool, sweep_ms=(1, 16, 64, 2048)) -> tuple[lis
                 print(_row_line(row), flush=True)
                 if sweep and model == "8b" and m in sweep_ms:
                     for cfg in _sweep_configs(m, n, k):
-                        tt = _try(None, [lambda p=p, cfg=cfg: G.mx_gemm(x, p.data, p.scales, None, config=cfg) for p in packs])
+                        tt = _try(None, [lambda p=p, cfg=cfg: G.mx_gemm(x, *p, None, config=cfg) for p in packs])
                         sweeps.append(dict(model=model, layer=layer, m=m, n=n, k=k, config=str(cfg), us=tt))
                         print(f"   {_fmt(tt):>8} {cfg}", flush=True)
             del packs, rows8, wbfs, w_deq, w_row8, t

@@ -30,7 +30,7 @@ import torch
 
 
 def _fp64_linear(
-    x, weight, weight_scale=None, bias=None, *, act_elem=None, act_rule="rceil", block_size=32
+    x, weight, weight_scale=None, bias=None, *, act_elem=None, act_rule="rceil", block_size=32, kernels=None
 ):
     from mxq.formats import MXTensor, fake_quantize_mx
     from mxq.kernels.reference import _elem_of
@@ -48,25 +48,36 @@ def _fp64_linear(
     return y.to(x.dtype)
 
 
-@contextlib.contextmanager
-def path(name: str):
-    """Route every MXLinear through one implementation for the duration of the block."""
-    import mxq.kernels as K
-    import mxq.kernels.dispatch as D
+_UNSET = object()
 
-    saved = (K.mx_linear, D.FORCE_REFERENCE)
+
+@contextlib.contextmanager
+def path(name: str, model):
+    """Route every MXLinear of ``model`` through one implementation for the duration of the block:
+    ``triton`` the dispatch's choice (``kernels`` as the model had it, default "auto"), ``reference``
+    ``mxq.set_kernels(model, "reference")``, ``reference_fp64`` the float64 product below."""
+    import mxq.kernels as K
+    from mxq.linear import MXLinear, set_kernels
+
+    # what set_kernels writes: each MXLinear's ``kernels``, every other module's ``mxq_kernels``
+    saved = [(m, "kernels" if isinstance(m, MXLinear) else "mxq_kernels") for m in model.modules()]
+    saved = [(m, attr, m.__dict__.get(attr, _UNSET)) for m, attr in saved]
+    fn = K.mx_linear
     try:
-        if name == "triton":
-            D.FORCE_REFERENCE = False
-        elif name == "reference":
-            D.FORCE_REFERENCE = True
+        if name == "reference":
+            set_kernels(model, "reference")
         elif name == "reference_fp64":
             K.mx_linear = _fp64_linear
-        else:
+        elif name != "triton":
             raise ValueError(f"unknown path {name!r}")
         yield
     finally:
-        K.mx_linear, D.FORCE_REFERENCE = saved
+        K.mx_linear = fn
+        for m, attr, value in saved:
+            if value is not _UNSET:
+                setattr(m, attr, value)
+            elif attr in m.__dict__:
+                delattr(m, attr)
 
 
 def check(model, windows, device: torch.device, paths=None) -> dict:
@@ -86,7 +97,7 @@ def check(model, windows, device: torch.device, paths=None) -> dict:
             for m in layers:
                 m.act = None
         for p in paths:
-            with path(p):
+            with path(p, model):
                 r = perplexity(model, windows=windows, progress=False)
             out[f"{variant}/{p}"] = r.ppl
             print(f"{variant:>12} {p:>15}: {r.ppl:.6f}", file=sys.stderr, flush=True)
@@ -95,8 +106,11 @@ def check(model, windows, device: torch.device, paths=None) -> dict:
     return out
 
 
+_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "float32": "float32",
+           "fp32": "float32"}  # fmt: skip
+
+
 def main(argv=None) -> int:
-    from mxq.cli_eval import _dtype
     from mxq.eval.data import load_texts
     from mxq.eval.perplexity import make_windows
     from mxq.models import load_model, resolve_device
@@ -106,12 +120,12 @@ def main(argv=None) -> int:
     p.add_argument("--dataset", default="pydoc")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--max-windows", type=int, default=4)
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     device = resolve_device(a.device)
-    model, tok = load_model(a.checkpoint, device=device, dtype=_dtype(a.dtype))
+    model, tok = load_model(a.checkpoint, device=device, dtype=getattr(torch, _DTYPES[a.dtype]))
     windows = make_windows(tok, load_texts(a.dataset), a.seq_len, None, a.max_windows)
     res = {"checkpoint": a.checkpoint, "dataset": a.dataset, "n_windows": windows.n_windows, "dtype": a.dtype,
            "device": str(device), "torch": torch.__version__, "ppl": check(model, windows, device)}  # fmt: skip

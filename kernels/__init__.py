@@ -1,13 +1,14 @@
 """Triton kernels for MXFP8 (importable as ``mxq.kernels``).
 
-Every kernel sits beside a torch reference of the same function; ``dispatch`` picks the
-implementation per device: native ``tl.dot_scaled`` on sm_100+, an exact emulation on
-sm_90, and the torch reference on CPU and wherever Triton is absent.
+Every kernel sits beside the torch reference of the function it computes (``reference``); a
+registry per function (``registry``) picks the kernel for each call: ``dispatch.LINEAR`` for the
+linear layers, the attention registries for MX attention. On a CPU, or where Triton is absent,
+the torch reference runs.
 
 API for the rest of mxq:
-- ``mx_linear(x, weight, weight_scale, bias, *, act_elem, act_rule, block_size)``;
-- ``pack_weight(weight, weight_scale)`` -> an object ``mx_linear(x, packed, None, ...)`` takes;
-- ``quantize_mx_rows(x, elem, rule, block_size)`` -> (fp8 data, uint8 scales), 1x32 along K.
+- ``mx_linear(x, weight, weight_scale, bias, *, act_elem, act_rule, block_size, kernels)``;
+- ``quantize_mx_rows(x, elem, rule, block_size)`` -> (fp8 data, uint8 scales), 1x32 along K;
+- ``check_kernels(spec)``: validates a ``kernels`` argument ("auto", "reference" or path names).
 """
 
 if __name__ != "mxq.kernels":
@@ -17,8 +18,9 @@ if __name__ != "mxq.kernels":
     # reports it absent instead of importing mxq half-way through transformers' own import.
     __file__ = None
 else:
-    from mxq.kernels.dispatch import HAS_TRITON, mx_linear, pack_weight
+    from mxq.kernels.dispatch import HAS_TRITON, mx_linear
     from mxq.kernels.reference import mx_linear_reference
+    from mxq.kernels.registry import check_kernels
 
     if HAS_TRITON:
         from mxq.kernels.quantize import fake_quantize_mx_rows, quantize_mx_rows
@@ -26,9 +28,9 @@ else:
         from mxq.kernels.reference import fake_quantize_mx_rows, quantize_mx_rows
 
 __all__ = [
+    "check_kernels",
     "fake_quantize_mx_rows",
     "mx_linear",
     "mx_linear_reference",
-    "pack_weight",
     "quantize_mx_rows",
 ]

@@ -1,9 +1,9 @@
 """Decode attention over the MXFP8 KV cache, warp-specialized (Gluon, Hopper sm_90).
 
-The same function as ``attention._decode_gqa_kernel`` (read ``attention``'s module doc first):
+The same function as ``attention_decode._decode_gqa_kernel`` (read ``attention_decode``'s module doc first):
 one query token per sequence, all query heads of a kv head in one program, the context split
 over programs (split-KV), scores and softmax in fp32, partial results merged by
-``attention._decode_merge_kernel``. What differs is the schedule, which plain Triton does not
+``attention_decode_common._decode_merge_kernel``. What differs is the schedule, which plain Triton does not
 let us write (kernels/NOTES.md, "Attention: decode fixed cost, the split merge": that kernel reaches ~65 % of DRAM bandwidth
 because each warp's loads wait behind its own per-tile instruction chain):
 
@@ -15,7 +15,7 @@ because each warp's loads wait behind its own per-tile instruction chain):
     Sᵀ[n, g] = Σ_j 2**ke[n, j] · cq[g, j] · Σ_{d in block j} k8[n, d] · qn[g, d]
   one wgmma per 32-wide D block. By default (``qk_fp8``) an fp8 wgmma (k32) with both operands in
   shared memory: the cache's K codes and the query's MX codes qn (cq = 2**scale), written by
-  ``attention.decode_query_blocks(codes=True)``; the tensor core sums the 32 exact products in
+  ``attention_decode_common.decode_query_blocks(codes=True)``; the tensor core sums the 32 exact products in
   fewer bits than fp32 (relative 2**-12 of Σ|products| at most). Otherwise K's codes are widened
   to fp16 in registers (the register operand) against qn normalized per block by a power of two
   (fp16-exact), fp32 sums. Then the online softmax in fp32 (log2 domain), P split into two fp16
@@ -27,7 +27,7 @@ because each warp's loads wait behind its own per-tile instruction chain):
 The query heads of a kv head sit in the N = 8 columns of the MMAs (M = keys or channels): up to
 8 query heads per kv head. Shapes taken: D in {64, 128}, the cache's paged V layout
 (``MXFP8CacheLayer``), contiguous cache tensors, no attention mask; others take
-``attention._decode_gqa_kernel``. The Triton interpreter cannot run Gluon: the CPU tests
+``attention_decode._decode_gqa_kernel``. The Triton interpreter cannot run Gluon: the CPU tests
 compile it for sm_90 (tests/test_sass_dev.py), the GPU tests compare it with the reference and
 with the Triton kernel.
 """
@@ -40,10 +40,18 @@ from dataclasses import dataclass
 import torch
 
 from mxq.formats import E4M3, ElemFormat, ScaleRule, as_elem_format, as_scale_rule
-from mxq.kernels.gemm_decode import split_counters
-from mxq.kernels.quantize import _capability, pdl_ok
-
 from mxq.kernels import gluon_api
+from mxq.kernels.attention_decode_common import (
+    DecodeProblem,
+    _decode_merge_kernel,
+    check_counters,
+    decode_problem,
+    decode_query_blocks,
+)
+from mxq.kernels.buffers import split_counters
+from mxq.kernels.launch import cdiv, next_pow2
+from mxq.kernels.quantize import pdl_ok
+from mxq.kernels.reference import hadamard_block
 
 HAVE_GLUON = gluon_api.PROBLEM is None  # the Gluon API as the kernels spell it (gluon_api)
 if HAVE_GLUON:
@@ -68,8 +76,7 @@ def _stub(*args, **kwargs):  # pragma: no cover
 
 
 if HAVE_GLUON:
-    from mxq.kernels.gemm_decode_ws import _gdc_wait  # griddepcontrol.wait (PDL)
-    from mxq.kernels.gemm_prefill_ws import _pow2  # E8M0 byte -> fp32 power of two
+    from mxq.kernels.common import gl_e8m0_to_f32, gl_gdc_wait
 
     @gluon.jit
     def _load_stage(k_desc, ks_desc, v_desc, vs_desc, k_smem, ks_smem, v_smem, vs_smem, bar, s, i, key0, page0,
@@ -103,7 +110,7 @@ if HAVE_GLUON:
             if i < n_iter:
                 _load_stage(k_desc, ks_desc, v_desc, vs_desc, k_smem, ks_smem, v_smem, vs_smem, ready.index(i), i, i,
                             key0, page0, BLOCK_N)  # fmt: skip
-        _gdc_wait()
+        gl_gdc_wait()
         mbarrier.expect(q_bar, q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem)
         for i in range(STAGES, n_iter):
@@ -127,7 +134,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _kscale(kw, cqj, j: gl.constexpr):
         """2**ke[n, j] · cq[g, j]: block j's factor for the scores [keys, heads]."""
-        return _pow2((kw >> (8 * j)) & 0xFF)[:, None] * cqj[None, :]
+        return gl_e8m0_to_f32((kw >> (8 * j)) & 0xFF)[:, None] * cqj[None, :]
 
     @gluon.jit
     def _vpage(v_page, p_smem, vs_flat, pg: gl.constexpr, key, L, zero, a_l: gl.constexpr, row_l: gl.constexpr,
@@ -136,7 +143,7 @@ if HAVE_GLUON:
         asynchronous (token, operand) and the page's channel scales 2**vs[c]."""
         D: gl.constexpr = zero.shape[0]
         va = v_page.load(a_l)
-        vf = _pow2(vs_flat.slice(pg * D, D).load(row_l).to(gl.int32))
+        vf = gl_e8m0_to_f32(vs_flat.slice(pg * D, D).load(row_l).to(gl.int32))
         if MASKED:  # keys past the context: zero values (the cache may hold anything there)
             kv = key + pg * 32 + gl.arange(0, 32, layout=gl.SliceLayout(0, a_l))
             va = gl.where((kv < L)[None, :], va.to(gl.float16), 0.0)
@@ -249,7 +256,7 @@ if HAVE_GLUON:
         m_i = gl.full([8], float("-inf"), gl.float32, col_l)
         DB: gl.constexpr = D // 32
         cq_base = cq_ptr + q_row * DB + gl.arange(0, 8, layout=col_l) * DB
-        _gdc_wait()  # cq comes from the query preparation
+        gl_gdc_wait()  # cq comes from the query preparation
         cq0 = gl.load(cq_base)
         cq1 = gl.load(cq_base + 1)
         cq2 = gl.load(cq_base + (2 % DB))
@@ -273,7 +280,7 @@ if HAVE_GLUON:
             optrs = out_ptr + out_off + offs_g[None, :] * stride_oh + offs_d[:, None]
             gl.store(optrs, o.to(out_ptr.dtype.element_ty), mask=omask)
         else:
-            rows = (ml_row + offs_g) * NSPLIT + split  # attention._decode_merge_kernel's rows
+            rows = (ml_row + offs_g) * NSPLIT + split  # _decode_merge_kernel's rows
             gl.store(ml_ptr + rows * 2, m_i, mask=gmask)
             gl.store(ml_ptr + rows * 2 + 1, l_i, mask=gmask)
             gl.store(acc_ptr + rows[None, :] * D + offs_d[:, None], acc, mask=omask)
@@ -287,7 +294,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _merge(ml_ptr, acc_ptr, out_ptr, ml_row, NSPLIT, out_off, stride_oh, D: gl.constexpr, GROUP_C: gl.constexpr,
                mma_l: gl.constexpr):  # fmt: skip
-        """The split-KV merge of ``attention._decode_merge_kernel`` for the GROUP_C query heads of one
+        """The split-KV merge of ``_decode_merge_kernel`` for the GROUP_C query heads of one
         kv head, in the decode kernel's last program: the largest m first, then Σ 2**(m_s - m)·acc_s
         and Σ 2**(m_s - m)·l_s in split order (whichever program is last: one result). Loads come 8
         (4) splits at a time, unrolled, so each group costs one L2 round trip, not one per split."""
@@ -432,19 +439,21 @@ def default_config(device: torch.device) -> DecodeAttnWSConfig:
     return DecodeAttnWSConfig()
 
 
+def supports(p: DecodeProblem) -> bool:
+    """The calls this kernel takes (module doc), whether or not a CUDA graph is being captured;
+    the rest go to the Triton decode kernel."""
+    return (
+        gluon_api.usable("attention_decode_ws") and not p.has_mask and p.paged and p.capability[0] == 9
+        and p.q_len == 1 and p.head_dim in (64, 128) and p.k_dim == p.head_dim and p.q_heads % p.kv_heads == 0
+        and p.q_heads // p.kv_heads <= GP and p.capacity % 32 == 0 and p.contiguous
+        and p.q_dtype in (torch.bfloat16, torch.float16, torch.float32)
+    )  # fmt: skip
+
+
 def takes(q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor, v_data: torch.Tensor,
           v_scale: torch.Tensor, attention_mask) -> bool:  # fmt: skip
-    """The calls this kernel takes (module doc); the rest go to the Triton decode kernel."""
-    if not gluon_api.usable("attention_decode_ws") or attention_mask is not None or v_data.dim() != 5:
-        return False
-    b, hq, sq, d = q.shape
-    hkv = k_data.shape[1]
-    return (
-        q.device.type == "cuda" and _capability(q.device)[0] == 9 and sq == 1 and d in (64, 128)
-        and k_data.shape[-1] == d and hq % hkv == 0 and hq // hkv <= GP and k_data.shape[2] % 32 == 0
-        and all(t.is_contiguous() for t in (k_data, k_scale, v_data, v_scale))
-        and q.dtype in (torch.bfloat16, torch.float16, torch.float32)
-    )  # fmt: skip
+    """``supports`` for the call with these arguments."""
+    return supports(decode_problem(q, k_data, k_scale, v_data, v_scale, attention_mask, capturing=False))
 
 
 def _gl_dtype(dt: torch.dtype):
@@ -480,14 +489,12 @@ def mx_attention_decode_ws(
     config: DecodeAttnWSConfig | None = None,
     counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``attention.mx_attention_decode`` (paged V, no mask) on a Hopper GPU: [B, Hq, 1, D] in q.dtype.
+    """``attention_decode.mx_attention_decode`` (paged V, no mask) on a Hopper GPU: [B, Hq, 1, D] in q.dtype.
 
     ``counters``: int32 zeros, >= B*Hkv of them, the fused merge's tickets (each call leaves them
     at zero; the cache layer owns one per layer). Without: the device's shared split-K tickets
-    (``gemm_decode.split_counters``), or, under CUDA-graph capture before those exist, the merge
+    (``buffers.split_counters``), or, under CUDA-graph capture before those exist, the merge
     kernel."""
-    from mxq.kernels import attention as A
-
     if not takes(q, k_data, k_scale, v_data, v_scale, None):
         raise ValueError(
             "mx_attention_decode_ws needs Gluon, a Hopper GPU, one query token, D in {64, 128}, <= 8 query heads per "
@@ -503,15 +510,15 @@ def mx_attention_decode_ws(
         raise ValueError(f"mx_attention_decode_ws: length {length} outside 1..{cap} (the cache's capacity)")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     if qk_rotation:
-        scale = scale / A.hadamard_block(d)
+        scale = scale / hadamard_block(d)
     bn = BLOCK_N
     want = max(1, cfg.programs // (b * hkv))
-    chunk = max(bn, A._cdiv(A._cdiv(length, want), bn) * bn)
-    nsplit = A._cdiv(length, chunk)
+    chunk = max(bn, cdiv(cdiv(length, want), bn) * bn)
+    nsplit = cdiv(length, chunk)
     pdl = cfg.pdl and pdl_ok(q.device)
     merge_pdl = cfg.merge_pdl and pdl_ok(q.device)
     qk_fp8 = cfg.qk_fp8 and k_data.dtype == torch.float8_e4m3fn and elem.mbits == 3  # E4M3 x E4M3 (the one tested)
-    qn, cq = A.decode_query_blocks(q, hkv, gp=GP, elem=elem, rule=rule, qk_rotation=qk_rotation, pdl=pdl, codes=qk_fp8,
+    qn, cq = decode_query_blocks(q, hkv, gp=GP, elem=elem, rule=rule, qk_rotation=qk_rotation, pdl=pdl, codes=qk_fp8,
                                    launch_pdl=cfg.prep_pdl)  # fmt: skip
     if out is None:
         out = torch.empty((b, 1, hq, d), dtype=q.dtype, device=q.device).transpose(1, 2)
@@ -521,7 +528,7 @@ def mx_attention_decode_ws(
             counters = split_counters(q.device, b * hkv)
             fused = counters is not None
         else:
-            A.check_counters(counters, b * hkv, q.device)
+            check_counters(counters, b * hkv, q.device)
     if nsplit > 1:
         work = torch.empty(b * hq * nsplit * (d + 2), dtype=torch.float32, device=q.device)
         acc = work[: b * hq * nsplit * d]
@@ -543,8 +550,8 @@ def mx_attention_decode_ws(
         num_warps=4, maxnreg=cfg.maxnreg, launch_pdl=pdl,
     )  # fmt: skip
     if nsplit > 1 and not fused:
-        A._decode_merge_kernel[(b * hq,)](
-            ml, acc, out, hq, d, nsplit, out.stride(0), out.stride(1), SPLIT_PAD=A._pow2(nsplit), BLOCK_D=d,
+        _decode_merge_kernel[(b * hq,)](
+            ml, acc, out, hq, d, nsplit, out.stride(0), out.stride(1), SPLIT_PAD=next_pow2(nsplit), BLOCK_D=d,
             PDL=merge_pdl, num_warps=4, launch_pdl=merge_pdl,
         )  # fmt: skip
     return out

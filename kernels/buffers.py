@@ -47,3 +47,28 @@ def persistent(make, device: torch.device) -> torch.Tensor | None:
     if isinstance(result[0], BaseException):
         raise result[0]
     return result[0]
+
+
+_COUNTERS: dict[int, torch.Tensor] = {}
+
+
+def split_counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """Zeroed int32 tickets (one per N tile) shared by every fused split-K launch on ``device``;
+    each launch leaves them at zero. Made outside any CUDA-graph memory pool (``persistent``); None
+    while a CUDA graph is being captured and none big enough exist yet: the caller then sums the
+    partials with the reduction kernel. A buffer that grows keeps the old one alive, since a
+    captured graph may still point at it. Launches on two streams at once must not share them
+    (one stream per device, as inference runs)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device() if device.type == "cuda" else -1
+    buf = _COUNTERS.get(idx)
+    if buf is None or buf.numel() < n:
+        fresh = persistent(lambda: torch.zeros(max(n, 4096), dtype=torch.int32, device=device), device)
+        if fresh is None:
+            return None
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = _COUNTERS[idx] = fresh
+    return buf
+
+
+_RETIRED: list[torch.Tensor] = []  # grown-out buffers a captured graph may still point at

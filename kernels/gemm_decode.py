@@ -1,7 +1,7 @@
 """W8A8 decode GEMM on fp8 tensor cores: Y [M, N] = MX(X) · dequant(W)ᵀ for small M (Hopper).
 
 The emulation in ``gemm.py`` converts every weight element to bf16 in registers before its
-wgmma: at decode sizes that conversion, not the weight stream, bounds the kernel (kernels/NOTES.md, GEMM sections,
+wgmma: at decode sizes that conversion, not the weight stream, bounds the kernel (kernels/NOTES.md, "GEMM: the bounds",
 H200, 2026-11-21). Here no weight element is converted. The MX block is 32 wide along K, and so
 is one fp8 wgmma (k32), so each 32-block's product is one MMA of raw fp8 bytes:
 
@@ -37,16 +37,16 @@ import triton
 import triton.language as tl
 
 from mxq.formats import E4M3, ElemFormat, ScaleRule
-from mxq.kernels.buffers import persistent
-from mxq.kernels.gemm import (
+from mxq.kernels.buffers import split_counters
+from mxq.kernels.common import (
     INTERPRET,
-    _check_gemm_args,
-    _e8m0_to_f32,
-    _operands_and_output,
-    _sm_count,
-    _split_k_finish,
-    _split_k_plan,
-    _tma,
+    check_gemm_args,
+    e8m0_to_f32,
+    operands_and_output,
+    sm_count,
+    split_k_finish,
+    split_k_plan,
+    tma_or_pointer,
 )
 from mxq.kernels.quantize import (
     _RULE_ID,
@@ -126,7 +126,7 @@ def _mx_decode_f8_kernel(
                 x = tl.load(x_ptrs + (i * KB + j) * BS, mask=kmask[None, :], other=0.0)
             if QX:  # X already MX (quantizer launch): its fp8 tile goes to the MMA as loaded
                 q = x
-                sxs = sxs + (_e8m0_to_f32((xcur >> (8 * j)) & 0xFF),)
+                sxs = sxs + (e8m0_to_f32((xcur >> (8 * j)) & 0xFF),)
             else:
                 # X's block to MX: the exponent from the amax bits, the elements rounded to fp8.
                 xf = tl.reshape(x.to(tl.float32), (BLOCK_M, 1, BS))
@@ -140,10 +140,10 @@ def _mx_decode_f8_kernel(
             ps = ps + (tl.dot(w, tl.trans(q), out_dtype=tl.float32),)  # [BLOCK_N, BLOCK_M], raw fp8 bytes
         for j in tl.static_range(KB):
             if S32:
-                sw = _e8m0_to_f32((cur >> (8 * j)) & 0xFF)
+                sw = e8m0_to_f32((cur >> (8 * j)) & 0xFF)
             else:
                 k = k_lo + (i * KB + j) * BS
-                sw = _e8m0_to_f32(tl.load(s_ptrs + i * KB + j, mask=(k < k_hi) & (offs_n >= 0), other=127))
+                sw = e8m0_to_f32(tl.load(s_ptrs + i * KB + j, mask=(k < k_hi) & (offs_n >= 0), other=127))
             acc += (ps[j] * sw[:, None]) * sxs[j][None, :]
 
     nmask = offs_n < N
@@ -185,31 +185,6 @@ class DecodeF8Config:
 
 # Largest M on this path (W8A8 decode); the MMA's N side is max(16, next_pow2(M)).
 DECODE_F8_MAX_M = 64
-_COUNTERS: dict[int, torch.Tensor] = {}
-
-
-def split_counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """Zeroed int32 tickets (one per N tile) shared by every fused split-K launch on ``device``;
-    each launch leaves them at zero. Made outside any CUDA-graph memory pool (``buffers``); None
-    while a CUDA graph is being captured and none big enough exist yet: the caller then sums the
-    partials with the reduction kernel. A buffer that grows keeps the old one alive, since a
-    captured graph may still point at it. Launches on two streams at once must not share them
-    (one stream per device, as inference runs)."""
-    idx = device.index if device.index is not None else torch.cuda.current_device() if device.type == "cuda" else -1
-    buf = _COUNTERS.get(idx)
-    if buf is None or buf.numel() < n:
-        fresh = persistent(lambda: torch.zeros(max(n, 4096), dtype=torch.int32, device=device), device)
-        if fresh is None:
-            return None
-        if buf is not None:
-            _RETIRED.append(buf)
-        buf = _COUNTERS[idx] = fresh
-    return buf
-
-
-_RETIRED: list[torch.Tensor] = []
-
-
 def pick_decode_f8_config(m: int, n: int, k: int, device: torch.device) -> DecodeF8Config:
     """Tiles from the shape alone (H200 sweeps, kernels/NOTES.md, "GEMM: W8A8 decode on fp8 tensor cores"). X quantized first;
     K split into the most pieces (<= 16, a power of two) that keep >= 8 steps of 128 per split
@@ -217,7 +192,7 @@ def pick_decode_f8_config(m: int, n: int, k: int, device: torch.device) -> Decod
     when that is at most one program per SM (8B o: 17.5 -> 13.1 µs), else 2 (more programs fit)."""
     if INTERPRET or device.type != "cuda":
         return DecodeF8Config(block_n=64, kb=4, split_k=2 if k >= 256 else 1, tma_w=False, quant_x=True)
-    sms = _sm_count(device)
+    sms = sm_count(device)
     block_n, kb = 128, 4
     tiles = triton.cdiv(n, block_n)
     steps = triton.cdiv(k, kb * 32)
@@ -246,21 +221,21 @@ def mx_decode_gemm(
     or (``config.quant_x``, and always for ScaleRule.MSE) by ``quantize.quantize_mx_rows`` first,
     whose fp8 tiles then go to the MMA as loaded.
     """
-    m, k = _check_gemm_args(x, weight, weight_scale, bias, block_size)
+    m, k = check_gemm_args(x, weight, weight_scale, bias, block_size)
     n = weight.shape[0]
     if block_size != 32:
         raise ValueError(f"mx_decode_gemm needs block_size=32 (one fp8 MMA per block), got {block_size}")
     if m > DECODE_F8_MAX_M:
         raise ValueError(f"mx_decode_gemm is for M <= {DECODE_F8_MAX_M}, got M={m}")
-    x, weight, weight_scale, y, done = _operands_and_output(x, weight, weight_scale, bias, out_dtype, n)
+    x, weight, weight_scale, y, done = operands_and_output(x, weight, weight_scale, bias, out_dtype, n)
     if done:
         return y
     cfg = config or pick_decode_f8_config(m, n, k, x.device)
-    split, k_split, even_k, ws = _split_k_plan(y, k, cfg.split_k, cfg.kb * block_size)
+    split, k_split, even_k, ws = split_k_plan(y, k, cfg.split_k, cfg.kb * block_size)
     tiles = triton.cdiv(n, cfg.block_n)
     counters = split_counters(x.device, tiles) if split > 1 and cfg.fused else None
     fused = counters is not None
-    tma_w, w_arg = _tma(weight, [cfg.block_n, block_size], cfg.tma_w)
+    tma_w, w_arg = tma_or_pointer(weight, [cfg.block_n, block_size], cfg.tma_w)
     # Scales as one int32 word per row and step where every step's bytes are whole aligned words.
     s32 = cfg.kb == 4 and even_k and weight_scale.stride(0) % 4 == 0 and weight_scale.data_ptr() % 4 == 0
     qx = (cfg.quant_x or act_rule is ScaleRule.MSE) and s32
@@ -282,5 +257,5 @@ def mx_decode_gemm(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split > 1 and not fused:
-        _split_k_finish(ws, y, bias, split)
+        split_k_finish(ws, y, bias, split)
     return y

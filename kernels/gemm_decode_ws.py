@@ -42,19 +42,19 @@ from dataclasses import dataclass
 import torch
 
 from mxq.formats import E4M3, ElemFormat, ScaleRule, as_elem_format, as_scale_rule
-from mxq.kernels import tune
-from mxq.kernels.gemm import (
-    _check_gemm_args,
-    _operands_and_output,
-    _sm_count,
-    _split_k_finish,
+from mxq.kernels import gluon_api, launch, tune
+from mxq.kernels.buffers import split_counters
+from mxq.kernels.common import (
+    capability,
+    check_gemm_args,
+    operands_and_output,
+    sm_count,
+    split_k_finish,
     split_k_sizes,
 )
-from mxq.kernels.gemm_decode import split_counters
-from mxq.kernels.launch import FAST, Launch, PlanCache, cdiv, descriptor
+from mxq.kernels.launch import Launch, PlanCache, cdiv, descriptor
 from mxq.kernels.quantize import (
     _RULE_ID,
-    _capability,
     _mx_fast_exponent,
     _mx_scaled,
     hw_cvt,
@@ -63,10 +63,9 @@ from mxq.kernels.quantize import (
     quantize_launch,
 )
 
-from mxq.kernels import gluon_api
-
 HAVE_GLUON = gluon_api.PROBLEM is None  # the Gluon API as the kernels spell it (gluon_api)
 if HAVE_GLUON:
+    from mxq.kernels.common import gl_e8m0_to_f32, gl_gdc_wait
     from mxq.kernels.gluon_api import (
         TensorDescriptor,
         fence_async_shared,
@@ -93,17 +92,8 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _e8m0(word, j: gl.constexpr):
-        """Byte j of each int32 scale word -> fp32 2**(byte-127); 0 -> 2**-127, 255 -> NaN."""
-        si = (word >> (8 * j)) & 0xFF
-        f = (si << 23).to(gl.float32, bitcast=True)
-        f = gl.where(si == 0, 5.877471754111438e-39, f)
-        return gl.where(si == 255, float("nan"), f)
-
-    @gluon.jit
-    def _gdc_wait():
-        """Wait for the kernel this one was launched behind (programmatic dependent launch: the
-        X quantizer) to finish and its writes to be visible; a no-op without PDL."""
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        """Byte j of each int32 scale word -> fp32 2**(byte-127) (``common.gl_e8m0_to_f32``)."""
+        return gl_e8m0_to_f32((word >> (8 * j)) & 0xFF)
 
     @gluon.jit
     def _x_step(x_ptr, rows3, cols3, mmask3, k0, K):
@@ -173,7 +163,7 @@ if HAVE_GLUON:
                 for j in gl.static_range(NBOX):
                     tma.async_copy_global_to_shared(w_desc, [n0, k_lo + i * 128 + j * BOX], ready.index(i), w_smem.index(i * NBOX + j))
         if not FUSE_X:
-            _gdc_wait()
+            gl_gdc_wait()
             for i in gl.static_range(STAGES):
                 if i < n_iter:
                     for j in gl.static_range(NBOX):
@@ -235,7 +225,7 @@ if HAVE_GLUON:
         xs_ptrs = xs_ptr + offs_m * stride_xsm4 + w0
         zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_l)
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_l)
-        _gdc_wait()  # the X scales below come from the quantizer
+        gl_gdc_wait()  # the X scales below come from the quantizer
 
         mbarrier.wait(ready.index(0), 0)
         q0, q1, q2, q3 = _issue(w_smem, x_smem, 0, 0, zero, BOX)
@@ -398,7 +388,7 @@ class DecodeWSConfig:
     # first weight tiles, then waits for X (griddepcontrol). Off: the two launches serialize.
     pdl: bool = True
     # X quantized inside the math warpgroup (one launch, no quantizer): the amax scale rules with
-    # the hardware fp8 conversion and box 128; ScaleRule.MSE or MXQ_BIT_ROUNDING=1 keep the
+    # the hardware fp8 conversion and box 128; ScaleRule.MSE or ``quantize.BIT_ROUNDING`` keep the
     # quantizer kernel (and ``pdl``). Faster only where the launch is a large part of the call
     # (``pick_decode_ws_config``): elsewhere the quantization on the math warpgroup's critical
     # path costs more than the quantizer that PDL hides (kernels/NOTES.md, "GEMM: decode fixed cost").
@@ -416,7 +406,7 @@ def takes(m: int, k: int, block_size: int) -> bool:
 
 def ws_supported(m: int, k: int, block_size: int, device: torch.device) -> bool:
     """``takes`` on a Hopper GPU (wgmma)."""
-    return takes(m, k, block_size) and device.type == "cuda" and _capability(device)[0] == 9
+    return takes(m, k, block_size) and device.type == "cuda" and capability(device)[0] == 9
 
 
 def _split_rule(n: int, k: int, block_n: int, per_sm: int, sms: int) -> int:
@@ -436,7 +426,7 @@ def rule_decode_ws_config(m: int, n: int, k: int, device: torch.device) -> Decod
     quantized inside the kernel (``fuse_x``) for weights of at most 2**24 elements, where the
     second launch weighs most (H200, 2026-11-21: 8B o +1-8 %; 8B qkv ties; larger weights lose
     2-13 %)."""
-    split = _split_rule(n, k, 128, 2, _sm_count(device))
+    split = _split_rule(n, k, 128, 2, sm_count(device))
     return DecodeWSConfig(block_n=128, stages=2, split_k=split, box=128, fuse_x=n * k <= 1 << 24)
 
 
@@ -456,7 +446,7 @@ def decode_ws_candidates(m: int, n: int, k: int, device: torch.device) -> list[D
     """The configs ``mxq tune`` times for this shape, the rule's first: the 64-row tiles above, the
     rule with half its K split, and the rule with ``fuse_x`` flipped."""
     base = rule_decode_ws_config(m, n, k, device)
-    sms = _sm_count(device)
+    sms = sm_count(device)
     out = [base]
     for bn, reg, st in _TILE_CANDIDATES:
         split = _split_rule(n, k, bn, 65536 // (256 * reg), sms)
@@ -500,10 +490,10 @@ def mx_decode_gemm_ws(
         None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.data_ptr() & 15),
         getattr(act_elem, "name", act_elem), act_rule, out_dtype, config, block_size, pdl_ok(dev), hw_cvt(dev),
     )  # fmt: skip
-    plan = _PLANS.get(key) if FAST else None
+    plan = _PLANS.get(key) if launch.FAST else None
     if plan is None:
         plan = _WSPlan(x, weight, weight_scale, bias, act_elem, act_rule, out_dtype, config, block_size)
-        if FAST:
+        if launch.FAST:
             _PLANS.put(key, plan)
     return plan(x, weight, weight_scale, bias)
 
@@ -516,7 +506,7 @@ class _WSPlan:
     and layouts, the quantizer's and the GEMM's launches. Holds no tensor (plans outlive models)."""
 
     def __init__(self, x, weight, weight_scale, bias, act_elem, act_rule, out_dtype, config, block_size):
-        m, k = _check_gemm_args(x, weight, weight_scale, bias, block_size)
+        m, k = check_gemm_args(x, weight, weight_scale, bias, block_size)
         n = weight.shape[0]
         if not ws_supported(m, k, block_size, x.device):
             raise ValueError(
@@ -569,7 +559,7 @@ class _WSPlan:
     def __call__(self, x, weight, weight_scale, bias):
         m, n, k = self.m, self.n, self.k
         if self.trivial:
-            return _operands_and_output(x, weight, weight_scale, bias, self.out_dtype, n)[3]
+            return operands_and_output(x, weight, weight_scale, bias, self.out_dtype, n)[3]
         if self.copy_x:
             x = x.contiguous()
         if self.copy_w:
@@ -599,5 +589,5 @@ class _WSPlan:
             m, n, k, self.k_split, x.stride(0), s32.stride(0), xs32.stride(0), n,
         )  # fmt: skip
         if self.split > 1 and not fused:
-            _split_k_finish(ws, y, bias, self.split)
+            split_k_finish(ws, y, bias, self.split)
         return y

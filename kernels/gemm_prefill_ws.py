@@ -1,39 +1,25 @@
-"""MX GEMM for prefill (large M) on Hopper, warp-specialized (Gluon, sm_90): two kernels.
-
-``_mx_prefill_rs_kernel`` (``PrefillRSConfig``; dispatched on Hopper at M >= 1024, dispatch.py):
-a loader warp streams X [256, 64] bf16, W [128, 64] fp8 and the step's scales through a 4-stage
-TMA ring; two MMA warpgroups (64 weight rows each) turn their fp8 rows into bf16 · 2**scale in
-registers (byte moves + two exact bf16 products, ``_rs_block``) and issue wgmmas with that as the
-left operand (Yᵀ = W·Xᵀ), converting step i+1 while step i's wgmmas run, and issuing step i+1
-before waiting for step i (the loop unrolled by two, two operand register sets taking turns, so
-no in-flight operand is copied at the back edge: ptxas would let the copy overwrite registers a
-running wgmma reads, kernels/NOTES.md, "GEMM: the register-operand prefill kernel" to "GEMM: prefill with one K step in flight and split MMA warpgroups"). ``persistent=True`` walks tiles per
-program instead (tested, measured slower).
-
-``_mx_prefill_ws_kernel`` (``PrefillWSConfig``, H100, 2026-11-21, not dispatched: slower) is described
-below.
+"""MX GEMM for prefill (large M) on Hopper, warp-specialized (Gluon, sm_90).
 
 The same function as ``gemm._mx_gemm_kernel`` (read its module doc first): Y = X · dequant(W)ᵀ
 with X in bf16 (W8A8 callers round X to MX first, exactly, into bf16) and each weight element
 converted to bf16 as fp8 · 2**scale (exact: four significant bits), products summed in fp32 by
-bf16 wgmma. What differs is where the conversion runs. In ``_mx_gemm_kernel`` each consumer
-warpgroup converts its own weight tile into the registers of a register-operand wgmma, so the
-conversion and the MMAs of one warpgroup take turns (H200: 0.69-0.85x cuBLAS bf16 at M >= 2048,
-kernels/NOTES.md, "GEMM, first pass: outcomes" to "GEMM: the wgmma register hazard and the pipelined prefill loop"). Here three kinds of warps run side by side:
+bf16 wgmma. What differs is the schedule, which plain Triton cannot express:
 
-- a **loader warp** streams X tiles [BLOCK_M, BLOCK_K] (bf16) and fp8 weight tiles
-  [BLOCK_N, BLOCK_K] through a ring of shared-memory stages with TMA and mbarriers;
-- a **converter warpgroup** turns each fp8 weight tile into bf16 (times its power-of-two
-  scales, which come through the ring too, transposed: ``scales_kn``) in a second, triple-buffered
-  shared-memory tile in the swizzled layout wgmma reads;
-- two **MMA warpgroups** (the default partition) run shared x shared bf16 wgmmas, one step in
-  flight while they wait for the next, as cuBLAS does; the conversion is off their path.
+- a **loader warp** streams X [256, 64] bf16, W [128, 64] fp8 and the step's scales (transposed:
+  ``scales_kn``) through a 4-stage TMA ring with mbarriers;
+- two **MMA warpgroups** (64 weight rows each, two partitions that release their ring stages
+  independently) turn their fp8 rows into bf16 · 2**scale in registers (byte moves + two exact
+  bf16 products, ``_rs_block``) and issue wgmmas with that as the left operand (Yᵀ = W·Xᵀ),
+  converting step i+1 while step i's wgmmas run and issuing step i+1 before waiting for step i.
+  The loop is unrolled by two with two operand register sets taking turns, so no operand of an
+  in-flight wgmma is copied at the back edge (ptxas would let the copy overwrite registers a
+  running wgmma reads; kernels/NOTES.md, "GEMM: the register-operand prefill kernel").
 
-A weight element is converted once per program and used by BLOCK_M = 256 rows of X, so the
-converter is busy ~1/4 of the MMA time. Shapes: any M, N; K % 32 == 0 (MX block 32; the ragged
-last step is zero-filled by TMA, its scales masked); X bf16 with 16-byte rows. Needs Gluon
-(Triton >= 3.5) and a Hopper GPU; the Triton interpreter cannot run Gluon, so CPU tests compile
-it for sm_90 (tests/test_sass_dev.py) and GPU tests compare it with the torch reference.
+Shapes: any M, N; K % 32 == 0 (MX block 32; the ragged last step is zero-filled by TMA, its
+scales masked); X bf16 with 16-byte rows. Dispatched on Hopper at M >= 1024 where the 256 x 128
+tiles fill the SMs (``dispatch``). Needs Gluon (``gluon_api``) and a Hopper GPU; the Triton
+interpreter cannot run Gluon, so CPU tests compile it for sm_90 (tests/test_sass_dev.py) and GPU
+tests compare it with the torch reference.
 """
 
 from __future__ import annotations
@@ -46,15 +32,13 @@ import triton
 
 from mxq.kernels import gluon_api
 from mxq.kernels.buffers import persistent
-from mxq.kernels.gemm import _check_gemm_args, _operands_and_output, _sm_count
+from mxq.kernels.common import capability, check_gemm_args, fp8_bits_asm, operands_and_output
 from mxq.kernels.launch import Launch, PlanCache, cdiv, descriptor
-from mxq.kernels.quantize import _capability
 
 HAVE_GLUON = gluon_api.PROBLEM is None  # the Gluon API as the kernels spell it (gluon_api)
 if HAVE_GLUON:
     from mxq.kernels.gluon_api import (
         TensorDescriptor,
-        fence_async_shared,
         gl,
         gluon,
         mbarrier,
@@ -70,41 +54,15 @@ def _stub(*args, **kwargs):  # pragma: no cover
     raise RuntimeError("gemm_prefill_ws needs Gluon (triton >= 3.5)")
 
 
-
-
-def _bits_asm(shift: int, mask: int) -> str:
-    """PTX for ``_fp8_bits_bf16``: two fp8 codes (bits 0-15 of $1) -> two bf16 patterns in $0:
-    each code's byte moved to the top of its 16-bit half, the sign kept, the other 7 bits shifted
-    right by ``shift`` into the exponent/mantissa fields (``mask``)."""
-    return f"""{{
-    .reg .b32 t, u;
-    prmt.b32 t, $1, 0, 0x1404;
-    shr.b32 u, t, {shift};
-    and.b32 u, u, {mask:#010x};
-    and.b32 t, t, 0x80008000;
-    or.b32 $0, t, u;
-    }}"""
-
-
 if HAVE_GLUON:
-    _BITS_E4M3 = gl.constexpr(_bits_asm(4, 0x07F007F0))  # (code & 0x7F) << 4: x · 2**-120
-    _BITS_E5M2 = gl.constexpr(_bits_asm(3, 0x0FE00FE0))  # (code & 0x7F) << 5: x · 2**-112
-
-    @gluon.jit
-    def _pow2(sb):
-        """E8M0 bytes (int32) -> fp32 2**(byte-127); 0 -> 2**-127, 255 -> NaN (mxq.formats)."""
-        f = (sb << 23).to(gl.float32, bitcast=True)
-        f = gl.where(sb == 0, 5.877471754111438e-39, f)
-        return gl.where(sb == 255, float("nan"), f)
+    _BITS_E4M3 = gl.constexpr(fp8_bits_asm(4, 0x07F007F0))  # (code & 0x7F) << 4: x · 2**-120
+    _BITS_E5M2 = gl.constexpr(fp8_bits_asm(3, 0x0FE00FE0))  # (code & 0x7F) << 5: x · 2**-112
 
     @gluon.jit
     def _tile_coords(M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP: gl.constexpr):
-        """This program's tile (one tile per program)."""
-        return _tile_of(gl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP)
-
-    @gluon.jit
-    def _tile_of(pid, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP: gl.constexpr):
-        """Grouped order: GROUP row tiles of X walk the same weight columns (L2 reuse of W)."""
+        """This program's tile, in grouped order: GROUP row tiles of X walk the same weight columns
+        (L2 reuse of W)."""
+        pid = gl.program_id(0)
         tiles_m = gl.cdiv(M, BLOCK_M)
         tiles_n = gl.cdiv(N, BLOCK_N)
         per_group = GROUP * tiles_n
@@ -113,77 +71,6 @@ if HAVE_GLUON:
         pid_m = first_m + (pid % per_group) % rows
         pid_n = (pid % per_group) // rows
         return pid_m * BLOCK_M, pid_n * BLOCK_N
-
-    @gluon.jit
-    def _loader(x_desc, w_desc, s_desc, x_smem, w8_smem, s_smem, wb_smem, ready, empty, wready, wempty,
-                off_m, off_n, n_k, STAGES: gl.constexpr, WBUF: gl.constexpr):  # fmt: skip
-        """Loader warp of the shared x shared kernel: ``_ring_loader`` (the workers share one argument tuple)."""
-        _ring_loader(x_desc, w_desc, s_desc, x_smem, w8_smem, s_smem, ready, empty, off_m, off_n, n_k, STAGES)
-
-    @gluon.jit
-    def _converter(x_desc, w_desc, s_desc, x_smem, w8_smem, s_smem, wb_smem, ready, empty, wready, wempty,
-                   off_m, off_n, n_k, STAGES: gl.constexpr, WBUF: gl.constexpr):  # fmt: skip
-        """Converter warpgroup: fp8 W tile -> bf16 · 2**scale, one 32-column MX block at a time.
-        Scales come through the ring with the tile (TMA): no global load is in flight at the
-        fence below, which would wait for it (MEMBAR.ALL.CTA)."""
-        gl.static_assert(w_desc.block_type.shape[1] == 64, "the converter takes 64-wide K steps (2 MX blocks)")
-        # 16 contiguous K bytes per thread (one 16-byte shared load; one scale per thread and row)
-        cv_l: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0])
-        for i in range(n_k):
-            s = i % STAGES
-            c = i % WBUF
-            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-            mbarrier.wait(wempty.index(c), ((i // WBUF) & 1) ^ 1)
-            _convert_block(w8_smem.index(s), s_smem.index(s), wb_smem.index(c), 0, cv_l)
-            _convert_block(w8_smem.index(s), s_smem.index(s), wb_smem.index(c), 1, cv_l)
-            # generic-proxy shared writes (and the fp8 reads) ordered before the async proxy
-            # (the MMA warps' wgmma, the loader's next TMA into this stage)
-            fence_async_shared()
-            mbarrier.arrive(wready.index(c))
-            mbarrier.arrive(empty.index(s))
-
-    @gluon.jit
-    def _convert_block(w8_tile, s_tile, wb_tile, j: gl.constexpr, cv_l: gl.constexpr):
-        """MX block j (32 K-columns) of a weight tile: bf16(fp8 · 2**scale), exact."""
-        w = w8_tile.slice(j * 32, 32, dim=1).load(cv_l)
-        # row j of the [2, BLOCK_N] scale tile, spread over N as the rows of cv_l are (so the
-        # convert below is free: lane bit 0, the K half, is a broadcast)
-        sl: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [1, 4], [0, 1])
-        sb = gl.sum(s_tile.slice(j, 1, dim=0).load(sl).to(gl.int32), axis=0)
-        f = _pow2(gl.convert_layout(sb, gl.SliceLayout(1, cv_l)))
-        wb_tile.slice(j * 32, 32, dim=1).store((w.to(gl.float32) * f[:, None]).to(gl.bfloat16))
-
-    @gluon.jit
-    def _mma(x_smem, wb_smem, ready, empty, wready, wempty, b_ptr, y_ptr, M, N, stride_ym, off_m, off_n, n_k,
-             STAGES: gl.constexpr, WBUF: gl.constexpr, HAS_BIAS: gl.constexpr, NUM_WARPS: gl.constexpr):  # fmt: skip
-        """MMA warpgroups: acc [BLOCK_M, BLOCK_N] += X tile · bf16 W tileᵀ, one wgmma in flight."""
-        BLOCK_M: gl.constexpr = x_smem.type.shape[1]
-        BLOCK_N: gl.constexpr = wb_smem.type.shape[1]
-        acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_N, 16])
-        zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_l)
-        mbarrier.wait(ready.index(0), 0)
-        mbarrier.wait(wready.index(0), 0)
-        acc = warpgroup_mma(x_smem.index(0), wb_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # no wait (one in flight); a tensor for the loop
-        for i in range(1, n_k):
-            s = i % STAGES
-            c = i % WBUF
-            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-            mbarrier.wait(wready.index(c), (i // WBUF) & 1)
-            acc = warpgroup_mma(x_smem.index(s), wb_smem.index(c).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            # step i-1's wgmma has retired: its X stage and bf16 W buffer go back
-            mbarrier.arrive(empty.index((i - 1) % STAGES))
-            mbarrier.arrive(wempty.index((i - 1) % WBUF))
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-
-        offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_l))
-        offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_l))
-        nmask = offs_n < N
-        if HAS_BIAS:
-            acc += gl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(gl.float32)[None, :]
-        mask = (offs_m < M)[:, None] & nmask[None, :]
-        gl.store(y_ptr + offs_m.to(gl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
     @gluon.jit
     def _fp8_bits_bf16(v, MSH: gl.constexpr):
@@ -202,35 +89,32 @@ if HAVE_GLUON:
         return ((e + 127) << 7).to(gl.int16).to(gl.bfloat16, bitcast=True)
 
     @gluon.jit
-    def _rs_block(w8_tile, s_flat, j: gl.constexpr, a_l: gl.constexpr, DEQ_BITS: gl.constexpr, ROW0: gl.constexpr):
+    def _rs_block(w8_tile, s_flat, j: gl.constexpr, a_l: gl.constexpr, ROW0: gl.constexpr):
         """MX block j (32 K-columns) of the weight tile as the wgmma's register operand:
         bf16(fp8) · 2**scale in bf16 (exact: a power-of-two product of a 4-bit significand).
 
-        DEQ_BITS: the fp8 byte's sign and exponent-mantissa bits moved into a bf16 pattern (E4M3:
+        The fp8 byte's sign and exponent-mantissa bits are moved into a bf16 pattern (E4M3:
         x · 2**-120, E5M2: x · 2**-112, subnormal codes included, as bf16 has the exponent range),
         then two exact bf16 products restore 2**(scale - 127) (one would overflow the bf16
-        exponent for scale bytes above 134). Else Triton's fp8 -> bf16 conversion (a quarter-rate
-        F2F per element on sm_90) and one product."""
+        exponent for scale bytes above 134). Triton's fp8 -> bf16 conversion instead costs a
+        quarter-rate F2F per element on sm_90."""
         ROWS: gl.constexpr = w8_tile.type.shape[0]  # this warpgroup's rows, from ROW0 of the program's tile
         BLOCK_W: gl.constexpr = s_flat.type.shape[0] // 2
         w = w8_tile.slice(j * 32, 32, dim=1).load(a_l)
         sb = s_flat.slice(j * BLOCK_W + ROW0, ROWS).load(gl.SliceLayout(1, a_l)).to(gl.int32)
-        if DEQ_BITS:
-            E5: gl.constexpr = w8_tile.dtype == gl.float8e5
-            SHIFT: gl.constexpr = 112 if E5 else 120
-            MSH: gl.constexpr = 5 if E5 else 4
-            wb = _fp8_bits_bf16(w.to(gl.uint8, bitcast=True), MSH)
-            e = sb - 127 + SHIFT
-            e_lo = gl.minimum(e, 127)
-            f_hi = gl.where(sb == 255, float("nan"), _bf16_exp2(e - e_lo).to(gl.float32)).to(gl.bfloat16)
-            return wb * _bf16_exp2(e_lo)[:, None] * f_hi[:, None]
-        else:
-            return w.to(gl.bfloat16) * _pow2(sb).to(gl.bfloat16)[:, None]  # powers of two: exact in bf16
+        E5: gl.constexpr = w8_tile.dtype == gl.float8e5
+        SHIFT: gl.constexpr = 112 if E5 else 120
+        MSH: gl.constexpr = 5 if E5 else 4
+        wb = _fp8_bits_bf16(w.to(gl.uint8, bitcast=True), MSH)
+        e = sb - 127 + SHIFT
+        e_lo = gl.minimum(e, 127)
+        f_hi = gl.where(sb == 255, float("nan"), _bf16_exp2(e - e_lo).to(gl.float32)).to(gl.bfloat16)
+        return wb * _bf16_exp2(e_lo)[:, None] * f_hi[:, None]
 
     @gluon.jit
     def _ring_loader(x_desc, w_desc, s_desc, x_smem, w8_smem, s_smem, ready, empty, off_m, off_n, n_k,
                      STAGES: gl.constexpr):  # fmt: skip
-        """Loader warp (both kernels, one tile per program): ``_ring_fill`` from ring step 0."""
+        """Loader warp: ``_ring_fill`` of this program's tile from ring step 0."""
         _ring_fill(x_desc, w_desc, s_desc, x_smem, w8_smem, s_smem, ready, empty, off_m, off_n, n_k, 0, STAGES)
 
     @gluon.jit
@@ -253,21 +137,7 @@ if HAVE_GLUON:
             tma.async_copy_global_to_shared(s_desc, [i * (BLOCK_K // 32), off_n], bar, s_smem.index(s))
 
     @gluon.jit
-    def _rs_loader_tiles(x_desc, w_desc, s_desc, x_smem, w8_smem, s_smem, ready, empty, M, N, n_k,
-                         GROUP: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-        """Loader warp of the persistent kernel: the program's tiles one after another through one
-        ring, so the next tile's first stages load while the MMA warps store the last one."""
-        BLOCK_X: gl.constexpr = x_desc.block_type.shape[0]
-        BLOCK_W: gl.constexpr = w_desc.block_type.shape[0]
-        n_tiles = gl.cdiv(M, BLOCK_X) * gl.cdiv(N, BLOCK_W)
-        base = 0
-        for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-            off_m, off_n = _tile_of(tile, M, N, BLOCK_X, BLOCK_W, GROUP)
-            _ring_fill(x_desc, w_desc, s_desc, x_smem, w8_smem, s_smem, ready, empty, off_m, off_n, n_k, base, STAGES)
-            base += n_k
-
-    @gluon.jit
-    def _rs_operands(w8_smem, s_smem, r, a_l: gl.constexpr, DEQ_BITS: gl.constexpr, ROW0: gl.constexpr,
+    def _rs_operands(w8_smem, s_smem, r, a_l: gl.constexpr, ROW0: gl.constexpr,
                      ROWS: gl.constexpr, ready, STAGES: gl.constexpr):  # fmt: skip
         """Ring step r's two MX blocks of this warpgroup's weight rows as wgmma register operands
         (waits for the stage to be loaded)."""
@@ -277,7 +147,7 @@ if HAVE_GLUON:
         mbarrier.wait(ready.index(s), (r // STAGES) & 1)
         s_flat = s_smem.index(s)._reinterpret(gl.uint8, [2 * BLOCK_W], flat_l)
         w8 = w8_smem.index(s).slice(ROW0, ROWS, dim=0)
-        return _rs_block(w8, s_flat, 0, a_l, DEQ_BITS, ROW0), _rs_block(w8, s_flat, 1, a_l, DEQ_BITS, ROW0)
+        return _rs_block(w8, s_flat, 0, a_l, ROW0), _rs_block(w8, s_flat, 1, a_l, ROW0)
 
     @gluon.jit
     def _rs_issue(b0, b1, x_smem, r, acc, use_acc, STAGES: gl.constexpr):
@@ -288,7 +158,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _rs_tile(x_smem, w8_smem, s_smem, ready, empty, n_k, base, NUM_WARPS: gl.constexpr,
-                 STAGES: gl.constexpr, DEQ_BITS: gl.constexpr, ROW0: gl.constexpr, INFLIGHT: gl.constexpr):  # fmt: skip
+                 STAGES: gl.constexpr, ROW0: gl.constexpr):  # fmt: skip
         """One tile's K loop on this warpgroup's weight rows (ring steps base .. base + n_k - 1):
         accᵀ [rows, BLOCK_X] = (W · 2**s) X tileᵀ. Each stage goes back to the loader once the
         wgmmas reading it have retired.
@@ -297,8 +167,7 @@ if HAVE_GLUON:
         wgmma reads must stay in their registers until it retires: a loop-carried operand that
         the back edge copies while its wgmma is in flight gets overwritten (ptxas 13.5 does not
         stop that: sass_dev's hazard check found 43 such writes in the first build (H100, 2026-11-21) and
-        the GPU gave wrong sums). Default: step i is waited for before the back edge, nothing in
-        flight is carried. INFLIGHT: unrolled by two with an a and a b operand pair taking turns,
+        the GPU gave wrong sums). So the loop is unrolled by two with an a and a b operand pair taking turns,
         step i+1 issued before step i is waited for, so the wgmma queue never runs dry; the pair
         in flight at the back edge is only rewritten after the wait that retires it, so its
         registers stay put (the hazard count checks it)."""
@@ -307,47 +176,31 @@ if HAVE_GLUON:
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_X, 16])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
         acc = gl.zeros([ROWS, BLOCK_X], gl.float32, acc_l)
-        b0, b1 = _rs_operands(w8_smem, s_smem, base, a_l, DEQ_BITS, ROW0, ROWS, ready, STAGES)
-        if INFLIGHT:
-            a0 = b0
-            a1 = b1
-            acc = _rs_issue(a0, a1, x_smem, base, acc, False, STAGES)
-            acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))  # no wait: a tensor for the loop
-            for j in range((n_k - 1) // 2):
-                r = base + 2 * j + 1
-                b0, b1 = _rs_operands(w8_smem, s_smem, r, a_l, DEQ_BITS, ROW0, ROWS, ready, STAGES)
-                acc = _rs_issue(b0, b1, x_smem, r, acc, True, STAGES)
-                acc, a0, a1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc, a0, a1))  # step r-1 retired
-                mbarrier.arrive(empty.index((r - 1) % STAGES))
-                a0, a1 = _rs_operands(w8_smem, s_smem, r + 1, a_l, DEQ_BITS, ROW0, ROWS, ready, STAGES)
-                acc = _rs_issue(a0, a1, x_smem, r + 1, acc, True, STAGES)
-                acc, b0, b1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc, b0, b1))  # step r retired
-                mbarrier.arrive(empty.index(r % STAGES))
-            r = base + n_k - 1
-            if n_k % 2 == 0:  # the last step on the b pair
-                b0, b1 = _rs_operands(w8_smem, s_smem, r, a_l, DEQ_BITS, ROW0, ROWS, ready, STAGES)
-                acc = _rs_issue(b0, b1, x_smem, r, acc, True, STAGES)
-                acc, a0, a1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc, a0, a1))
-                mbarrier.arrive(empty.index((r - 1) % STAGES))
-                acc, b0, b1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, b0, b1))
-            else:
-                acc, a0, a1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a0, a1))
+        b0, b1 = _rs_operands(w8_smem, s_smem, base, a_l, ROW0, ROWS, ready, STAGES)
+        a0 = b0
+        a1 = b1
+        acc = _rs_issue(a0, a1, x_smem, base, acc, False, STAGES)
+        acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))  # no wait: a tensor for the loop
+        for j in range((n_k - 1) // 2):
+            r = base + 2 * j + 1
+            b0, b1 = _rs_operands(w8_smem, s_smem, r, a_l, ROW0, ROWS, ready, STAGES)
+            acc = _rs_issue(b0, b1, x_smem, r, acc, True, STAGES)
+            acc, a0, a1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc, a0, a1))  # step r-1 retired
+            mbarrier.arrive(empty.index((r - 1) % STAGES))
+            a0, a1 = _rs_operands(w8_smem, s_smem, r + 1, a_l, ROW0, ROWS, ready, STAGES)
+            acc = _rs_issue(a0, a1, x_smem, r + 1, acc, True, STAGES)
+            acc, b0, b1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc, b0, b1))  # step r retired
             mbarrier.arrive(empty.index(r % STAGES))
+        r = base + n_k - 1
+        if n_k % 2 == 0:  # the last step on the b pair
+            b0, b1 = _rs_operands(w8_smem, s_smem, r, a_l, ROW0, ROWS, ready, STAGES)
+            acc = _rs_issue(b0, b1, x_smem, r, acc, True, STAGES)
+            acc, a0, a1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc, a0, a1))
+            mbarrier.arrive(empty.index((r - 1) % STAGES))
+            acc, b0, b1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, b0, b1))
         else:
-            for i in range(n_k - 1):
-                r = base + i
-                t = _rs_issue(b0, b1, x_smem, r, acc, i > 0, STAGES)
-                # step i-1 was waited for in the previous iteration: its stage goes back
-                mbarrier.arrive(empty.index((r + STAGES - 1) % STAGES), pred=i > 0)
-                c0, c1 = _rs_operands(w8_smem, s_smem, r + 1, a_l, DEQ_BITS, ROW0, ROWS, ready, STAGES)
-                acc, b0, b1 = warpgroup_mma_wait(num_outstanding=0, deps=(t, b0, b1))
-                b0 = c0
-                b1 = c1
-            r = base + n_k - 1
-            t = _rs_issue(b0, b1, x_smem, r, acc, n_k > 1, STAGES)
-            mbarrier.arrive(empty.index((r + STAGES - 1) % STAGES), pred=n_k > 1)
-            acc, b0, b1 = warpgroup_mma_wait(num_outstanding=0, deps=(t, b0, b1))
-            mbarrier.arrive(empty.index(r % STAGES))
+            acc, a0, a1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a0, a1))
+        mbarrier.arrive(empty.index(r % STAGES))
         return acc
 
     @gluon.jit
@@ -376,43 +229,26 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _rs_mma(x_smem, w8_smem, s_smem, ready, empty, b_ptr, y_ptr, M, N, stride_ym, off_m, off_n, n_k,
-                STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, NUM_WARPS: gl.constexpr, DEQ_BITS: gl.constexpr,
-                ROW0: gl.constexpr, INFLIGHT: gl.constexpr):  # fmt: skip
+                STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, NUM_WARPS: gl.constexpr, ROW0: gl.constexpr):  # fmt: skip
         """MMA warps, one tile per program (NUM_WARPS / 4 warpgroups, 64 weight rows each, from
         row ROW0 of the program's weight tile)."""
-        acc = _rs_tile(x_smem, w8_smem, s_smem, ready, empty, n_k, 0, NUM_WARPS, STAGES, DEQ_BITS, ROW0, INFLIGHT)
+        acc = _rs_tile(x_smem, w8_smem, s_smem, ready, empty, n_k, 0, NUM_WARPS, STAGES, ROW0)
         _rs_store(acc, b_ptr, y_ptr, M, N, stride_ym, off_m, off_n, HAS_BIAS, ROW0)
-
-    @gluon.jit
-    def _rs_mma_tiles(x_smem, w8_smem, s_smem, ready, empty, b_ptr, y_ptr, M, N, stride_ym, n_k,
-                      GROUP: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, NUM_WARPS: gl.constexpr,
-                      DEQ_BITS: gl.constexpr, INFLIGHT: gl.constexpr):  # fmt: skip
-        """MMA warps of the persistent kernel: the program's tiles in the loader's order."""
-        BLOCK_X: gl.constexpr = x_smem.type.shape[1]
-        BLOCK_W: gl.constexpr = w8_smem.type.shape[1]
-        n_tiles = gl.cdiv(M, BLOCK_X) * gl.cdiv(N, BLOCK_W)
-        base = 0
-        for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-            off_m, off_n = _tile_of(tile, M, N, BLOCK_X, BLOCK_W, GROUP)
-            acc = _rs_tile(x_smem, w8_smem, s_smem, ready, empty, n_k, base, NUM_WARPS, STAGES, DEQ_BITS, 0, INFLIGHT)
-            _rs_store(acc, b_ptr, y_ptr, M, N, stride_ym, off_m, off_n, HAS_BIAS, 0)
-            base += n_k
 
     @gluon.jit
     def _mx_prefill_rs_kernel(
         x_desc, w_desc, s_desc, b_ptr, y_ptr, M, N, K, stride_ym,
         STAGES: gl.constexpr, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, LOADER_REGS: gl.constexpr,
-        NUM_WARPS: gl.constexpr, DEQ_BITS: gl.constexpr, SPLIT_WG: gl.constexpr, MMA_REGS: gl.constexpr,
-        INFLIGHT: gl.constexpr, PERSISTENT: gl.constexpr,
+        MMA_REGS: gl.constexpr,
     ):  # fmt: skip
-        """Yᵀ tile [BLOCK_W, BLOCK_X]: MMA warps (weight as the register operand) + a loader warp.
-        SPLIT_WG: the two MMA warpgroups are two partitions (the default one and a worker), each
-        releasing its ring stages on its own (no barrier between them per step); else one
-        partition of NUM_WARPS warps. PERSISTENT: each program walks tiles pid, pid + grid, ..."""
+        """Yᵀ tile [BLOCK_W, BLOCK_X]: two MMA warpgroups (64 weight rows each, the weight as the
+        register operand) as two partitions -- the default one and a worker -- each releasing its
+        ring stages on its own (no barrier between them per step), and a loader warp."""
         BLOCK_X: gl.constexpr = x_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
         BLOCK_W: gl.constexpr = w_desc.block_type.shape[0]
         gl.static_assert(BLOCK_K == 64, "64-wide K steps: two MX blocks")
+        gl.static_assert(BLOCK_W == 128, "two warpgroups of 64 weight rows")
         off_m, off_n = _tile_coords(M, N, BLOCK_X, BLOCK_W, GROUP)
         n_k = gl.cdiv(K, BLOCK_K)
         x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_X, BLOCK_K], x_desc.layout)
@@ -422,113 +258,24 @@ if HAVE_GLUON:
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=2 if SPLIT_WG else 1)
-        if PERSISTENT:
-            gl.static_assert(BLOCK_W == 16 * NUM_WARPS and not SPLIT_WG, "one MMA partition, 16 weight rows a warp")
-            gl.warp_specialize(
-                [
-                    (_rs_mma_tiles, (x_smem, w8_smem, s_smem, ready, empty, b_ptr, y_ptr, M, N, stride_ym, n_k,
-                                     GROUP, STAGES, HAS_BIAS, NUM_WARPS, DEQ_BITS, INFLIGHT)),
-                    (_rs_loader_tiles, (x_desc, w_desc, s_desc, x_smem, w8_smem, s_smem, ready, empty, M, N, n_k, GROUP, STAGES)),
-                ],
-                [1],
-                [LOADER_REGS],
-            )  # fmt: skip
-        elif SPLIT_WG:
-            gl.static_assert(BLOCK_W == 128 and NUM_WARPS == 4, "two warpgroups of 64 weight rows")
-            gl.warp_specialize(
-                [
-                    (_rs_mma, (x_smem, w8_smem, s_smem, ready, empty, b_ptr, y_ptr, M, N, stride_ym, off_m, off_n, n_k,
-                               STAGES, HAS_BIAS, 4, DEQ_BITS, 0, INFLIGHT)),
-                    (_rs_mma, (x_smem, w8_smem, s_smem, ready, empty, b_ptr, y_ptr, M, N, stride_ym, off_m, off_n, n_k,
-                               STAGES, HAS_BIAS, 4, DEQ_BITS, 64, INFLIGHT)),
-                    (_ring_loader, (x_desc, w_desc, s_desc, x_smem, w8_smem, s_smem, ready, empty, off_m, off_n, n_k, STAGES)),
-                ],
-                [4, 1],
-                [MMA_REGS, LOADER_REGS],
-            )  # fmt: skip
-        else:
-            gl.static_assert(BLOCK_W == 16 * NUM_WARPS, "16 weight rows a warp")
-            gl.warp_specialize(
-                [
-                    (_rs_mma, (x_smem, w8_smem, s_smem, ready, empty, b_ptr, y_ptr, M, N, stride_ym, off_m, off_n, n_k,
-                               STAGES, HAS_BIAS, NUM_WARPS, DEQ_BITS, 0, INFLIGHT)),
-                    (_ring_loader, (x_desc, w_desc, s_desc, x_smem, w8_smem, s_smem, ready, empty, off_m, off_n, n_k, STAGES)),
-                ],
-                [1],
-                [LOADER_REGS],
-            )  # fmt: skip
-        for s in gl.static_range(STAGES):
-            mbarrier.invalidate(ready.index(s))
-            mbarrier.invalidate(empty.index(s))
-
-    @gluon.jit
-    def _mx_prefill_ws_kernel(
-        x_desc, w_desc, s_desc, b_ptr, y_ptr, M, N, K, stride_ym,
-        STAGES: gl.constexpr, WBUF: gl.constexpr, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr,
-        CONV_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, NUM_WARPS: gl.constexpr,
-    ):  # fmt: skip
-        """Y tile [BLOCK_M, BLOCK_N]: NUM_WARPS MMA warps + a converter warpgroup + a loader warp."""
-        BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
-        BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
-        BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
-        off_m, off_n = _tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP)
-        n_k = gl.cdiv(K, BLOCK_K)
-        wb_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.bfloat16)
-        x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
-        w8_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
-        s_smem = gl.allocate_shared_memory(s_desc.dtype, [STAGES] + s_desc.block_type.shape, s_desc.layout)
-        wb_smem = gl.allocate_shared_memory(gl.bfloat16, [WBUF, BLOCK_N, BLOCK_K], wb_l)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        wready = gl.allocate_shared_memory(gl.int64, [WBUF, 1], mbarrier.MBarrierLayout())
-        wempty = gl.allocate_shared_memory(gl.int64, [WBUF, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=2)  # the MMA warps (X read) and the converter (W read)
-        for c in gl.static_range(WBUF):
-            mbarrier.init(wready.index(c), count=1)
-            mbarrier.init(wempty.index(c), count=1)
-        worker_args = (x_desc, w_desc, s_desc, x_smem, w8_smem, s_smem, wb_smem, ready, empty, wready, wempty,
-                       off_m, off_n, n_k, STAGES, WBUF)  # fmt: skip
+            mbarrier.init(empty.index(s), count=2)  # one arrival per MMA warpgroup
         gl.warp_specialize(
             [
-                (_mma, (x_smem, wb_smem, ready, empty, wready, wempty, b_ptr, y_ptr, M, N, stride_ym,
-                        off_m, off_n, n_k, STAGES, WBUF, HAS_BIAS, NUM_WARPS)),
-                (_converter, worker_args),
-                (_loader, worker_args),
+                (_rs_mma, (x_smem, w8_smem, s_smem, ready, empty, b_ptr, y_ptr, M, N, stride_ym, off_m, off_n, n_k,
+                           STAGES, HAS_BIAS, 4, 0)),
+                (_rs_mma, (x_smem, w8_smem, s_smem, ready, empty, b_ptr, y_ptr, M, N, stride_ym, off_m, off_n, n_k,
+                           STAGES, HAS_BIAS, 4, 64)),
+                (_ring_loader, (x_desc, w_desc, s_desc, x_smem, w8_smem, s_smem, ready, empty, off_m, off_n, n_k, STAGES)),
             ],
             [4, 1],
-            [CONV_REGS, LOADER_REGS],
+            [MMA_REGS, LOADER_REGS],
         )  # fmt: skip
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(s))
             mbarrier.invalidate(empty.index(s))
-        for c in gl.static_range(WBUF):
-            mbarrier.invalidate(wready.index(c))
-            mbarrier.invalidate(wempty.index(c))
 
 else:  # pragma: no cover
-    _mx_prefill_ws_kernel = _stub
     _mx_prefill_rs_kernel = _stub
-
-
-@dataclass(frozen=True)
-class PrefillWSConfig:
-    """Tiles of ``_mx_prefill_ws_kernel``."""
-
-    block_m: int = 256  # X rows per program: 2 MMA warpgroups x 128 rows (two m64 wgmmas each)
-    block_n: int = 128  # weight rows per program (the wgmma's N)
-    block_k: int = 64  # K per step: 128-byte bf16 rows (128-byte swizzle)
-    stages: int = 4  # X + fp8 W + scales ring depth (4 x 40.25 KB)
-    wbuf: int = 3  # bf16 W tiles (3 x 16 KB): the converter runs up to two steps ahead
-    group: int = 8  # row tiles per L2 group
-    num_warps: int = 8  # MMA warps (the default partition)
-    # 8 MMA + 4 converter + 1 loader warps, launched as 16 (whole warpgroups) x maxnreg registers;
-    # the workers give registers back (setmaxnreg) and the MMA warps take the rest.
-    maxnreg: int = 128
-    conv_regs: int = 96
-    loader_regs: int = 24
 
 
 @dataclass(frozen=True)
@@ -540,14 +287,9 @@ class PrefillRSConfig:
     block_k: int = 64  # K per step (two MX blocks)
     stages: int = 4  # X + fp8 W + scales ring (40.25 KB a stage; 5 fit; 4 beat 3 and 5, H200, 2026-11-21)
     group: int = 8  # row tiles per L2 group
-    num_warps: int = 8  # MMA warps (split_wg: 4 in the default partition + a worker warpgroup)
-    maxnreg: int = 168  # 12 warps at launch (8 MMA + the loader's warpgroup); the MMA warps take the rest
+    maxnreg: int = 168  # registers per thread at launch; the workers give theirs back (setmaxnreg)
     loader_regs: int = 24
-    deq_bits: bool = True  # fp8 -> bf16 by bit moves (_rs_block)
-    split_wg: bool = True  # the two MMA warpgroups as two partitions (no per-step barrier between them)
-    mma_regs: int = 240  # split_wg: the worker MMA warpgroup's registers after setmaxnreg
-    inflight: bool = True  # keep one step's wgmmas in flight across the loop (unrolled by two; H200, 2026-11-21)
-    persistent: bool = False  # one program per SM walking tiles (measured slower, H200, 2026-11-21)
+    mma_regs: int = 240  # the worker MMA warpgroup's registers after setmaxnreg
 
 
 def takes(m: int, k: int, block_size: int) -> bool:
@@ -557,13 +299,7 @@ def takes(m: int, k: int, block_size: int) -> bool:
 
 def ws_supported(m: int, k: int, block_size: int, device: torch.device) -> bool:
     """``takes`` on a Hopper GPU (wgmma, TMA)."""
-    return takes(m, k, block_size) and device.type == "cuda" and _capability(device)[0] == 9
-
-
-def pick_prefill_ws_config(m: int, n: int, k: int, device: torch.device) -> PrefillWSConfig:
-    """One tile for now: 256 x 128 x 64, 4 stages (kernels/NOTES.md, "GEMM: a warp-specialized prefill GEMM; PDL for decode")."""
-    del m, n, k, device
-    return PrefillWSConfig()
+    return takes(m, k, block_size) and capability(device)[0] == 9
 
 
 def pick_prefill_rs_config(m: int, n: int, k: int, device: torch.device) -> PrefillRSConfig:
@@ -611,8 +347,6 @@ class _RSPlan:
 
     def __init__(self, m: int, n: int, k: int, w_dtype: torch.dtype, has_bias: bool, cfg: PrefillRSConfig,
                  device: torch.device):  # fmt: skip
-        if cfg.persistent and cfg.split_wg:
-            raise ValueError("PrefillRSConfig: persistent=True takes the MMA warps as one partition (split_wg=False)")
         bx, bw, bk = cfg.block_x, cfg.block_w, cfg.block_k
         w_gl = gl.float8e4nv if w_dtype == torch.float8_e4m3fn else gl.float8e5
         self.x_block, self.w_block, self.s_block = [bx, bk], [bw, bk], [bk // BS, bw]
@@ -621,12 +355,11 @@ class _RSPlan:
         # unswizzled: the MMA warps read the [2, BLOCK_W] box as flat bytes
         self.s_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
         tiles = cdiv(m, bx) * cdiv(n, bw)
-        self.grid = (min(tiles, _sm_count(device)) if cfg.persistent else tiles,)
-        nw = 4 if cfg.split_wg else cfg.num_warps
-        consts = dict(STAGES=cfg.stages, GROUP=cfg.group, HAS_BIAS=has_bias, LOADER_REGS=cfg.loader_regs, NUM_WARPS=nw,
-                      DEQ_BITS=cfg.deq_bits, SPLIT_WG=cfg.split_wg, MMA_REGS=cfg.mma_regs, INFLIGHT=cfg.inflight,
-                      PERSISTENT=cfg.persistent)  # fmt: skip
-        self.launch = Launch(_mx_prefill_rs_kernel, consts, dict(num_warps=nw, maxnreg=cfg.maxnreg))
+        self.grid = (tiles,)
+        consts = dict(STAGES=cfg.stages, GROUP=cfg.group, HAS_BIAS=has_bias, LOADER_REGS=cfg.loader_regs,
+                      MMA_REGS=cfg.mma_regs)  # fmt: skip
+        # the default partition is one MMA warpgroup (4 warps); the workers are added by warp_specialize
+        self.launch = Launch(_mx_prefill_rs_kernel, consts, dict(num_warps=4, maxnreg=cfg.maxnreg))
 
     def __call__(self, x, weight, st, bias, y) -> None:
         m, k = x.shape
@@ -647,7 +380,7 @@ def mx_prefill_gemm_ws(
     bias: torch.Tensor | None = None,
     *,
     out_dtype: torch.dtype | None = None,
-    config: PrefillWSConfig | PrefillRSConfig | None = None,
+    config: PrefillRSConfig | None = None,
     block_size: int = 32,
 ) -> torch.Tensor:
     """Y [M, N] = X [M, K] · dequant(W)ᵀ (+ bias), X bf16 used as given (module doc).
@@ -655,7 +388,7 @@ def mx_prefill_gemm_ws(
     W8A8 callers round X to MX first (``quantize.fake_quantize_mx_rows``, bf16 out: exact).
     Same result as ``gemm.mx_gemm`` with bf16 X up to fp32 accumulation order.
     """
-    m, k = _check_gemm_args(x, weight, weight_scale, bias, block_size)
+    m, k = check_gemm_args(x, weight, weight_scale, bias, block_size)
     n = weight.shape[0]
     if x.dtype != torch.bfloat16:
         raise TypeError(f"mx_prefill_gemm_ws takes bf16 X (round W8A8 activations into bf16 first), got {x.dtype}")
@@ -663,7 +396,7 @@ def mx_prefill_gemm_ws(
         raise ValueError(
             f"mx_prefill_gemm_ws needs Gluon, a Hopper GPU and MX block 32; got block {block_size} on {x.device}"
         )
-    x, weight, weight_scale, y, done = _operands_and_output(x, weight, weight_scale, bias, out_dtype, n)
+    x, weight, weight_scale, y, done = operands_and_output(x, weight, weight_scale, bias, out_dtype, n)
     if done:
         return y
     # TMA: 16-byte aligned base and row strides
@@ -671,36 +404,14 @@ def mx_prefill_gemm_ws(
         x = x.contiguous()
     if weight.stride(0) % 16 or weight.data_ptr() % 16:
         weight = weight.contiguous()
-    cfg = config or pick_prefill_ws_config(m, n, k, x.device)
-    if isinstance(cfg, PrefillRSConfig):  # the dispatched kernel: a plan per call signature
-        key = (m, n, k, weight.dtype, y.dtype, bias is not None and (bias.dtype, bias.data_ptr() % 16 == 0), cfg,
-               x.device.index)  # fmt: skip
-        plan = _RS_PLANS.get(key)
-        if plan is None:
-            plan = _RS_PLANS.put(key, _RSPlan(m, n, k, weight.dtype, bias is not None, cfg, x.device))
-        plan(x, weight, _scales_kn_cached(weight_scale), bias, y)
-        return y
-    w_gl = gl.float8e4nv if weight.dtype == torch.float8_e4m3fn else gl.float8e5
-    st = scales_kn(weight_scale)
-    bx, bw, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [bx, bk],
-                              gl.NVMMASharedLayout.get_default_for([bx, bk], gl.bfloat16))  # fmt: skip
-    w_desc = TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [bw, bk],
-                              gl.NVMMASharedLayout.get_default_for([bw, bk], w_gl))  # fmt: skip
-    grid = (triton.cdiv(m, bx) * triton.cdiv(n, bw),)
-    s_desc = TensorDescriptor(st, [k // BS, n], list(st.stride()), [bk // BS, bw],
-                              gl.NVMMASharedLayout.get_default_for([bk // BS, bw], gl.uint8))  # fmt: skip
-    _mx_prefill_ws_kernel[grid](
-        x_desc, w_desc, s_desc, bias if bias is not None else y, y,
-        m, n, k, n,
-        STAGES=cfg.stages, WBUF=cfg.wbuf, GROUP=cfg.group, HAS_BIAS=bias is not None,
-        CONV_REGS=cfg.conv_regs, LOADER_REGS=cfg.loader_regs, NUM_WARPS=cfg.num_warps,
-        num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
-    )  # fmt: skip
+    cfg = config or pick_prefill_rs_config(m, n, k, x.device)
+    key = (m, n, k, weight.dtype, y.dtype, bias is not None and (bias.dtype, bias.data_ptr() % 16 == 0), cfg,
+           x.device.index)  # fmt: skip
+    plan = _RS_PLANS.get(key)
+    if plan is None:
+        plan = _RS_PLANS.put(key, _RSPlan(m, n, k, weight.dtype, bias is not None, cfg, x.device))
+    plan(x, weight, _scales_kn_cached(weight_scale), bias, y)
     return y
 
 
-__all__ = [
-    "PrefillRSConfig", "PrefillWSConfig", "mx_prefill_gemm_ws", "pick_prefill_rs_config", "pick_prefill_ws_config",
-    "takes", "ws_supported",
-]  # fmt: skip
+__all__ = ["PrefillRSConfig", "mx_prefill_gemm_ws", "pick_prefill_rs_config", "takes", "ws_supported"]

@@ -17,8 +17,9 @@ argument's specialization class (``arg_spec``), the constexprs and the options (
 arguments), for launch sites whose shapes vary call to call.
 
 ``MXQ_LAUNCH_CHECK=1`` makes every direct launch also run Triton's binder and raise if it would
-have chosen another compiled kernel (the GPU tests run with it). ``MXQ_FAST_LAUNCH=0`` sends every
-call through the JIT. The interpreter (``TRITON_INTERPRET=1``) always takes the JIT path.
+have chosen another compiled kernel (the GPU tests run with it). ``FAST = False`` (tests, A/B
+timings) sends every call through the JIT. The interpreter (``TRITON_INTERPRET=1``) always takes
+the JIT path.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import os
 from torch import Tensor as _Tensor
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-FAST = os.environ.get("MXQ_FAST_LAUNCH", "1") != "0" and not INTERPRET
+FAST = not INTERPRET
 CHECK = os.environ.get("MXQ_LAUNCH_CHECK", "0") == "1"
 
 try:

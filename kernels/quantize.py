@@ -19,8 +19,6 @@ MX-rounded output.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -33,11 +31,11 @@ from mxq.formats import (
     as_elem_format,
     as_scale_rule,
 )
+from mxq.kernels.common import INTERPRET, capability
 from mxq.kernels.launch import Launch, call, cdiv
 
 _SCALE_BIAS = tl.constexpr(E8M0_BIAS)
 _SCALE_NAN = tl.constexpr(E8M0_NAN)
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _RULE_ID = {ScaleRule.FLOOR: 0, ScaleRule.RCEIL: 1, ScaleRule.EVEN: 2, ScaleRule.MSE: 3}
 
 
@@ -254,33 +252,28 @@ def _quantize_rows_kernel(
         )
 
 
-_CAP: dict[int, tuple[int, int]] = {}
-
-
-def _capability(device: torch.device) -> tuple[int, int]:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _CAP:
-        _CAP[idx] = torch.cuda.get_device_capability(idx)
-    return _CAP[idx]
+# A/B switches for tests and tools (not environment variables): round with integer ops only, and
+# launch the quantizer without programmatic dependent launch.
+BIT_ROUNDING = False
+PDL = True
 
 
 def hw_cvt(device: torch.device) -> bool:
     """Round with the hardware fp32 -> fp8 conversion (cvt.rn.satfinite, sm_89+).
 
     Not in the interpreter (its fp32 -> fp8 cast is not RNE), nor on older GPUs (emulated), nor
-    with MXQ_BIT_ROUNDING=1 (the integer route everywhere, for A/B checks).
+    with ``BIT_ROUNDING`` (the integer route everywhere, for A/B checks).
     """
-    if INTERPRET or device.type != "cuda" or os.environ.get("MXQ_BIT_ROUNDING", "0") == "1":
+    if INTERPRET or device.type != "cuda" or BIT_ROUNDING:
         return False
-    return _capability(device) >= (8, 9)
+    return capability(device) >= (8, 9)
 
 
 def pdl_ok(device: torch.device) -> bool:
-    """Programmatic dependent launch (griddepcontrol): sm_90+, not the interpreter, not with
-    MXQ_PDL=0."""
-    if INTERPRET or device.type != "cuda" or os.environ.get("MXQ_PDL", "1") == "0":
+    """Programmatic dependent launch (griddepcontrol): sm_90+, not the interpreter, ``PDL`` on."""
+    if INTERPRET or device.type != "cuda" or not PDL:
         return False
-    return _capability(device) >= (9, 0)
+    return capability(device) >= (9, 0)
 
 
 def fp8_dtype(elem: ElemFormat):

@@ -10,10 +10,10 @@ it in the machine code on a CPU machine (``wgmma_register_hazards``).
 
 So the GEMM dispatch uses the pipelined (async-wgmma) prefill loop only when the ptxas Triton
 uses is 13.3 or newer, and otherwise the loop whose wgmmas ptxas serializes (about 20 % slower at
-M = 2048, kernels/NOTES.md, "GEMM: the wgmma register hazard and the pipelined prefill loop"). ``prefer_fixed_ptxas`` (called when the GEMM module is
-imported) points Triton at a ptxas >= 13.3 from the ``nvidia-cuda-nvcc`` wheel (``pip install
-mxq[cuda]``) or ``$CUDA_HOME`` when the user has not chosen one through ``TRITON_PTXAS_PATH``;
-``MXQ_PTXAS=0`` leaves Triton's choice alone. This affects every Triton kernel the process
+M = 2048, kernels/NOTES.md, "GEMM: the wgmma register hazard and the pipelined prefill loop"). ``prefer_fixed_ptxas`` (called when ``kernels/common.py``
+is imported) points Triton at a ptxas >= 13.3 from the ``nvidia-cuda-nvcc`` wheel (``pip install
+mxq[cuda]``) or ``$CUDA_HOME`` when the user has not chosen one through ``TRITON_PTXAS_PATH``
+(set it to Triton's bundled ptxas to keep that one). This affects every Triton kernel the process
 compiles afterwards, as setting ``TRITON_PTXAS_PATH`` by hand would.
 """
 
@@ -56,7 +56,7 @@ def candidate_ptxas() -> list[str]:
 
 def prefer_fixed_ptxas() -> str | None:
     """Point Triton at a ptxas >= 13.3 if none was chosen and one is installed; the path or None."""
-    if os.environ.get("TRITON_PTXAS_PATH") or os.environ.get("MXQ_PTXAS", "1") == "0":
+    if os.environ.get("TRITON_PTXAS_PATH"):
         return None
     for path in candidate_ptxas():
         version = ptxas_version(path)

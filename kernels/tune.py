@@ -1,6 +1,6 @@
 """Per-shape autotuning, cached on disk per device (``mxq tune``).
 
-The dispatch picks each kernel's tiles by rules measured on the Llama-3 shapes (``pick_*_config``).
+The kernels pick their tiles by rules measured on the Llama-3 shapes (``pick_*_config``).
 A rule is right on most shapes and a few % off on others (kernels/NOTES.md, "GEMM: decode tiles per shape": 64-row decode
 tiles at 3 programs per SM are up to 9 % faster on 8B o at M = 16, slower on gate_up). The tuner
 times a small set of candidate configs per (kernel, shape, M bucket) on the GPU at hand, keeps the
@@ -14,7 +14,7 @@ move it -- and writes it to a JSON cache that the dispatch reads when it builds 
 - shipped entries (``kernels/tuned.json``: the Llama-3 8B/70B shapes tuned on an H100 80GB HBM3 and an
   H200 on 2026-11-21; re-tuned on 2026-11-22 with the corrected timing) answer where the user's cache has
   no entry for the device, shape and bucket;
-- ``MXQ_TUNE=0``: neither is read (the rules alone);
+- ``MXQ_TUNE_CACHE=off``: neither is read (the rules alone);
 - entries are keyed by the device's name, so one file serves several GPU models;
 - a cache that cannot be read or parsed is reported once (a warning naming the file) and ignored;
   an entry whose config does not fit the kernel's config class is ignored the same way;
@@ -46,13 +46,14 @@ VERSION = 1
 # A candidate replaces the rule's config only if it is at least this much faster (the interleaved
 # timings repeat to ~1-2 %; a smaller "win" is as likely noise as not).
 MIN_GAIN = 0.02
-ENABLED = os.environ.get("MXQ_TUNE", "1") != "0"
+OFF = ("off", "none", "0")  # MXQ_TUNE_CACHE values that turn tuned configs off
+ENABLED = os.environ.get("MXQ_TUNE_CACHE", "").strip().lower() not in OFF
 
 
 def cache_path() -> Path:
     """Where the tuning cache lives (module doc)."""
     env = os.environ.get("MXQ_TUNE_CACHE")
-    if env:
+    if env and env.strip().lower() not in OFF:
         return Path(env)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "mxq" / "tune.json"
@@ -177,7 +178,7 @@ def device_name(device) -> str:
 
 def lookup(kernel: str, device, m: int, n: int, k: int, cls):
     """The tuned config of ``kernel`` for this shape on ``device`` (an instance of ``cls``): the user's
-    cache's, else the shipped one's; None if neither has it, with ``MXQ_TUNE=0``, or off CUDA."""
+    cache's, else the shipped one's; None if neither has it, with ``MXQ_TUNE_CACHE=off``, or off CUDA."""
     if not ENABLED or getattr(device, "type", None) != "cuda":
         return None
     name, key = device_name(device), shape_key(m, n, k)
@@ -229,7 +230,7 @@ def time_replays(g, replays: int = 2) -> float:
     """GPU µs of ``replays`` back-to-back replays of graph ``g``, between two events queued behind
     a spin kernel: the GPU is still busy with the spin while the host enqueues the start event and
     the replays, so the graph's launch latency (~19 µs a replay on an H200, kernels/NOTES.md
-    "Measurement: graph timing counted the launch latency") is not in the figure, as it is not in a model whose whole step is one
+    "Measurement: timing method") is not in the figure, as it is not in a model whose whole step is one
     graph. Timing one replay right after a synchronize counted it in full."""
     import torch
 
@@ -306,75 +307,3 @@ def record(config, us: float, default_us: float, m: int, n_candidates: int) -> d
         "candidates": n_candidates, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
         "triton": tv,
     }  # fmt: skip
-
-
-def tune_decode_ws(shapes, ms=(1, 8, 16), device=None, *, log=print, progress=None) -> list[dict]:
-    """Tune ``gemm_decode_ws`` (W8A8 decode, E4M3 X, RCEIL) for each weight shape (N, K) at each
-    M bucket of ``ms`` and write the winners to the cache. Weights are random fp8 (the kernel's
-    speed does not depend on their values). Every candidate's output is checked against the
-    rule's before it is timed; one that differs is reported and dropped. Returns one row per
-    (shape, M): the timings and the choice. ``progress(done, total)`` is called after each row."""
-    import torch
-
-    from mxq.kernels import gemm_decode_ws as WS
-
-    device = torch.device(device or "cuda")
-    if not (device.type == "cuda" and torch.cuda.is_available()):
-        raise RuntimeError("mxq tune needs a CUDA GPU")
-    if not WS.HAVE_GLUON or torch.cuda.get_device_capability(device)[0] != 9:
-        raise RuntimeError(
-            f"mxq tune: the tuned kernel (gemm_decode_ws) runs on Hopper (sm_90) with Triton Gluon; "
-            f"{torch.cuda.get_device_name(device)} is sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}"
-        )
-    buckets: dict[int, int] = {}
-    for m in ms:
-        if not 1 <= m <= WS.WS_MAX_M:
-            raise ValueError(f"--ms: {m} is outside 1..{WS.WS_MAX_M} (the decode GEMM's batch sizes)")
-        buckets.setdefault(m_bucket(m), m)
-    l2 = torch.cuda.get_device_properties(device).L2_cache_size
-    name = device_name(device)
-    rows, total = [], len(shapes) * len(buckets)
-    for n, k in shapes:
-        if not WS.takes(1, k, 32):
-            log(f"skip {n}x{k}: K % 128 != 0 (the decode GEMM does not take it; the dispatch runs another kernel)")
-            total -= len(buckets)
-            continue
-        packs = [
-            ((torch.randn(n, k, device=device) * 64).to(torch.float8_e4m3fn),
-             torch.randint(118, 130, (n, k // 32), dtype=torch.uint8, device=device))
-            for _ in range(weight_copies(n * k, l2))
-        ]  # fmt: skip
-        records = {}
-        for m in buckets.values():
-            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-            cands = WS.decode_ws_candidates(m, n, k, device)
-            ys, ok = {}, {}
-            for c in cands:
-                try:
-                    ys[c] = WS.mx_decode_gemm_ws(x, *packs[0], config=c, out_dtype=torch.float32)
-                except Exception as e:  # noqa: BLE001 - a candidate that does not build is dropped
-                    log(f"  {n}x{k} M={m}: {WS.describe(c)} dropped: {type(e).__name__}: {str(e).splitlines()[0]}")
-            y0 = ys.get(cands[0])
-            if y0 is None:
-                raise RuntimeError(f"{n}x{k} M={m}: the rule's own config failed")
-            tol = 1e-5 * float(y0.abs().max()) + 1e-30
-            for c, y in ys.items():
-                err = float((y - y0).abs().max())
-                if err <= tol:
-                    ok[WS.describe(c)] = c
-                else:
-                    log(f"  {n}x{k} M={m}: {WS.describe(c)} dropped: differs from the rule's config by {err:.3g} (> {tol:.3g})")
-            times = time_interleaved(
-                {d: [lambda p=p, c=c, x=x: WS.mx_decode_gemm_ws(x, p[0], p[1], config=c) for p in packs] for d, c in ok.items()}
-            )
-            default = WS.describe(cands[0])
-            best = pick(times, default)
-            records[shape_key(m, n, k)] = record(ok[best], times[best], times[default], m, len(ok))
-            rows.append(dict(n=n, k=k, m=m, us=times, default=default, best=best))
-            log(f"{n}x{k} M={m}: {best} {times[best]:.2f} µs (rule {times[default]:.2f} µs, x{times[default] / times[best]:.3f})")
-            if progress is not None:
-                progress(len(rows), total)
-        cache().put("decode_ws", name, records)  # after every shape: an interrupted run keeps what it measured
-        del packs
-    WS._PLANS.clear()  # plans built before hold the old choice
-    return rows

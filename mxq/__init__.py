@@ -16,7 +16,7 @@ from mxq.formats import (  # noqa: E402
     quantize_mx,
 )
 from mxq.hf import MXQConfig, load  # noqa: E402  (registers quant_method "mxq" with transformers)
-from mxq.linear import MXLinear, quantize_model  # noqa: E402
+from mxq.linear import MXLinear, quantize_model, set_kernels  # noqa: E402
 from mxq.recipe import Recipe, load_recipe  # noqa: E402
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "load",
     "load_recipe",
     "quantize_model",
+    "set_kernels",
     "__version__",
     "E4M3",
     "E5M2",

@@ -32,15 +32,13 @@ orthogonal ±1 matrix (random signs times Hadamard blocks along head_dim,
 is unchanged in exact arithmetic; outlier channels (RoPE'd K has a few) get spread over the
 whole 1x32 block, so the FP8 error of Q·K drops (SmolLM2: mean KL to exact attention 2.4x
 smaller, BENCHMARKS.md). The cache stores K rotated; decoding rotates the one query. Set
-``MXQ_ATTN_ROTATION=none`` (or ``mxq.attention.QK_ROTATION = "none"``) to measure without it.
+``mxq.attention.QK_ROTATION = "none"`` to measure without it.
 
 The cache only works with the ``mxfp8`` attention: its ``update`` returns views of the MXFP8
 storage (``MXFP8KV``), not bf16 tensors.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 from transformers import AttentionInterface
@@ -49,6 +47,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from mxq.formats import E4M3, ScaleRule, decode_e8m0, quantize_mx
 from mxq.kernels.buffers import persistent
+from mxq.kernels.registry import check_kernels, default_kernels
 
 ATTN_IMPLEMENTATION = "mxfp8"
 # Element format and scale rule of the attention operands (Q, K, V and the cache).
@@ -57,24 +56,27 @@ ATTN_RULE = ScaleRule.RCEIL
 PAGE = 32
 ROTATIONS = ("hadamard", "none")
 # Read when a cache layer is created and at each attention call (module docstring).
-QK_ROTATION = os.environ.get("MXQ_ATTN_ROTATION", "hadamard").strip().lower()
+QK_ROTATION = "hadamard"
 
 try:
     from mxq.kernels import attention as _kattn
     from mxq.kernels import quantize as _kquant
-    from mxq.kernels.dispatch import FORCE_REFERENCE, HAS_TRITON
 except ImportError:  # no Triton: the reference everywhere
     _kattn = _kquant = None
-    HAS_TRITON, FORCE_REFERENCE = False, True
 
 
-def _use_triton(t: torch.Tensor) -> bool:
-    return HAS_TRITON and not FORCE_REFERENCE and t.is_cuda
+def _use_triton(t: torch.Tensor, kernels: str | None = None) -> bool:
+    """The Triton kernels on CUDA; the torch reference on a CPU, without Triton, or where the
+    kernels spec (the module's ``mxq_kernels`` from ``mxq.set_kernels``, else ``MXQ_KERNELS``) is
+    "reference"."""
+    if _kattn is None or not t.is_cuda:
+        return False
+    return (check_kernels(kernels) if kernels is not None else default_kernels()) != "reference"
 
 
 def _rotation_on() -> bool:
     if QK_ROTATION not in ROTATIONS:
-        raise ValueError(f"MXQ_ATTN_ROTATION / mxq.attention.QK_ROTATION: expected one of {ROTATIONS}, got {QK_ROTATION!r}")
+        raise ValueError(f"mxq.attention.QK_ROTATION: expected one of {ROTATIONS}, got {QK_ROTATION!r}")
     return QK_ROTATION == "hadamard"
 
 
@@ -312,17 +314,20 @@ def mxfp8_attention_forward(
     out = torch.empty((b, sq, hq, d), dtype=query.dtype, device=query.device)
     rotation = _rotation_on()
     cfg = dict(scale=scaling, elem=ATTN_ELEM, rule=ATTN_RULE, qk_rotation=rotation)
+    spec = getattr(module, "mxq_kernels", None)
+    triton = _use_triton(query, spec)
     if isinstance(key, MXFP8KV):
         layer = key.layer
         if layer.rotated != rotation:
             raise ValueError(
                 f"MXFP8Cache layer {layer_name(module)} was filled with Q/K rotation "
-                f"{'on' if layer.rotated else 'off'} but MXQ_ATTN_ROTATION is now {QK_ROTATION!r}"
+                f"{'on' if layer.rotated else 'off'} but mxq.attention.QK_ROTATION is now {QK_ROTATION!r}"
             )
-        if sq == 1 and _use_triton(query):
+        if sq == 1 and triton:
             _kattn.mx_attention_decode(
                 query, layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, layer.length,
-                attention_mask=attention_mask, out=out.transpose(1, 2), counters=layer.decode_counters(), **cfg,
+                attention_mask=attention_mask, out=out.transpose(1, 2), counters=layer.decode_counters(),
+                kernels=spec, **cfg,
             )  # fmt: skip
             return out, None
         if key.fresh is not None:
@@ -330,7 +335,7 @@ def mxfp8_attention_forward(
         else:  # MX values are fixed points of MX rounding: re-rounding the cache changes nothing
             key, value = layer.dequantize()
             cfg["k_rotated"] = rotation
-    if _use_triton(query):
+    if triton:
         _kattn.mx_attention_prefill(
             query, key.to(query.dtype), value.to(query.dtype), causal=causal, attention_mask=attention_mask,
             out=out.transpose(1, 2), **cfg,

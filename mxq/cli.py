@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Annotated
 
 import click
 import typer
@@ -35,6 +36,24 @@ from mxq.cli_tune import tune_cmd  # noqa: E402
 
 app.command("tune")(tune_cmd)
 _state = {"debug": False}
+
+# Options that `mxq calibrate` and `mxq quantize --calibrate` share: one definition each.
+ModelArg = Annotated[str, typer.Argument(
+    help="Local HF directory, hub id, or .gguf file. Default: the embedded SmolLM2-135M-Instruct.", show_default=False)]
+RecipeOpt = Annotated[str, typer.Option(
+    "--recipe", "-r", help="Shipped recipe name (mxfp8, mxfp8-w8a16, mxfp8-e5m2, mxfp8-attn, mxfp8-lm-head) or a YAML path.")]
+Samples = Annotated[int, typer.Option("--samples", help="Calibration windows.")]
+SeqLen = Annotated[int, typer.Option("--seq-len", help="Tokens per calibration window.")]
+KeepBf16 = Annotated[int, typer.Option("--keep-bf16", help="Keep the N most sensitive layers in bf16.")]
+MaxDppl = Annotated[float | None, typer.Option(
+    "--max-dppl", show_default=False,
+    help="Keep the fewest most sensitive layers in bf16 so that the calibration-text perplexity rises by at most X percent.")]
+Reorder = Annotated[bool, typer.Option("--reorder/--no-reorder", help="Fold channel permutations where they raise SQNR.")]
+ScaleSearch = Annotated[bool, typer.Option(
+    "--scale-search/--no-scale-search", help="Per layer, the recipe's scale rule or MSE, whichever is better.")]
+SensSamples = Annotated[int, typer.Option("--sensitivity-samples", help="Calibration windows used for the per-layer KL.")]
+SensSeqLen = Annotated[int, typer.Option("--sensitivity-seq-len", help="Tokens of each of those windows.")]
+DATASET_HELP = "Calibration text: wikitext2, pydoc, or a .txt/.jsonl/.parquet file."
 
 
 def _version(value: bool) -> None:
@@ -110,32 +129,45 @@ def formats_cmd() -> None:
     )
 
 
+@app.command("kernels")
+def kernels_cmd() -> None:
+    """List the kernel paths, in the order each function's dispatch tries them (``--kernels`` names)."""
+    import mxq.attention  # noqa: F401  (the attention registries register on import)
+    from mxq.kernels import (
+        dispatch,  # noqa: F401
+        registry,
+    )
+
+    for reg in registry.REGISTRIES.values():
+        t = Table(title=f"{reg.what}: the first path that takes a call runs it")
+        t.add_column("path")
+        t.add_column("what it is")
+        for path in reg:
+            t.add_row(path.name, path.summary)
+        console.print(t)
+    console.print(
+        "--kernels / MXQ_KERNELS / mxq.set_kernels(model, ...): auto (all, in this order), reference, "
+        "or comma-separated names (only those; the reference stays the last resort)."
+    )
+
+
 @app.command("quantize")
 def quantize_cmd(
-    model: str = typer.Argument(
-        None,
-        help="Local HF directory, hub id, or .gguf file. Default: the embedded SmolLM2-135M-Instruct.",
-        show_default=False,
-    ),
+    model: ModelArg = None,
     out: Path = typer.Argument(
         None, help="Output directory. Default: ./out/<model>-<recipe>.", show_default=False
     ),
-    recipe: str = typer.Option(
-        "mxfp8",
-        "--recipe",
-        "-r",
-        help="Shipped recipe name (mxfp8, mxfp8-w8a16, mxfp8-e5m2) or a YAML path.",
-    ),
+    recipe: RecipeOpt = "mxfp8",
     fmt: str = typer.Option(
         "mxq", "--format", help="Checkpoint layout: mxq (native) or compressed-tensors (vLLM)."
     ),
-    device: str = typer.Option("cpu", "--device", help="Where to quantize: cpu or cuda."),
+    device: str = typer.Option("cpu", "--device", help="Where to quantize (and calibrate): cpu or cuda."),
     force: bool = typer.Option(False, "--force", help="Replace OUT if it exists."),
     max_shard_size: float = typer.Option(2.0, "--max-shard-size", help="Largest shard, in GiB."),
     calibrate: bool = typer.Option(
         False,
         "--calibrate",
-        help="Calibrate on --dataset first and apply the plan (see `mxq calibrate`).",
+        help="Calibrate on --dataset first and apply the plan (the options below; see `mxq calibrate`).",
     ),
     plan: Path = typer.Option(
         None,
@@ -143,46 +175,18 @@ def quantize_cmd(
         help="Apply a plan written by `mxq calibrate` (its recipe is used).",
         show_default=False,
     ),
-    dataset: str = typer.Option(
-        None,
-        "--dataset",
-        help="With --calibrate: calibration text (wikitext2, pydoc, or a .txt/.jsonl/.parquet file).",
-        show_default=False,
-    ),
-    samples: int = typer.Option(64, "--samples", help="With --calibrate: calibration windows."),
-    seq_len: int = typer.Option(
-        512, "--seq-len", help="With --calibrate: tokens per calibration window."
-    ),
-    keep_bf16: int = typer.Option(
-        0, "--keep-bf16", help="With --calibrate: keep the N most sensitive layers in bf16."
-    ),
-    max_dppl: float = typer.Option(
-        None,
-        "--max-dppl",
-        help="With --calibrate: keep the fewest most sensitive layers in bf16 so that the calibration-text perplexity rises by at most X percent.",
-        show_default=False,
-    ),
-    reorder: bool = typer.Option(
-        True,
-        "--reorder/--no-reorder",
-        help="With --calibrate: fold channel permutations where they raise SQNR.",
-    ),
-    scale_search: bool = typer.Option(
-        True,
-        "--scale-search/--no-scale-search",
-        help="With --calibrate: per layer, the recipe's scale rule or MSE, whichever is better.",
-    ),
+    dataset: str = typer.Option(None, "--dataset", help="With --calibrate: " + DATASET_HELP, show_default=False),
+    samples: Samples = 64,
+    seq_len: SeqLen = 512,
+    keep_bf16: KeepBf16 = 0,
+    max_dppl: MaxDppl = None,
+    reorder: Reorder = True,
+    scale_search: ScaleSearch = True,
     plan_out: Path = typer.Option(
         None, "--plan-out", help="With --calibrate: also save the plan here.", show_default=False
     ),
-    sensitivity_samples: int = typer.Option(
-        2,
-        "--sensitivity-samples",
-        help="With --calibrate: calibration windows used for the per-layer KL.",
-    ),
-    sensitivity_seq_len: int = typer.Option(
-        256, "--sensitivity-seq-len", help="With --calibrate: tokens of each of those windows."
-    ),
+    sensitivity_samples: SensSamples = 2,
+    sensitivity_seq_len: SensSeqLen = 256,
 ) -> None:
     """Quantize a model to MXFP8 and write a safetensors checkpoint."""
     from mxq.convert import quantize_checkpoint
@@ -209,20 +213,7 @@ def quantize_cmd(
     if calibrate:
         if not dataset:
             raise typer.BadParameter("--calibrate needs --dataset")
-        cplan = _run_calibration(
-            model,
-            rec,
-            dataset,
-            samples,
-            seq_len,
-            keep_bf16,
-            max_dppl,
-            reorder,
-            scale_search,
-            device,
-            sensitivity_samples,
-            sensitivity_seq_len,
-        )
+        cplan = _run_calibration(model, rec, dataset, samples, seq_len, keep_bf16, max_dppl, reorder, scale_search, device, sensitivity_samples, sensitivity_seq_len)
         if plan_out:
             from mxq.calibrate import save_plan
 
@@ -331,45 +322,20 @@ def _print_plan(p) -> None:
 
 @app.command("calibrate")
 def calibrate_cmd(
-    model: str = typer.Argument(
-        None,
-        help="Local HF directory, hub id, or .gguf file. Default: the embedded SmolLM2-135M-Instruct.",
-        show_default=False,
-    ),
-    dataset: str = typer.Option(
-        ..., "--dataset", help="Calibration text: wikitext2, pydoc, or a .txt/.jsonl/.parquet file."
-    ),
-    samples: int = typer.Option(64, "--samples", help="Calibration windows."),
-    seq_len: int = typer.Option(512, "--seq-len", help="Tokens per calibration window."),
+    model: ModelArg = None,
+    dataset: str = typer.Option(..., "--dataset", help=DATASET_HELP),
+    samples: Samples = 64,
+    seq_len: SeqLen = 512,
     out: Path = typer.Option(
         Path("plan.json"), "--out", "-o", help="Where to write the plan (JSON)."
     ),
-    recipe: str = typer.Option(
-        "mxfp8", "--recipe", "-r", help="Shipped recipe name or a YAML path."
-    ),
-    keep_bf16: int = typer.Option(
-        0, "--keep-bf16", help="Keep the N most sensitive layers in bf16."
-    ),
-    max_dppl: float = typer.Option(
-        None,
-        "--max-dppl",
-        help="Keep the fewest most sensitive layers in bf16 so that the calibration-text perplexity rises by at most X percent.",
-        show_default=False,
-    ),
-    reorder: bool = typer.Option(
-        True, "--reorder/--no-reorder", help="Fold channel permutations where they raise SQNR."
-    ),
-    scale_search: bool = typer.Option(
-        True,
-        "--scale-search/--no-scale-search",
-        help="Per layer, the recipe's scale rule or MSE, whichever is better.",
-    ),
-    sensitivity_samples: int = typer.Option(
-        2, "--sensitivity-samples", help="Calibration windows used for the per-layer KL."
-    ),
-    sensitivity_seq_len: int = typer.Option(
-        256, "--sensitivity-seq-len", help="Tokens of each of those windows."
-    ),
+    recipe: RecipeOpt = "mxfp8",
+    keep_bf16: KeepBf16 = 0,
+    max_dppl: MaxDppl = None,
+    reorder: Reorder = True,
+    scale_search: ScaleSearch = True,
+    sensitivity_samples: SensSamples = 2,
+    sensitivity_seq_len: SensSeqLen = 256,
     device: str = typer.Option(
         "cpu", "--device", help="Where to run the model: cpu, cuda or auto."
     ),

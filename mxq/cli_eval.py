@@ -51,9 +51,24 @@ def _dtype(name: str):
     return getattr(torch, DTYPES[name.lower()])
 
 
-def _load(source: str, device, dtype=None):
+KERNELS_HELP = (
+    "Kernels that may run the MX layers: auto, reference (the torch reference, for A/B checks) or "
+    "comma-separated path names (`mxq kernels` lists them)."
+)
+
+
+def _kernels(spec: str) -> str:
+    from mxq.kernels import check_kernels
+
+    try:
+        return check_kernels(spec, source="--kernels")
+    except ValueError as e:
+        raise typer.BadParameter(str(e).removeprefix("--kernels=")) from None
+
+
+def _load(source: str, device, dtype=None, kernels: str | None = None):
     err.print(f"loading {_label(source)} ...")
-    return load_model(source, device=device, **({"dtype": dtype} if dtype is not None else {}))
+    return load_model(source, device=device, kernels=kernels, **({"dtype": dtype} if dtype is not None else {}))
 
 
 @eval_app.command("ppl")
@@ -80,6 +95,7 @@ def ppl_cmd(
         "--dtype",
         help="Activation/compute dtype of the non-quantized parts: bfloat16, float16, float32.",
     ),
+    kernels: str = typer.Option("auto", "--kernels", help=KERNELS_HELP),
     out: Path | None = typer.Option(None, "--out", help="Write the report as JSON here."),
     plot: Path | None = typer.Option(
         None,
@@ -107,6 +123,7 @@ def ppl_cmd(
         require_matplotlib()
     dev = resolve_device(device)
     torch_dtype = _dtype(dtype)
+    kernels = _kernels(kernels)
     if seq_len < 2:
         raise typer.BadParameter(f"--seq-len must be at least 2, got {seq_len}")
     if stride is not None and not 1 <= stride <= seq_len:
@@ -126,7 +143,7 @@ def ppl_cmd(
     windows = first_tok = None
     for role in ("baseline", "model") if baseline is not None else ("model",):
         source = baseline if role == "baseline" else model
-        m, tok = _load(source, dev, torch_dtype)
+        m, tok = _load(source, dev, torch_dtype, kernels)
         if windows is None:
             windows = make_windows(tok, texts, seq_len, stride, max_windows)
             first_tok = tok
@@ -166,6 +183,7 @@ def layers_cmd(
     seq_len: int = typer.Option(512, "--seq-len", help="Tokens per batch."),
     batches: int = typer.Option(4, "--batches", help="Batches of real text to run."),
     device: str = typer.Option("auto", "--device", help="auto (cuda if available), cpu or cuda."),
+    kernels: str = typer.Option("auto", "--kernels", help=KERNELS_HELP),
     out: Path | None = typer.Option(None, "--out", help="Write the report as JSON here."),
 ) -> None:
     """Per-Linear weight SQNR and output SQNR of QUANT against --baseline, worst first."""
@@ -175,12 +193,13 @@ def layers_cmd(
     from mxq.eval.report import layers_markdown, write_json
 
     dev = resolve_device(device)
+    kernels = _kernels(kernels)
     if seq_len < 2 or batches < 1:
         raise typer.BadParameter("--seq-len must be at least 2 and --batches at least 1")
     q_label, b_label = _label(quant), _label(baseline)
     texts = load_texts(dataset)
     base_model, base_tok = _load(baseline, dev)
-    quant_model, quant_tok = _load(quant, dev)
+    quant_model, quant_tok = _load(quant, dev, kernels=kernels)
     check_same_tokenizer(base_tok, quant_tok, "baseline", "model")
     windows = make_windows(base_tok, texts, seq_len, None, batches)
     err.print(f"running {windows.n_windows} batches of {seq_len} tokens through both models ...")

@@ -1,6 +1,6 @@
 """``mxq tune``: time candidate tiles of the decode GEMM for a model's weight shapes on this GPU and
 cache the fastest per shape and batch-size bucket (``kernels/tune.py``); the dispatch reads the
-cache from then on, in every process on this machine (``MXQ_TUNE=0`` ignores it)."""
+cache from then on, in every process on this machine (``MXQ_TUNE_CACHE=off`` ignores it)."""
 
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def tune_cmd(
 
     with progress_bar("tune") as bar:
         task = bar.add_task("tune", total=len(todo) * len({tune.m_bucket(m) for m in m_list}))
-        rows = tune.tune_decode_ws(
+        rows = tune_decode_ws(
             todo, m_list, log=lambda s: bar.console.print(s), progress=lambda done, total: bar.update(task, completed=done, total=total)
         )  # fmt: skip
     changed = sum(r["best"] != r["default"] for r in rows)
@@ -133,3 +133,85 @@ def _show() -> None:
                     t.add_row(dev, kern, key, _config_text(kern, cfg), str(rec.get("us", "")),
                               str(rec.get("default_us", "")))  # fmt: skip
         Console().print(t if t.row_count else f"{title}: no entries")
+
+
+def tune_decode_ws(shapes, ms=(1, 8, 16), device=None, *, log=print, progress=None) -> list[dict]:
+    """Tune ``gemm_decode_ws`` (W8A8 decode, E4M3 X, RCEIL) for each weight shape (N, K) at each
+    M bucket of ``ms`` and write the winners to the cache. Weights are random fp8 (the kernel's
+    speed does not depend on their values). Every candidate's output is checked against the
+    rule's before it is timed; one that differs is reported and dropped. Returns one row per
+    (shape, M): the timings and the choice. ``progress(done, total)`` is called after each row."""
+    import torch
+
+    from mxq.kernels import gemm_decode_ws as WS
+    from mxq.kernels.tune import (
+        cache,
+        device_name,
+        m_bucket,
+        pick,
+        record,
+        shape_key,
+        time_interleaved,
+        weight_copies,
+    )
+
+    device = torch.device(device or "cuda")
+    if not (device.type == "cuda" and torch.cuda.is_available()):
+        raise RuntimeError("mxq tune needs a CUDA GPU")
+    if not WS.HAVE_GLUON or torch.cuda.get_device_capability(device)[0] != 9:
+        raise RuntimeError(
+            f"mxq tune: the tuned kernel (gemm_decode_ws) runs on Hopper (sm_90) with Triton Gluon; "
+            f"{torch.cuda.get_device_name(device)} is sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}"
+        )
+    buckets: dict[int, int] = {}
+    for m in ms:
+        if not 1 <= m <= WS.WS_MAX_M:
+            raise ValueError(f"--ms: {m} is outside 1..{WS.WS_MAX_M} (the decode GEMM's batch sizes)")
+        buckets.setdefault(m_bucket(m), m)
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    name = device_name(device)
+    rows, total = [], len(shapes) * len(buckets)
+    for n, k in shapes:
+        if not WS.takes(1, k, 32):
+            log(f"skip {n}x{k}: K % 128 != 0 (the decode GEMM does not take it; the dispatch runs another kernel)")
+            total -= len(buckets)
+            continue
+        packs = [
+            ((torch.randn(n, k, device=device) * 64).to(torch.float8_e4m3fn),
+             torch.randint(118, 130, (n, k // 32), dtype=torch.uint8, device=device))
+            for _ in range(weight_copies(n * k, l2))
+        ]  # fmt: skip
+        records = {}
+        for m in buckets.values():
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            cands = WS.decode_ws_candidates(m, n, k, device)
+            ys, ok = {}, {}
+            for c in cands:
+                try:
+                    ys[c] = WS.mx_decode_gemm_ws(x, *packs[0], config=c, out_dtype=torch.float32)
+                except Exception as e:  # noqa: BLE001 - a candidate that does not build is dropped
+                    log(f"  {n}x{k} M={m}: {WS.describe(c)} dropped: {type(e).__name__}: {str(e).splitlines()[0]}")
+            y0 = ys.get(cands[0])
+            if y0 is None:
+                raise RuntimeError(f"{n}x{k} M={m}: the rule's own config failed")
+            tol = 1e-5 * float(y0.abs().max()) + 1e-30
+            for c, y in ys.items():
+                err = float((y - y0).abs().max())
+                if err <= tol:
+                    ok[WS.describe(c)] = c
+                else:
+                    log(f"  {n}x{k} M={m}: {WS.describe(c)} dropped: differs from the rule's config by {err:.3g} (> {tol:.3g})")
+            times = time_interleaved(
+                {d: [lambda p=p, c=c, x=x: WS.mx_decode_gemm_ws(x, p[0], p[1], config=c) for p in packs] for d, c in ok.items()}
+            )
+            default = WS.describe(cands[0])
+            best = pick(times, default)
+            records[shape_key(m, n, k)] = record(ok[best], times[best], times[default], m, len(ok))
+            rows.append(dict(n=n, k=k, m=m, us=times, default=default, best=best))
+            log(f"{n}x{k} M={m}: {best} {times[best]:.2f} µs (rule {times[default]:.2f} µs, x{times[default] / times[best]:.3f})")
+            if progress is not None:
+                progress(len(rows), total)
+        cache().put("decode_ws", name, records)  # after every shape: an interrupted run keeps what it measured
+        del packs
+    WS._PLANS.clear()  # plans built before hold the old choice
+    return rows

@@ -26,7 +26,7 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from mxq.config import QUANT_METHOD, NativeConfig, checkpoint_format, foreign_to_native, read_config
-from mxq.linear import MXLinear
+from mxq.linear import MXLinear, set_kernels
 
 
 class MXQConfig(NativeConfig, QuantizationConfigMixin):
@@ -108,8 +108,10 @@ def _register() -> None:
 _register()
 
 
-def load(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16):
-    """Load an MXFP8 checkpoint (mxq, compressed-tensors mxfp8-quantized or transformers mxfp8)."""
+def load(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
+         kernels: str | None = None):  # fmt: skip
+    """Load an MXFP8 checkpoint (mxq, compressed-tensors mxfp8-quantized or transformers mxfp8);
+    ``kernels`` chooses the kernels that may run it (``mxq.set_kernels``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from mxq.checkpoint import checkpoint_files
@@ -123,4 +125,5 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: tor
         cfg = AutoConfig.from_pretrained(path, trust_remote_code=False)
         cfg.quantization_config = foreign_to_native(path, config)
         model = AutoModelForCausalLM.from_pretrained(path, config=cfg, dtype=dtype, trust_remote_code=False)
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    return set_kernels(model, kernels) if kernels is not None else model

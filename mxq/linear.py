@@ -2,7 +2,9 @@
 
 The weight is kept as fp8 data ``weight`` [N, K] with biased-E8M0 ``weight_scale`` [N, K/32],
 the names and layout MXFP8 checkpoints use. ``forward`` calls ``mxq.kernels.mx_linear``: the
-Triton kernels on a GPU, the torch reference elsewhere — the same function either way.
+Triton kernels on a GPU, the torch reference elsewhere — the same function either way. Which
+kernels may run is the layer's ``kernels`` ("auto", "reference" or path names of
+``mxq.kernels.dispatch.LINEAR``); ``set_kernels(model, spec)`` sets it for a whole model.
 
 Under ``torch.compile`` the call goes through the custom op ``torch.ops.mxq.mx_linear`` (opaque to
 the compiler, with a shape-only fake implementation), so a model with MXLinear layers compiles
@@ -39,6 +41,7 @@ def mx_linear_op(
     act_elem: str,
     act_rule: str,
     block_size: int,
+    kernels: str = "",
 ) -> torch.Tensor:
     """``mxq.kernels.mx_linear`` as a torch custom op (``act_elem`` "" = bf16 activations)."""
     from mxq.kernels import mx_linear
@@ -46,12 +49,12 @@ def mx_linear_op(
     return mx_linear(
         x, weight, weight_scale, bias,
         act_elem=as_elem_format(act_elem) if act_elem else None, act_rule=as_scale_rule(act_rule),
-        block_size=block_size,
+        block_size=block_size, kernels=kernels or None,
     )  # fmt: skip
 
 
 @mx_linear_op.register_fake
-def _mx_linear_fake(x, weight, weight_scale, bias, act_elem, act_rule, block_size):
+def _mx_linear_fake(x, weight, weight_scale, bias, act_elem, act_rule, block_size, kernels=""):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
@@ -67,6 +70,7 @@ class MXLinear(nn.Module):
         block_size: int = 32,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        kernels: str | None = None,
     ):
         super().__init__()
         if in_features % block_size:
@@ -78,6 +82,7 @@ class MXLinear(nn.Module):
         self.elem = elem
         self.act = act
         self.block_size = block_size
+        self.kernels = _check_kernels(kernels)  # None: $MXQ_KERNELS or "auto", read per call
         self.weight = nn.Parameter(
             torch.empty(out_features, in_features, dtype=elem.torch_dtype, device=device),
             requires_grad=False,
@@ -92,11 +97,11 @@ class MXLinear(nn.Module):
             )
         else:
             self.register_parameter("bias", None)
-        self._packed = None  # kernel-specific weight layout, built lazily on the first CUDA call
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, weights: TensorSpec, act: TensorSpec | None, block_size: int = 32
+        cls, linear: nn.Linear, weights: TensorSpec, act: TensorSpec | None, block_size: int = 32,
+        kernels: str | None = None,
     ) -> MXLinear:
         w = linear.weight.detach()
         m = cls(
@@ -108,6 +113,7 @@ class MXLinear(nn.Module):
             block_size=block_size,
             dtype=w.dtype,
             device=w.device,
+            kernels=kernels,
         )
         q = quantize_mx(w, -1, weights.elem, block_size, weights.scale_rule)
         m.weight.data.copy_(q.data)
@@ -133,7 +139,7 @@ class MXLinear(nn.Module):
         if torch.compiler.is_compiling():
             return mx_linear_op(
                 x, self.weight, self.weight_scale, self.bias,
-                act_elem.name if act_elem is not None else "", act_rule.value, self.block_size,
+                act_elem.name if act_elem is not None else "", act_rule.value, self.block_size, self.kernels or "",
             )  # fmt: skip
         return mx_linear(
             x,
@@ -143,6 +149,7 @@ class MXLinear(nn.Module):
             act_elem=act_elem,
             act_rule=act_rule,
             block_size=self.block_size,
+            kernels=self.kernels,
         )
 
     def extra_repr(self) -> str:
@@ -150,7 +157,30 @@ class MXLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, weight={self.elem.name}, act={a}, block={self.block_size}"
+            + (f", kernels={self.kernels}" if self.kernels else "")
         )
+
+
+def _check_kernels(kernels: str | None) -> str | None:
+    if kernels is None:
+        return None
+    from mxq.kernels import check_kernels
+
+    return check_kernels(kernels)
+
+
+def set_kernels(model: nn.Module, kernels: str | None) -> nn.Module:
+    """Which kernels run ``model``'s MX layers: "auto", "reference" (the torch reference, for A/B
+    checks) or path names (``mxq.kernels.dispatch.LINEAR``, the attention registries); None
+    restores the default ($MXQ_KERNELS, else "auto"). Also read by MX attention (``mxq.attention``)
+    through each module's ``mxq_kernels``. Returns the model."""
+    spec = _check_kernels(kernels)
+    for m in model.modules():
+        if isinstance(m, MXLinear):
+            m.kernels = spec
+        else:
+            m.mxq_kernels = spec
+    return model
 
 
 def linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
@@ -176,8 +206,9 @@ def select_model_layers(model: nn.Module, recipe: Recipe, warn=None) -> tuple[li
     return select_layers(model_layers(model), recipe, warn)
 
 
-def quantize_model(model: nn.Module, recipe: Recipe | str | None = None) -> nn.Module:
-    """Swap the recipe's Linear layers of an in-memory model for ``MXLinear`` (in place)."""
+def quantize_model(model: nn.Module, recipe: Recipe | str | None = None, *, kernels: str | None = None) -> nn.Module:
+    """Swap the recipe's Linear layers of an in-memory model for ``MXLinear`` (in place);
+    ``kernels`` as in ``set_kernels``."""
     import warnings
 
     from mxq.recipe import load_recipe
@@ -195,6 +226,8 @@ def quantize_model(model: nn.Module, recipe: Recipe | str | None = None) -> nn.M
             child,
             MXLinear.from_linear(getattr(parent, child), recipe.weights, recipe.activations),
         )
+    if kernels is not None:
+        set_kernels(model, kernels)
     if hasattr(model, "config"):
         layers = {n: (recipe.weights, recipe.activations) for n in chosen}
         model.config.quantization_config = NativeConfig(**native_config(recipe, layers, sorted(kept)))

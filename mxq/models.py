@@ -115,11 +115,12 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.bfloat16,
     tokenizer: bool = True,
+    kernels: str | None = None,
 ):
     """Load a causal LM (and its tokenizer) from any model reference mxq accepts.
 
     mxq checkpoints load through the Hugging Face quantizer that ``import mxq`` registers, so
-    the returned model holds ``MXLinear`` modules.
+    the returned model holds ``MXLinear`` modules; ``kernels`` as in ``mxq.linear.set_kernels``.
     """
     from transformers import AutoModelForCausalLM
 
@@ -131,6 +132,10 @@ def load_model(
     except OSError as e:
         raise ModelSourceError(f"{src.display}: cannot load model ({_first_line(e)})") from e
     model = model.to(device).eval()
+    if kernels is not None:
+        from mxq.linear import set_kernels
+
+        set_kernels(model, kernels)
     tok = load_tokenizer(src) if tokenizer else None
     return model, tok
 

@@ -2,7 +2,7 @@
 widths and 2 layers (random bf16 weights), ``mxq.quantize_model(model, "mxfp8")`` right after
 building it, then what a user runs: ``generate(cache_implementation="static")`` (inductor,
 CUDA-graph trees) and the default ``generate()``, greedy, at one batch size. The reference is the
-same model on the torch reference path (``dispatch.FORCE_REFERENCE``), eager, dynamic cache.
+same model on the torch reference path (``mxq.set_kernels(model, "reference")``), eager, dynamic cache.
 
 Prints one JSON line: the three token tensors; for each fast run, where it first leaves the
 reference in each row and the reference's logit margin there (top-1 minus the chosen token,
@@ -19,7 +19,6 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import mxq
-from mxq.kernels import dispatch
 
 
 def main() -> None:
@@ -32,12 +31,13 @@ def main() -> None:
                    help="A/B: make kept buffers on the calling thread, as before kernels/buffers.py")
     a = p.parse_args()
     if a.kept_in_pool:
-        from mxq.kernels import attention, gemm_decode, gemm_prefill_ws
+        import mxq.attention
+        from mxq.kernels import attention_rotate, buffers, gemm_prefill_ws
 
         def in_caller_thread(make, device):
             return None if device.type == "cuda" and torch.cuda.is_current_stream_capturing() else make()
 
-        for mod in (attention, gemm_decode, gemm_prefill_ws):
+        for mod in (attention_rotate, buffers, gemm_prefill_ws, mxq.attention):  # buffers: the split-K tickets
             mod.persistent = in_caller_thread
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=2, num_attention_heads=32,
@@ -55,7 +55,7 @@ def main() -> None:
     with torch.no_grad():
         static = model.generate(ids, cache_implementation="static", **kw)
         dynamic = model.generate(ids, **kw)
-        dispatch.FORCE_REFERENCE = True
+        mxq.set_kernels(model, "reference")
         ref = model.generate(ids, **kw)
 
         def divergence(seq):
@@ -74,7 +74,7 @@ def main() -> None:
         # the fast path's own logit error on the reference tokens (teacher-forced): how far apart
         # the two paths are at any position, the noise a near tie must be judged against
         ref_logits = model(ref).logits.float()
-        dispatch.FORCE_REFERENCE = False
+        mxq.set_kernels(model, None)
         fast_logits = model(ref).logits.float()
         report = {
             "logit_err": float((fast_logits - ref_logits).abs().max()),

@@ -177,7 +177,7 @@ def test_prefill_kernel_equals_reference(case):
     got = mx_attention_prefill(q, k, v, causal=causal, qk_rotation=True)
     assert _rel(got, _independent(q, k, v, causal=causal, rotate=True)) < 3e-5
     # K and Vᵀ tiles by TMA descriptors (default) or by pointer loads: the same values
-    from mxq.kernels.attention import _kv_descriptors, _round_k, _round_vt
+    from mxq.kernels.attention_prefill import _kv_descriptors, _round_k, _round_vt
 
     assert _kv_descriptors(_round_k(k, E4M3, ScaleRule.RCEIL, 64), _round_vt(v, E4M3, ScaleRule.RCEIL, 64), 32)
     assert torch.equal(mx_attention_prefill(q, k, v, causal=causal, qk_rotation=True, tma=False), got)
@@ -187,7 +187,7 @@ def test_prefill_kernel_equals_reference(case):
 @pytest.mark.parametrize("s,d,bd", [(45, 40, 64), (64, 64, 64), (100, 80, 128), (1, 128, 128)])
 def test_round_vt_kernel_equals_format_core(dtype, s, d, bd):
     """Vᵀ rounded along the keys in one pass: the format core's 32x1 rounding, transposed, padded."""
-    from mxq.kernels.attention import _round_vt
+    from mxq.kernels.attention_prefill import _round_vt
 
     v = (torch.randn(2, s, 3, d) * torch.logspace(-3, 3, d)).to(dtype).transpose(1, 2)  # HF layout
     v[:, :, ::9] *= 40
@@ -203,7 +203,8 @@ def test_round_vt_kernel_equals_format_core(dtype, s, d, bd):
 def test_prep_kv_one_launch_equals_separate_kernels(dtype, s, d, bd):
     """The prefill's fused K/V pre-pass: bit-equal to the K rotate+round and the Vᵀ rounding run
     apart (each checked against the format core above / in test_rotate_kernel_equals_float64)."""
-    from mxq.kernels.attention import _prep_kv, _round_vt, rotate_qk_rows
+    from mxq.kernels.attention_prefill import _prep_kv, _round_vt
+    from mxq.kernels.attention_rotate import rotate_qk_rows
 
     k, v = ((torch.randn(2, s, 3, d) * torch.logspace(-2, 2, d)).to(dtype).transpose(1, 2) for _ in range(2))
     k_mx, vt = _prep_kv(k, v, E5M2, ScaleRule.FLOOR, bd)
@@ -218,7 +219,7 @@ def test_prep_kv_one_launch_equals_separate_kernels(dtype, s, d, bd):
 def test_quantize_vt_pages_equals_format_core(elem, rule, s, d, paged):
     """The MXFP8 cache's V bytes in one pass: the format core's 32x1 bytes, transposed (as rows of
     Vᵀ, or page by page)."""
-    from mxq.kernels.attention import quantize_vt_pages
+    from mxq.kernels.attention_prefill import quantize_vt_pages
 
     v = (torch.randn(2, s, 3, d) * torch.logspace(-3, 3, d)).to(torch.bfloat16).transpose(1, 2)
     v[:, :, ::9] *= 40
@@ -241,7 +242,7 @@ def test_quantize_vt_pages_equals_format_core(elem, rule, s, d, paged):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("d", [64, 40, 80, 128])
 def test_rotate_kernel_equals_float64(dtype, d):
-    from mxq.kernels.attention import rotate_qk_rows
+    from mxq.kernels.attention_rotate import rotate_qk_rows
 
     x = (torch.randn(2, 37, 3, d) * torch.logspace(-4, 4, d)).to(dtype).transpose(1, 2)  # HF layout
     got = rotate_qk_rows(x)
@@ -364,9 +365,9 @@ def test_decode_kernel_equals_reference(hq, hkv, n, d):
     assert _rel(got, _independent(q, kd, vd, mask=mask, rotate=layer.rotated, k_rotated=True)) < 3e-5
 
 
-@pytest.mark.parametrize("variant,block_n,chunk", [("gqa", 64, 64), ("gqa", 32, 96), ("dequant", 32, 32)])
+@pytest.mark.parametrize("block_n,chunk", [(64, 64), (32, 96), (32, 32)])
 @pytest.mark.parametrize("hq,hkv,d", [(8, 2, 128), (3, 3, 80)])
-def test_decode_variants_equal_reference(variant, block_n, chunk, hq, hkv, d):
+def test_decode_tiles_equal_reference(block_n, chunk, hq, hkv, d):
     b, n = 2, 150  # a full tile, a partial tile, a partial last V page
     q, k, v = _qkv(b, hq, hkv, 1, n, d)
     layer = MXFP8CacheLayer()
@@ -374,12 +375,12 @@ def test_decode_variants_equal_reference(variant, block_n, chunk, hq, hkv, d):
     kd, vd = layer.dequantize()
     args = (q, layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, layer.length)
     rot = dict(qk_rotation=layer.rotated)
-    got = mx_attention_decode(*args, variant=variant, block_n=block_n, chunk=chunk, **rot)
+    got = mx_attention_decode(*args, variant="gqa", block_n=block_n, chunk=chunk, **rot)
     assert _rel(got, _independent(q, kd, vd, rotate=layer.rotated, k_rotated=True)) < 3e-5
     mask = torch.zeros(b, hq, 1, n)
     mask[1, :, :, ::3] = -2.0
     mask[0, :, :, 70:] = float("-inf")
-    got = mx_attention_decode(*args, attention_mask=mask, variant=variant, block_n=block_n, chunk=chunk, **rot)
+    got = mx_attention_decode(*args, attention_mask=mask, variant="gqa", block_n=block_n, chunk=chunk, **rot)
     want = mx_attention_reference(q, kd, vd, attention_mask=mask, qk_rotation=layer.rotated, k_rotated=True)
     assert _rel(got, want) < 3e-5
 
@@ -406,8 +407,8 @@ def test_decode_fused_merge(hq, hkv, d, n, chunk):
         assert _rel(got, two) < 1e-6
     with pytest.raises(ValueError, match="counters must be int32"):
         mx_attention_decode(*args, counters=torch.zeros(b * hkv - 1, dtype=torch.int32), **rot)
-    with pytest.raises(ValueError, match="'fused' needs the gqa kernel"):
-        mx_attention_decode(*args, variant="dequant", merge="fused", **rot)
+    with pytest.raises(ValueError, match="merge='both'"):
+        mx_attention_decode(*args, merge="both", **rot)
 
 
 def _rows(layer):
@@ -417,8 +418,8 @@ def _rows(layer):
     return rows, layer.v_scale.transpose(2, 3).contiguous()
 
 
-@pytest.mark.parametrize("variant,block_n,chunk,hq,hkv,d,n", [("gqa", 64, 64, 8, 2, 128, 150), ("gqa", 32, 96, 3, 3, 80, 97), ("dequant", 32, 64, 4, 2, 64, 70)])
-def test_decode_rows_of_vt_equals_reference(variant, block_n, chunk, hq, hkv, d, n):
+@pytest.mark.parametrize("block_n,chunk,hq,hkv,d,n", [(64, 64, 8, 2, 128, 150), (32, 96, 3, 3, 80, 97), (32, 64, 4, 2, 64, 70)])
+def test_decode_rows_of_vt_equals_reference(block_n, chunk, hq, hkv, d, n):
     b = 2
     q, k, v = _qkv(b, hq, hkv, 1, n, d)
     layer = MXFP8CacheLayer()
@@ -431,10 +432,120 @@ def test_decode_rows_of_vt_equals_reference(variant, block_n, chunk, hq, hkv, d,
     for m in (None, mask):
         got = mx_attention_decode(
             q, layer.k_data, layer.k_scale, vp, vsp, layer.length, attention_mask=m,
-            variant=variant, block_n=block_n, chunk=chunk, qk_rotation=layer.rotated,
+            variant="gqa", block_n=block_n, chunk=chunk, qk_rotation=layer.rotated,
         )  # fmt: skip
         want = _independent(q, kd, vd, mask=m, rotate=layer.rotated, k_rotated=True)
         assert _rel(got, want) < 3e-5
+
+
+def _problem(**kw):
+    """A decode call on a device the test may not have: B=4 Hq=32 Hkv=8 D=128, bf16 q, the paged E4M3 cache."""
+    from mxq.kernels.attention_decode_common import DecodeProblem
+
+    base = dict(
+        batch=4, q_heads=32, q_len=1, head_dim=128, kv_heads=8, k_dim=128, capacity=4096, q_dtype=torch.bfloat16,
+        cache_dtype=torch.float8_e4m3fn, paged=True, contiguous=True, has_mask=False, device=torch.device("cuda", 0),
+        capability=(9, 0), capturing=True, interpret=False,
+    )  # fmt: skip
+    return DecodeProblem(**{**base, **kw})
+
+
+def test_decode_registry_choice():
+    """Which decode path a call takes, by identity: ws on Hopper only under CUDA-graph capture and
+    for the shapes it takes, gqa wherever Triton runs, the torch reference elsewhere; ``kernels``
+    restricts the choice (the reference stays the last resort)."""
+    from mxq.kernels import gluon_api
+    from mxq.kernels.attention import DECODE
+
+    ws, gqa, ref = DECODE["attn_decode_ws"], DECODE["attn_decode_gqa"], DECODE["reference"]
+    assert DECODE.names() == ["attn_decode_ws", "attn_decode_gqa", "reference"]
+    assert ws.gluon == "attention_decode_ws" and gqa.gluon is None
+    hopper = _problem()
+    assert DECODE.choose(hopper) is (ws if gluon_api.usable("attention_decode_ws") else gqa)
+    for kw in (
+        dict(capturing=False), dict(capability=(8, 0)), dict(capability=(10, 0)), dict(has_mask=True),
+        dict(paged=False), dict(contiguous=False), dict(head_dim=96, k_dim=96), dict(q_heads=72),
+        dict(capacity=4010), dict(q_dtype=torch.float64),
+    ):  # fmt: skip
+        assert DECODE.choose(_problem(**kw)) is gqa, kw
+    cpu = dict(device=torch.device("cpu"), capability=(0, 0), capturing=False)
+    assert DECODE.choose(_problem(**cpu, interpret=True)) is gqa
+    assert DECODE.choose(_problem(**cpu)) is ref
+    assert DECODE.choose(hopper, "reference") is ref
+    assert DECODE.choose(hopper, "attn_decode_gqa") is gqa
+    assert DECODE.choose(_problem(**cpu), "attn_decode_gqa,attn_decode_ws") is ref
+    with pytest.raises(ValueError, match="unknown kernel path"):
+        DECODE.choose(hopper, "attn_decode_dequant")
+
+
+def test_decode_reference_path_and_decode_path():
+    """``kernels="reference"`` runs the torch reference on the dequantized cache (either V layout,
+    with a mask, into ``out``); ``decode_path`` names what a call runs; ``variant`` forces a path."""
+    from mxq.kernels.attention import DECODE, decode_path
+
+    b, hq, hkv, n, d = 2, 4, 2, 70, 64
+    q, k, v = _qkv(b, hq, hkv, 1, n, d)
+    layer = MXFP8CacheLayer()
+    layer.update(k, v)
+    _garbage_past(layer, n)
+    kd, vd = layer.dequantize()
+    mask = torch.ones(b, 1, 1, n, dtype=torch.bool)
+    mask[0, ..., : n // 3] = False
+    rows = _rows(layer)
+    for vdata, vscale in ((layer.v_data, layer.v_scale), rows):
+        cache = (layer.k_data, layer.k_scale, vdata, vscale)
+        assert decode_path(q, *cache, kernels="reference") is DECODE["reference"]
+        assert decode_path(q, *cache) is DECODE["attn_decode_gqa"]  # the interpreter runs Triton
+        assert decode_path(q, *cache, variant="ws") is DECODE["attn_decode_ws"]
+        for m in (None, mask):
+            want = _independent(q, kd, vd, mask=m, rotate=layer.rotated, k_rotated=True)
+            out = torch.full_like(q, float("nan"))
+            got = mx_attention_decode(q, *cache, n, attention_mask=m, qk_rotation=layer.rotated, kernels="reference", out=out)
+            assert got is out and _rel(got, want) < 1e-6
+    with pytest.raises(ValueError, match="unknown decode variant 'dequant'"):
+        mx_attention_decode(q, *cache, n, variant="dequant")
+    with pytest.raises(ValueError, match="takes no attention_mask"):
+        mx_attention_decode(q, layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, n, attention_mask=mask, variant="ws")
+    with pytest.raises(ValueError, match="one query token"):
+        mx_attention_decode(torch.cat([q, q], 2), *cache, n)
+
+
+def test_decode_gluon_compile_error_falls_back(monkeypatch):
+    """A Gluon kernel that does not compile at its first launch: turned off for the process, one
+    warning, and the same call runs on the next path (here the Triton kernel, interpreted)."""
+    from triton.runtime.errors import TritonError
+
+    from mxq.kernels import attention_decode as AD
+    from mxq.kernels import gluon_api
+
+    if not gluon_api.usable("attention_decode_ws"):
+        pytest.skip(f"Hopper kernels off: {gluon_api.PROBLEM or gluon_api.DISABLED}")
+    b, hq, hkv, n, d = 2, 4, 2, 70, 64
+    q, k, v = _qkv(b, hq, hkv, 1, n, d)
+    layer = MXFP8CacheLayer()
+    layer.update(k, v)
+    args = (q, layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, n)
+    real = AD.decode_problem
+    monkeypatch.setattr(AD, "decode_problem", lambda *a, **kw: _dc_replace(real(*a, **kw), capturing=True, capability=(9, 0)))
+    monkeypatch.setattr(gluon_api, "DISABLED", {})
+    monkeypatch.setattr(gluon_api, "_WARNED", set())
+
+    def fails(*a, **kw):
+        raise TritonError("no such instruction")
+
+    monkeypatch.setattr(AD._ws, "mx_attention_decode_ws", fails)
+    assert AD.decode_path(*args[:5]) is AD.DECODE["attn_decode_ws"]
+    with pytest.warns(RuntimeWarning, match="attention_decode_ws does not compile"):
+        got = mx_attention_decode(*args, qk_rotation=layer.rotated)
+    assert "attention_decode_ws" in gluon_api.DISABLED
+    assert AD.decode_path(*args[:5]) is AD.DECODE["attn_decode_gqa"]
+    assert torch.equal(got, mx_attention_decode(*args, qk_rotation=layer.rotated, variant="gqa"))
+
+
+def _dc_replace(obj, **kw):
+    import dataclasses
+
+    return dataclasses.replace(obj, **kw)
 
 
 # --- Hugging Face -------------------------------------------------------------------------------
@@ -632,16 +743,15 @@ def test_gpu_cache_and_decode():
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["gqa", "dequant"])
 @pytest.mark.parametrize("block_n,warps,stages", [(64, 4, 3), (128, 8, 2), (64, 8, 4)])
-def test_gpu_decode_variants(variant, block_n, warps, stages):
+def test_gpu_decode_tiles(block_n, warps, stages):
     b, hq, hkv, n, d = 2, 32, 8, 5000, 128
     q, k, v = _qkv(b, hq, hkv, 1, n, d, torch.bfloat16, "cuda")
     layer = MXFP8CacheLayer()
     layer.update(k, v)
     kd, vd = layer.dequantize()
     args = (q, layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, layer.length)
-    kw = dict(variant=variant, block_n=block_n, num_warps=warps, num_stages=stages)
+    kw = dict(variant="gqa", block_n=block_n, num_warps=warps, num_stages=stages)
     want = mx_attention_reference(q.float(), kd, vd)
     assert _rel(mx_attention_decode(*args, **kw), want) < 5e-3  # bf16 output rounding
     got = mx_attention_decode(q.float(), *args[1:], **kw)  # fp32 output: the kernel's own error
@@ -663,7 +773,7 @@ def test_decode_query_blocks_equal_format_core(hq, hkv, d, dtype, rotate, codes,
     = the query rotated in float64 and MX-rounded by the format core; padded head slots zero.
     fp16 qn: blocks normalized (max |qn| in [1, 2)), cq powers of two. ``codes``: qn's fp8 bytes
     are the format core's element bytes and cq its scales, bit for bit."""
-    from mxq.kernels.attention import decode_query_blocks
+    from mxq.kernels.attention_decode_common import decode_query_blocks
 
     b, gp = 2, 8
     q = (torch.randn(b, hq, 1, d) * 3).to(dtype)
@@ -747,6 +857,10 @@ def test_gpu_decode_ws_matches_reference(hq, hkv, d, n, dtype, rotate):
             assert _rel(got, triton_kernel) < (tol8 if cfg.qk_fp8 else tol), cfg
         assert not counters.any(), "the fused merge leaves its tickets at zero"
     # eager calls default to the Triton kernel (one launch); under CUDA-graph capture, to this one
+    from mxq.kernels.attention import DECODE, decode_path
+
+    assert decode_path(*args[:5]) is DECODE["attn_decode_gqa"]
+    assert decode_path(*args[:5], capturing=True) is DECODE["attn_decode_ws"]
     assert torch.equal(mx_attention_decode(*args, qk_rotation=rotate).cpu(), triton_kernel)
     out = torch.empty_like(q)
     mx_attention_decode(*args, qk_rotation=rotate, variant="ws", out=out)  # compile outside the capture

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -77,12 +78,21 @@ def test_ctrl_c_exits_130_with_one_line_and_leaves_nothing(tmp_path):
     """SIGINT while `mxq quantize default OUT` runs: status 130, the last stderr line says so, and
     neither OUT nor a temporary directory beside it remains."""
     out = tmp_path / "out"
-    proc = subprocess.Popen(MXQ + ["quantize", "default", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(MXQ + ["quantize", "default", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)  # fmt: skip
-    time.sleep(6)  # loading the GGUF file or converting: either way mid-run
+    # interrupt once the run has started work (its first progress output: reading the GGUF file),
+    # not while Python is still importing torch, however loaded the machine is
+    chunks: list[str] = []
+    reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: proc.stderr.read(1), "")), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 240
+    while not chunks and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert proc.poll() is None, "finished before the interrupt; the test needs a longer run"
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    proc.wait(timeout=120)
+    reader.join(timeout=30)
+    err = "".join(chunks)
     assert proc.returncode == 130, err[-1500:]
     assert err.strip().splitlines()[-1] == "mxq: interrupted"
     assert not out.exists() and list(tmp_path.iterdir()) == []

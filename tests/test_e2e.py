@@ -113,8 +113,10 @@ def test_compile_fullgraph_static_cache(recipe):
     lin = next(m for m in model.modules() if isinstance(m, MXLinear))
     x = torch.randn(5, lin.in_features)
     act = lin.act.elem.name if lin.act is not None else ""
-    y = torch.ops.mxq.mx_linear(x, lin.weight, lin.weight_scale, lin.bias, act, "rceil", 32)
+    y = torch.ops.mxq.mx_linear(x, lin.weight, lin.weight_scale, lin.bias, act, "rceil", 32, lin.kernels or "")
     assert torch.equal(y, lin(x))
+    y = torch.ops.mxq.mx_linear(x, lin.weight, lin.weight_scale, lin.bias, act, "rceil", 32, "reference")
+    assert torch.equal(y, lin(x))  # on a CPU "auto" is the reference
 
 
 def test_loaded_checkpoint_is_compileable(tmp_path):

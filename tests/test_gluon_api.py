@@ -1,7 +1,9 @@
 """kernels/gluon_api.py: a Triton whose Gluon API differs from the one the Hopper kernels are
-written for never breaks mxq. Dispatch is driven as on an sm_90 device (``hopper=True``) with CPU
-tensors (CUDA tensors where there is a GPU), so the fallback kernels run through the Triton
-interpreter (or on the GPU) and are compared with the torch reference."""
+written for never breaks mxq. Dispatch is driven as on an sm_90 device (``LinearProblem.of``
+answering capability (9, 0)) with CPU tensors (CUDA tensors where there is a GPU), so the
+fallback kernels run through the Triton interpreter (or on the GPU) and are compared with the
+torch reference. The fall-back from a Gluon kernel that fails to compile at its first launch is
+tests/test_dispatch.py::test_gluon_compile_failure_falls_back_to_the_next_path."""
 
 import importlib
 import sys
@@ -12,18 +14,22 @@ import torch
 
 pytest.importorskip("triton")
 
-from triton.runtime.errors import PTXASError  # noqa: E402
-
-from mxq.formats import E4M3, quantize_mx  # noqa: E402
+from mxq.formats import E4M3, ScaleRule, quantize_mx  # noqa: E402
 from mxq.kernels import dispatch, gluon_api  # noqa: E402
 from mxq.kernels import gemm_decode_ws as WS  # noqa: E402
+from mxq.kernels import gemm_prefill_ws as PWS  # noqa: E402
 from mxq.kernels.reference import mx_linear_reference  # noqa: E402
 
 
 @pytest.fixture
 def fresh_state(monkeypatch):
+    """Fresh Gluon state, no remembered dispatch choices, and every problem seen as on sm_90."""
     monkeypatch.setattr(gluon_api, "DISABLED", {})
     monkeypatch.setattr(gluon_api, "_WARNED", set())
+    monkeypatch.setattr(dispatch, "_CHOICE", {})
+    of = dispatch.LinearProblem.of
+    monkeypatch.setattr(dispatch.LinearProblem, "of", classmethod(
+        lambda cls, *a, **kw: of(*a, **kw)._replace(capability=(9, 0), sms=132, triton=True)))  # fmt: skip
     return monkeypatch
 
 
@@ -43,35 +49,7 @@ def _mxq_warnings(seen) -> list[str]:
 
 
 def _hopper_call(x, w, s, b):
-    return dispatch.mx_linear_triton(x, w, s, b, act_elem=E4M3, hopper=True, fp8_mma=True)
-
-
-def test_compile_error_turns_the_kernel_off_and_falls_back(fresh_state):
-    """A Gluon kernel that does not compile: one warning naming it and the reason, the same call
-    answered by the next kernel in dispatch order, and no second attempt in this process."""
-    fresh_state.setattr(gluon_api, "PROBLEM", None)  # as if the API probe had passed
-    tries = []
-
-    def broken(*args, **kwargs):
-        tries.append(1)
-        raise PTXASError("ptxas fatal: unknown instruction 'wgmma.fence.sync.aligned'")
-
-    fresh_state.setattr(WS, "mx_decode_gemm_ws", broken)
-    x, w, s, b = _problem(3, 72, 256, seed=11)  # W8A8, M <= 16, K % 128 == 0: the decode_ws shape
-    assert dispatch._use_ws(3, 256, 32, True)
-    with pytest.warns(RuntimeWarning, match=r"gemm_decode_ws does not compile .*PTXASError.*unknown instruction"):
-        y = _hopper_call(x, w, s, b)
-    ref = mx_linear_reference(x.float(), w, s, b.float(), act_elem=E4M3)
-    torch.testing.assert_close(y.float(), ref, rtol=1e-2, atol=1e-2)
-    assert "gemm_decode_ws" in gluon_api.DISABLED and not dispatch._use_ws(3, 256, 32, True)
-    x2 = _problem(5, 40, 128, seed=12)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        y2 = _hopper_call(*x2)
-    assert not _mxq_warnings(seen)  # no second warning, no second compile attempt
-    torch.testing.assert_close(y2.float(), mx_linear_reference(x2[0].float(), x2[1], x2[2], x2[3].float(), act_elem=E4M3),
-                               rtol=1e-2, atol=1e-2)  # fmt: skip
-    assert len(tries) == 1
+    return dispatch.mx_linear(x, w, s, b, act_elem=E4M3)
 
 
 def test_other_errors_are_not_swallowed(fresh_state):
@@ -92,7 +70,10 @@ def test_missing_api_warns_once_and_never_calls_the_kernel(fresh_state):
     the plain Triton kernels; the Gluon entry points are never reached."""
     fresh_state.setattr(gluon_api, "PROBLEM", "Triton 9.9's Gluon has no gl.thread_barrier")
     fresh_state.setattr(WS, "mx_decode_gemm_ws", lambda *a, **k: pytest.fail("Gluon kernel called"))
+    fresh_state.setattr(PWS, "mx_prefill_gemm_ws", lambda *a, **k: pytest.fail("Gluon kernel called"))
     x, w, s, b = _problem(4, 48, 384, seed=5)
+    p = dispatch.LinearProblem.of(4, 48, 384, x.dtype, E4M3, ScaleRule.RCEIL, 32, x.device, triton=True)
+    assert dispatch.choose(p) is dispatch.LINEAR["decode_f8"]  # not decode_ws: the next path
     with pytest.warns(RuntimeWarning, match=r"Hopper kernels are off \(Triton 9.9's Gluon has no gl.thread_barrier\)"):
         y = _hopper_call(x, w, s, b)
     torch.testing.assert_close(y.float(), mx_linear_reference(x.float(), w, s, b.float(), act_elem=E4M3),

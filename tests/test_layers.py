@@ -1,5 +1,9 @@
 """The import graph of ``mxq/*.py`` follows docs/ARCHITECTURE.md: imports run only downward.
 
+Also ``kernels/*.py`` (``mxq.kernels``): its modules form no circle and reach nothing in mxq but
+``mxq.formats``; no kernel file grows past ``MAX_KERNEL_LINES``. And ``eval/*.py`` (``mxq.eval``)
+sits beside ``calibrate``/``convert``: it imports neither the CLI nor upward.
+
 ``cli → {calibrate, convert, hf, eval} → {linear, attention, checkpoint, recipe, config} →
 {formats, kernels}``; no two modules import each other, not even lazily inside a function; the
 on-disk config schema (``mxq.config``) and ``mxq.formats`` need no transformers. The graph is read
@@ -24,7 +28,7 @@ OUTSIDE = ("kernels", "eval")  # subpackages mapped into mxq (package-dir), one 
 LAYERS = {
     0: {"cli", "cli_bench", "cli_eval", "cli_tune"},
     1: {PACKAGE, "calibrate", "convert", "hf", "eval", "inspect", "models"},
-    2: {"linear", "attention", "checkpoint", "recipe", "config", "reorder", "progress", "decode"},
+    2: {"linear", "fuse", "attention", "checkpoint", "recipe", "config", "reorder", "progress", "decode"},
     3: {"formats", "kernels"},
 }
 LAYER = {m: rank for rank, mods in LAYERS.items() for m in mods}
@@ -152,3 +156,83 @@ def test_config_and_formats_import_without_transformers():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+KERNELS = SRC.parent / "kernels"
+EVAL = SRC.parent / "eval"
+# A kernel module holds one kernel family: its kernels, host wrapper and tile rule. Past this many
+# lines it is split by topic (the registry, the shared helpers in kernels/common.py).
+MAX_KERNEL_LINES = 650
+
+
+def _subpackage_graph(folder: Path, sub: str) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """Edges among ``mxq.<sub>.*`` modules, and the other mxq nodes each reaches."""
+    mods = {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
+    edges, outside = {}, {}
+    for name in mods | {"__init__"}:
+        tree = ast.parse((folder / f"{name}.py").read_text())
+        inner, other = set(), set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                dotted, names = node.module or "", [a.name for a in node.names]
+            elif isinstance(node, ast.Import):
+                dotted, names = None, [a.name for a in node.names]
+            else:
+                continue
+            for full in [dotted] if dotted is not None else names:
+                parts = full.split(".")
+                if parts[0] != PACKAGE:
+                    continue
+                if len(parts) >= 3 and parts[1] == sub:
+                    inner.add(parts[2])
+                elif len(parts) == 2 and parts[1] == sub:
+                    inner |= {n for n in (names if dotted is not None else []) if n in mods}
+                elif len(parts) >= 2:
+                    other.add(parts[1])
+        edges[name] = inner - {name}
+        outside[name] = other
+    return edges, outside
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[str]:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[str] = []
+
+    def visit(n: str) -> None:
+        state[n] = 1
+        stack.append(n)
+        for d in sorted(edges.get(n, ())):
+            if state.get(d) == 1:
+                found.append(" -> ".join([*stack[stack.index(d):], d]))
+            elif d not in state:
+                visit(d)
+        stack.pop()
+        state[n] = 2
+
+    for n in sorted(edges):
+        if n not in state:
+            visit(n)
+    return found
+
+
+def test_kernels_form_no_import_cycle_and_reach_only_formats():
+    edges, outside = _subpackage_graph(KERNELS, "kernels")
+    cycles = _cycles({k: v for k, v in edges.items() if k != "__init__"})
+    assert not cycles, "import cycles among kernels/ modules:\n" + "\n".join(cycles)
+    bad = sorted(f"kernels/{m}.py imports mxq.{o}" for m, os_ in outside.items() for o in os_ if o != "formats")
+    assert not bad, "kernels/ reaches mxq modules other than formats:\n" + "\n".join(bad)
+
+
+def test_kernel_files_stay_small():
+    sizes = {p.name: len(p.read_text().splitlines()) for p in KERNELS.glob("*.py")}
+    big = sorted(f"kernels/{n}: {c} lines" for n, c in sizes.items() if c > MAX_KERNEL_LINES)
+    assert not big, f"kernel modules over {MAX_KERNEL_LINES} lines (split them by topic):\n" + "\n".join(big)
+
+
+def test_eval_imports_no_cli_and_no_cycle():
+    edges, outside = _subpackage_graph(EVAL, "eval")
+    cycles = _cycles({k: v for k, v in edges.items() if k != "__init__"})
+    assert not cycles, "import cycles among eval/ modules:\n" + "\n".join(cycles)
+    bad = sorted(f"eval/{m}.py imports mxq.{o}" for m, os_ in outside.items() for o in os_ if LAYER.get(o, 3) < 1)
+    assert not bad, "eval/ imports upward (the CLI):\n" + "\n".join(bad)

@@ -134,9 +134,6 @@ def test_prefer_fixed_ptxas_respects_the_user(monkeypatch, tmp_path):
     monkeypatch.setenv("TRITON_PTXAS_PATH", "/somewhere/ptxas")
     assert toolchain.prefer_fixed_ptxas() is None and os.environ["TRITON_PTXAS_PATH"] == "/somewhere/ptxas"
     monkeypatch.delenv("TRITON_PTXAS_PATH")
-    monkeypatch.setenv("MXQ_PTXAS", "0")
-    assert toolchain.prefer_fixed_ptxas() is None and "TRITON_PTXAS_PATH" not in os.environ
-    monkeypatch.delenv("MXQ_PTXAS")
     assert toolchain.prefer_fixed_ptxas() == str(fake) and os.environ["TRITON_PTXAS_PATH"] == str(fake)
     assert toolchain.ptxas_version(str(fake)) == (13, 4)
 
@@ -205,43 +202,23 @@ def test_decode_ws_waits_for_the_quantizer(tmp_path):
 
 
 @needs_gluon
-def test_prefill_ws_compiles_warp_specialized(tmp_path):
-    """The warp-specialized prefill GEMM (kernels/gemm_prefill_ws.py, Gluon) compiled for sm_90:
-    16 bf16 wgmmas m64n128k16 (2 warpgroups x 2 row halves x 4 k16, peeled step + loop), all from
-    shared memory (no register operand), registers handed from the loader (24) and converter (96)
-    to the MMA warps, no spills, and the converter's scales come by TMA (no global load in flight
-    at its proxy fence, which would wait for it)."""
-    pytest.importorskip("triton.experimental.gluon")
-    out = _cli("--kernel", "prefill_ws", "--out", str(tmp_path))
-    sass = (tmp_path / "k.sass").read_text()
-    assert len(re.findall(r"HGMMA\.64x128x16\.F32\.BF16 ", sass)) == 16
-    assert "USETMAXREG.DEALLOC.CTAPOOL 0x18" in sass and "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0x60" in sass
-    assert not re.search(r"\b(LDL|STL)\b", sass), "register spills"
-    assert len(re.findall(r"UTMALDG", sass)) == 3 and "LDG" not in sass.replace("UTMALDG", "")
-    assert int(re.search(r"registers/thread (\d+)", out).group(1)) <= 128
-
-
-@needs_gluon
-@pytest.mark.parametrize("flags", [(), ("--no-inflight",), ("--no-inflight", "--no-split-wg"), ("--no-split-wg", "--persistent")])
-def test_prefill_rs_compiles_register_operand(tmp_path, flags):
+def test_prefill_rs_compiles_register_operand(tmp_path):
     """The register-operand prefill GEMM (gemm_prefill_ws._mx_prefill_rs_kernel) compiled for
-    sm_90: bf16 wgmmas m64n256k16 whose left operand comes from registers (4 a step: the first
-    step + two a loop iteration + an even tail, one step left in flight by waits down to 2 groups;
-    --no-inflight: loop + last step, every step waited for; per MMA partition: 2, or 1 with
-    --no-split-wg), no write to a register an in-flight wgmma reads (the hazard that gave wrong
-    sums when the operands were loop-carried), the fp8 -> bf16 by byte moves (no F2F in the MMA
-    loop), TMA loads only, the loader warp at 24 registers, no spills."""
+    sm_90: bf16 wgmmas m64n256k16 whose left operand comes from registers (4 a step, per MMA
+    partition of the two: the first step + two a loop iteration + an even tail, one step left in
+    flight by waits down to 2 groups), no write to a register an in-flight wgmma reads (the hazard
+    that gave wrong sums when the operands were loop-carried), the fp8 -> bf16 by byte moves (no
+    F2F in the MMA loop), TMA loads only, the loader warp at 24 registers, no spills."""
     pytest.importorskip("triton.experimental.gluon")
-    out = _cli("--kernel", "prefill_rs", "--stages", "4", *flags, "--out", str(tmp_path))
+    out = _cli("--kernel", "prefill_rs", "--stages", "4", "--out", str(tmp_path))
     sass = (tmp_path / "k.sass").read_text()
     hg = re.findall(r"HGMMA\.64x256x16\.F32\.BF16 R\d+, R(\d+), gdesc", sass)
-    steps = 1 if "--no-inflight" in flags else 2  # K steps a loop iteration
-    assert len(hg) == 8 * steps * (1 if "--no-split-wg" in flags else 2)  # per MMA partition
+    steps = 2  # K steps a loop iteration
+    assert len(hg) == 8 * steps * 2  # per MMA partition
     assert _hazards(out) == 0
     loop = re.search(r"main loop: (\d+) instructions", out)
     assert loop and int(loop.group(1)) < 300 * steps
-    depbar = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x(\d)", sass)
-    assert ("2" in depbar) == (steps == 2)
+    assert "2" in re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x(\d)", sass)
     assert "F2F" not in out.split("main loop")[1].split("wgmma register hazards")[0]
     assert "USETMAXREG.DEALLOC.CTAPOOL 0x18" in sass
     assert not re.search(r"\b(LDL|STL)\b", sass), "register spills"

@@ -1,5 +1,6 @@
-"""The tuning cache (kernels/tune.py) and ``mxq tune``'s inputs: file format, atomic writes, bad
-files, the choice rule. The timing itself runs on a GPU (tests/test_kernels.py, marked gpu)."""
+"""The tuning cache (kernels/tune.py) and ``mxq tune`` (mxq/cli_tune.py): file format, atomic
+writes, bad files, the choice rule, the command's inputs; the timing itself on a Hopper GPU
+(``test_gpu_tune_decode_ws_writes_and_dispatch_reads``, marked gpu)."""
 
 from __future__ import annotations
 
@@ -188,7 +189,7 @@ def test_shipped_entries_are_candidates(monkeypatch):
     torch = pytest.importorskip("torch")
     from mxq.kernels import gemm_decode_ws as WS
 
-    monkeypatch.setattr(WS, "_sm_count", lambda device: 132)  # H100 SXM and H200 both have 132
+    monkeypatch.setattr(WS, "sm_count", lambda device: 132)  # H100 SXM and H200 both have 132
     devices = tune.SHIPPED.devices
     assert set(devices) >= {"NVIDIA H100 80GB HBM3", "NVIDIA H200"}
     for dev, kernels in devices.items():
@@ -206,7 +207,7 @@ def test_shipped_entries_are_candidates(monkeypatch):
 def test_lookup_prefers_the_users_cache_then_the_shipped_one(monkeypatch, tmp_path):
     from mxq.kernels import gemm_decode_ws as WS
 
-    monkeypatch.setattr(WS, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(WS, "sm_count", lambda device: 132)
     monkeypatch.setattr(tune, "device_name", lambda device: "NVIDIA H200")
     monkeypatch.setenv("MXQ_TUNE_CACHE", str(tmp_path / "t.json"))
     tune.reset()
@@ -240,3 +241,44 @@ def test_malformed_levels_read_as_missing_and_are_replaced_on_write(tmp_path):
     _put(p, device="GPU B")
     c = tune.TuneCache(p)
     assert c.config("k", "GPU A", "m1_n64_k128", Cfg) == Cfg(64, 4, True) == c.config("k", "GPU B", "m1_n64_k128", Cfg)
+
+
+@pytest.mark.gpu
+def test_gpu_tune_decode_ws_writes_and_dispatch_reads(monkeypatch, tmp_path):
+    """``tune_decode_ws`` times the candidates, writes one entry per (shape, M bucket) with the
+    fastest config (or the rule's when nothing beats it by MIN_GAIN), and ``mx_linear`` then runs
+    that config: same output as the config run directly."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    from kernel_helpers import HOPPER, activations, mx_weight
+
+    if not HOPPER:
+        pytest.skip("needs a Hopper GPU and Gluon")
+    from mxq.cli_tune import tune_decode_ws
+    from mxq.formats import E4M3
+    from mxq.kernels import dispatch
+    from mxq.kernels import gemm_decode_ws as WS
+
+    monkeypatch.setenv("MXQ_TUNE_CACHE", str(tmp_path / "tune.json"))
+    tune.reset()
+    try:
+        rows = tune_decode_ws([(1536, 1024)], (1, 16), log=lambda s: None)
+        assert [(r["n"], r["k"], r["m"]) for r in rows] == [(1536, 1024, 1), (1536, 1024, 16)]
+        data = json.loads((tmp_path / "tune.json").read_text())
+        entries = data["devices"][torch.cuda.get_device_name()]["decode_ws"]
+        assert set(entries) == {"m1_n1536_k1024", "m16_n1536_k1024"}
+        for r in rows:
+            assert r["best"] == tune.pick(r["us"], r["default"])
+            rec = entries[tune.shape_key(r["m"], 1536, 1024)]
+            assert WS.describe(WS.DecodeWSConfig(**rec["config"])) == r["best"] and rec["us"] == round(r["us"][r["best"]], 3)
+        tune.reset()
+        gen = torch.Generator().manual_seed(5)
+        w, ws, _ = mx_weight(1536, 1024, E4M3, gen)
+        x = activations(16, 1024, torch.bfloat16, gen, special=False, decades=(-2, 1))
+        cfg = WS.pick_decode_ws_config(16, 1536, 1024, x.device)
+        assert cfg == WS.DecodeWSConfig(**entries["m16_n1536_k1024"]["config"])
+        assert dispatch.linear_path(16, 1536, 1024, x.device) is dispatch.LINEAR["decode_ws"]
+        y = dispatch.mx_linear(x, w, ws, act_elem=E4M3)
+        assert torch.equal(y, WS.mx_decode_gemm_ws(x, w, ws, act_elem=E4M3, config=cfg))
+    finally:
+        tune.reset()

@@ -2,23 +2,25 @@
 
     python tools/sass_dev.py [--block-n 64] [--warps 2] [--stages 3] [--maxnreg N] [--out DIR]
     python tools/sass_dev.py --kernel gemm [--tile 256x128x64] [--warps 8] [--stages 3]
-        [--loop old|zero_dot|peel] [--deq bf16|bits|fp32] [--ptxas PATH] [--out DIR]
+        [--loop old|zero_dot|peel] [--deq bf16|fp32] [--ptxas PATH] [--out DIR]
     python tools/sass_dev.py --kernel decode_f8 [--tile 16x128x4] [--split-k 4] [--quant-x] [--stages 2]
     python tools/sass_dev.py --kernel decode_ws [--split-k 4] [--stages 2] [--maxnreg 128] [--fuse-x]
+    python tools/sass_dev.py --kernel prefill_rs [--stages 4] [--maxnreg 168]
     python tools/sass_dev.py --kernel attn_ws [--stages 4] [--head-dim 128] [--maxnreg 128]
     python tools/sass_dev.py --kernel attn_prefill [--tile 64x64] [--warps 4] [--stages 3] [--pointer-x]
 
 Compiles a kernel for sm_90 on the CPU machine — Triton's compiler, ptxas and ``cuobjdump`` need
 no GPU — and prints the registers per thread and, for the main loop (the first backward branch),
 the SASS instruction count per warp per iteration with its opcode histogram. ``decode``: the
-attention decode kernel (``attention._decode_gqa_kernel``, B=4 Hq=32 Hkv=8 D=128 bf16, E4M3, Q/K
+attention decode kernel (``attention_decode._decode_gqa_kernel``, B=4 Hq=32 Hkv=8 D=128 bf16, E4M3, Q/K
 rotation on). ``gemm``: ``gemm._mx_gemm_kernel`` with TMA tiles as the prefill dispatch runs it,
 and also the wgmma register hazards in its loop (``wgmma_register_hazards``): registers of a
-wgmma's left operand written while that wgmma may still be in flight. ``decode_f8``: the fp8
+wgmma's left operand written while that wgmma may still be in flight; ``prefill_rs`` likewise for
+the register-operand prefill GEMM (``gemm_prefill_ws``). ``decode_f8``: the fp8
 tensor-core decode GEMM (``gemm_decode._mx_decode_f8_kernel``; tile = BLOCK_M x BLOCK_N x blocks per step). ``decode_ws``: its
 warp-specialized Gluon version (``gemm_decode_ws``). ``attn_ws``: the warp-specialized attention
 decode kernel (``attention_decode_ws``, E4M3 cache, 4 query heads per kv head). ``attn_prefill``:
-the exact prefill kernel (``attention._prefill_kernel``, K/Vᵀ by TMA, or by pointers with --pointer-x). ``--ptxas`` makes Triton use that ptxas
+the exact prefill kernel (``attention_prefill._prefill_kernel``, K/Vᵀ by TMA, or by pointers with --pointer-x). ``--ptxas`` makes Triton use that ptxas
 (default: Triton's choice, which mxq points at a ptxas >= 13.3 where one is installed). Integer arguments are marked
 divisible by 16 the way the launcher specializes them at the benchmark shapes (without it the
 compiler cannot prove 16-byte alignment and the code differs from what runs). DIR gets the
@@ -40,7 +42,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from mxq.formats import E4M3, ScaleRule
-from mxq.kernels import attention as A
+from mxq.kernels import attention_decode, attention_prefill
 from mxq.kernels.quantize import _RULE_ID
 
 _PTRS = {
@@ -52,7 +54,7 @@ _NOT_DIV16 = {"Hkv", "stride_ksn", "stride_mb", "stride_mh", "stride_mn"}
 
 
 def compile_decode(block_n=64, warps=2, stages=3, maxnreg=None, gp=4, block_d=128, fuse_merge=True):
-    fn = A._decode_gqa_kernel
+    fn = attention_decode._decode_gqa_kernel
     names = fn.arg_names
     cons = dict(
         GROUP_C=4, GP=gp, BLOCK_N=block_n, BLOCK_D=block_d, MASK_D=False, HAS_MASK=False, MASK_BOOL=False,
@@ -94,8 +96,7 @@ def compile_gemm(block_m=256, block_n=128, block_k=64, warps=8, stages=3, loop="
     fn = G._mx_gemm_kernel
     cons = dict(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BS=32, GROUP=8, DOT=tl.bfloat16, PRECISION="tf32",
-        HAS_BIAS=False, SPLIT_K=split_k, EVEN_K=True, TMA_X=tma_x, TMA_W=tma_w, SCALE_GATHER=False,
-        DEQ_BF16=deq == "bf16", DEQ_BITS=deq == "bits", W_E5M2=False, PREFETCH_S=True,
+        HAS_BIAS=False, SPLIT_K=split_k, EVEN_K=True, TMA_X=tma_x, TMA_W=tma_w, DEQ_BF16=deq == "bf16",
         PEEL=loop == "peel", ZERO_DOT=loop == "zero_dot", QUANT=False,
     )  # fmt: skip
     ptrs = {
@@ -147,29 +148,7 @@ def compile_decode_ws(block_m=16, stages=2, split=4, box=128, maxnreg=128, loade
                          source=GluonASTSource, **({"maxnreg": maxnreg} if maxnreg else {}))  # fmt: skip
 
 
-def compile_prefill_ws(stages=4, wbuf=3, maxnreg=128, conv_regs=96, loader_regs=24, block_m=256, block_n=128, block_k=64):
-    """``gemm_prefill_ws._mx_prefill_ws_kernel`` (Gluon) for sm_90 as mx_prefill_gemm_ws launches it
-    (bf16 X, E4M3 W, bf16 out, no bias)."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from mxq.kernels import gemm_prefill_ws as P
-
-    cons = dict(STAGES=stages, WBUF=wbuf, GROUP=8, HAS_BIAS=False, CONV_REGS=conv_regs, LOADER_REGS=loader_regs,
-                NUM_WARPS=8)  # fmt: skip
-    lx = gl.NVMMASharedLayout.get_default_for([block_m, block_k], gl.bfloat16)
-    lw = gl.NVMMASharedLayout.get_default_for([block_n, block_k], gl.float8e4nv)
-    ls = gl.NVMMASharedLayout.get_default_for([block_k // 32, block_n], gl.uint8)
-    ptrs = {
-        "x_desc": f"tensordesc<bf16[{block_m}, {block_k}],{lx!r}>", "w_desc": f"tensordesc<fp8e4nv[{block_n}, {block_k}],{lw!r}>",
-        "s_desc": f"tensordesc<u8[{block_k // 32}, {block_n}],{ls!r}>", "b_ptr": "*bf16", "y_ptr": "*bf16",
-    }  # fmt: skip
-    return _compile_sm90(P._mx_prefill_ws_kernel, cons, ptrs, 8, 1, not_div16={"M"},
-                         source=GluonASTSource, **({"maxnreg": maxnreg} if maxnreg else {}))  # fmt: skip
-
-
-def compile_prefill_rs(stages=4, maxnreg=168, loader_regs=24, block_x=256, block_w=128, block_k=64, bias=False, out="bf16",
-                       deq_bits=True, split_wg=True, inflight=True, persistent=False):  # fmt: skip
+def compile_prefill_rs(stages=4, maxnreg=168, loader_regs=24, block_x=256, block_w=128, block_k=64, bias=False, out="bf16"):
     """``gemm_prefill_ws._mx_prefill_rs_kernel`` (Gluon; the weight as the register operand) for
     sm_90 as mx_prefill_gemm_ws launches it with a ``PrefillRSConfig`` (bf16 X, E4M3 W)."""
     from triton.experimental.gluon import language as gl
@@ -177,8 +156,7 @@ def compile_prefill_rs(stages=4, maxnreg=168, loader_regs=24, block_x=256, block
 
     from mxq.kernels import gemm_prefill_ws as P
 
-    cons = dict(STAGES=stages, GROUP=8, HAS_BIAS=bias, LOADER_REGS=loader_regs, NUM_WARPS=4 if split_wg else 8,
-                DEQ_BITS=deq_bits, SPLIT_WG=split_wg, MMA_REGS=240, INFLIGHT=inflight, PERSISTENT=persistent)  # fmt: skip
+    cons = dict(STAGES=stages, GROUP=8, HAS_BIAS=bias, LOADER_REGS=loader_regs, MMA_REGS=240)
     lx = gl.NVMMASharedLayout.get_default_for([block_x, block_k], gl.bfloat16)
     lw = gl.NVMMASharedLayout.get_default_for([block_w, block_k], gl.float8e4nv)
     ls = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
@@ -186,7 +164,7 @@ def compile_prefill_rs(stages=4, maxnreg=168, loader_regs=24, block_x=256, block
         "x_desc": f"tensordesc<bf16[{block_x}, {block_k}],{lx!r}>", "w_desc": f"tensordesc<fp8e4nv[{block_w}, {block_k}],{lw!r}>",
         "s_desc": f"tensordesc<u8[{block_k // 32}, {block_w}],{ls!r}>", "b_ptr": "*bf16", "y_ptr": f"*{out}",
     }  # fmt: skip
-    return _compile_sm90(P._mx_prefill_rs_kernel, cons, ptrs, 4 if split_wg else 8, 1, not_div16={"M"},
+    return _compile_sm90(P._mx_prefill_rs_kernel, cons, ptrs, 4, 1, not_div16={"M"},
                          source=GluonASTSource, **({"maxnreg": maxnreg} if maxnreg else {}))  # fmt: skip
 
 
@@ -283,9 +261,9 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 def compile_prefill_attn(block_m=64, block_n=64, warps=4, stages=3, d=128, tma=True, exact=True, causal=False):
-    """``attention._prefill_kernel`` for sm_90 as ``mx_attention_prefill`` launches it (bf16 Q,
+    """``attention_prefill._prefill_kernel`` for sm_90 as ``mx_attention_prefill`` launches it (bf16 Q,
     E4M3 RCEIL, Q/K rotation on, no mask): K and Vᵀ by TMA descriptors or pointer loads."""
-    fn = A._prefill_kernel
+    fn = attention_prefill._prefill_kernel
     cons = dict(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=d, CAUSAL=causal, HAS_MASK=False, MASK_BOOL=False,
         PV_SPLIT=exact, EMAX=E4M3.emax, MBITS=E4M3.mbits, MAXN=E4M3.max_normal, EMIN=1 - E4M3.bias,
@@ -308,12 +286,12 @@ def main_loop_histogram(sass: str, contains: str = "") -> tuple[int, collections
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernel", choices=("decode", "gemm", "decode_f8", "decode_ws", "prefill_ws", "prefill_rs", "attn_ws", "attn_prefill"), default="decode")
+    ap.add_argument("--kernel", choices=("decode", "gemm", "decode_f8", "decode_ws", "prefill_rs", "attn_ws", "attn_prefill"), default="decode")
     ap.add_argument("--block-n", type=int, default=None, help="decode: keys per tile (64); decode_ws: weight rows per tile (128)")
     ap.add_argument("--head-dim", type=int, default=128, help="attn_ws: head_dim (64 or 128)")
     ap.add_argument("--tile", default="256x128x64", help="gemm: BLOCK_M x BLOCK_N x BLOCK_K")
     ap.add_argument("--loop", choices=("old", "zero_dot", "peel"), default="zero_dot", help="gemm: accumulator start")
-    ap.add_argument("--deq", choices=("bf16", "bits", "fp32"), default="bf16", help="gemm: weight dequant route")
+    ap.add_argument("--deq", choices=("bf16", "fp32"), default="bf16", help="gemm: scale multiply in bf16 or fp32")
     ap.add_argument("--split-k", type=int, default=1, help="gemm: K splits (fp32 partials out)")
     ap.add_argument("--quant-x", action="store_true", help="decode_f8: X quantized first (fp8 tiles loaded as they are)")
     ap.add_argument("--pointer-x", action="store_true", help="gemm: activation tiles by pointer loads, not TMA (decode tiles)")
@@ -321,11 +299,6 @@ def main():
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--maxnreg", type=int, default=None)
     ap.add_argument("--merge", choices=("fused", "kernel"), default="fused", help="decode: split merge in the kernel or not")
-    ap.add_argument("--no-split-wg", dest="split_wg", action="store_false",
-                    help="prefill_rs: the two MMA warpgroups as one 8-warp partition")
-    ap.add_argument("--no-inflight", dest="inflight", action="store_false",
-                    help="prefill_rs: wait for each step before the back edge (the loop before one step was kept in flight)")
-    ap.add_argument("--persistent", action="store_true", help="prefill_rs: one program per SM walking tiles")
     ap.add_argument("--fuse-x", action="store_true", help="decode_ws: bf16 X quantized inside the kernel")
     ap.add_argument("--block-m", type=int, default=16, help="decode_ws: activation rows per tile (8 or 16)")
     ap.add_argument("--qk-fp8", action="store_true", help="attn_ws: Q·Kᵀ as fp8 wgmmas on the codes (DecodeAttnWSConfig.qk_fp8)")
@@ -351,13 +324,8 @@ def main():
         bm, bn = (int(v) for v in args.tile.split("x")[:2]) if args.tile != "256x128x64" else (64, 64)
         k = compile_prefill_attn(bm, bn, args.warps or 4, args.stages, args.head_dim, tma=not args.pointer_x)
         unit = f"{bn}-key tile"
-    elif args.kernel == "prefill_ws":
-        k = compile_prefill_ws(stages=args.stages if args.stages != 3 else 4, maxnreg=args.maxnreg or 128)
-        unit = "64-wide K step (the first backward branch may be a worker's loop)"
     elif args.kernel == "prefill_rs":
-        k = compile_prefill_rs(stages=args.stages, maxnreg=args.maxnreg or 168, deq_bits=args.deq != "fp32",
-                               split_wg=args.split_wg, inflight=args.inflight,
-                               persistent=args.persistent)  # fmt: skip
+        k = compile_prefill_rs(stages=args.stages, maxnreg=args.maxnreg or 168)
         unit = "64-wide K step (the MMA warps' loop)"
     elif args.kernel == "decode_f8":
         bm, bn, kb = (int(v) for v in args.tile.split("x"))

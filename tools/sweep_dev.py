@@ -64,7 +64,7 @@ def part_q():
         copy_gbs = 4 * m * k / t_copy / 1e3
         for rule in (ScaleRule.RCEIL, ScaleRule.FLOOR):
             for bits in ("0", "1"):
-                os.environ["MXQ_BIT_ROUNDING"] = bits
+                Q.BIT_ROUNDING = bits == "1"
                 for tile in ((32, 128, 4), (16, 256, 4), (32, 256, 8), (8, 512, 4)):
                     tq = _bench(lambda: Q.quantize_mx_rows(xx, E4M3, rule, tile=tile))
                     td = _bench(lambda: Q.fake_quantize_mx_rows(xx, E4M3, rule, out_dtype=torch.bfloat16, tile=tile))
@@ -72,7 +72,7 @@ def part_q():
                              mx_frac=(3 + 1 / 32) * m * k / tq / 1e3 / copy_gbs, bf16_frac=4 * m * k / td / 1e3 / copy_gbs)
                     out["bw"].append(r)
                     log("q", m, k, rule.value, "bits" if bits == "1" else "hw", tile, f"mx {r['mx_frac']:.2f} bf16 {r['bf16_frac']:.2f}")
-            os.environ["MXQ_BIT_ROUNDING"] = "0"
+            Q.BIT_ROUNDING = False
     RES["q"] = out
 
 
@@ -88,9 +88,10 @@ def _weights(n, k, copies):
 
 def part_gemv(ms=(1, 16), extra_ms=(2, 4, 8)):
     from mxq.kernels import gemm as G
+    from mxq.kernels import gemv as V
     from mxq.kernels.quantize import fake_quantize_mx_rows
 
-    C = G.GemvConfig
+    C = V.GemvConfig
     cands = [C(32, 256, 4, 3), C(16, 512, 4, 3), C(64, 256, 8, 3), C(32, 512, 8, 3), C(16, 256, 2, 3),
              C(64, 128, 4, 4, tma_w=True), C(32, 256, 4, 4, tma_w=True), C(128, 128, 8, 4, tma_w=True)]
     rows = []
@@ -118,15 +119,15 @@ def part_gemv(ms=(1, 16), extra_ms=(2, 4, 8)):
                 while tiles * auto < 2 * sms and k // (auto * 2) >= 4 * cfg.block_k and auto < 8:
                     auto *= 2
                 for split in sorted({1, auto, min(8, auto * 2)}):
-                    c = G.GemvConfig(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, split, cfg.tma_w)
+                    c = V.GemvConfig(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, split, cfg.tma_w)
                     try:
-                        y = G.mx_gemv(x, ws[0][0], ws[0][1], None, config=c, act_elem=E4M3)
+                        y = V.mx_gemv(x, ws[0][0], ws[0][1], None, config=c, act_elem=E4M3)
                         err = ((y.double() - ref).norm() / ref.norm()).item()
                     except Exception as e:  # noqa: BLE001
                         row[str(c)] = f"error: {type(e).__name__}: {str(e)[:200]}"
                         log("gemv", model, layer, m, c, row[str(c)])
                         continue
-                    t = _try_graph([lambda p=p, c=c: G.mx_gemv(x, p[0], p[1], None, config=c, act_elem=E4M3) for p in ws])
+                    t = _try_graph([lambda p=p, c=c: V.mx_gemv(x, p[0], p[1], None, config=c, act_elem=E4M3) for p in ws])
                     row[str(c)] = dict(us=t, err=err)
                     log("gemv", model, layer, f"M={m}", c, f"{t if isinstance(t, str) else round(t, 2)} err {err:.1e}")
             times = {kk: v["us"] for kk, v in row.items() if isinstance(v, dict) and isinstance(v["us"], float) and v["err"] < 1e-2}
@@ -134,7 +135,7 @@ def part_gemv(ms=(1, 16), extra_ms=(2, 4, 8)):
                 bk = min(times, key=times.get)
                 row["best"], row["best_us"] = bk, times[bk]
                 if m in ms and m == 1:
-                    best_by_shape[(n, k)] = eval("G." + bk)  # noqa: S307 (our own repr)
+                    best_by_shape[(n, k)] = eval("V." + bk)  # noqa: S307 (our own repr)
                 log(f"BEST {model} {layer} M={m}: {times[bk]:.2f} us ({bk}); cuBLAS {row['cublas']}, mma {row['mma_w8a8']}",
                     f"x{row['cublas'] / times[bk]:.2f} cuBLAS" if isinstance(row["cublas"], float) else "")
             rows.append(row)
@@ -208,34 +209,6 @@ def part_tma():
     RES["tma"] = rows
 
 
-def part_ab():
-    """Scale/weight prefetch on vs off (MXQ_PREFETCH), dispatched configs; prints the winner."""
-    import importlib
-
-    from mxq.kernels import gemm as G
-    from mxq.kernels.dispatch import mx_linear_triton
-
-    rows, wins = [], 0
-    for (n, k), m in (((4096, 4096), 2048), ((4096, 14336), 2048), ((4096, 4096), 256), ((4096, 4096), 1), ((28672, 4096), 1)):
-        ws, w64 = _weights(n, k, _copies(n * k))
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        ref = x.double() @ w64.t()
-        t = {}
-        for pf in (True, False):
-            G.PREFETCH = pf
-            y = mx_linear_triton(x, ws[0][0], ws[0][1], None)
-            err = ((y.double() - ref).norm() / ref.norm()).item()
-            t[pf] = (_try_graph([lambda p=p: mx_linear_triton(x, p[0], p[1], None) for p in ws]), err)
-        rows.append(dict(n=n, k=k, m=m, on=t[True], off=t[False]))
-        wins += t[True][0] < t[False][0] and t[True][1] < 1e-2
-        log("ab", n, k, m, "prefetch on", t[True], "off", t[False])
-    G.PREFETCH = True
-    importlib.invalidate_caches()
-    RES["ab"] = rows
-    with open(os.environ.get("OUT", ".") + "/prefetch", "w") as f:
-        f.write("1" if wins >= 3 else "0")
-
-
 def part_tma2():
     from mxq.kernels import gemm as G
 
@@ -254,88 +227,6 @@ def part_tma2():
             log("tma2 m", m, "bias", bias is not None, "bad", len(bad), bad[:4].tolist(), y.double().abs().max().item())
 
 
-def part_rows2():
-    """H200, 2026-11-21: the rows kernel with 2-D weight loads (lanes along K) on 8B shapes + 70B o."""
-    from mxq.kernels import gemm as G
-
-    part_rows(ms=(4, 8, 16), models=("8b",), cfgs=[
-        G.GemvRowsConfig(32, 256, 16, load2d=True), G.GemvRowsConfig(64, 128, 16, load2d=True),
-        G.GemvRowsConfig(32, 256, 32, load2d=True), G.GemvRowsConfig(32, 256, 16, num_warps=2, load2d=True),
-    ])  # fmt: skip
-
-
-def part_rows(ms=(3, 4, 8, 16), models=("8b", "70b"), cfgs=None):
-    """H200, 2026-11-21: deferred-reduction decode kernel (mx_gemv_rows) vs the MMA path and cuBLAS."""
-    from mxq.eval.bench_gemm import LLAMA_SHAPES
-    from mxq.kernels import gemm as G
-    from mxq.kernels.quantize import fake_quantize_mx_rows
-
-    cfgs = cfgs or [
-        G.GemvRowsConfig(128, 64, 16), G.GemvRowsConfig(256, 32, 16), G.GemvRowsConfig(64, 64, 16),
-        G.GemvRowsConfig(128, 64, 32), G.GemvRowsConfig(128, 64, 16, prefetch=True),
-    ]  # fmt: skip
-    rows = []
-    for model in models:
-        for layer, (n, k) in LLAMA_SHAPES[model].items():
-            w = torch.randn(n, k, device="cuda") * 0.02
-            t = quantize_mx(w, -1, E4M3, 32, ScaleRule.RCEIL)
-            wd = dequantize_mx(t, torch.float32)
-            del w
-            c8 = _copies(n * k)
-            packs = [(t.data.clone(), t.scales.clone()) for _ in range(c8)]
-            wbf = [wd.to(torch.bfloat16) for _ in range(_copies(2 * n * k))]
-            sms = torch.cuda.get_device_properties(0).multi_processor_count
-            for m in ms:
-                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                xr = fake_quantize_mx_rows(x, E4M3, out_dtype=torch.float32)
-                ref = xr @ wd.t()
-                r = dict(model=model, layer=layer, m=m, n=n, k=k)
-                r["cublas"] = _try_graph([lambda w=w: x @ w.t() for w in wbf])
-
-                def mma(p):
-                    xq = fake_quantize_mx_rows(x, E4M3, out_dtype=torch.bfloat16)
-                    return G.mx_gemm(xq, p[0], p[1])
-
-                r["mma_w8a8"] = _try_graph([lambda p=p: mma(p) for p in packs])
-                best = None
-                for cfg in cfgs:
-                    tiles = -(-n // cfg.block_n)
-                    for target in (2, 4, 8):
-                        split = 1
-                        while tiles * split * 2 <= target * sms and k // (split * 2) >= 4 * cfg.block_k and split < 16:
-                            split *= 2
-                        c = G.GemvRowsConfig(cfg.block_n, cfg.block_k, cfg.vec, cfg.num_warps, split, cfg.prefetch, cfg.load2d)
-                        key = f"{c.block_n}x{c.block_k}v{c.vec}w{c.num_warps}s{split}{'p' if c.prefetch else ''}{'L' if c.load2d else ''}"
-                        if key in r:
-                            continue
-                        try:
-                            y = G.mx_gemv_rows(xr, t.data, t.scales, config=c, out_dtype=torch.bfloat16)
-                            err = ((y.float() - ref).norm() / ref.norm()).item()
-                        except Exception as e:  # noqa: BLE001
-                            r[key] = f"error: {e!r}"[:200]
-                            continue
-
-                        def rw(p, c=c):
-                            xq = fake_quantize_mx_rows(x, E4M3, out_dtype=torch.float32)
-                            return G.mx_gemv_rows(xq, p[0], p[1], config=c, out_dtype=torch.bfloat16)
-
-                        tt = _try_graph([lambda p=p: rw(p) for p in packs])
-                        r[key] = tt
-                        r[key + "_err"] = err
-                        if isinstance(tt, float) and err < 5e-3 and (best is None or tt < r[best]):
-                            best = key
-                r["best"] = best
-                if best:
-                    r["best_x_cublas"] = r["cublas"] / r[best] if isinstance(r["cublas"], float) else None
-                    r["mma_over_best"] = r["mma_w8a8"] / r[best] if isinstance(r["mma_w8a8"], float) else None
-                log("rows", model, layer, m, "cublas", r["cublas"], "mma", r["mma_w8a8"], "best", best, r.get(best),
-                    {kk: (round(v, 1) if isinstance(v, float) else v) for kk, v in r.items() if "x" in kk and not kk.endswith("_err") and kk not in ("best_x_cublas",)})  # fmt: skip
-                rows.append(r)
-            del packs, wbf, wd, t
-            torch.cuda.empty_cache()
-    RES["rows" if models != ("8b",) else "rows2"] = rows
-
-
 def part_peel(ms=(1, 4, 16), pre_m=2048):
     """H200, 2026-11-21: peeled first K step (wgmma pipelined, no C7515 serialization) and W8A8 with X
     rounded inside the MMA kernel; decode tiles at M <= 16, prefill tiles at M = 2048 (8B shapes)."""
@@ -343,6 +234,7 @@ def part_peel(ms=(1, 4, 16), pre_m=2048):
 
     from mxq.eval.bench_gemm import LLAMA_SHAPES
     from mxq.kernels import gemm as G
+    from mxq.kernels import gemv as V
     from mxq.kernels.quantize import fake_quantize_mx_rows
 
     C = G.GemmConfig
@@ -379,7 +271,7 @@ def part_peel(ms=(1, 4, 16), pre_m=2048):
             variants += [(f"q_{c.block_n}x{c.block_k}w{c.num_warps}s{c.num_stages}k{c.split_k}", c, True) for c in cands if m <= 64]
             variants += [(f"p_{c.block_m}x{c.block_n}x{c.block_k}w{c.num_warps}s{c.num_stages}", c, False) for c in cands if m > 64]
             if m <= 2:
-                r["gemv"] = _try_graph([lambda p=p: G.mx_gemv(x, p[0], p[1], None, act_elem=E4M3) for p in ws])
+                r["gemv"] = _try_graph([lambda p=p: V.mx_gemv(x, p[0], p[1], None, act_elem=E4M3) for p in ws])
             best = None
             for name, c, q in variants:
                 try:
@@ -489,7 +381,7 @@ def part_dec2(ms=(4, 16)):
 
 
 def _deq_variants(m, base):
-    """H200, 2026-11-21 A/B: each tile with the serialized / zero-tile-start / peeled loop, cvt or bit dequant."""
+    """H200, 2026-11-21 A/B: each tile with the serialized / zero-tile-start / peeled loop."""
     from mxq.kernels.gemm import GemmConfig as C
 
     if m >= 2048:
@@ -500,13 +392,12 @@ def _deq_variants(m, base):
         tiles = [("base", base)]
     R = dataclasses.replace
     return [v for name, t in tiles for v in (
-        (f"{name}_old", R(t, peel=False, zero_dot=False)), (f"{name}_old_bits", R(t, peel=False, zero_dot=False, deq_bits=True)),
-        (f"{name}_zdot", R(t, peel=False, zero_dot=True)), (f"{name}_zdot_bits", R(t, peel=False, zero_dot=True, deq_bits=True)),
-        (f"{name}_peel_bits", R(t, peel=True, deq_bits=True)))]  # fmt: skip
+        (f"{name}_old", R(t, peel=False, zero_dot=False)), (f"{name}_zdot", R(t, peel=False, zero_dot=True)),
+        (f"{name}_peel", R(t, peel=True)))]  # fmt: skip
 
 
 def _tile_variants(m, base):
-    """Prefill tiles with the pipelined loop; the first four also with the bit dequant."""
+    """Prefill tiles with the pipelined loop."""
     from mxq.kernels.gemm import GemmConfig as C
 
     kw = dict(tma_x=True, tma_w=True, deq_bf16=True, peel=False, zero_dot=True)
@@ -514,7 +405,7 @@ def _tile_variants(m, base):
              ("256x128x128s2", C(256, 128, 128, 8, 2, **kw)), ("128x256x64s3", C(128, 256, 64, 8, 3, **kw)),
              ("256x128x64s3g16", C(256, 128, 64, 8, 3, group=16, **kw)), ("128x128x64s5", C(128, 128, 64, 8, 5, **kw)),
              ("128x128x128s3w4", C(128, 128, 128, 4, 3, **kw))]  # fmt: skip
-    return tiles + [(t + "_bits", dataclasses.replace(c, deq_bits=True, deq_bf16=False)) for t, c in tiles[:4]]
+    return tiles
 
 
 def _m256_variants(m, base):
@@ -539,8 +430,8 @@ def part_m256b():
 
 
 def part_deq(ms=(16, 256, 2048), layers=None, variants_of=_deq_variants, key="deq"):
-    """H200, 2026-11-21: fp8 -> bf16 by bit moves (deq_bits) against the cvt route, with and without the
-    serialized-wgmma loop (zero_dot / peel), on the 8B shapes. Each variant is checked on 3 fresh
+    """H200, 2026-11-21: the serialized-wgmma loop against the zero-tile start and the peeled first
+    step (zero_dot / peel), on the 8B shapes. Each variant is checked on 3 fresh
     inputs (a moving error is a race), then timed (quantizer + GEMM, CUDA graphs over weight
     copies). Run once per ptxas (TRITON_PTXAS_PATH): ptxas < 13.3 lets the next K step's
     dequant overwrite the registers of a wgmma still in flight (triton-lang/triton#9433)."""

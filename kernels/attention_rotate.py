@@ -1,0 +1,237 @@
+"""The Q/K rotation in Triton, and what every attention module shares (the lowest of them).
+
+What it computes: x·R for R = ``reference.qk_rotation(D)`` (random signs times Sylvester
+Hadamard blocks along head_dim, entries ±1 and 0), the torch reference being
+``reference.rotate_qk`` (float64 accumulation, so within fp32 rounding of it), and with the MX
+rounding fused (``round_to``) the format core's rounding of those fp32 products. Attention with
+the rotation is ``mx_attention_reference(..., qk_rotation=True)``: Q and K are multiplied by R
+before they are MX-rounded and the scores divided by its block size (``mxq.attention`` uses it).
+
+The kernels compute x·R as MMAs on bf16 pieces of x (1 piece for bf16 input, 2 for fp16, 3 for
+fp32), so every product is exact and only the fp32 accumulation rounds: Q inside the prefill and
+decode kernels (``_rotate_rows``; the decode kernels from the 2 KB factored operand,
+``_rotate_rows_factored``, where the Hadamard blocks are >= 32 wide), K in ``rotate_qk_rows``
+fused with its MX rounding (the prefill's K operand) or before it enters the cache.
+
+Shared by the attention modules: ``_mma`` (an MMA of bf16-exact operands, also under the
+interpreter), the host helpers ``_block_d`` (head_dim padded for the kernels), ``_fmt`` (the
+element format's constexprs), ``_parts`` (bf16 pieces per input dtype) and ``_mask_args``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mxq.formats import E4M3, ElemFormat, ScaleRule
+from mxq.kernels.buffers import persistent
+from mxq.kernels.common import INTERPRET
+from mxq.kernels.launch import call
+from mxq.kernels.launch import cdiv as _cdiv
+from mxq.kernels.quantize import _RULE_ID, fp8_dtype, hw_cvt, mx_round_dequant
+from mxq.kernels.reference import hadamard_block, qk_rotation, sylvester_hadamard
+
+LOG2E = 1.4426950408889634
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared by the attention kernels
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _mma(a, b, acc, INTERP: tl.constexpr):
+    """acc + a @ b for bf16-exact operands. The interpreter's bf16 dot is wrong (Triton 3.6) and
+    its fp32 dot defaults to tf32, so there the same exact values go through an ieee fp32 dot."""
+    if INTERP:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+def _block_d(d: int) -> int:
+    return max(32, 1 << max(0, d - 1).bit_length())  # (triton.next_power_of_2 costs ~2 µs from Python)
+
+
+def _fmt(elem: ElemFormat, rule: ScaleRule, device: torch.device) -> dict:
+    """The element format's constexprs for ``mx_round_dequant`` (every attention kernel that rounds)."""
+    return dict(
+        EMAX=elem.emax, MBITS=elem.mbits, MAXN=elem.max_normal, EMIN=1 - elem.bias,
+        RULE=_RULE_ID[rule], HW_CVT=hw_cvt(device), FP8=fp8_dtype(elem),
+    )  # fmt: skip
+
+
+def _parts(dtype: torch.dtype) -> int:
+    return {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 3)
+
+
+def _mask_args(attention_mask, b, hq, sq, sk):
+    if attention_mask is None:
+        return None, (0, 0, 0, 0), False
+    m = attention_mask
+    if m.dim() != 4:
+        raise ValueError(f"attention_mask must be 4-D [B|1, H|1, Sq, Sk], got shape {tuple(m.shape)}")
+    if m.dtype == torch.bool:
+        m = m.view(torch.uint8)
+    m = m.expand(b, hq, sq, sk)
+    strides = tuple(m.stride(i) if m.shape[i] > 1 else 0 for i in range(4))
+    return m, strides, attention_mask.dtype == torch.bool
+
+
+# ---------------------------------------------------------------------------------------------
+# Q/K rotation
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _rotate_rows(x, R, offs_d, BLOCK_D: tl.constexpr, PARTS: tl.constexpr, INTERP: tl.constexpr):
+    """x [M, BLOCK_D] (any float dtype, M >= 16) times R [BLOCK_D, BLOCK_D] (±1 and 0, bf16) in fp32.
+
+    x is split into PARTS bf16 pieces (1 for bf16, 2 for fp16, 3 for fp32: together exactly x),
+    so every product is exact and only the fp32 accumulation rounds.
+    """
+    r = tl.load(R + offs_d[:, None] * BLOCK_D + offs_d[None, :])
+    xf = x.to(tl.float32)
+    acc = tl.zeros([x.shape[0], BLOCK_D], tl.float32)
+    for _ in tl.static_range(PARTS):
+        part = xf.to(tl.bfloat16)
+        acc = _mma(part, r, acc, INTERP)
+        xf = xf - part.to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _rotate_rows_factored(x, RF, offs_d, BLOCK_D: tl.constexpr, NB: tl.constexpr, PARTS: tl.constexpr, INTERP: tl.constexpr):
+    """``_rotate_rows`` for Hadamard blocks of n = 32·NB >= 32, from a 2 KB operand instead of R.
+
+    Sylvester's H_n[i, j] = (-1)^popcount(i & j) = H_NB[i // 32, j // 32]·H_32[i % 32, j % 32], so
+    x·diag(s)·blockdiag(H_n) is: signs, an MMA of the 32-column pieces against H_32, then per
+    group of NB pieces the ±1 combination H_NB (adds in fp32). RF: bf16 H_32 (32 x 32) followed by
+    the BLOCK_D signs (0 past D). The same products as the full MMA; the sums in another order.
+    """
+    A: tl.constexpr = BLOCK_D // 32
+    M: tl.constexpr = x.shape[0]
+    offs32 = tl.arange(0, 32)
+    h32 = tl.load(RF + offs32[:, None] * 32 + offs32[None, :])
+    sg = tl.load(RF + 1024 + offs_d).to(tl.float32)
+    xf = tl.reshape(x.to(tl.float32) * sg[None, :], (M * A, 32))
+    acc = tl.zeros([M * A, 32], tl.float32)
+    for _ in tl.static_range(PARTS):
+        part = xf.to(tl.bfloat16)
+        acc = _mma(part, h32, acc, INTERP)
+        xf = xf - part.to(tl.float32)
+    y1 = tl.reshape(acc, (M, A, 32))
+    offs_a = tl.arange(0, A)
+    t = offs_a[:, None] & offs_a[None, :] & (NB - 1)
+    par = (t ^ (t >> 1) ^ (t >> 2) ^ (t >> 3)) & 1  # popcount parity (NB <= 16)
+    same = (offs_a[:, None] // NB) == (offs_a[None, :] // NB)
+    ha = tl.where(same, tl.where(par == 1, -1.0, 1.0), 0.0)  # [A (from), A (to)]: I ⊗ H_NB
+    y = tl.sum(y1[:, :, None, :] * ha[None, :, :, None], axis=1)
+    return tl.reshape(y, (M, BLOCK_D))
+
+
+@triton.jit
+def _rotate_tile(
+    X, R, Y, rb, b, H, S, D, OUT_D, stride_xb, stride_xh, stride_xs,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PARTS: tl.constexpr, ROUND: tl.constexpr,
+    EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
+    RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    """Y[row, :OUT_D] = X[row]·R for rows rb·BLOCK_R.. (h, s) of batch entry b (int64) of X
+    [B, H, S, D] (unit last stride).
+
+    ROUND: Y gets the MX-rounded values (1x32 blocks along the padded head_dim) of the fp32
+    product, in Y's dtype (bf16: exact); otherwise the fp32 product itself.
+    """
+    rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_D)
+    src = b * stride_xb + (rows // S).to(tl.int64) * stride_xh + (rows % S).to(tl.int64) * stride_xs
+    rok = rows < H * S
+    x = tl.load(X + src[:, None] + offs_d[None, :], mask=rok[:, None] & (offs_d < D)[None, :], other=0.0)
+    y = _rotate_rows(x, R, offs_d, BLOCK_D, PARTS, INTERP)
+    if ROUND:
+        y = mx_round_dequant(tl.reshape(y, (BLOCK_R, BLOCK_D // 32, 32)), EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8)
+        y = tl.reshape(y, (BLOCK_R, BLOCK_D))
+    dst = Y + (b * H * S + rows[:, None]) * OUT_D + offs_d[None, :]
+    tl.store(dst, y.to(Y.dtype.element_ty), mask=rok[:, None] & (offs_d < OUT_D)[None, :])
+
+
+@triton.jit
+def _rotate_kernel(
+    X, R, Y, H, S, D, OUT_D, stride_xb, stride_xh, stride_xs,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PARTS: tl.constexpr, ROUND: tl.constexpr,
+    EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
+    RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    """``_rotate_tile`` over the grid (row blocks, B)."""
+    _rotate_tile(
+        X, R, Y, tl.program_id(0), tl.program_id(1).to(tl.int64), H, S, D, OUT_D, stride_xb, stride_xh, stride_xs,
+        BLOCK_R, BLOCK_D, PARTS, ROUND, EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8, INTERP,
+    )  # fmt: skip
+
+
+_ROTATIONS: dict = {}
+
+
+def _rotation_operand(d: int, block_d: int, device: torch.device) -> torch.Tensor:
+    key = (d, block_d, str(device))
+    if key not in _ROTATIONS:
+        r = torch.zeros(block_d, block_d, dtype=torch.bfloat16)
+        r[:d, :d] = qk_rotation(d)
+        kept = persistent(lambda: r.to(device), device)
+        if kept is None:  # under stream capture: made per call, inside the graph
+            return r.to(device)
+        _ROTATIONS[key] = kept
+    return _ROTATIONS[key]
+
+
+def _rotation_factored(d: int, block_d: int, device: torch.device) -> tuple[int, torch.Tensor | None]:
+    """(NB, operand) for ``_rotate_rows_factored``: Hadamard blocks of 32·NB columns; (0, None)
+    when the blocks are narrower than 32 (head_dim 40, 80: the full R then)."""
+    n = hadamard_block(d)
+    if n < 32:
+        return 0, None
+    key = ("factored", d, block_d, str(device))
+    if key not in _ROTATIONS:
+        r = qk_rotation(d)
+        rows = torch.arange(d)
+        signs = torch.zeros(block_d)
+        signs[:d] = r[rows, rows // n * n]  # R[i, first column of i's block] = s[i]·H[., 0] = s[i]
+        host = torch.cat([sylvester_hadamard(32).flatten(), signs]).to(torch.bfloat16)
+        kept = persistent(lambda: host.to(device), device)
+        if kept is None:  # under stream capture: made per call, inside the graph
+            return n // 32, host.to(device)
+        _ROTATIONS[key] = kept
+    return n // 32, _ROTATIONS[key]
+
+
+def _q_rotation(d: int, block_d: int, device: torch.device) -> tuple[int, torch.Tensor]:
+    """The decode kernels' Q rotation operand (ROT_NB, ROT): the factored 2 KB operand (H_32 and the
+    signs; 32 KB for R at D=128) where the Hadamard blocks are >= 32 wide, else (0, R)."""
+    nb, rot = _rotation_factored(d, block_d, device)
+    return (nb, rot) if rot is not None else (0, _rotation_operand(d, block_d, device))
+
+
+def rotate_qk_rows(
+    x: torch.Tensor, *, round_to: tuple[ElemFormat, ScaleRule] | None = None, block_d: int | None = None
+) -> torch.Tensor:
+    """x [B, H, S, D] (any strides, unit last stride) -> x·``qk_rotation(D)``, contiguous.
+
+    Default: float32 [B, H, S, D]. ``round_to=(elem, rule)``: the MX-rounded rotated values
+    (1x32 along head_dim) as bf16 [B, H, S, block_d], zero-padded: the prefill kernel's K operand.
+    """
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    b, h, s, d = x.shape
+    bd = block_d or _block_d(d)
+    out_d = bd if round_to else d
+    y = torch.empty((b, h, s, out_d), dtype=torch.bfloat16 if round_to else torch.float32, device=x.device)
+    elem, rule = round_to or (E4M3, ScaleRule.RCEIL)
+    block_r = 64
+    if y.numel():
+        call(
+            _rotate_kernel, (_cdiv(h * s, block_r), b),
+            (x, _rotation_operand(d, bd, x.device), y, h, s, d, out_d, x.stride(0), x.stride(1), x.stride(2)),
+            dict(BLOCK_R=block_r, BLOCK_D=bd, PARTS=_parts(x.dtype), ROUND=round_to is not None,
+                 **_fmt(elem, rule, x.device), INTERP=INTERPRET), num_warps=4,
+        )  # fmt: skip
+    return y

@@ -1,0 +1,181 @@
+"""Decode GEMM on CUDA cores: Y = X·dequant(W)ᵀ (+ bias) for M <= ``GEMV_MAX_M`` rows of X.
+
+A weight stream with no MMA and no operand layouts: each program streams [BLOCK_N, BLOCK_K] fp8
+weight tiles, converts them to fp32 with their E8M0 block scales applied, and does one fp32 FMA
+per weight and activation row (fp8 · 2**e times a bf16/fp16 value is exact in fp32). W8A8
+rounds X to MX inside the kernel (one launch). K is split (fp32 partials + one reduction
+launch) until the grid covers the SMs. Any float X dtype; the function every path must compute
+is ``mxq.kernels.reference.mx_linear_reference``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from mxq.formats import E4M3, ElemFormat, ScaleRule
+from mxq.kernels.common import (
+    INTERPRET,
+    check_gemm_args,
+    e8m0_to_f32,
+    operands_and_output,
+    sm_count,
+    split_k_finish,
+    split_k_plan,
+    tma_or_pointer,
+)
+from mxq.kernels.launch import call, cdiv, next_pow2
+from mxq.kernels.quantize import _RULE_ID, fp8_dtype, hw_cvt, mx_round_dequant
+
+
+@triton.jit
+def _mx_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
+    M, N, K, K_SPLIT,
+    stride_xm, stride_wn, stride_sn, stride_ym,
+    M_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+    TMA_W: tl.constexpr, QUANT: tl.constexpr,
+    EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
+    RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr,
+):  # fmt: skip
+    """Decode (M <= 16) on CUDA cores: a weight stream with no MMA and no operand layouts.
+
+    Each program streams a [BLOCK_N, BLOCK_K] fp8 tile per step, converts it to fp32 and
+    applies the block scales once, then for each of the M_ROWS activation rows does one fp32
+    FMA per weight and a row reduction. fp8 x 2**e times a bf16/fp16 value is exact in fp32.
+    With QUANT the activation row is MX-rounded here (per K tile, in registers): W8A8 decode is
+    one launch, no quantizer kernel and no bf16 round trip of X.
+    """
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    NB: tl.constexpr = BLOCK_K // BS
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_b = tl.arange(0, NB)
+    offs_m = tl.arange(0, BLOCK_M)
+    k_lo = pid_k * K_SPLIT
+    k_hi = min(k_lo + K_SPLIT, K)
+    n_iter = tl.cdiv(k_hi - k_lo, BLOCK_K)
+    if not TMA_W:
+        w_ptrs = w_ptr + rn[:, None] * stride_wn + (k_lo + offs_k)[None, :]
+    s_ptrs = s_ptr + rn[:, None] * stride_sn + (k_lo // BS + offs_b)[None, :]
+    x_ptrs = x_ptr + k_lo + offs_k
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(n_iter):
+        k = k_lo + i * BLOCK_K
+        kmask = (k + offs_k) < k_hi
+        if TMA_W:
+            w = w_ptr.load([pid_n * BLOCK_N, k])
+        elif EVEN_K:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=kmask[None, :], other=0.0)
+        if EVEN_K:
+            sc = tl.load(s_ptrs)
+        else:
+            sc = tl.load(s_ptrs, mask=((k + offs_b * BS) < k_hi)[None, :], other=127)
+        wf = tl.reshape(w.to(tl.float32), (BLOCK_N, NB, BS)) * e8m0_to_f32(sc)[:, :, None]
+        wf = tl.reshape(wf, (BLOCK_N, BLOCK_K))
+        for m in tl.static_range(M_ROWS):
+            if EVEN_K:
+                xm = tl.load(x_ptrs + m * stride_xm).to(tl.float32)
+            else:
+                xm = tl.load(x_ptrs + m * stride_xm, mask=kmask, other=0.0).to(tl.float32)
+            if QUANT:
+                xq = mx_round_dequant(tl.reshape(xm, (1, NB, BS)), EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8)
+                xm = tl.reshape(xq, (BLOCK_K,))
+            r = tl.sum(wf * xm[None, :], axis=1)
+            acc = tl.where(offs_m[:, None] == m, acc + r[None, :], acc)
+        if not TMA_W:
+            w_ptrs += BLOCK_K
+        s_ptrs += NB
+        x_ptrs += BLOCK_K
+
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    y_offs = offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(y_ptr + pid_k.to(tl.int64) * M * N + y_offs, acc, mask=mask)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Tiles of the CUDA-core decode kernel (``_mx_gemv_kernel``)."""
+
+    block_n: int = 32
+    block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 3
+    split_k: int = 1
+    tma_w: bool = False
+
+
+# Largest M that takes the CUDA-core decode kernel on a GPU (kernels/NOTES.md, "GEMM: the CUDA-core decode gemv", H200 sweep).
+GEMV_MAX_M = 2
+
+
+def pick_gemv_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig:
+    """Decode tiles from the shape alone (no sync). K is split until the grid covers the SMs."""
+    if INTERPRET or device.type != "cuda":
+        return GemvConfig(block_n=16, block_k=64, num_warps=4, num_stages=1, split_k=2 if k >= 128 else 1)
+    sms = sm_count(device)
+    cfg = GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=3)
+    # H200 sweep (kernels/NOTES.md, "GEMM: the CUDA-core decode gemv"): best at 512-800 programs (8B o: split 4, gate_up: 1).
+    tiles = cdiv(n, cfg.block_n)
+    split = 1
+    while tiles * split * 2 <= 6 * sms and k // (split * 2) >= 2 * cfg.block_k and split < 8:
+        split *= 2
+    return GemvConfig(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, split, cfg.tma_w)
+
+
+def mx_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    out_dtype: torch.dtype | None = None,
+    config: GemvConfig | None = None,
+    block_size: int = 32,
+    act_elem: ElemFormat | None = None,
+    act_rule: ScaleRule = ScaleRule.RCEIL,
+) -> torch.Tensor:
+    """Y [M, N] = X [M, K] · dequant(W)ᵀ (+ bias) for small M, on CUDA cores.
+
+    With ``act_elem`` X is MX-rounded along K inside the kernel (W8A8); ScaleRule.MSE is not
+    supported there (callers round X first). Any float X dtype: the products are fp32 FMAs.
+    """
+    m, k = check_gemm_args(x, weight, weight_scale, bias, block_size)
+    n = weight.shape[0]
+    if act_elem is not None and act_rule is ScaleRule.MSE:
+        raise ValueError("mx_gemv rounds X itself only for FLOOR/RCEIL/EVEN; round MSE first")
+    if m > 64:
+        raise ValueError(f"mx_gemv is for small M (unrolled over rows), got M={m}")
+    x, weight, weight_scale, y, done = operands_and_output(x, weight, weight_scale, bias, out_dtype, n)
+    if done:
+        return y
+    cfg = config or pick_gemv_config(m, n, k, x.device)
+    if cfg.block_k % block_size:
+        raise ValueError(f"block_k={cfg.block_k} must be a multiple of block_size={block_size}")
+    split, k_split, even_k, target = split_k_plan(y, k, cfg.split_k, cfg.block_k)
+    tma_w, w_arg = tma_or_pointer(weight, [cfg.block_n, cfg.block_k], cfg.tma_w)
+    ae = act_elem or E4M3
+    call(
+        _mx_gemv_kernel, (cdiv(n, cfg.block_n), split),
+        (x, w_arg, weight_scale, bias if bias is not None else weight_scale, target,
+         m, n, k, k_split, x.stride(0), weight.stride(0), weight_scale.stride(0), n),
+        dict(M_ROWS=m, BLOCK_M=next_pow2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+             BS=block_size, HAS_BIAS=bias is not None, SPLIT_K=min(split, 2), EVEN_K=even_k, TMA_W=tma_w,
+             QUANT=act_elem is not None, EMAX=ae.emax, MBITS=ae.mbits, MAXN=ae.max_normal,
+             EMIN=1 - ae.bias, RULE=_RULE_ID[act_rule], HW_CVT=hw_cvt(x.device), FP8=fp8_dtype(ae)),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return split_k_finish(target, y, bias, split)

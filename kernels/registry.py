@@ -1,0 +1,120 @@
+"""Kernel paths as data: each is one object with the shapes it takes, its tile rule and its launch.
+
+A dispatcher is an ordered ``Registry`` of ``KernelPath`` objects ending in the torch reference.
+``choose(problem)`` walks the list once and returns the first path whose ``supports(problem)``
+holds; the call then runs that path, and the name a benchmark table prints is that same
+object's ``name``: what is reported is what ran.
+
+``supports`` looks only at the ``problem`` (shapes, dtypes, formats, the device's capability and
+SM count, all known on the host), never at tensor contents, so choosing syncs nothing and a call
+can be captured in a CUDA graph. Tests build problems for devices they do not have (say, sm_90
+with 132 SMs) and assert which path is chosen by identity.
+
+Which paths may be chosen is an argument, ``kernels``: ``"auto"`` (every path, in order),
+``"reference"`` (the torch reference only), or path names separated by commas (only those, in
+registry order; the reference stays the last resort). One spelling serves every registry (the
+linear layers' and attention's): a name belongs to one of them; a registry none of whose paths is
+named stays on "auto" ("reference" applies to all).
+``MXQ_KERNELS`` sets the default.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+ENV = "MXQ_KERNELS"
+REGISTRIES: dict[str, Registry] = {}  # what -> registry, filled as the kernel modules are imported
+
+
+@dataclass(frozen=True)
+class KernelPath:
+    """One way to compute a function: ``supports(problem)`` says where it may run, ``run`` runs
+    it (same signature for every path of a registry), ``config(problem)`` gives its tiles for
+    tables (None where the path has no tile rule). ``gluon``: the ``gluon_api`` name of a Gluon
+    kernel that may be turned off at its first launch (the call then takes the next path)."""
+
+    name: str
+    summary: str
+    supports: Callable = field(repr=False)
+    run: Callable = field(repr=False)
+    config: Callable | None = field(default=None, repr=False)
+    gluon: str | None = None
+
+    def describe(self, problem) -> str:
+        """``name`` and, where the path has a tile rule, the config it runs this problem with."""
+        cfg = self.config(problem) if self.config is not None else None
+        return self.name if cfg is None else f"{self.name} {cfg}"
+
+
+class Registry:
+    """An ordered list of paths whose last entry is the reference (it supports every problem)."""
+
+    def __init__(self, what: str, paths: list[KernelPath]):
+        names = [p.name for p in paths]
+        if len(set(names)) != len(names) or not paths or paths[-1].name != "reference":
+            raise ValueError(f"{what}: path names must be unique and end with 'reference', got {names}")
+        self.what = what
+        self.paths = tuple(paths)
+        self._by_name = {p.name: p for p in paths}
+        self._allowed: dict[str, tuple[KernelPath, ...]] = {}  # per spec: parsed once (decode is host-bound)
+        REGISTRIES[what] = self
+
+    def __getitem__(self, name: str) -> KernelPath:
+        return self._by_name[name]
+
+    def __iter__(self):
+        return iter(self.paths)
+
+    def names(self) -> list[str]:
+        return [p.name for p in self.paths]
+
+    def allowed(self, kernels: str | None) -> tuple[KernelPath, ...]:
+        """The paths ``kernels`` admits, in registry order (module doc); raises on an unknown name."""
+        spec = check_kernels(kernels) if kernels is not None else default_kernels()
+        hit = self._allowed.get(spec)
+        if hit is None:
+            hit = self._allowed[spec] = self._parse(spec)
+        return hit
+
+    def _parse(self, spec: str) -> tuple[KernelPath, ...]:
+        if spec == "auto":
+            return self.paths
+        wanted = spec.split(",")
+        if spec != "reference" and not any(w in self._by_name for w in wanted):
+            return self.paths  # names only other registries' paths: this function stays on auto
+        return tuple(p for p in self.paths if p.name in wanted or p.name == "reference")
+
+    def choose(self, problem, kernels: str | None = None, skip: KernelPath | None = None) -> KernelPath:
+        """The first admitted path that supports ``problem`` (after ``skip``, when given)."""
+        paths = self.allowed(kernels)
+        if skip is not None:
+            paths = paths[paths.index(skip) + 1 :] if skip in paths else paths
+        for path in paths:
+            if path.name == "reference" or path.supports(problem):
+                return path
+        raise AssertionError("unreachable: the reference supports every problem")
+
+
+def default_kernels() -> str:
+    """The spec used where no ``kernels`` argument is given: ``$MXQ_KERNELS``, else "auto"."""
+    return check_kernels(os.environ.get(ENV) or "auto", source=ENV)
+
+
+@functools.lru_cache(maxsize=256)
+def check_kernels(kernels: str | None, source: str | None = None) -> str:
+    """``kernels`` normalised ("auto", "reference" or known names joined by commas); a ValueError
+    naming ``source`` (the option or variable it came from) and the unknown name otherwise.
+    Memoized (calls sit on the decode path); a name not known yet is not cached."""
+    spec = (kernels or "auto").strip().lower()
+    if spec in ("auto", "reference"):
+        return spec
+    wanted = [s.strip() for s in spec.split(",") if s.strip()]
+    known = {n for r in REGISTRIES.values() for n in r.names()}
+    unknown = [s for s in wanted if s not in known]
+    if unknown or not wanted:
+        where = f"{source}={kernels!r}" if source else f"kernels={kernels!r}"
+        raise ValueError(f"{where}: unknown kernel path {', '.join(unknown) or repr(spec)}; expected 'auto', 'reference' or names from {sorted(known)}")
+    return ",".join(wanted)
