@@ -31,13 +31,13 @@ def main() -> None:
                    help="A/B: make kept buffers on the calling thread, as before kernels/buffers.py")
     a = p.parse_args()
     if a.kept_in_pool:
-        import mxq.attention
+        from mxq import attention as mx_attention
         from mxq.kernels import attention_rotate, buffers, gemm_prefill_ws
 
         def in_caller_thread(make, device):
             return None if device.type == "cuda" and torch.cuda.is_current_stream_capturing() else make()
 
-        for mod in (attention_rotate, buffers, gemm_prefill_ws, mxq.attention):  # buffers: the split-K tickets
+        for mod in (attention_rotate, buffers, gemm_prefill_ws, mx_attention):  # buffers: the split-K tickets
             mod.persistent = in_caller_thread
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=2, num_attention_heads=32,
