@@ -330,7 +330,7 @@ def main(argv=None) -> int:
         help="also decode with the step compiled (inductor) + graph",
     )
     p.add_argument("--no-generate", action="store_true", help="skip the eager generate() figure")
-    p.add_argument("--fuse", action="store_true", help="q/k/v and gate/up as one MX GEMM each (mxq.fuse)")
+    p.add_argument("--no-fuse", action="store_true", help="keep q/k/v and gate/up as separate MX GEMMs (mxq.linear.fuse_projections)")
     p.add_argument("--out", default=None, help="JSON file to write")
     a = p.parse_args(argv)
     a.batch = [int(v) for v in a.batch.split(",")]
@@ -367,11 +367,7 @@ def main(argv=None) -> int:
     _reset_peak(device)
     base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     with _Timer(device) as t, contextlib.redirect_stderr(sys.stdout):
-        mxq.quantize_model(model, a.recipe)
-        if a.fuse:
-            from mxq.fuse import fuse_projections
-
-            fuse_projections(model)
+        mxq.quantize_model(model, a.recipe, fuse=not a.no_fuse)
     res["quantize"] = dict(
         wall_s=t.s, peak_extra_bytes=(_peak(device) - base) if device.type == "cuda" else None
     )

@@ -55,6 +55,12 @@ class LayerSQNR:
 
 
 def is_quantized_module(m: torch.nn.Module) -> bool:
+    """An MX projection (``mxq.linear.mx_layers``' kind, or another tool's module of that shape);
+    not the stacked weight of a fused group, whose projections are reported one by one."""
+    from mxq.linear import FusedMXLinear
+
+    if isinstance(m, FusedMXLinear):
+        return False
     w = getattr(m, "weight", None)
     s = getattr(m, "weight_scale", None)
     return (

@@ -66,9 +66,9 @@ def _kernels(spec: str) -> str:
         raise typer.BadParameter(str(e).removeprefix("--kernels=")) from None
 
 
-def _load(source: str, device, dtype=None, kernels: str | None = None):
+def _load(source: str, device, dtype=None, kernels: str | None = None, fuse: bool = True):
     err.print(f"loading {_label(source)} ...")
-    return load_model(source, device=device, kernels=kernels, **({"dtype": dtype} if dtype is not None else {}))
+    return load_model(source, device=device, kernels=kernels, fuse=fuse, **({"dtype": dtype} if dtype is not None else {}))
 
 
 @eval_app.command("ppl")

@@ -72,6 +72,14 @@ class MXQHfQuantizer(HfQuantizer):
             model.set_attn_implementation("mxfp8")
         return model
 
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        """Sibling projections (q/k/v, gate/up) as one MX GEMM each (``mxq.linear.fuse_projections``); the
+        checkpoint layout is unchanged (``state_dict`` writes them per projection)."""
+        from mxq.linear import fuse_projections
+
+        fuse_projections(model)
+        return model
+
     def update_weight_conversions(self, weight_conversions, *args, **kwargs):
         """Prepend the ``weight_scale_inv`` -> ``weight_scale`` renaming to what the base quantizer
         returns. The hook's signature is transformers' to choose (5.17 passes the conversions,
@@ -109,9 +117,10 @@ _register()
 
 
 def load(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
-         kernels: str | None = None):  # fmt: skip
+         kernels: str | None = None, fuse: bool = True):  # fmt: skip
     """Load an MXFP8 checkpoint (mxq, compressed-tensors mxfp8-quantized or transformers mxfp8);
-    ``kernels`` chooses the kernels that may run it (``mxq.set_kernels``)."""
+    ``kernels`` chooses the kernels that may run it (``mxq.set_kernels``); ``fuse=False`` keeps
+    q/k/v and gate/up as separate layers (``mxq.linear.fuse_projections``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from mxq.checkpoint import checkpoint_files
@@ -125,5 +134,9 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: tor
         cfg = AutoConfig.from_pretrained(path, trust_remote_code=False)
         cfg.quantization_config = foreign_to_native(path, config)
         model = AutoModelForCausalLM.from_pretrained(path, config=cfg, dtype=dtype, trust_remote_code=False)
+    if not fuse:
+        from mxq.linear import unfuse_projections
+
+        unfuse_projections(model)
     model = model.to(device).eval()
     return set_kernels(model, kernels) if kernels is not None else model

@@ -116,11 +116,13 @@ def load_model(
     dtype: torch.dtype = torch.bfloat16,
     tokenizer: bool = True,
     kernels: str | None = None,
+    fuse: bool = True,
 ):
     """Load a causal LM (and its tokenizer) from any model reference mxq accepts.
 
     mxq checkpoints load through the Hugging Face quantizer that ``import mxq`` registers, so
-    the returned model holds ``MXLinear`` modules; ``kernels`` as in ``mxq.linear.set_kernels``.
+    the returned model holds ``MXLinear`` modules (q/k/v and gate/up fused unless ``fuse=False``,
+``mxq.linear.fuse_projections``); ``kernels`` as in ``mxq.linear.set_kernels``.
     """
     from transformers import AutoModelForCausalLM
 
@@ -131,6 +133,10 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype, **src.hf_kwargs)
     except OSError as e:
         raise ModelSourceError(f"{src.display}: cannot load model ({_first_line(e)})") from e
+    if not fuse:
+        from mxq.linear import unfuse_projections
+
+        unfuse_projections(model)
     model = model.to(device).eval()
     if kernels is not None:
         from mxq.linear import set_kernels

@@ -587,7 +587,7 @@ def test_hf_checkpoint_uses_mxfp8_attention(tiny_mxfp8_attn):
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     from mxq.formats import fake_quantize_mx
-    from mxq.linear import MXLinear
+    from mxq.linear import mx_layers
 
     src, qdir = tiny_mxfp8_attn
     assert json.loads((qdir / "config.json").read_text())["quantization_config"]["attention"] == "mxfp8"
@@ -598,11 +598,10 @@ def test_hf_checkpoint_uses_mxfp8_attention(tiny_mxfp8_attn):
     AttentionInterface.register("test_mx_independent", _independent_attention)
     AttentionMaskInterface.register("test_mx_independent", sdpa_mask)
     ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="test_mx_independent")
-    for name, m in model.named_modules():
-        if isinstance(m, MXLinear):
-            lin = ref.get_submodule(name)
-            w_q = fake_quantize_mx(lin.weight.float(), -1, E4M3)
-            lin.forward = lambda x, w_q=w_q: fake_quantize_mx(x.float(), -1, E4M3) @ w_q.t()
+    for name in mx_layers(model):
+        lin = ref.get_submodule(name)
+        w_q = fake_quantize_mx(lin.weight.float(), -1, E4M3)
+        lin.forward = lambda x, w_q=w_q: fake_quantize_mx(x.float(), -1, E4M3) @ w_q.t()
     ids = torch.randint(0, 320, (2, 37))
     am = torch.ones_like(ids)
     am[0, :6] = 0  # left padding: the 4-D bool mask path

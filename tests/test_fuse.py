@@ -1,4 +1,4 @@
-"""mxq.fuse: sibling projections as one MX GEMM, on tiny models of each family built from configs.
+"""Sibling projections as one MX GEMM (mxq.linear.fuse_projections), on tiny models of each family built from configs.
 
 The fused model must compute the unfused model's logits exactly (stacking along N keeps every
 row's codes and scales), keep the per-projection checkpoint layout in ``state_dict`` and
@@ -21,8 +21,13 @@ from transformers import (
 )
 
 import mxq
-from mxq.fuse import FusedMXLinear, ProjectionSlice, fuse_projections, unfuse_projections
-from mxq.linear import MXLinear
+from mxq.linear import (
+    FusedMXLinear,
+    MXLinear,
+    ProjectionSlice,
+    fuse_projections,
+    unfuse_projections,
+)
 
 SMALL = dict(vocab_size=97, hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=3,
              num_key_value_heads=1, head_dim=32, max_position_embeddings=64)  # fmt: skip
@@ -38,7 +43,7 @@ def _model(family: str, recipe: str = "mxfp8"):
     torch.manual_seed(sum(map(ord, family)))
     cfg_cls, model_cls = FAMILIES[family]
     m = model_cls(cfg_cls(**SMALL)).eval()
-    return mxq.quantize_model(m, recipe)
+    return mxq.quantize_model(m, recipe, fuse=False)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -116,3 +121,29 @@ def test_compiled_fused_model_runs_one_gemm_per_group(monkeypatch):
     assert len(calls) == 4 * layers, calls
     qkv = SMALL["head_dim"] * (SMALL["num_attention_heads"] + 2 * SMALL["num_key_value_heads"])
     assert calls.count(qkv) == layers and calls.count(2 * SMALL["intermediate_size"]) == layers
+
+
+def test_quantize_model_and_from_pretrained_fuse_by_default(tmp_path):
+    """What users get: ``quantize_model`` fuses; a checkpoint written by the converter loads fused
+    through ``from_pretrained`` and ``mxq.load``, and ``mxq.load(fuse=False)`` keeps the layers;
+    all three give the unfused model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from mxq.convert import quantize_checkpoint
+
+    torch.manual_seed(7)
+    src = tmp_path / "bf16"
+    LlamaForCausalLM(LlamaConfig(**SMALL)).save_pretrained(src)
+    ids = torch.randint(0, SMALL["vocab_size"], (1, 10))
+    ref = mxq.quantize_model(AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval(), "mxfp8", fuse=False)
+    fused = mxq.quantize_model(AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval(), "mxfp8")
+    assert isinstance(fused.model.layers[0].mlp.up_proj, ProjectionSlice)
+    quantize_checkpoint(str(src), tmp_path / "q", "mxfp8", progress=False, warn=lambda m: None)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.float32).eval()
+    assert isinstance(loaded.model.layers[1].self_attn.v_proj, ProjectionSlice)
+    kept = mxq.load(tmp_path / "q", dtype=torch.float32, fuse=False)
+    assert type(kept.model.layers[1].self_attn.v_proj) is MXLinear
+    with torch.no_grad():
+        want = ref(ids).logits
+        for m in (fused, loaded, kept):
+            assert torch.equal(m(ids).logits, want)

@@ -40,11 +40,11 @@ def text_ids(quantized):
 def test_logits_equal_independent_fake_quant(quantized, text_ids):
     from transformers import AutoModelForCausalLM
 
-    from mxq.linear import MXLinear
+    from mxq.linear import mx_layers
     from mxq.models import resolve_source
 
     q = AutoModelForCausalLM.from_pretrained(quantized, dtype=torch.float32)
-    names = {n for n, m in q.named_modules() if isinstance(m, MXLinear)}
+    names = set(mx_layers(q))
     assert len(names) == 30 * 7 and isinstance(q.lm_head, torch.nn.Linear)
 
     src = resolve_source(None)
@@ -65,7 +65,7 @@ def test_logits_equal_independent_fake_quant(quantized, text_ids):
     # and the quantization is visible: the bf16 model's logits differ from both
     assert ((plain - want).norm() / want.norm()).item() > 1e-3
     # weights take about half the bytes of bf16
-    mx = [m for m in q.modules() if isinstance(m, MXLinear)]
+    mx = list(mx_layers(q).values())
     ratio = sum(m.weight.numel() + m.weight_scale.numel() for m in mx) / sum(2 * m.weight.numel() for m in mx)
     assert abs(ratio - 0.515625) < 1e-9
 
