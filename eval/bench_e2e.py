@@ -1,24 +1,26 @@
-"""End-to-end speed and memory: a bf16 model against its MXFP8 quantization, in one process.
+"""End-to-end speed and memory as users meet them: a bf16 model and its MXFP8 quantization.
 
     python -m mxq.eval.bench_e2e --shape llama3-8b --out e2e-8b.json        # random weights, on the GPU
     python -m mxq.eval.bench_e2e --model default --out e2e-smollm2.json     # SmolLM2-135M (embedded)
 
-For the bf16 model, then (quantized in place on the same device, timed) for the MXFP8 one:
+Each model runs in a fresh process (a worker: ``--worker bf16`` or ``--worker mxfp8``; the
+quantized one is built the same way, then ``mxq.quantize_model``), so neither inherits the other's
+compiled kernels, allocator state or CUDA graphs. Through the calls a user makes, each worker measures:
 
 * weights: bytes of parameters and buffers;
-* prefill: the perplexity forward (``model(ids)``, logits for every position, no cache) at
-  ``--seq-len`` tokens per sequence, batch ``--prefill-batch``: tokens/s (median of timed runs)
-  and peak memory;
-* decode, greedy, ``--new-tokens`` tokens after a ``--prompt-len`` prompt, at each
-  ``--batch``: (a) static KV cache with the decode step replayed from a CUDA graph
-  (``mxq.decode.StaticGreedyDecoder``) -- what memory bandwidth allows; (b) the same step eager;
-  (c) eager ``generate()`` with the default dynamic cache (batch 1). Decode tokens/s counts new
-  tokens of all sequences per second of decoding (prefill excluded), peak memory included.
+* prefill: ``model(ids)`` (logits for every position, no cache) at ``--seq-len`` tokens per
+  sequence, batch ``--prefill-batch``: tokens/s (median of timed runs) and peak memory;
+* ``model.generate(ids, cache_implementation="static")`` at each ``--batch``, ``--new-tokens``
+  after a ``--prompt-len`` prompt (on CUDA transformers compiles the forward and replays CUDA
+  graphs): decode tokens/s = B * n / (t(1 + n) - t(1)), after warm-up calls of both lengths;
+* ``model.generate(ids)`` with the default dynamic cache at B=1 (``--generate-tokens`` new);
+* ``mxq.decode.StaticGreedyDecoder`` at each ``--batch``: the decode step replayed from a CUDA
+  graph, compiled first with ``--compile``; ``--eager-decoder`` adds the same step without graph.
   The graph path is checked to give the same tokens as the eager static path first.
 
-Ratios are MXFP8 over bf16 (> 1: MXFP8 faster / for memory: the fraction of bf16). Prints a
-markdown table and writes JSON. On a CPU (``--device cpu``) it runs without graphs (tests use a
-tiny shape there); figures worth reporting come from a GPU.
+The driver prints a markdown table of MXFP8 / bf16 ratios (> 1: MXFP8 faster; for memory the
+fraction of bf16) and writes JSON. On a CPU (``--device cpu``) it runs without graphs or
+compilation (tests use a tiny shape there); figures worth reporting come from a GPU.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ import gc
 import json
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -179,6 +183,30 @@ def bench_decode_generate(model, batch: int, prompt_len: int, new_tokens: int) -
                 tokens_per_s=batch * new_tokens / dt, ms_per_step=1e3 * dt / new_tokens)  # fmt: skip
 
 
+def bench_generate_static(model, batch: int, prompt_len: int, new_tokens: int) -> dict:
+    """``generate(cache_implementation="static")``: decode time = t(1 + n) - t(1), both lengths
+    called once before timing (the first call of a cache length compiles on CUDA)."""
+    device = next(model.parameters()).device
+    g = torch.Generator(device=device).manual_seed(batch)
+    ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), device=device, generator=g)
+    mask = torch.ones_like(ids)
+
+    def gen(n):
+        with _Timer(device) as t, torch.inference_mode():
+            model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                           pad_token_id=0, cache_implementation="static")  # fmt: skip
+        return t.s
+
+    _reset_peak(device)
+    t0 = time.perf_counter()
+    gen(1), gen(1 + new_tokens)  # warm-up: compilation and graph capture for both cache lengths
+    setup_s = time.perf_counter() - t0
+    t1, tn = gen(1), gen(1 + new_tokens)
+    dt = max(tn - t1, 1e-9)
+    return dict(batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, decode_s=dt, setup_s=setup_s,
+                tokens_per_s=batch * new_tokens / dt, ms_per_step=1e3 * dt / new_tokens, peak_bytes=_peak(device))  # fmt: skip
+
+
 def measure(model, label: str, a, device: torch.device) -> dict:
     res = {"label": label, "weight_bytes": weight_bytes(model)}
     _sync(device)
@@ -189,12 +217,21 @@ def measure(model, label: str, a, device: torch.device) -> dict:
     res["prefill"] = bench_prefill(model, a.prefill_batch, a.seq_len, a.reps)
     print(f"[{label}] prefill {res['prefill']['tokens_per_s']:.0f} tok/s", flush=True)
     res["decode"] = []
+    for b in a.batch:
+        r = bench_generate_static(model, b, a.prompt_len, a.new_tokens)
+        r["mode"] = 'generate() static cache'
+        res["decode"].append(r)
+        print(f"[{label}] decode B={b} {r['mode']}: {r['tokens_per_s']:.1f} tok/s (setup {r['setup_s']:.1f} s)", flush=True)
+    if not a.no_generate:
+        r = bench_decode_generate(model, 1, a.prompt_len, a.generate_tokens)
+        r["mode"] = "generate() dynamic cache"
+        res["decode"].append(r)
+        print(f"[{label}] decode B=1 {r['mode']}: {r['tokens_per_s']:.1f} tok/s", flush=True)
     graphs = device.type == "cuda" and not a.no_graph
     modes = [("static eager", False, False)]
     if graphs:
-        modes = [("static+graph", True, False)] + modes
-        if a.compile:
-            modes = [("static+compile+graph", True, True)] + modes
+        graph_mode = ("StaticGreedyDecoder compile+graph", True, True) if a.compile else ("StaticGreedyDecoder graph", True, False)
+        modes = [graph_mode] + (modes if a.eager_decoder else [])
     for b in a.batch:
         toks, rows = {}, []
         for mode, cg, comp in modes:
@@ -205,14 +242,10 @@ def measure(model, label: str, a, device: torch.device) -> dict:
                 f"[{label}] decode B={b} {mode}: {r['tokens_per_s']:.1f} tok/s (setup {r['setup_s']:.1f} s)",
                 flush=True,
             )
-        for r in rows:  # a graph replays the eager step: the same prompt gives the same tokens
-            r["tokens_match_eager"] = bool(torch.equal(toks[r["mode"]], toks["static eager"]))
+        if "static eager" in toks:  # a graph replays the eager step: the same prompt gives the same tokens
+            for r in rows:
+                r["tokens_match_eager"] = bool(torch.equal(toks[r["mode"]], toks["static eager"]))
         res["decode"] += rows
-    if not a.no_generate:
-        r = bench_decode_generate(model, 1, a.prompt_len, a.generate_tokens)
-        r["mode"] = "generate() dynamic cache"
-        res["decode"].append(r)
-        print(f"[{label}] decode B=1 {r['mode']}: {r['tokens_per_s']:.1f} tok/s", flush=True)
     return res
 
 
@@ -252,7 +285,7 @@ def summary_rows(res: dict) -> list[dict]:
                 mxfp8=dq["tokens_per_s"],
             )
         )
-        if db.get("peak_bytes") is not None and db["mode"] == "static eager":
+        if db.get("peak_bytes") is not None and db["mode"] == "generate() static cache":
             rows.append(
                 dict(
                     metric=f"decode peak memory B={db['batch']} (GiB)",
@@ -305,6 +338,50 @@ def env_info(device: torch.device) -> dict:
     )  # fmt: skip
 
 
+def _build(a, device: torch.device):
+    """The bf16 model the arguments describe, and its label (the same weights in every process)."""
+    if a.model:
+        from mxq.models import load_model
+
+        model, _ = load_model(a.model, device=device, tokenizer=False)
+        return model, a.model
+    shape = a.shape or "llama3-8b"
+    with _Timer(device) as t:
+        model = build_random(shape, device)
+    print(f"built {shape} on {device} in {t.s:.1f} s", flush=True)
+    return model, f"{shape} (random weights)"
+
+
+def worker(a, device: torch.device) -> dict:
+    """One model in this process: bf16 as built, or quantized with ``a.recipe`` (``a.worker``)."""
+    import mxq
+
+    model, label = _build(a, device)
+    res = {"model": label, "config": {k: getattr(model.config, k, None) for k in ("hidden_size", "intermediate_size",
+           "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size")}}  # fmt: skip
+    if a.worker != "bf16":
+        check_ids = torch.randint(0, model.config.vocab_size, (1, 256), generator=torch.Generator().manual_seed(0)).to(device)
+        with torch.inference_mode():
+            ref_logits = model(check_ids).logits.float()
+        _reset_peak(device)
+        base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        with _Timer(device) as t, contextlib.redirect_stderr(sys.stdout):
+            mxq.quantize_model(model, a.recipe, fuse=not a.no_fuse)
+        res["quantize"] = dict(wall_s=t.s, peak_extra_bytes=(_peak(device) - base) if device.type == "cuda" else None)
+        print(f"quantized in memory ({a.recipe}) in {t.s:.2f} s", flush=True)
+        with torch.inference_mode():  # sanity: the quantized model computes nearly the same function
+            q_logits = model(check_ids).logits.float()
+        res["check"] = dict(
+            logits_finite=bool(torch.isfinite(q_logits).all()),
+            logits_rel_err_vs_bf16=float((q_logits - ref_logits).norm() / ref_logits.norm()),
+            top1_agreement=float((q_logits.argmax(-1) == ref_logits.argmax(-1)).float().mean()),
+        )
+        del ref_logits, q_logits
+        print(f"check vs bf16 logits: {res['check']}", flush=True)
+    res["measured"] = measure(model, "bf16" if a.worker == "bf16" else "mxfp8", a, device)
+    return res
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group()
@@ -327,10 +404,13 @@ def main(argv=None) -> int:
     p.add_argument(
         "--compile",
         action="store_true",
-        help="also decode with the step compiled (inductor) + graph",
+        help="StaticGreedyDecoder: compile the step (inductor) before capturing its graph",
     )
     p.add_argument("--no-generate", action="store_true", help="skip the eager generate() figure")
     p.add_argument("--no-fuse", action="store_true", help="keep q/k/v and gate/up as separate MX GEMMs (mxq.linear.fuse_projections)")
+    p.add_argument("--eager-decoder", action="store_true", help="also time the StaticGreedyDecoder step without a graph")
+    p.add_argument("--worker", choices=("bf16", "mxfp8"), help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help="JSON file to write")
     a = p.parse_args(argv)
     a.batch = [int(v) for v in a.batch.split(",")]
@@ -341,47 +421,29 @@ def main(argv=None) -> int:
             file=sys.stderr,
         )
         return 2
-    import mxq
-
+    if a.worker:
+        out = worker(a, device)
+        with open(a.worker_out, "w") as f:
+            json.dump(out, f)
+        return 0
     res = {"env": env_info(device), "recipe": a.recipe, "args": {k: v for k, v in vars(a).items()}}
     print(json.dumps(res["env"]), flush=True)
-    if a.model:
-        from mxq.models import load_model
-
-        model, _ = load_model(a.model, device=device, tokenizer=False)
-        res["model"] = a.model
-    else:
-        shape = a.shape or "llama3-8b"
-        with _Timer(device) as t:
-            model = build_random(shape, device)
-        res["model"] = f"{shape} (random weights)"
-        print(f"built {shape} on {device} in {t.s:.1f} s", flush=True)
-    res["config"] = {k: getattr(model.config, k, None) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "vocab_size")}  # fmt: skip
-    check_ids = torch.randint(
-        0, model.config.vocab_size, (1, 256), generator=torch.Generator().manual_seed(0)
-    ).to(device)
-    with torch.inference_mode():
-        ref_logits = model(check_ids).logits.float()
-    res["bf16"] = measure(model, "bf16", a, device)
-    _reset_peak(device)
-    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    with _Timer(device) as t, contextlib.redirect_stderr(sys.stdout):
-        mxq.quantize_model(model, a.recipe, fuse=not a.no_fuse)
-    res["quantize"] = dict(
-        wall_s=t.s, peak_extra_bytes=(_peak(device) - base) if device.type == "cuda" else None
-    )
-    print(f"quantized in memory ({a.recipe}) in {t.s:.2f} s", flush=True)
-    with torch.inference_mode():  # sanity: the quantized model computes nearly the same function
-        q_logits = model(check_ids).logits.float()
-    res["check"] = dict(
-        logits_finite=bool(torch.isfinite(q_logits).all()),
-        logits_rel_err_vs_bf16=float((q_logits - ref_logits).norm() / ref_logits.norm()),
-        top1_agreement=float((q_logits.argmax(-1) == ref_logits.argmax(-1)).float().mean()),
-    )
-    del ref_logits, q_logits
-    print(f"check vs bf16 logits: {res['check']}", flush=True)
-    res["mxfp8"] = measure(model, "mxfp8", a, device)
+    args = list(sys.argv[1:] if argv is None else argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        for role in ("bf16", "mxfp8"):  # each model in a fresh process
+            path = f"{tmp}/{role}.json"
+            cmd = [sys.executable, "-m", "mxq.eval.bench_e2e", *args, "--worker", role, "--worker-out", path]
+            print(f"--- {role}: a fresh process", flush=True)
+            rc = subprocess.call(cmd)
+            if rc != 0:
+                print(f"bench_e2e: the {role} process failed (exit {rc})", file=sys.stderr)
+                return rc
+            with open(path) as f:
+                out = json.load(f)
+            res["model"], res["config"] = out["model"], out["config"]
+            res[role] = out["measured"]
+            if role == "mxfp8":
+                res["quantize"], res["check"] = out["quantize"], out["check"]
     res["summary"] = summary_rows(res)
     print_table(res)
     if a.out:

@@ -146,7 +146,8 @@ def _expected_weight_bytes(model):
 
 
 def test_bench_e2e_cpu_smoke(tmp_path):
-    """The benchmark runs end to end on a CPU (no graphs) and its bookkeeping is right."""
+    """The benchmark runs end to end on a CPU (no graphs), each model in its own process, and its
+    bookkeeping is right."""
     from mxq.eval import bench_e2e
 
     out = tmp_path / "e2e.json"
@@ -163,7 +164,9 @@ def test_bench_e2e_cpu_smoke(tmp_path):
         b.numel() * b.element_size() for b in q.buffers()
     )
     modes = [(d["batch"], d["mode"]) for d in res["mxfp8"]["decode"]]
-    assert modes == [(1, "static eager"), (2, "static eager"), (1, "generate() dynamic cache")]
+    assert modes == [(1, "generate() static cache"), (2, "generate() static cache"), (1, "generate() dynamic cache"),
+                     (1, "static eager"), (2, "static eager")]  # fmt: skip
+    assert all(d["tokens_per_s"] > 0 for d in res["bf16"]["decode"] + res["mxfp8"]["decode"])
     metrics = [r["metric"] for r in res["summary"]]
     assert metrics[0] == "weights (GiB)" and any("prefill tok/s" in m for m in metrics)
     assert res["check"]["logits_finite"] and res["check"]["logits_rel_err_vs_bf16"] < 0.2
