@@ -303,6 +303,7 @@ def perplexity(
         for b0 in range(0, windows.n_windows, batch_size):
             ids = windows.input_ids[b0 : b0 + batch_size].to(device)
             logits = model(input_ids=ids, use_cache=False).logits
+            _check_finite(model, logits, ids, b0)
             for j in range(ids.shape[0]):
                 sf = int(windows.score_from[b0 + j])
                 nll = torch.nn.functional.cross_entropy(
@@ -334,6 +335,48 @@ def perplexity(
         n_windows_total=windows.n_windows_total,
         elapsed_s=elapsed,
         device=str(device),
+    )
+
+
+class NonFiniteError(ValueError):
+    """The model produced inf or NaN on a window: the message names the window and the first
+    module (in execution order) whose output was not finite."""
+
+
+def _first_non_finite_module(model, ids: torch.Tensor) -> str | None:
+    """Run ``ids`` once more with a hook on every module; the name and type of the first one that
+    returned a non-finite tensor (modules run in execution order), or None."""
+    found: list[str] = []
+    handles = []
+
+    def hook(name):
+        def fn(mod, inputs, output):
+            out = output[0] if isinstance(output, tuple) and output else output
+            if not found and isinstance(out, torch.Tensor) and out.is_floating_point() and not bool(torch.isfinite(out).all()):
+                found.append(f"{name} ({type(mod).__name__})")
+
+        return fn
+
+    for name, mod in model.named_modules():
+        if name and not list(mod.children()):
+            handles.append(mod.register_forward_hook(hook(name)))
+    try:
+        model(input_ids=ids, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return found[0] if found else None
+
+
+def _check_finite(model, logits: torch.Tensor, ids: torch.Tensor, first_window: int) -> None:
+    bad = ~torch.isfinite(logits).flatten(1).all(1)
+    if not bool(bad.any()):
+        return
+    j = int(bad.nonzero()[0])
+    where = _first_non_finite_module(model, ids[j : j + 1])
+    raise NonFiniteError(
+        f"window {first_window + j}: the model's logits are not finite (inf or NaN)"
+        + (f"; the first non-finite output comes from {where}" if where else "")
     )
 
 

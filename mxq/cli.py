@@ -192,6 +192,8 @@ def quantize_cmd(
     from mxq.convert import quantize_checkpoint
     from mxq.recipe import load_recipe
 
+    if not (max_shard_size > 0 and max_shard_size * 1024**3 >= 1):
+        raise typer.BadParameter(f"--max-shard-size must be a positive size in GiB, got {max_shard_size}")
     if calibrate and plan is not None:
         raise typer.BadParameter("pass --calibrate or --plan, not both")
     if not calibrate and (dataset or keep_bf16 or max_dppl is not None or plan_out):

@@ -72,6 +72,8 @@ class NativeConfig:
         self.quant_method = QUANT_METHOD
         kwargs.pop("quant_method", None)
         self.format_version = kwargs.pop("format_version", FORMAT_VERSION)
+        if type(self.format_version) is not int or self.format_version < 1:
+            raise ValueError(f"quantization_config format_version: expected a positive integer, got {self.format_version!r}"[:300])
         if self.format_version > FORMAT_VERSION:
             raise ValueError(
                 f"quantization_config format_version {self.format_version} is newer than this mxq "
@@ -79,6 +81,8 @@ class NativeConfig:
             )
         self.recipe = kwargs.pop("recipe", None)
         self.block_size = kwargs.pop("block_size", 32)
+        if type(self.block_size) is not int or self.block_size != 32:
+            raise ValueError(f"quantization_config block_size: MX blocks are 32 elements, got {self.block_size!r}"[:300])
         self.layers = layers or {}
         self.ignore = kwargs.pop("ignore", [])
         self.attention = kwargs.pop("attention", None)

@@ -95,7 +95,10 @@ def load_recipe(name_or_path: str | Path | None = None) -> Recipe:
     if ref.endswith((".yaml", ".yml")) or path.is_file():
         if not path.is_file():
             raise RecipeError(f"{ref}: recipe file not found")
-        text, where = path.read_text(), str(path)
+        try:
+            text, where = path.read_text(encoding="utf-8"), str(path)
+        except UnicodeDecodeError:
+            raise RecipeError(f"{ref}: not a text file (a recipe is YAML)") from None
     else:
         res = resources.files("mxq.recipes").joinpath(f"{ref}.yaml")
         if not res.is_file():
@@ -105,6 +108,8 @@ def load_recipe(name_or_path: str | Path | None = None) -> Recipe:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise RecipeError(f"{where}: not valid YAML ({str(e).splitlines()[0]})") from None
+    except ValueError as e:  # e.g. an integer beyond Python's digit limit
+        raise RecipeError(f"{where}: unreadable value ({str(e).splitlines()[0]})") from None
     return parse_recipe(data, where)
 
 
@@ -118,9 +123,13 @@ def parse_recipe(data: object, where: str = "<recipe>") -> Recipe:
         raise RecipeError(f"{where}: missing key 'name'")
     if "weights" not in data:
         raise RecipeError(f"{where}: missing key 'weights'")
+    if not isinstance(data["name"], str) or not data["name"].strip():
+        raise RecipeError(f"{where}: name: expected a non-empty string, got {data['name']!r}"[:300])
+    if not isinstance(data.get("description", ""), str):
+        raise RecipeError(f"{where}: description: expected a string")
     block_size = data.get("block_size", 32)
-    if block_size != 32:
-        raise RecipeError(f"{where}: block_size: MX blocks are 32 elements, got {block_size!r}")
+    if type(block_size) is not int or block_size != 32:
+        raise RecipeError(f"{where}: block_size: MX blocks are 32 elements, got {block_size!r}"[:300])
     weights = _spec(data["weights"], where, "weights", _SPEC_KEYS)
     if weights is None:
         raise RecipeError(f"{where}: weights: must be given (elem, scale_rule)")

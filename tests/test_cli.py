@@ -186,3 +186,17 @@ def test_stale_temporary_directories_of_dead_runs_are_removed(tmp_path):
     live.mkdir()
     assert _quantize(model, tmp_path / "out").returncode == 0
     assert not any(p.exists() for p in stale) and live.is_dir()
+
+
+@pytest.mark.parametrize("size", ["-1", "0", "nan"])
+def test_max_shard_size_must_be_positive(tmp_path, size):
+    """`--max-shard-size` of zero, a negative or NaN size is refused before any work; OUT is not made."""
+    from typer.testing import CliRunner
+
+    from mxq.cli import app
+
+    model = tmp_path / "model"
+    _tiny_model(model)
+    res = CliRunner().invoke(app, ["quantize", str(model), str(tmp_path / "out"), "--max-shard-size", size])
+    assert res.exit_code != 0 and "--max-shard-size must be a positive size" in res.output
+    assert not (tmp_path / "out").exists()

@@ -462,6 +462,45 @@ def test_unknown_recipe_key_names_file_and_key(tmp_path, llama_dir):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("name: [1, 2]\nweights: {elem: e4m3}\n", r"name: expected a non-empty string"),
+        ("name: ''\nweights: {elem: e4m3}\n", r"name: expected a non-empty string"),
+        ("name: x\ndescription: [a]\nweights: {elem: e4m3}\n", r"description: expected a string"),
+        ("name: x\nblock_size: '32'\nweights: {elem: e4m3}\n", r"block_size: MX blocks are 32 elements, got '32'"),
+        ("name: x\nblock_size: 16\nweights: {elem: e4m3}\n", r"block_size: MX blocks are 32 elements, got 16"),
+        ("name: x\nblock_size: true\nweights: {elem: e4m3}\n", r"block_size: MX blocks are 32 elements, got True"),
+        ("name: x\nblock_size: " + "9" * 5000 + "\nweights: {elem: e4m3}\n", r"r.yaml: unreadable value"),
+        (b"\x00\xff\xfe binary", r"r.yaml: not a text file"),
+    ],
+)
+def test_bad_recipe_values_are_one_line_errors(tmp_path, text, match):
+    """Values of the wrong type or out of range (and files that are not YAML text) are refused with
+    a RecipeError naming the file and the key, never a raw Python error or a silently kept value."""
+    bad = tmp_path / "r.yaml"
+    bad.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(RecipeError, match=match) as e:
+        load_recipe(bad)
+    assert "\n" not in str(e.value) and len(str(e.value)) < 400
+
+
+@pytest.mark.parametrize("bad", [{"block_size": 0}, {"block_size": -32}, {"block_size": "32"}, {"block_size": 16},
+                                 {"format_version": "1"}, {"format_version": 99}])  # fmt: skip
+def test_bad_quantization_config_values_are_refused(tmp_path, llama_dir, bad):
+    """A checkpoint whose quantization_config has a wrong block_size or format_version loads with
+    a one-line error naming the key, not a traceback or a silently wrong model."""
+    out = tmp_path / "q"
+    quantize_checkpoint(llama_dir, out, "mxfp8", progress=False)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"].update(bad)
+    (out / "config.json").write_text(json.dumps(cfg))
+    key = next(iter(bad))
+    with pytest.raises(ValueError, match=rf"quantization_config {key}") as e:
+        mxq.load(out)
+    assert "\n" not in str(e.value)
+
+
 def test_disk_full_leaves_nothing(tmp_path, llama_dir, monkeypatch):
     calls = {"n": 0}
     real = ShardWriter.write

