@@ -104,24 +104,7 @@ def test_no_upward_import(graph):
 
 def test_no_import_cycle(graph):
     edges, _ = graph
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-    stack: list[str] = []
-    cycles: list[str] = []
-
-    def visit(n: str) -> None:
-        state[n] = 1
-        stack.append(n)
-        for d in sorted(edges.get(n, ())):
-            if state.get(d) == 1:
-                cycles.append(" -> ".join([*stack[stack.index(d):], d]))
-            elif d not in state:
-                visit(d)
-        stack.pop()
-        state[n] = 2
-
-    for n in sorted(edges):
-        if n not in state:
-            visit(n)
+    cycles = _cycles(edges)
     assert not cycles, "import cycles among mxq modules:\n" + "\n".join(cycles)
 
 
