@@ -79,7 +79,11 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict]:
         raise CheckpointError(f"{path}: corrupt header (not valid JSON)") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupt header (not a JSON object)")
-    meta = header.pop("__metadata__", None) or {}
+    meta = header.pop("__metadata__", None)
+    if meta is None:
+        meta = {}
+    elif not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise CheckpointError(f"{path}: corrupt header (__metadata__ must map strings to strings)")
     data_start, data_len = 8 + n, size - 8 - n
     infos: dict[str, TensorInfo] = {}
     spans = []
@@ -90,10 +94,10 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict]:
             raise CheckpointError(f"{path}: tensor {name}: malformed header entry") from None
         if dtype not in DTYPES:
             raise CheckpointError(f"{path}: tensor {name}: unsupported dtype {dtype}")
-        if not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise CheckpointError(f"{path}: tensor {name}: bad shape {list(shape)}")
+        if not all(type(d) is int and 0 <= d < 2**63 for d in shape):
+            raise CheckpointError(f"{path}: tensor {name}: bad shape {list(shape)[:8]}"[:300])
         want = math.prod(shape) * _itemsize(dtype)
-        if not (isinstance(b, int) and isinstance(end, int) and 0 <= b <= end) or end - b != want:
+        if not (type(b) is int and type(end) is int and 0 <= b <= end) or end - b != want:
             raise CheckpointError(f"{path}: tensor {name}: data offsets {[b, end]} do not fit {dtype}{list(shape)}")
         if end > data_len:
             raise CheckpointError(
@@ -101,10 +105,17 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict]:
             )
         spans.append((b, end, name))
         infos[name] = TensorInfo(name, dtype, shape, path, data_start + b, want)
+    # the safetensors rule: data offsets contiguous from 0, covering the data buffer exactly
     spans.sort()
-    for (_b0, e0, n0), (b1, _, n1) in zip(spans, spans[1:], strict=False):
-        if b1 < e0:
-            raise CheckpointError(f"{path}: tensors {n0} and {n1} overlap")
+    pos, prev = 0, None
+    for b, end, name in spans:
+        if b < pos:
+            raise CheckpointError(f"{path}: tensors {prev} and {name} overlap")
+        if b > pos:
+            raise CheckpointError(f"{path}: {b - pos} bytes of no tensor before {name} (offsets must be contiguous)")
+        pos, prev = end, name
+    if pos != data_len:
+        raise CheckpointError(f"{path}: {data_len - pos} bytes after the last tensor belong to no tensor")
     return infos, meta
 
 

@@ -123,11 +123,12 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: tor
     q/k/v and gate/up as separate layers (``mxq.linear.fuse_projections``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from mxq.checkpoint import checkpoint_files
+    from mxq.checkpoint import checkpoint_files, read_header
 
     config = read_config(path)
     fmt = checkpoint_format(config)
-    checkpoint_files(path)  # refuses shards that lead out of the directory before transformers reads any
+    for shard in checkpoint_files(path):  # refuses shards outside the directory before transformers reads any
+        read_header(shard)  # and malformed headers, with the rules `mxq inspect` applies
     if fmt in ("mxq", "none"):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False)
     else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -582,6 +583,59 @@ def test_inspect_reports_bad_scale_shape_by_name(tmp_path, llama_dir):
     assert any(
         "model.layers.1.mlp.up_proj.weight_scale: 1 block(s) with NaN scale" in p for p in probs
     )
+
+
+def _rewrite_header(f, edit) -> None:
+    """Rewrite the JSON header of safetensors file ``f`` with ``edit(header, data) -> (header, data)``."""
+    import struct
+
+    raw = f.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header, data = json.loads(raw[8 : 8 + n]), raw[8 + n :]
+    header, data = edit(header, data)
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    f.write_bytes(struct.pack("<Q", len(h)) + h + data)
+
+
+def _first(header):
+    return next(k for k in header if k != "__metadata__")
+
+
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        # a 64-byte hole: the first tensor's data moved back, its old bytes belong to nothing
+        (lambda h, d: ({k: (dict(v, data_offsets=[v["data_offsets"][0] + 64, v["data_offsets"][1] + 64]) if k != "__metadata__" else v)
+                        for k, v in h.items()}, b"\0" * 64 + d), r"64 bytes of no tensor before"),
+        (lambda h, d: (h, d + b"\0" * 16), r"16 bytes after the last tensor belong to no tensor"),
+        (lambda h, d: (dict(h, __metadata__={"format": 1}), d), r"__metadata__ must map strings to strings"),
+        (lambda h, d: (dict(h, __metadata__=["pt"]), d), r"__metadata__ must map strings to strings"),
+        (lambda h, d: ({**h, _first(h): dict(h[_first(h)], shape=[2**64, 0])}, d), r"bad shape"),
+        (lambda h, d: ({**h, _first(h): dict(h[_first(h)], shape=[True, 1])}, d), r"bad shape"),
+    ],
+)
+def test_malformed_headers_refused_alike_by_inspect_and_loader(tmp_path, llama_dir, edit, match):
+    """The safetensors rules (offsets contiguous from 0 and covering the data exactly, string
+    metadata, sane shapes): `mxq inspect` and `mxq.load` refuse the same file with the same
+    one-line message naming it."""
+    from mxq.checkpoint import CheckpointError, read_header
+    from mxq.inspect import inspect_checkpoint
+
+    out = tmp_path / "q"
+    quantize_checkpoint(llama_dir, out, progress=False)
+    f = next(out.glob("model-*.safetensors"))
+    _rewrite_header(f, edit)
+    with pytest.raises(CheckpointError, match=match) as e:
+        read_header(f)
+    assert f.name in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(CheckpointError, match=match):
+        mxq.load(out)
+    try:
+        probs = inspect_checkpoint(out).problems
+    except CheckpointError as e2:
+        probs = [str(e2)]
+    assert any(re.search(match, p) for p in probs), probs
 
 
 # --- streaming: peak memory stays near the largest tensor ---------------------------------------
