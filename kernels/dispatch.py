@@ -211,6 +211,12 @@ def _spec(kernels: str | None) -> str:
     return check_kernels(kernels) if kernels is not None else default_kernels()
 
 
+def triton_runs(device: torch.device, spec: str) -> bool:
+    """Triton runs this call: on a CUDA device; on a CPU only in the interpreter, and only for
+    paths asked for by name (``spec`` other than "auto")."""
+    return device.type == "cuda" or (INTERPRET and spec != "auto")
+
+
 def mx_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -235,9 +241,8 @@ def mx_linear(
     if not HAS_TRITON or spec == "reference":
         y = mx_linear_reference(x2, weight, weight_scale, bias, act_elem=act_elem, act_rule=act_rule, block_size=block_size)
         return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
-    # on a CPU Triton runs only in the interpreter, and only for paths asked for by name
     p = LinearProblem.of(x2.shape[0], weight.shape[0], k, x2.dtype, act_elem, act_rule, block_size, x2.device,
-                         triton=x.is_cuda or (INTERPRET and spec != "auto"))
+                         triton_runs(x2.device, spec))
     if p.capability[0] == 9:
         gluon_api.note_unavailable()
     y = _run(choose(p, spec), p, spec, x2, weight, weight_scale, bias, x.dtype)
@@ -267,8 +272,7 @@ def linear_path(m: int, n: int, k: int, device: torch.device, *, w8a8: bool = Tr
 
 def _problem(m, n, k, device, w8a8, x_dtype, block_size, spec) -> LinearProblem:
     act = as_elem_format("e4m3") if w8a8 else None
-    cuda = device.type == "cuda"
-    return LinearProblem.of(m, n, k, x_dtype, act, ScaleRule.RCEIL, block_size, device, cuda or (INTERPRET and spec != "auto"))
+    return LinearProblem.of(m, n, k, x_dtype, act, ScaleRule.RCEIL, block_size, device, triton_runs(device, spec))
 
 
 def path_name(m: int, n: int, k: int, device: torch.device, w8a8: bool = True, kernels: str | None = None) -> str:
@@ -298,7 +302,7 @@ def run_path(
         act_elem, act_rule = as_elem_format(act_elem), as_scale_rule(act_rule)
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
-    cuda = x.is_cuda
-    p = LinearProblem.of(x2.shape[0], weight.shape[0], k, x2.dtype, act_elem, act_rule, block_size, x2.device, cuda or INTERPRET)
+    p = LinearProblem.of(x2.shape[0], weight.shape[0], k, x2.dtype, act_elem, act_rule, block_size, x2.device,
+                         triton_runs(x2.device, name))
     y = path.run(p, x2, weight, weight_scale, bias, x.dtype)
     return y.reshape(*x.shape[:-1], weight.shape[0])

@@ -282,11 +282,9 @@ class FusedMXLinear(MXLinear):
         self.elem, self.act, self.block_size, self.kernels = first.elem, first.act, first.block_size, first.kernels
         self.weight = nn.Parameter(torch.cat([m.weight.data for m in layers]), requires_grad=False)
         self.weight_scale = nn.Parameter(torch.cat([m.weight_scale.data for m in layers]), requires_grad=False)
-        if any(m.bias is not None for m in layers):
-            biases = [
-                m.bias.data if m.bias is not None else torch.zeros(m.out_features, dtype=first.weight.dtype if first.bias is None else first.bias.dtype, device=m.weight.device)
-                for m in layers
-            ]  # fmt: skip
+        some = next((m.bias for m in layers if m.bias is not None), None)
+        if some is not None:  # siblings without a bias add zeros to theirs
+            biases = [m.bias.data if m.bias is not None else some.new_zeros(m.out_features) for m in layers]
             self.bias = nn.Parameter(torch.cat(biases), requires_grad=False)
         else:
             self.register_parameter("bias", None)

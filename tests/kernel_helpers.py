@@ -54,7 +54,7 @@ def chosen(x, w, act_elem=None, act_rule=ScaleRule.RCEIL, kernels=None, block_si
         return dispatch.LINEAR["reference"]
     k = x.shape[-1]
     p = dispatch.LinearProblem.of(x.reshape(-1, k).shape[0], w.shape[0], k, x.dtype, act_elem, act_rule, block_size,
-                                  x.device, triton=x.is_cuda or (INTERPRET and spec != "auto"))  # fmt: skip
+                                  x.device, dispatch.triton_runs(x.device, spec))  # fmt: skip
     return dispatch.choose(p, spec)
 
 

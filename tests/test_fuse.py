@@ -147,3 +147,21 @@ def test_quantize_model_and_from_pretrained_fuse_by_default(tmp_path):
         want = ref(ids).logits
         for m in (fused, loaded, kept):
             assert torch.equal(m(ids).logits, want)
+
+
+def test_siblings_with_and_without_bias_fuse_exactly():
+    """Only k_proj has a bias: the fused bias carries zeros for q and v, and the state_dict keeps
+    exactly the biases the layers had."""
+    m = _model("llama")
+    attn = m.model.layers[0].self_attn
+    torch.manual_seed(3)
+    k = attn.k_proj
+    k.bias = torch.nn.Parameter(torch.randn(k.out_features))
+    ids = torch.randint(0, SMALL["vocab_size"], (1, 7))
+    with torch.no_grad():
+        want = m(ids).logits
+    keys = sorted(m.state_dict())
+    fuse_projections(m)
+    with torch.no_grad():
+        assert torch.equal(m(ids).logits, want)
+    assert sorted(m.state_dict()) == keys and "model.layers.0.self_attn.q_proj.bias" not in keys
