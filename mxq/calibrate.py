@@ -435,6 +435,16 @@ class Plan:
     statistics: dict = field(default_factory=dict)
     calibration: dict = field(default_factory=dict)
     choices: dict = field(default_factory=dict)
+    # GPTQ-rounded layers (mxq.gptq.round_plan): name -> (fp8 codes, E8M0 bytes), in memory or in
+    # the safetensors file written beside the plan's JSON.
+    rounded: dict | None = None
+    rounded_file: Path | None = None
+
+    def rounded_weight(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The stored codes and scales of a GPTQ-rounded layer, or None (direct cast)."""
+        if self.rounded is None and self.rounded_file is not None:
+            self.rounded = _read_rounded(self.rounded_file)
+        return (self.rounded or {}).get(name)
 
     @property
     def kept(self) -> dict[str, str]:
@@ -459,7 +469,7 @@ class Plan:
             "choices": self.choices, "calibration": self.calibration,
             "layers": {n: lp.to_dict() for n, lp in sorted(self.layers.items())},
             "permutations": self.permutations.to_dict(), "statistics": self.statistics,
-        }
+        } | ({"rounded_weights": {"file": None, "layers": len(self.rounded or {})}} if self.rounded or self.rounded_file else {})
 
 
 def _jf(v):
@@ -467,11 +477,45 @@ def _jf(v):
 
 
 def save_plan(plan: Plan, path: str | os.PathLike) -> Path:
+    """Write the plan as JSON; GPTQ codes, if any, go to ``<stem>.safetensors`` beside it."""
     path = Path(path)
+    d = plan.to_dict()
+    if "rounded_weights" in d:
+        from safetensors.torch import save_file
+
+        wfile = path.with_name(path.stem + ".safetensors")
+        if wfile == path:
+            raise PlanError(f"{path}: a plan with GPTQ codes needs a .json name (its codes go to {wfile.name})")
+        tensors = {}
+        for name in sorted(plan.rounded or {}):
+            data, scales = plan.rounded_weight(name)
+            tensors[name + ".weight"], tensors[name + ".weight_scale"] = data.contiguous(), scales.contiguous()
+        wtmp = wfile.with_name(wfile.name + ".tmp")
+        save_file(tensors, str(wtmp), metadata={"format": "pt", "mxq_plan": path.name})
+        os.replace(wtmp, wfile)
+        d["rounded_weights"]["file"] = wfile.name
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(plan.to_dict(), indent=1) + "\n")
+    tmp.write_text(json.dumps(d, indent=1) + "\n")
     os.replace(tmp, path)
     return path
+
+
+def _read_rounded(path: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    from mxq.checkpoint import CheckpointError, read_header, read_tensor
+
+    try:
+        infos, _ = read_header(path)
+    except (CheckpointError, OSError) as e:
+        raise PlanError(f"{path}: GPTQ codes of the plan: {e}") from None
+    out = {}
+    for key, info in infos.items():
+        if key.endswith(".weight_scale"):
+            continue
+        if not key.endswith(".weight") or key[: -len(".weight")] + ".weight_scale" not in infos:
+            raise PlanError(f"{path}: {key}: expected <layer>.weight with its <layer>.weight_scale")
+        name = key[: -len(".weight")]
+        out[name] = (read_tensor(info), read_tensor(infos[name + ".weight_scale"]))
+    return out
 
 
 def load_plan(path: str | os.PathLike) -> Plan:
@@ -483,7 +527,19 @@ def load_plan(path: str | os.PathLike) -> Plan:
         raise PlanError(f"{where}: plan file not found") from None
     except json.JSONDecodeError as e:
         raise PlanError(f"{where}: not valid JSON ({e})") from None
-    return parse_plan(data, where)
+    plan = parse_plan(data, where)
+    rw = data.get("rounded_weights")
+    if rw is not None:
+        fname = rw.get("file") if isinstance(rw, dict) else None
+        if not isinstance(fname, str) or Path(fname).name != fname or fname in (".", "..") or not fname.endswith(".safetensors"):
+            raise PlanError(f"{where}: rounded_weights.file: expected a .safetensors file name beside the plan, got {fname!r}"[:300])
+        wfile = Path(path).parent / fname
+        if wfile.is_symlink() or (wfile.exists() and wfile.resolve().parent != Path(path).resolve().parent):
+            raise PlanError(f"{where}: rounded_weights.file: {fname} must be a regular file beside the plan")
+        if not wfile.is_file():
+            raise PlanError(f"{where}: rounded_weights.file: {wfile} not found (the plan's GPTQ codes are written beside it)")
+        plan.rounded_file = wfile
+    return plan
 
 
 def parse_plan(data, where: str = "<plan>") -> Plan:

@@ -54,6 +54,8 @@ ScaleSearch = Annotated[bool, typer.Option(
 SensSamples = Annotated[int, typer.Option("--sensitivity-samples", help="Calibration windows used for the per-layer KL.")]
 SensSeqLen = Annotated[int, typer.Option("--sensitivity-seq-len", help="Tokens of each of those windows.")]
 DATASET_HELP = "Calibration text: wikitext2, pydoc, or a .txt/.jsonl/.parquet file."
+Rounding = Annotated[str, typer.Option(
+    "--rounding", help="Weight codes: gptq (chosen jointly against the calibration inputs, layer by layer) or nearest (direct cast).")]
 
 
 def _version(value: bool) -> None:
@@ -187,6 +189,7 @@ def quantize_cmd(
     ),
     sensitivity_samples: SensSamples = 2,
     sensitivity_seq_len: SensSeqLen = 256,
+    rounding: Rounding = "gptq",
 ) -> None:
     """Quantize a model to MXFP8 and write a safetensors checkpoint."""
     from mxq.convert import quantize_checkpoint
@@ -215,7 +218,7 @@ def quantize_cmd(
     if calibrate:
         if not dataset:
             raise typer.BadParameter("--calibrate needs --dataset")
-        cplan = _run_calibration(model, rec, dataset, samples, seq_len, keep_bf16, max_dppl, reorder, scale_search, device, sensitivity_samples, sensitivity_seq_len)
+        cplan = _run_calibration(model, rec, dataset, samples, seq_len, keep_bf16, max_dppl, reorder, scale_search, device, sensitivity_samples, sensitivity_seq_len, rounding)
         if plan_out:
             from mxq.calibrate import save_plan
 
@@ -252,15 +255,21 @@ def _run_calibration(
     device,
     sensitivity_samples: int = 2,
     sensitivity_seq_len: int = 256,
+    rounding: str = "gptq",
 ):
     import torch
 
-    from mxq.calibrate import calibrate, make_plan
+    from mxq.calibrate import calibrate, calibration_batches, make_plan
+    from mxq.recipe import ROUNDINGS
     from mxq.eval.data import load_texts
     from mxq.models import load_model, resolve_device
 
     if keep_bf16 < 0 or (max_dppl is not None and max_dppl < 0):
         raise typer.BadParameter("--keep-bf16 and --max-dppl must not be negative")
+    if rounding not in ROUNDINGS:
+        raise typer.BadParameter(f"--rounding {rounding!r}: expected one of {', '.join(ROUNDINGS)}")
+    if rounding == "gptq" and rec.weights.scale_rule.value not in ("rceil", "mse"):
+        raise typer.BadParameter(f"--rounding gptq: recipe {rec.name!r} uses scale_rule {rec.weights.scale_rule.value!r}; gptq takes rceil or mse (or pass --rounding nearest)")
     texts = load_texts(dataset)
     m, tok = load_model(model, device=resolve_device(device), dtype=torch.bfloat16)
     cal = calibrate(
@@ -277,6 +286,12 @@ def _run_calibration(
     p = make_plan(
         m, cal, reorder=reorder, scale_search=scale_search, keep_bf16=keep_bf16, max_dppl=max_dppl
     )
+    if rounding == "gptq":
+        from mxq.gptq import round_plan
+
+        round_plan(m, p, calibration_batches(tok, texts, samples, seq_len))
+    else:
+        p.choices["rounding"] = "nearest"
     _print_plan(p)
     return p
 
@@ -305,7 +320,7 @@ def _print_plan(p) -> None:
         ),
     )
     if q:
-        for key in ("direct", "reorder", "chosen"):
+        for key in ("direct", "reorder", "chosen", "weights_nearest", "weights_gptq"):
             v = [lp.sqnr_db[key] for lp in q if key in lp.sqnr_db]
             t.add_row(f"mean output SQNR dB, {key}", f"{sum(v) / len(v):.3f}")
     console.print(t)
@@ -341,6 +356,7 @@ def calibrate_cmd(
     device: str = typer.Option(
         "cpu", "--device", help="Where to run the model: cpu, cuda or auto."
     ),
+    rounding: Rounding = "gptq",
 ) -> None:
     """Run calibration text through the bf16 model and write a plan for `mxq quantize --plan`."""
     from mxq.calibrate import save_plan
@@ -359,6 +375,7 @@ def calibrate_cmd(
         device,
         sensitivity_samples,
         sensitivity_seq_len,
+        rounding,
     )
     save_plan(p, out)
     console.print(f"plan written to {out}")

@@ -287,6 +287,11 @@ def quantize_checkpoint(
             raise ConversionError(f"--recipe {name!r}: the plan was made for recipe {plan.recipe.name!r}; pass one or the other")
         recipe = plan.recipe
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
+    if recipe.rounding == "gptq" and (plan is None or (plan.rounded is None and plan.rounded_file is None)):
+        raise ConversionError(
+            f"recipe {recipe.name!r}: weights.rounding gptq needs calibration text: "
+            "pass --calibrate --dataset D (or --plan with a plan made by `mxq calibrate --rounding gptq`)"
+        )
     out = Path(out).expanduser().absolute()
     if out.exists() and not force:
         raise ConversionError(f"{out}: already exists (pass --force to replace it)")
@@ -321,8 +326,12 @@ def quantize_checkpoint(
                     tensor = permute_tensor(name, tensor, cplan.permutations, geom)
                 except ReorderError as e:
                     raise ConversionError(f"plan: permutations: {e}") from None
-            if mod in chosen:
+            rounded = cplan.rounded_weight(mod) if cplan is not None and mod in chosen else None
+            if rounded is not None:
+                data, scales, sqnr = _rounded_weight(name, tensor, rounded, specs[mod][0], recipe.block_size)
+            elif mod in chosen:
                 data, scales, sqnr = _quantize_weight(name, tensor, specs[mod][0], recipe.block_size, device)
+            if mod in chosen:
                 writer.write(name, data)
                 writer.write(mod + ".weight_scale", scales)
                 after = data.numel() + scales.numel()
@@ -377,6 +386,22 @@ def _quantize_weight(name: str, w: torch.Tensor, spec: TensorSpec, block_size: i
     q = quantize_mx(w, -1, spec.elem, block_size, spec.scale_rule)
     sqnr = sqnr_db(w.float(), q.dequantize())
     return q.data.cpu(), q.scales.cpu(), sqnr
+
+
+def _rounded_weight(name: str, w: torch.Tensor, rounded, spec: TensorSpec, block_size: int):
+    """The plan's GPTQ codes for ``name`` (checked against the source tensor's shape and the spec)."""
+    from mxq.formats import MXTensor
+
+    data, scales = rounded
+    n, k = w.shape
+    if data.dtype != spec.elem.torch_dtype or tuple(data.shape) != (n, k) or scales.dtype != torch.uint8 \
+            or tuple(scales.shape) != (n, k // block_size):
+        raise ConversionError(
+            f"plan: GPTQ codes of {name}: {data.dtype}{list(data.shape)} / {scales.dtype}{list(scales.shape)} "
+            f"do not fit the source tensor {list(w.shape)} ({spec.elem.name}); a plan for another model?"
+        )
+    deq = MXTensor(data, scales, data.shape, 1, block_size, spec.elem).dequantize()
+    return data, scales, sqnr_db(w.float(), deq)
 
 
 def _write_configs(

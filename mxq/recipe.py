@@ -50,6 +50,8 @@ class Recipe:
     include: tuple[str, ...] = ("*",)
     exclude: tuple[str, ...] = ("lm_head",)
     attention: str | None = None
+    embeddings: str | None = None  # "mxfp8": the input embedding in the weights' format (mxq.embedding)
+    rounding: str = "nearest"  # weights: "nearest" (direct cast) or "gptq" (needs calibration text)
     source: str = ""  # where the recipe was read from
 
     def selects(self, module_name: str) -> bool:
@@ -59,18 +61,24 @@ class Recipe:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["weights"] = self.weights.to_dict()
+        if d.pop("rounding") != "nearest":
+            d["weights"]["rounding"] = self.rounding
         d["activations"] = self.activations.to_dict() if self.activations else None
         if self.activations:
             d["activations"]["dynamic"] = True
         d["include"] = list(self.include)
         d["exclude"] = list(self.exclude)
         d.pop("source")
+        if d["embeddings"] is None:  # recipes without the key keep their recorded form
+            d.pop("embeddings")
         return d
 
 
-_TOP_KEYS = {"name", "description", "block_size", "weights", "activations", "include", "exclude", "attention"}
+_TOP_KEYS = {"name", "description", "block_size", "weights", "activations", "include", "exclude", "attention", "embeddings"}
 _SPEC_KEYS = {"elem", "scale_rule"}
+_WEIGHT_KEYS = _SPEC_KEYS | {"rounding"}
 _ACT_KEYS = _SPEC_KEYS | {"dynamic"}
+ROUNDINGS = ("nearest", "gptq")
 
 
 def _matches_any(name: str, patterns: tuple[str, ...]) -> bool:
@@ -89,7 +97,7 @@ def available_recipes() -> list[str]:
 
 
 def load_recipe(name_or_path: str | Path | None = None) -> Recipe:
-    """A shipped recipe by name (``mxfp8``, ``mxfp8-w8a16``, ``mxfp8-e5m2``, ``mxfp8-attn``, ``mxfp8-lm-head``) or a YAML file path."""
+    """A shipped recipe by name (``mxfp8``, ``mxfp8-w8a16``, ``mxfp8-e5m2``, ``mxfp8-attn``, ``mxfp8-lm-head``, ``mxfp8-all``) or a YAML file path."""
     ref = str(name_or_path) if name_or_path is not None else DEFAULT_RECIPE
     path = Path(ref).expanduser()
     if ref.endswith((".yaml", ".yml")) or path.is_file():
@@ -130,9 +138,14 @@ def parse_recipe(data: object, where: str = "<recipe>") -> Recipe:
     block_size = data.get("block_size", 32)
     if type(block_size) is not int or block_size != 32:
         raise RecipeError(f"{where}: block_size: MX blocks are 32 elements, got {block_size!r}"[:300])
-    weights = _spec(data["weights"], where, "weights", _SPEC_KEYS)
+    weights = _spec(data["weights"], where, "weights", _WEIGHT_KEYS)
     if weights is None:
         raise RecipeError(f"{where}: weights: must be given (elem, scale_rule)")
+    rounding = data["weights"].get("rounding", "nearest")
+    if rounding not in ROUNDINGS:
+        raise RecipeError(f"{where}: weights.rounding: expected one of {', '.join(ROUNDINGS)}, got {rounding!r}"[:300])
+    if rounding == "gptq" and weights.scale_rule not in (ScaleRule.RCEIL, ScaleRule.MSE):
+        raise RecipeError(f"{where}: weights.rounding: gptq takes scale_rule rceil or mse, got {weights.scale_rule.value!r}")
     acts = _spec(data.get("activations"), where, "activations", _ACT_KEYS)
     if acts is not None and data["activations"].get("dynamic", True) is not True:
         raise RecipeError(f"{where}: activations.dynamic: only dynamic activation scales are supported")
@@ -141,6 +154,9 @@ def parse_recipe(data: object, where: str = "<recipe>") -> Recipe:
     attention = data.get("attention")
     if attention not in (None, "bf16", "mxfp8"):
         raise RecipeError(f"{where}: attention: expected null, 'bf16' or 'mxfp8', got {attention!r}")
+    embeddings = data.get("embeddings")
+    if embeddings not in (None, "bf16", "mxfp8"):
+        raise RecipeError(f"{where}: embeddings: expected null, 'bf16' or 'mxfp8', got {embeddings!r}"[:300])
     return Recipe(
         name=str(data["name"]),
         description=str(data.get("description", "")),
@@ -150,6 +166,8 @@ def parse_recipe(data: object, where: str = "<recipe>") -> Recipe:
         include=_patterns(data.get("include", ["*"]), where, "include"),
         exclude=_patterns(data.get("exclude", ["lm_head"]), where, "exclude"),
         attention=None if attention == "bf16" else attention,
+        embeddings=None if embeddings == "bf16" else embeddings,
+        rounding=rounding,
         source=where,
     )
 

@@ -1,0 +1,243 @@
+"""GPTQ rounding for MX weights, against independent references.
+
+* a greedy least-squares sweep written from the definition (float64, explicit solves, no Cholesky,
+  no lazy blocks): at each column the not-yet-rounded weights are the exact minimiser of the
+  output error given the columns already rounded, and the column is rounded under its block's scale;
+* brute force: for the last column of a block every fp8 code is tried, the others fixed;
+* the output error ‖(W − Ŵ)Xᵀ‖ on captured layer inputs, GPTQ against round-to-nearest;
+* the written checkpoint against a direct-cast one (same tensors, dtypes, shapes) and against the
+  rounded in-memory model.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from mxq.calibrate import calibration_batches, load_plan, make_plan, save_plan
+from mxq.convert import ConversionError, quantize_checkpoint
+from mxq.formats import E4M3, E5M2, ScaleRule, fake_quantize_mx, shared_exponents
+from mxq.gptq import GPTQError, gptq_model, gptq_mx, hessian, round_plan
+from mxq.recipe import RecipeError, TensorSpec, parse_recipe
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_calibrate import TEXT, _CharTokenizer, _ids, _llama, _logits, _qwen, _tiny_plan_inputs  # noqa: E402
+
+
+def _problem(n: int, k: int, rows: int, seed: int):
+    """Weights and correlated, unevenly scaled inputs (what makes GPTQ differ from nearest)."""
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.eye(k) + 0.4 * torch.randn(k, k, generator=g) / k**0.5
+    x = (torch.randn(rows, k, generator=g) * torch.rand(k, generator=g).mul(4).add(0.1)) @ mix
+    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g).add(0.02)
+    return w, x
+
+
+def _round(v: torch.Tensor, e: torch.Tensor, elem) -> torch.Tensor:
+    s = torch.pow(2.0, e.double())
+    return ((v / s).clamp(-elem.max_normal, elem.max_normal).float().to(elem.torch_dtype).double() * s)
+
+
+def _greedy_least_squares(w: torch.Tensor, h: torch.Tensor, spec: TensorSpec, damp: float = 0.01) -> torch.Tensor:
+    """The definition: for j = 0..K-1, the free weights minimise the output error given the
+    rounded columns (a linear solve on H's free block), then column j is rounded."""
+    w, h = w.double(), h.double().clone()
+    k = w.shape[1]
+    dead = torch.diagonal(h) == 0
+    h[dead, dead] = 1.0
+    h += damp * torch.diagonal(h).mean() * torch.eye(k, dtype=h.dtype)
+    q = torch.zeros_like(w)
+    cur = w.clone()
+    e = None
+    for j in range(k):
+        if j % 32 == 0:
+            e = shared_exponents(cur[:, j : j + 32].float().unsqueeze(1), spec.elem, spec.scale_rule)[0].squeeze(1)
+        q[:, j] = _round(cur[:, j], e, spec.elem)
+        fixed, free = slice(0, j + 1), slice(j + 1, k)
+        if j + 1 < k:
+            d_fixed = w[:, fixed] - q[:, fixed]  # error of the rounded columns
+            # minimise (d)H(d)ᵀ over the free part of d = W − W': d_free = −d_fixed H_SF H_FF⁻¹
+            d_free = -torch.linalg.solve(h[free, free], (d_fixed @ h[fixed, free]).t()).t()
+            cur[:, free] = w[:, free] - d_free
+    return q
+
+
+@pytest.mark.parametrize(("n", "k", "elem", "rule"), [(37, 96, E4M3, ScaleRule.RCEIL), (5, 160, E5M2, ScaleRule.RCEIL),
+                                                      (23, 64, E4M3, ScaleRule.MSE)])
+def test_gptq_equals_the_greedy_least_squares_definition(n, k, elem, rule):
+    w, x = _problem(n, k, 4 * k, seed=n + k)
+    spec = TensorSpec(elem, rule)
+    h = hessian(x)
+    got = gptq_mx(w, h, spec, lazy_block=64).double()
+    ref = _greedy_least_squares(w, h, spec)
+    same = (got == ref).float().mean().item()
+    assert same >= 0.995, same  # float32 sweep vs float64 solves: a rare tie may round the other way
+    err = lambda q: float(((w.double() - q) @ h.double() * (w.double() - q)).sum())  # noqa: E731
+    assert err(got) == pytest.approx(err(ref), rel=2e-3)
+
+
+def test_last_column_is_the_best_code_by_brute_force():
+    """With every other column fixed at GPTQ's choice, no fp8 code of the block's last column (under
+    its scale) gives a smaller output error than the one GPTQ picked."""
+    w, x = _problem(6, 64, 256, seed=3)
+    spec = TensorSpec(E4M3, ScaleRule.RCEIL)
+    h = hessian(x).double()
+    hd = h + 0.01 * torch.diagonal(h).mean() * torch.eye(64, dtype=h.dtype)
+    q = gptq_mx(w, hessian(x), spec).double()
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
+    codes = codes[torch.isfinite(codes)]
+    qq = fake_quantize_mx(q.float(), -1, E4M3, 32, ScaleRule.RCEIL).double()
+    assert torch.equal(qq, q)
+    for r in range(6):
+        e = shared_exponents(q[r, 32:].float().view(1, 32), E4M3, ScaleRule.RCEIL)[0]
+        cands = codes * 2.0 ** float(e)
+        best = None
+        for c in cands:
+            t = q[r].clone()
+            t[63] = c
+            d = w[r].double() - t
+            v = float(d @ hd @ d)
+            best = v if best is None or v < best else best
+        d = w[r].double() - q[r]
+        assert float(d @ hd @ d) <= best * (1 + 1e-9), r
+
+
+@pytest.mark.parametrize("elem", [E4M3, E5M2])
+@pytest.mark.parametrize("rule", [ScaleRule.RCEIL, ScaleRule.MSE])
+def test_direct_cast_reproduces_gptq_values(elem, rule):
+    w, x = _problem(29, 128, 300, seed=7)
+    w[3, :32] *= 1e-30  # a block deep in the small range
+    w[4, 32:64] = 0.0
+    spec = TensorSpec(elem, rule)
+    q = gptq_mx(w, hessian(x), spec)
+    assert torch.equal(fake_quantize_mx(q, -1, elem, 32, rule), q)
+    assert torch.equal(q.bfloat16().float(), q)  # the rounded model holds them exactly in bf16
+
+
+def test_refuses_rules_that_clip_and_bad_shapes():
+    w, x = _problem(4, 64, 100, seed=1)
+    for rule in (ScaleRule.FLOOR, ScaleRule.EVEN):
+        with pytest.raises(GPTQError, match="rceil or mse"):
+            gptq_mx(w, hessian(x), TensorSpec(E4M3, rule))
+    with pytest.raises(GPTQError, match="divisible by 32"):
+        gptq_mx(w[:, :48], hessian(x[:, :48]), TensorSpec(E4M3, ScaleRule.RCEIL))
+    with pytest.raises(RecipeError, match="weights.rounding"):
+        parse_recipe({"name": "x", "weights": {"elem": "e4m3", "scale_rule": "floor", "rounding": "gptq"}})
+    with pytest.raises(RecipeError, match="weights.rounding"):
+        parse_recipe({"name": "x", "weights": {"elem": "e4m3", "rounding": "stochastic"}})
+
+
+def test_dead_inputs_and_low_rank_hessians():
+    """Inputs that are always zero (zero rows/columns of H) and fewer samples than K still round."""
+    w, x = _problem(8, 96, 40, seed=2)
+    x[:, 10:20] = 0
+    q = gptq_mx(w, hessian(x), TensorSpec(E4M3, ScaleRule.RCEIL))
+    assert torch.isfinite(q).all()
+    assert torch.equal(fake_quantize_mx(q, -1, E4M3, 32, ScaleRule.RCEIL), q)
+
+
+# --- the model ---------------------------------------------------------------------------------
+
+def _capture_inputs(model, ids, names):
+    got = {}
+    mods = dict(model.named_modules())
+    hooks = [mods[n].register_forward_pre_hook(lambda m, a, n=n: got.setdefault(n, []).append(a[0].detach().float()))
+             for n in names]
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    for h in hooks:
+        h.remove()
+    return {n: torch.cat([t.reshape(-1, t.shape[-1]) for t in v]) for n, v in got.items()}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gptq_model_lowers_every_layer_output_error(arch):
+    """On a tiny model and a fixed calibration set, each rounded layer's output error on its
+    inputs (captured from the rounded model) is below round-to-nearest's."""
+    model = _llama() if arch == "llama" else _qwen()
+    tok = _CharTokenizer(model.config.vocab_size)
+    batches = calibration_batches(tok, TEXT, 8, 64)
+    rec = parse_recipe({"name": "w", "weights": {"elem": "e4m3"}, "activations": None})
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    specs = {n: (rec.weights, None) for n in names}
+    orig = {n: m.weight.detach().clone() for n, m in model.named_modules() if n in specs}
+    rounded = copy.deepcopy(model)
+    res = gptq_model(rounded, batches, specs, progress=False)
+    assert set(res.layers) == set(names)
+    mods = dict(rounded.named_modules())
+    xs = _capture_inputs(rounded, torch.cat(batches), names)
+    for n in names:
+        x, w, wq = xs[n], orig[n].float(), mods[n].weight.detach().float()
+        rtn = fake_quantize_mx(w, -1, E4M3, 32, ScaleRule.RCEIL)
+        e_g = ((x @ (w - wq).t()).norm() / (x @ w.t()).norm()).item()
+        e_r = ((x @ (w - rtn).t()).norm() / (x @ w.t()).norm()).item()
+        assert e_g < e_r, (n, e_g, e_r)
+        assert torch.equal(fake_quantize_mx(wq, -1, E4M3, 32, ScaleRule.RCEIL), wq), n
+
+
+def test_checkpoint_has_the_direct_cast_format_and_loads_the_rounded_model(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    import mxq
+
+    model = _qwen()
+    model.save_pretrained(tmp_path / "src")
+    rec, cal = _tiny_plan_inputs(model)
+    plan = make_plan(model, cal, keep_bf16=1, progress=False)
+    rounded = copy.deepcopy(model)
+    round_plan(rounded, plan, calibration_batches(_CharTokenizer(model.config.vocab_size), TEXT, 4, 48), progress=False)
+    save_plan(plan, tmp_path / "plan.json")
+    assert (tmp_path / "plan.safetensors").is_file()
+    quantize_checkpoint(tmp_path / "src", tmp_path / "gptq", plan=tmp_path / "plan.json", progress=False)
+    direct = make_plan(model, cal, keep_bf16=1, progress=False)
+    quantize_checkpoint(tmp_path / "src", tmp_path / "direct", plan=direct, progress=False)
+
+    def layout(d):
+        with safe_open(str(next(d.glob("*.safetensors"))), "pt") as f:
+            return {k: (f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape())) for k in f.keys()}
+
+    assert layout(tmp_path / "gptq") == layout(tmp_path / "direct")
+    qc = json.loads((tmp_path / "gptq" / "config.json").read_text())["quantization_config"]
+    assert qc["calibration"]["choices"]["rounding"] == "gptq"
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "gptq", dtype=torch.float32).eval()
+    kept = set(plan.kept)
+    for n, m in loaded.named_modules():
+        if isinstance(m, mxq.MXLinear) and hasattr(m, "dequantized_weight") and n in plan.layers:
+            want = dict(rounded.named_modules())[n].weight.detach().float()
+            assert torch.equal(m.dequantized_weight(), want), n
+            assert n not in kept
+    # and the same model through apply_plan (direct cast of the rounded bf16 values)
+    mem = mxq.calibrate.apply_plan(copy.deepcopy(rounded), load_plan(tmp_path / "plan.json"))
+    ids = _ids(model.config.vocab_size)
+    assert torch.equal(_logits(loaded, ids), _logits(mem, ids))
+
+
+def test_gptq_recipe_without_calibration_is_one_line(tmp_path):
+    model = _llama()
+    model.save_pretrained(tmp_path / "src")
+    (tmp_path / "r.yaml").write_text("name: g\nweights: {elem: e4m3, scale_rule: rceil, rounding: gptq}\n")
+    with pytest.raises(ConversionError, match="needs calibration text"):
+        quantize_checkpoint(tmp_path / "src", tmp_path / "out", recipe=str(tmp_path / "r.yaml"), progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_plan_codes_file_must_sit_beside_the_plan(tmp_path):
+    from mxq.calibrate import PlanError
+
+    model = _llama()
+    rec, cal = _tiny_plan_inputs(model)
+    plan = make_plan(model, cal, progress=False)
+    round_plan(copy.deepcopy(model), plan, calibration_batches(_CharTokenizer(320), TEXT, 2, 48), progress=False)
+    save_plan(plan, tmp_path / "plan.json")
+    d = json.loads((tmp_path / "plan.json").read_text())
+    for bad in ("../plan.safetensors", "/etc/passwd", "missing.safetensors"):
+        d["rounded_weights"]["file"] = bad
+        (tmp_path / "bad.json").write_text(json.dumps(d))
+        with pytest.raises(PlanError, match="rounded_weights.file"):
+            load_plan(tmp_path / "bad.json")
