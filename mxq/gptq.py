@@ -35,7 +35,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from mxq.formats import E8M0_MAX_EXP, E8M0_MIN_EXP, ElemFormat, ScaleRule, fake_quantize_mx, shared_exponents
+from mxq.formats import (
+    E8M0_MAX_EXP,
+    E8M0_MIN_EXP,
+    ElemFormat,
+    ScaleRule,
+    fake_quantize_mx,
+    shared_exponents,
+)
 from mxq.progress import progress_bar
 from mxq.recipe import TensorSpec
 
@@ -236,9 +243,10 @@ def gptq_model(
     if unknown:
         raise GPTQError(f"GPTQ: {unknown[0]!r} is not a Linear layer of {type(model).__name__}")
     if offload:
-        for n, child in model.named_children():
-            child.to(device) if n != "model" else None
-        for n, child in model.model.named_children():
+        for child in model.children():
+            if child is not model.model:
+                child.to(device)
+        for child in model.model.children():
             if child is not layers:
                 child.to(device)
         layers.to("cpu")
@@ -265,7 +273,7 @@ def gptq_model(
     extra = [(a[1:], {kk: v for kk, v in k.items() if kk != "hidden_states"}) for a, k in inputs]
 
     result = GPTQResult(tokens=sum(b.numel() for b in batches))
-    total = sum(1 for n in specs)
+    total = len(specs)
     with progress_bar("gptq {task.fields[layer]}", enabled=progress) as bar:
         task = bar.add_task("gptq", total=total, layer="")
         for i, layer in enumerate(layers):
@@ -279,9 +287,8 @@ def gptq_model(
                 for group in groups:
                     name, lin = group[0]
 
-                    def acc(mod, args, name=name):
-                        x = args[0]
-                        h = hessian(x)
+                    def acc(mod, args, name=name, hs=hs):
+                        h = hessian(args[0])
                         hs[name] = hs[name] + h if name in hs else h
 
                     hooks.append(lin.register_forward_pre_hook(acc))

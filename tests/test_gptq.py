@@ -241,3 +241,43 @@ def test_plan_codes_file_must_sit_beside_the_plan(tmp_path):
         (tmp_path / "bad.json").write_text(json.dumps(d))
         with pytest.raises(PlanError, match="rounded_weights.file"):
             load_plan(tmp_path / "bad.json")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
+def test_gpu_gptq_equals_cpu_and_offload_bounds_device_memory():
+    """On the GPU, GPTQ picks the CPU's codes (float32 sums in another order may flip a rare tie);
+    with ``offload`` the device holds one decoder layer at a time, not the model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = _llama()
+    batches = calibration_batches(_CharTokenizer(320), TEXT, 8, 64)
+    specs = {n: (parse_recipe({"name": "w", "weights": {}}).weights, None)
+             for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    on = {}
+    for dev in ("cpu", "cuda"):
+        m = copy.deepcopy(model).to(dev)
+        gptq_model(m, batches, specs, progress=False)
+        on[dev] = {n: mod.weight.detach().cpu() for n, mod in m.named_modules() if n in specs}
+    same = sum(int((on["cpu"][n] == on["cuda"][n]).sum()) for n in specs) / sum(v.numel() for v in on["cpu"].values())
+    assert same >= 0.995, same
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8,
+                      num_key_value_heads=8, vocab_size=512, max_position_embeddings=512)
+    big = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    layer_bytes = sum(p.numel() * p.element_size() for p in big.model.layers[0].parameters())
+    model_bytes = sum(p.numel() * p.element_size() for p in big.parameters())
+    specs = {n: (parse_recipe({"name": "w", "weights": {}}).weights, None)
+             for n, m in big.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    ids = torch.randint(0, 512, (8, 256))
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    gptq_model(big, list(ids.split(4)), specs, device="cuda", offload=True, progress=False)
+    peak = torch.cuda.max_memory_allocated() - base
+    hess = 2 * 4 * cfg.intermediate_size**2  # the largest Hessian and its factor, float32
+    acts = 8 * 256 * cfg.hidden_size * 2 * 4  # hidden states, in and out, with slack for the layer's own
+    assert peak < layer_bytes * 2 + hess + acts + 2 * 512 * 1024 * 2 * 2, (peak, layer_bytes)
+    assert peak < model_bytes, (peak, model_bytes)
+    assert next(big.model.layers.parameters()).device.type == "cpu"
