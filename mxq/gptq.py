@@ -223,6 +223,7 @@ def gptq_model(
     offload: bool = False,
     progress: bool = True,
     on_layer: Callable[[int], None] | None = None,
+    quantized_inputs: bool = False,
 ) -> GPTQResult:
     """Round the weights of the Linear layers in ``specs`` (name -> (weights, activations)) with
     GPTQ, in place: afterwards ``model`` holds the rounded values in its own dtype, and direct cast
@@ -233,7 +234,8 @@ def gptq_model(
     layer's inputs. ``offload``: keep the decoder layers on the host and move one at a time to
     ``device`` (peak device memory: one layer plus the calibration activations). An ``lm_head``
     in ``specs`` is rounded last, on the final normed hidden states. With ``offload`` the decoder
-    layers are left on the host.
+    layers are left on the host. ``quantized_inputs``: build each Hessian from the MX-rounded
+    inputs the W8A8 layer will see (its activations spec) instead of the exact ones.
     """
     t0 = time.perf_counter()
     layers = _decoder_layers(model)
@@ -286,9 +288,11 @@ def gptq_model(
                 hs: dict[str, torch.Tensor] = {}
                 for group in groups:
                     name, lin = group[0]
+                    act = specs[name][1] if quantized_inputs else None
 
-                    def acc(mod, args, name=name, hs=hs):
-                        h = hessian(args[0])
+                    def acc(mod, args, name=name, hs=hs, act=act):
+                        x = args[0] if act is None else fake_quantize_mx(args[0], -1, act.elem, 32, act.scale_rule)
+                        h = hessian(x)
                         hs[name] = hs[name] + h if name in hs else h
 
                     hooks.append(lin.register_forward_pre_hook(acc))
@@ -358,7 +362,7 @@ def gptq_model(
 
 
 def round_plan(model: nn.Module, plan, batches: list[torch.Tensor], *, damp: float = 0.01,
-               offload: bool = False, progress: bool = True):  # fmt: skip
+               offload: bool = False, progress: bool = True, quantized_inputs: bool = False):  # fmt: skip
     """GPTQ over the layers a calibration plan quantizes; the plan then carries their codes.
 
     ``model``: the bf16 model the plan was made from (its weights are overwritten with the rounded
@@ -371,7 +375,8 @@ def round_plan(model: nn.Module, plan, batches: list[torch.Tensor], *, damp: flo
 
     permute_model(model, plan.permutations)
     specs = plan.quantized
-    res = gptq_model(model, batches, specs, damp=damp, offload=offload, progress=progress)
+    res = gptq_model(model, batches, specs, damp=damp, offload=offload, progress=progress,
+                     quantized_inputs=quantized_inputs)
     mods = dict(model.named_modules())
     rounded = {}
     for name, (w, _a) in specs.items():
@@ -384,7 +389,7 @@ def round_plan(model: nn.Module, plan, batches: list[torch.Tensor], *, damp: flo
             lp.sqnr_db["weights_gptq"] = _db(st["gptq_err"])
     plan.rounded = rounded
     plan.choices["rounding"] = "gptq"
-    plan.choices["gptq"] = {"damp": damp, "lazy_block": LAZY_BLOCK, **res.summary(),
+    plan.choices["gptq"] = {"damp": damp, "lazy_block": LAZY_BLOCK, "quantized_inputs": quantized_inputs, **res.summary(),
                             "error_basis": "weights only, on the calibration inputs of each layer (as rounded before it)"}
     return plan
 

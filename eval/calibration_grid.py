@@ -1,0 +1,142 @@
+"""What each calibration choice buys: held-out perplexity, bytes and time, one model load.
+
+    python -m mxq.eval.calibration_grid --calib calib.txt --heldout heldout.txt --device cuda --out grid.json
+
+Loads the model once (default: the embedded SmolLM2-135M), measures it in bf16, then for each
+recipe calibrates once (statistics and per-layer sensitivity, ``mxq.calibrate.calibrate``) and
+builds every variant in memory from that calibration: direct cast, GPTQ rounding
+(``mxq.gptq.round_plan``), kept layers, each applied with ``mxq.calibrate.apply_plan`` exactly as
+``mxq quantize --plan`` writes it (``tests/test_gptq.py`` holds the two equal). Every variant is
+scored on the same held-out windows. The table gives each row's perplexity against bf16 and its
+bytes against the recipe's direct cast; the JSON keeps the calibration provenance and times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import time
+
+import torch
+
+VARIANTS = {
+    # name: (recipe, rounding, keep_bf16, Hessian from MX-rounded inputs)
+    "direct": ("mxfp8", "nearest", 0, False),
+    "gptq": ("mxfp8", "gptq", 0, False),
+    "gptq-qin": ("mxfp8", "gptq", 0, True),
+    "nearest+keep8": ("mxfp8", "nearest", 8, False),
+    "gptq+keep8": ("mxfp8", "gptq", 8, False),
+    "gptq+keep12": ("mxfp8", "gptq", 12, False),
+    "gptq+keep16": ("mxfp8", "gptq", 16, False),
+    "w8a16 direct": ("mxfp8-w8a16", "nearest", 0, False),
+    "w8a16 gptq": ("mxfp8-w8a16", "gptq", 0, False),
+    "attn direct": ("mxfp8-attn", "nearest", 0, False),
+    "attn gptq": ("mxfp8-attn", "gptq", 0, False),
+}
+
+
+def _bytes(model) -> int:
+    """Bytes of parameters and persistent buffers, a tied matrix once (what the checkpoint holds)."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + [b for _, b in model.named_buffers() if b is not None]:
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="model reference (default: the embedded SmolLM2-135M)")
+    ap.add_argument("--calib", required=True, help="calibration text file")
+    ap.add_argument("--heldout", required=True, help="held-out text file (scored)")
+    ap.add_argument("--samples", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--eval-seq-len", type=int, default=2048)
+    ap.add_argument("--max-windows", type=int, default=None)
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of: " + ", ".join(VARIANTS))
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+
+    import mxq
+    from mxq.calibrate import apply_plan, calibrate, calibration_batches, make_plan
+    from mxq.eval.data import load_texts
+    from mxq.eval.perplexity import make_windows, perplexity
+    from mxq.gptq import round_plan
+    from mxq.models import load_model
+    from mxq.recipe import load_recipe
+
+    names = [v.strip() for v in a.variants.split(",") if v.strip()]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown:
+        ap.error(f"--variants: unknown {unknown[0]!r}")
+    device = torch.device(a.device)
+    t0 = time.perf_counter()
+    model, tok = load_model(a.model, device=device, dtype=torch.bfloat16)
+    t_load = time.perf_counter() - t0
+    texts = load_texts(a.calib)
+    windows = make_windows(tok, load_texts(a.heldout), a.eval_seq_len, max_windows=a.max_windows)
+    batches = calibration_batches(tok, texts, a.samples, a.seq_len)
+
+    def score(m) -> float:
+        return perplexity(m, windows=windows, progress=False).ppl
+
+    rows = [{"variant": "bf16", "ppl": score(model), "bytes": _bytes(model)}]
+    base = rows[0]["ppl"]
+    cals: dict[str, tuple] = {}
+    for v in names:
+        rname, rounding, keep, qin = VARIANTS[v]
+        if rname not in cals:
+            rec = load_recipe(rname)
+            t1 = time.perf_counter()
+            cals[rname] = (rec, calibrate(model, tok, texts, rec, samples=a.samples, seq_len=a.seq_len,
+                                          dataset=str(a.calib), progress=False), time.perf_counter() - t1)
+        rec, cal, t_cal = cals[rname]
+        t1 = time.perf_counter()
+        m = copy.deepcopy(model)
+        if rec.attention == "mxfp8":
+            import mxq.attention  # noqa: F401
+
+            m.set_attn_implementation("mxfp8")
+        plan = make_plan(m, cal, keep_bf16=keep, progress=False)
+        t_gptq = 0.0
+        if rounding == "gptq":
+            t2 = time.perf_counter()
+            round_plan(m, plan, batches, progress=False, quantized_inputs=qin)
+            t_gptq = time.perf_counter() - t2
+        apply_plan(m, plan)
+        row = {"variant": v, "recipe": rname, "rounding": rounding, "keep_bf16": keep, "quantized_inputs": qin,
+               "ppl": score(m), "bytes": _bytes(m), "calibrate_s": t_cal, "plan_s": time.perf_counter() - t1 - t_gptq,
+               "gptq_s": t_gptq, "gptq": plan.choices.get("gptq")}
+        rows.append(row)
+        print(f"{v}: ppl {row['ppl']:.4f} ({(row['ppl'] / base - 1) * 100:+.2f} %), gptq {t_gptq:.1f} s", flush=True)
+        del m
+
+    direct_bytes = {r["recipe"]: r["bytes"] for r in rows if r.get("rounding") == "nearest" and r.get("keep_bf16") == 0}
+    print(f"\n| variant ({len(windows)} held-out windows x {a.eval_seq_len}) | perplexity | vs bf16 | MiB | bytes vs direct | GPTQ s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        db = direct_bytes.get(r.get("recipe"))
+        ratio = f"{r['bytes'] / db:.3f}" if db else "—"
+        print(f"| {r['variant']} | {r['ppl']:.4f} | {(r['ppl'] / base - 1) * 100:+.2f} % | {r['bytes'] / 2**20:.1f} | {ratio} | "
+              f"{r.get('gptq_s', 0.0):.1f} |")
+    cal_times = {k: round(v[2], 1) for k, v in cals.items()}
+    print(f"model load {t_load:.1f} s; calibration statistics + sensitivity per recipe: {cal_times}")
+    out = {
+        "model": a.model or "default", "calib": a.calib, "heldout": a.heldout, "samples": a.samples, "seq_len": a.seq_len,
+        "windows": len(windows), "eval_seq_len": a.eval_seq_len, "rows": rows, "calibrate_s": cal_times, "load_s": t_load,
+        "versions": {"mxq": mxq.__version__, "torch": torch.__version__, "python": platform.python_version(),
+                     "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()},
+    }
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
