@@ -85,6 +85,18 @@ def main(argv=None) -> int:
     def score(m) -> float:
         return perplexity(m, windows=windows, progress=False).ppl
 
+    def save(rows, cals) -> None:
+        if a.out:
+            out = {
+                "model": a.model or "default", "calib": a.calib, "heldout": a.heldout, "samples": a.samples,
+                "seq_len": a.seq_len, "windows": len(windows), "eval_seq_len": a.eval_seq_len, "rows": rows,
+                "calibrate_s": {k: round(v[2], 1) for k, v in cals.items()}, "load_s": t_load,
+                "versions": {"mxq": mxq.__version__, "torch": torch.__version__, "python": platform.python_version(),
+                             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()},
+            }
+            with open(a.out, "w") as f:
+                json.dump(out, f, indent=1, default=str)
+
     rows = [{"variant": "bf16", "ppl": score(model), "bytes": _bytes(model)}]
     base = rows[0]["ppl"]
     cals: dict[str, tuple] = {}
@@ -115,6 +127,7 @@ def main(argv=None) -> int:
         rows.append(row)
         print(f"{v}: ppl {row['ppl']:.4f} ({(row['ppl'] / base - 1) * 100:+.2f} %), gptq {t_gptq:.1f} s", flush=True)
         del m
+        save(rows, cals)
 
     direct_bytes = {r["recipe"]: r["bytes"] for r in rows if r.get("rounding") == "nearest" and r.get("keep_bf16") == 0}
     print(f"\n| variant ({len(windows)} held-out windows x {a.eval_seq_len}) | perplexity | vs bf16 | MiB | bytes vs direct | GPTQ s |")
@@ -126,15 +139,7 @@ def main(argv=None) -> int:
               f"{r.get('gptq_s', 0.0):.1f} |")
     cal_times = {k: round(v[2], 1) for k, v in cals.items()}
     print(f"model load {t_load:.1f} s; calibration statistics + sensitivity per recipe: {cal_times}")
-    out = {
-        "model": a.model or "default", "calib": a.calib, "heldout": a.heldout, "samples": a.samples, "seq_len": a.seq_len,
-        "windows": len(windows), "eval_seq_len": a.eval_seq_len, "rows": rows, "calibrate_s": cal_times, "load_s": t_load,
-        "versions": {"mxq": mxq.__version__, "torch": torch.__version__, "python": platform.python_version(),
-                     "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()},
-    }
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=1, default=str)
+    save(rows, cals)
     return 0
 
 
