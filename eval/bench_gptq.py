@@ -45,7 +45,9 @@ def main(argv=None) -> int:
     if a.layers is not None:
         SHAPES[a.shape] = dict(SHAPES[a.shape], num_hidden_layers=a.layers)
     rec = load_recipe(a.recipe)
+    t_build = time.perf_counter()
     model = build_random(a.shape, device)
+    print(f"model built in {time.perf_counter() - t_build:.1f} s", flush=True)
     names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and rec.selects(n)]
     specs = {n: (rec.weights, rec.activations) for n in names}
     mods = dict(model.named_modules())
@@ -67,7 +69,10 @@ def main(argv=None) -> int:
     ids = torch.randint(0, model.config.vocab_size, (a.samples, a.seq_len), generator=g)
     batches = list(ids.split(a.batch_size))
     t0 = time.perf_counter()
-    res = gptq_model(model, batches, specs, device=device, offload=offload, progress=False)
+    def tick(i: int) -> None:  # one line per decoder layer, so a cut-off run still tells its pace
+        print(f"layer {i}: {time.perf_counter() - t0:.1f} s", flush=True)
+
+    res = gptq_model(model, batches, specs, device=device, offload=offload, progress=False, on_layer=tick)
     _sync(device)
     t_gptq = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")

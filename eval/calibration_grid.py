@@ -89,7 +89,7 @@ def main(argv=None) -> int:
         if a.out:
             out = {
                 "model": a.model or "default", "calib": a.calib, "heldout": a.heldout, "samples": a.samples,
-                "seq_len": a.seq_len, "windows": len(windows), "eval_seq_len": a.eval_seq_len, "rows": rows,
+                "seq_len": a.seq_len, "windows": windows.n_windows, "eval_seq_len": a.eval_seq_len, "rows": rows,
                 "calibrate_s": {k: round(v[2], 1) for k, v in cals.items()}, "load_s": t_load,
                 "versions": {"mxq": mxq.__version__, "torch": torch.__version__, "python": platform.python_version(),
                              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()},
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
         save(rows, cals)
 
     direct_bytes = {r["recipe"]: r["bytes"] for r in rows if r.get("rounding") == "nearest" and r.get("keep_bf16") == 0}
-    print(f"\n| variant ({len(windows)} held-out windows x {a.eval_seq_len}) | perplexity | vs bf16 | MiB | bytes vs direct | GPTQ s |")
+    print(f"\n| variant ({windows.n_windows} held-out windows x {a.eval_seq_len}) | perplexity | vs bf16 | MiB | bytes vs direct | GPTQ s |")
     print("|---|---:|---:|---:|---:|---:|")
     for r in rows:
         db = direct_bytes.get(r.get("recipe"))
