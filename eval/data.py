@@ -5,10 +5,13 @@
   reached a cached copy is used; without one, the error says what to pass instead. The hub is
   probed with a short TCP connect first (unless a proxy is configured) so an offline machine
   fails in seconds instead of sitting through the hub client's retries.
-- a local file through ``datasets``' local loaders: ``.txt`` is read as one document
-  (``sample_by="document"``: the file's text, line breaks kept -- the line-splitting default
-  would lose the blank lines that separate paragraphs); ``.jsonl`` / ``.json`` / ``.parquet``
-  need a ``text`` column, one document per row.
+- a local ``.txt`` file, read here as one document (the file's text, line breaks kept), never
+  through ``datasets`` (whose loaders would open a compressed or archive file named ``.txt``):
+  streamed in 1 MiB chunks and decoded as strict UTF-8, so a binary file fails at its first
+  chunk; ``max_chars`` stops reading once that much text is in hand (a caller that needs N tokens
+  passes ``chars_for_tokens(N)``, so a 2 GB file is not read whole for a few windows).
+- a local ``.jsonl`` / ``.json`` / ``.parquet`` file through ``datasets``' local loaders: a
+  ``text`` column, one document per row.
 - ``pydoc``: the help topics every CPython installation carries (``pydoc_data.topics``), one
   document per topic in sorted key order -- an offline corpus of about 0.5 MB of English prose
   and code.
@@ -16,27 +19,41 @@
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import os
 import socket
 from pathlib import Path
 from urllib.parse import urlparse
 
-__all__ = ["DatasetError", "load_texts", "DATASET_NAMES", "hub_reachable"]
+__all__ = ["DatasetError", "load_texts", "chars_for_tokens", "DATASET_NAMES", "hub_reachable"]
 
 WIKITEXT2_NAMES = ("wikitext2", "wikitext-2", "wikitext-2-raw-v1", "wikitext")
 PYDOC_NAMES = ("pydoc",)
 DATASET_NAMES = ("wikitext2", "pydoc")
 FILE_SUFFIXES = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _WHAT_TO_PASS = "pass wikitext2, pydoc, or the path of a local .txt, .jsonl or .parquet file"
+_TXT_CHUNK = 1 << 20
+# A token of real text spans a few characters (English prose ~4); reading 32 per token needed
+# leaves room for whitespace runs and markup without reading a huge file whole.
+CHARS_PER_TOKEN = 32
 
 
 class DatasetError(ValueError):
     """A dataset that cannot be found, read or used; the message is one line."""
 
 
-def load_texts(dataset: str | os.PathLike) -> list[str]:
-    """The documents of ``dataset`` (a name or a local file path, see the module doc)."""
+def chars_for_tokens(n_tokens: int) -> int:
+    """How many characters of a text file to read for ``n_tokens`` tokens (``load_texts(max_chars=)``)."""
+    return CHARS_PER_TOKEN * max(int(n_tokens), 0) + _TXT_CHUNK
+
+
+def load_texts(dataset: str | os.PathLike, max_chars: int | None = None) -> list[str]:
+    """The documents of ``dataset`` (a name or a local file path, see the module doc).
+
+    ``max_chars``: read at most this many characters of a local ``.txt`` file (its text may then
+    end early); the other datasets are returned whole.
+    """
     name = str(dataset)
     key = name.strip().lower()
     if key in WIKITEXT2_NAMES:
@@ -45,7 +62,7 @@ def load_texts(dataset: str | os.PathLike) -> list[str]:
         return _pydoc()
     p = Path(name).expanduser()
     if p.exists():
-        return _local_file(p)
+        return _local_file(p, max_chars)
     if p.suffix.lower() in FILE_SUFFIXES or os.sep in name or "/" in name:
         raise DatasetError(f"{name}: no such file")
     raise DatasetError(f"unknown dataset {name!r}: {_WHAT_TO_PASS}")
@@ -58,7 +75,7 @@ def _nonempty(texts: list[str], what: str) -> list[str]:
     return texts
 
 
-def _local_file(p: Path) -> list[str]:
+def _local_file(p: Path, max_chars: int | None = None) -> list[str]:
     if p.is_dir():
         raise DatasetError(f"{p}: is a directory; {_WHAT_TO_PASS}")
     loader = FILE_SUFFIXES.get(p.suffix.lower())
@@ -66,12 +83,13 @@ def _local_file(p: Path) -> list[str]:
         raise DatasetError(f"{p}: unsupported file type {p.suffix or '(none)'!r}; {_WHAT_TO_PASS}")
     if p.stat().st_size == 0:
         raise DatasetError(f"{p}: empty file")
+    if loader == "text":
+        return _nonempty([_read_text(p, max_chars)], str(p))
     import datasets
 
-    kwargs = {"sample_by": "document"} if loader == "text" else {}
     try:
         with _quiet_datasets():
-            ds = datasets.load_dataset(loader, data_files=str(p), split="train", **kwargs)
+            ds = datasets.load_dataset(loader, data_files=str(p), split="train")
     except Exception as e:  # noqa: BLE001 - any reader failure is a bad file for the user
         raise DatasetError(f"{p}: cannot read as {loader} ({_first_line(e)})") from e
     if "text" not in ds.column_names:
@@ -79,6 +97,38 @@ def _local_file(p: Path) -> list[str]:
             f"{p}: no 'text' column (columns: {', '.join(ds.column_names) or 'none'})"
         )
     return _nonempty(list(ds["text"]), str(p))
+
+
+def _read_text(p: Path, max_chars: int | None = None) -> str:
+    """A text file's text, streamed in chunks and decoded as strict UTF-8 (a leading BOM is
+    dropped), stopping after ``max_chars`` characters. Bytes that do not decode, or a NUL byte
+    (binary data), fail at the chunk that holds them, naming the file and the byte offset."""
+    decoder = codecs.getincrementaldecoder("utf-8-sig")("strict")
+    parts: list[str] = []
+    n = offset = 0
+    try:
+        with open(p, "rb") as f:
+            while max_chars is None or n < max_chars:
+                raw = f.read(_TXT_CHUNK)
+                pending = len(decoder.getstate()[0])  # bytes of a character the last chunk cut
+                try:
+                    text = decoder.decode(raw, final=not raw)
+                except UnicodeDecodeError as e:
+                    at = offset - pending + e.start
+                    raise DatasetError(f"{p}: not UTF-8 text (undecodable byte at offset {at}); pass a text file") from None
+                nul = text.find("\x00")
+                if nul >= 0:
+                    raise DatasetError(f"{p}: binary data (a NUL byte in the first {offset + len(raw)} bytes); pass a text file")
+                if max_chars is not None:
+                    text = text[: max_chars - n]
+                parts.append(text)
+                n += len(text)
+                offset += len(raw)
+                if not raw:
+                    break
+    except OSError as e:
+        raise DatasetError(f"{p}: cannot read ({e.strerror or e})") from None
+    return "".join(parts)
 
 
 def _pydoc() -> list[str]:

@@ -73,17 +73,19 @@ class LinearStats:
         self._n_sampled = 0
 
     def update(self, x: torch.Tensor, take: int = 0, generator: torch.Generator | None = None) -> None:
-        x = x.detach().reshape(-1, self.k).float().cpu()
+        # Reduced where x lives (a GPU reduces a batch in microseconds; moving it to the host and
+        # reducing there cost ~0.6 ms per 1k rows per layer); the running sums stay on the host.
+        x = x.detach().reshape(-1, self.k).float()
         a = x.abs()
         self.rows += x.shape[0]
-        self.absmax = torch.maximum(self.absmax, a.amax(0))
-        self.abs_sum += a.sum(0, dtype=torch.float64)
-        self.sq_sum += (x.double() ** 2).sum(0)
-        self.block_hist += block_amax_histogram(a, self.block_size)
+        self.absmax = torch.maximum(self.absmax, a.amax(0).cpu())
+        self.abs_sum += a.sum(0, dtype=torch.float64).cpu()
+        self.sq_sum += (x.double() ** 2).sum(0).cpu()
+        self.block_hist += block_amax_histogram(a, self.block_size).cpu()
         take = min(take, self.sample_rows - self._n_sampled, x.shape[0])
         if take > 0:
             idx = torch.randperm(x.shape[0], generator=generator)[:take].sort().values
-            self._samples.append(x[idx].clone())
+            self._samples.append(x[idx.to(x.device)].cpu())
             self._n_sampled += take
 
     @property

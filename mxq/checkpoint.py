@@ -24,6 +24,7 @@ DTYPES: dict[str, torch.dtype] = {
     "BF16": torch.bfloat16,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,  # MX scales as transformers writes them: the bits of a biased E8M0
     "I64": torch.int64,
     "I32": torch.int32,
     "I16": torch.int16,
@@ -233,6 +234,8 @@ class ShardWriter:
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         fname, t = self.order[self._pos]
+        if t.dtype == "F8_E8M0" and tensor.dtype == torch.uint8:  # biased E8M0 bytes: the same bits
+            tensor = tensor.view(torch.float8_e8m0fnu)
         if name != t.name or DTYPE_NAMES.get(tensor.dtype) != t.dtype or tuple(tensor.shape) != t.shape:
             raise AssertionError(f"writer expected {t.name} {t.dtype}{list(t.shape)}, got {name} {tensor.dtype}{list(tensor.shape)}")
         if fname != self._fname:

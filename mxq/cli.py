@@ -41,7 +41,7 @@ _state = {"debug": False}
 ModelArg = Annotated[str, typer.Argument(
     help="Local HF directory, hub id, or .gguf file. Default: the embedded SmolLM2-135M-Instruct.", show_default=False)]
 RecipeOpt = Annotated[str, typer.Option(
-    "--recipe", "-r", help="Shipped recipe name (mxfp8, mxfp8-w8a16, mxfp8-e5m2, mxfp8-attn, mxfp8-lm-head) or a YAML path.")]
+    "--recipe", "-r", help="Shipped recipe name (mxfp8, mxfp8-w8a16, mxfp8-e5m2, mxfp8-attn, mxfp8-lm-head, mxfp8-all) or a YAML path.")]
 Samples = Annotated[int, typer.Option("--samples", help="Calibration windows.")]
 SeqLen = Annotated[int, typer.Option("--seq-len", help="Tokens per calibration window.")]
 KeepBf16 = Annotated[int, typer.Option("--keep-bf16", help="Keep the N most sensitive layers in bf16.")]
@@ -166,6 +166,9 @@ def quantize_cmd(
     device: str = typer.Option("cpu", "--device", help="Where to quantize (and calibrate): cpu or cuda."),
     force: bool = typer.Option(False, "--force", help="Replace OUT if it exists."),
     max_shard_size: float = typer.Option(2.0, "--max-shard-size", help="Largest shard, in GiB."),
+    scale_dtype: str = typer.Option(
+        "u8", "--scale-dtype", help="How the E8M0 scales are stored: u8 (uint8) or e8m0 (float8_e8m0fnu, as transformers writes them)."
+    ),
     calibrate: bool = typer.Option(
         False,
         "--calibrate",
@@ -197,6 +200,8 @@ def quantize_cmd(
 
     if not (max_shard_size > 0 and max_shard_size * 1024**3 >= 1):
         raise typer.BadParameter(f"--max-shard-size must be a positive size in GiB, got {max_shard_size}")
+    if scale_dtype not in ("u8", "e8m0"):
+        raise typer.BadParameter(f"--scale-dtype must be u8 or e8m0, got {scale_dtype!r}")
     if calibrate and plan is not None:
         raise typer.BadParameter("pass --calibrate or --plan, not both")
     if not calibrate and (dataset or keep_bf16 or max_dppl is not None or plan_out):
@@ -238,6 +243,7 @@ def quantize_cmd(
         max_shard_bytes=int(max_shard_size * 1024**3),
         warn=warn,
         plan=cplan,
+        scale_dtype=scale_dtype,
     )
     _print_report(report)
 
@@ -260,9 +266,9 @@ def _run_calibration(
     import torch
 
     from mxq.calibrate import calibrate, calibration_batches, make_plan
-    from mxq.recipe import ROUNDINGS
-    from mxq.eval.data import load_texts
+    from mxq.eval.data import chars_for_tokens, load_texts
     from mxq.models import load_model, resolve_device
+    from mxq.recipe import ROUNDINGS
 
     if keep_bf16 < 0 or (max_dppl is not None and max_dppl < 0):
         raise typer.BadParameter("--keep-bf16 and --max-dppl must not be negative")
@@ -270,7 +276,7 @@ def _run_calibration(
         raise typer.BadParameter(f"--rounding {rounding!r}: expected one of {', '.join(ROUNDINGS)}")
     if rounding == "gptq" and rec.weights.scale_rule.value not in ("rceil", "mse"):
         raise typer.BadParameter(f"--rounding gptq: recipe {rec.name!r} uses scale_rule {rec.weights.scale_rule.value!r}; gptq takes rceil or mse (or pass --rounding nearest)")
-    texts = load_texts(dataset)
+    texts = load_texts(dataset, max_chars=chars_for_tokens(samples * seq_len))  # a text file: only what the windows need
     m, tok = load_model(model, device=resolve_device(device), dtype=torch.bfloat16)
     cal = calibrate(
         m,

@@ -104,7 +104,7 @@ def ppl_cmd(
     ),
 ) -> None:
     """Perplexity of MODEL (and of --baseline on the same windows), as a markdown table."""
-    from mxq.eval.data import load_texts
+    from mxq.eval.data import chars_for_tokens, load_texts
     from mxq.eval.perplexity import check_same_tokenizer, make_windows, perplexity
     from mxq.eval.report import (
         plot_nll_diff,
@@ -137,7 +137,9 @@ def ppl_cmd(
     labels = {"model": _label(model)}
     if baseline is not None:
         labels["baseline"] = _label(baseline)
-    texts = load_texts(dataset)
+    # a text file: with --max-windows only the text those windows need, else all of it (streamed)
+    need = None if max_windows is None else seq_len + (max_windows - 1) * (stride or seq_len)
+    texts = load_texts(dataset, max_chars=None if need is None else chars_for_tokens(need))
 
     results = {}
     windows = first_tok = None
@@ -187,7 +189,7 @@ def layers_cmd(
     out: Path | None = typer.Option(None, "--out", help="Write the report as JSON here."),
 ) -> None:
     """Per-Linear weight SQNR and output SQNR of QUANT against --baseline, worst first."""
-    from mxq.eval.data import load_texts
+    from mxq.eval.data import chars_for_tokens, load_texts
     from mxq.eval.layers import layer_sqnr, layers_report
     from mxq.eval.perplexity import check_same_tokenizer, make_windows
     from mxq.eval.report import layers_markdown, write_json
@@ -197,7 +199,7 @@ def layers_cmd(
     if seq_len < 2 or batches < 1:
         raise typer.BadParameter("--seq-len must be at least 2 and --batches at least 1")
     q_label, b_label = _label(quant), _label(baseline)
-    texts = load_texts(dataset)
+    texts = load_texts(dataset, max_chars=chars_for_tokens(batches * seq_len))
     base_model, base_tok = _load(baseline, dev)
     quant_model, quant_tok = _load(quant, dev, kernels=kernels)
     check_same_tokenizer(base_tok, quant_tok, "baseline", "model")

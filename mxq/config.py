@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from mxq.checkpoint import read_index
+from mxq.checkpoint import CheckpointError, read_index
 from mxq.formats import E4M3, E5M2, ScaleRule
 from mxq.recipe import Recipe, TensorSpec
 
@@ -45,13 +46,21 @@ def native_config(
     ignore: list[str],
     provenance: dict | None = None,
     calibration: dict | None = None,
+    scale_dtype: str = "u8",
+    tied: dict[str, tuple[str, TensorSpec | None]] | None = None,
 ) -> dict:
-    """The ``quantization_config`` mxq writes: the recipe, every quantized layer's settings, the kept layers."""
+    """The ``quantization_config`` mxq writes: the recipe, every quantized layer's settings, the kept layers.
+
+    ``scale_dtype``: how the E8M0 scales are stored, "u8" (uint8) or "e8m0" (float8_e8m0fnu); the same bits.
+    ``layers`` may hold the input embedding (activations None: ``mxq.embedding``); ``tied``: output
+    heads that read a quantized embedding's tensors instead of their own (head -> (embedding, the
+    head's activations)), written as ``{"lm_head": {"to": "model.embed_tokens", "activations": ...}}``."""
     cfg = {
         "quant_method": QUANT_METHOD,
         "format_version": FORMAT_VERSION,
         "recipe": recipe.to_dict(),
         "block_size": recipe.block_size,
+        "scale_dtype": scale_dtype,
         "layers": {
             name: {"weights": w.to_dict(), "activations": a.to_dict() if a else None}
             for name, (w, a) in sorted(layers.items())
@@ -60,6 +69,8 @@ def native_config(
         "attention": recipe.attention,
         "provenance": provenance or {"mxq_version": mxq_version(), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
     }
+    if tied:
+        cfg["tied"] = {h: {"to": e, "activations": a.to_dict() if a else None} for h, (e, a) in sorted(tied.items())}
     if calibration is not None:  # written by the calibrator: provenance, folded permutations, kept layers
         cfg["calibration"] = calibration
     return cfg
@@ -87,7 +98,11 @@ class NativeConfig:
         self.ignore = kwargs.pop("ignore", [])
         self.attention = kwargs.pop("attention", None)
         self.provenance = kwargs.pop("provenance", {})
+        if "tied" in kwargs:
+            self.tied = _check_tied(kwargs.pop("tied"), self.layers)
         for k, v in kwargs.items():  # keep anything a newer minor version added
+            if k.startswith("_") or hasattr(type(self), k):  # never over a method of this class
+                raise ValueError(f"quantization_config {k}: not a key this mxq reads"[:300])
             setattr(self, k, v)
 
     def layer_specs(self, name: str) -> tuple[TensorSpec, TensorSpec | None]:
@@ -95,8 +110,37 @@ class NativeConfig:
         act = d.get("activations")
         return TensorSpec.from_dict(d["weights"]), TensorSpec.from_dict(act) if act else None
 
+    def tied_layers(self) -> dict[str, tuple[str, TensorSpec | None]]:
+        """Heads that share a quantized embedding's tensors: head -> (embedding, head activations)."""
+        out = {}
+        for head, d in (getattr(self, "tied", None) or {}).items():
+            act = d.get("activations")
+            out[head] = (d["to"], TensorSpec.from_dict(act) if act else None)
+        return out
+
     def to_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
+
+def _check_tied(tied: object, layers: object) -> dict:
+    """The ``tied`` section: head -> {"to": a listed layer (the embedding), "activations": spec or null}."""
+    if not isinstance(tied, dict):
+        raise ValueError(f"quantization_config tied: expected a mapping of head names to {{'to', 'activations'}}, got {type(tied).__name__}")
+    for head, d in tied.items():
+        where = f"quantization_config tied[{head!r}]"[:200]
+        if not isinstance(d, dict) or set(d) - {"to", "activations"} or not isinstance(d.get("to"), str):
+            raise ValueError(f"{where}: expected {{'to': embedding name, 'activations': {{elem, scale_rule}} or null}}"[:300])
+        if not isinstance(layers, dict) or d["to"] not in layers:
+            raise ValueError(f"{where}.to: {d['to']!r} is not one of the quantization_config's layers"[:300])
+        if isinstance(layers, dict) and head in layers:
+            raise ValueError(f"{where}: {head!r} is also listed under layers (a tied head has no tensors of its own)"[:300])
+        act = d.get("activations")
+        if act is not None:
+            try:
+                TensorSpec.from_dict(act)
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
+                raise ValueError(f"{where}.activations: expected {{elem, scale_rule}} or null ({e})"[:300]) from None
+    return tied
 
 
 # --- reading a checkpoint's config ---------------------------------------------------------------
@@ -106,22 +150,33 @@ def read_config(path: str | os.PathLike) -> dict:
     if not p.is_file():
         raise FileNotFoundError(f"{path}: missing config.json (not a Hugging Face model directory)")
     try:
-        return json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{p}: not valid JSON ({e})") from None
+        config = json.loads(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{p}: not UTF-8 text") from None
+    except (json.JSONDecodeError, RecursionError, ValueError) as e:
+        raise CheckpointError(f"{p}: not valid JSON ({str(e).splitlines()[0] if str(e) else type(e).__name__})"[:400]) from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{p}: expected a JSON object, got {type(config).__name__}")
+    return config
 
 
 def checkpoint_format(config: dict) -> str:
     """'mxq', 'compressed-tensors', 'mxfp8' (transformers) or 'none'."""
-    qc = config.get("quantization_config") or {}
+    qc = config.get("quantization_config")
+    if qc is None:
+        return "none"
+    if not isinstance(qc, dict):  # transformers would take any value but null for a quantization config
+        raise ValueError(f"quantization_config: expected a JSON object, got {type(qc).__name__}")
     method = qc.get("quant_method")
     if method is None:
-        return "none"
+        raise ValueError("quantization_config quant_method: missing (a quantization_config without a method)")
     if method == QUANT_METHOD:
         return "mxq"
     if method == "compressed-tensors":
         fmt = qc.get("format")
         groups = qc.get("config_groups") or {}
+        if not isinstance(groups, dict) or not all(isinstance(g, dict) for g in groups.values()):
+            raise ValueError("quantization_config config_groups: expected a mapping of group names to groups")
         fmts = {fmt} | {g.get("format") for g in groups.values()} - {None}
         if fmts == {"mxfp8-quantized"}:
             return "compressed-tensors"
@@ -131,8 +186,17 @@ def checkpoint_format(config: dict) -> str:
     raise ValueError(f"quantization method {method!r} is not MXFP8; mxq reads mxq, compressed-tensors mxfp8-quantized and mxfp8 checkpoints")
 
 
-def foreign_to_native(path: str | os.PathLike, config: dict) -> dict:
-    """Native quantization_config for a compressed-tensors mxfp8 or transformers mxfp8 checkpoint."""
+def foreign_to_native(
+    path: str | os.PathLike, config: dict, modules: dict[str, str] | None = None, ties: dict[str, str] | None = None
+) -> dict:
+    """Native quantization_config for a compressed-tensors mxfp8 or transformers mxfp8 checkpoint.
+
+    ``modules``: the model's Linear and Embedding layers (name -> "Linear" or "Embedding", from a
+    meta-device skeleton) and ``ties`` (tied head -> input embedding). With them a compressed-tensors
+    checkpoint's layers are the ones its config_groups' targets and its ignore quantize
+    (``compressed_tensors_layers``), an embedding is a layer without activations (``MXEmbedding``)
+    and a head tied to a quantized embedding shares its tensors (``tied``). Without them the layers
+    are the ones with scales."""
     fmt = checkpoint_format(config)
     qc = config["quantization_config"]
     tensors = read_index(path)
@@ -143,22 +207,86 @@ def foreign_to_native(path: str | os.PathLike, config: dict) -> dict:
     else:
         has_act = qc.get("activation_scheme", "dynamic") == "dynamic"
     act = TensorSpec(E4M3, ScaleRule.RCEIL) if has_act else None
+    ignore = qc.get("ignore") or qc.get("modules_to_not_convert") or []
+    kinds, ties = modules or {}, ties or {}
+    if fmt == "compressed-tensors" and modules is not None:
+        wanted = compressed_tensors_layers(path, qc, modules, tensors)
+    else:
+        wanted = {n[: -len(scale_suffix)]: act for n in tensors if n.endswith(scale_suffix)}
+        for head in ties:  # a tied head has no scales of its own: its activations follow the ignore list
+            if isinstance(ignore, list) and head not in ignore:
+                wanted.setdefault(head, act)
     layers = {}
-    for name in tensors:
-        if name.endswith(scale_suffix):
-            mod = name[: -len(scale_suffix)]
-            w = tensors.get(mod + ".weight")
-            wdtype = w.dtype if w is not None else ""
-            elem = {"F8_E4M3": E4M3, "F8_E5M2": E5M2}.get(wdtype)
-            if elem is None:
-                raise ValueError(f"{path}: tensor {mod}.weight has dtype {wdtype or 'missing'}, expected F8_E4M3 or F8_E5M2")
-            layers[mod] = (TensorSpec(elem, ScaleRule.RCEIL), act)
+    scale_dtype = None
+    for mod, mod_act in wanted.items():
+        w, s = tensors.get(mod + ".weight"), tensors.get(mod + scale_suffix)
+        if mod in ties and s is None:
+            continue  # tied: it reads the embedding's tensors (below)
+        wdtype = w.dtype if w is not None else ""
+        elem = {"F8_E4M3": E4M3, "F8_E5M2": E5M2}.get(wdtype)
+        if elem is None:
+            raise ValueError(f"{path}: tensor {mod}.weight has dtype {wdtype or 'missing'}, expected F8_E4M3 or F8_E5M2")
+        if s is None:
+            raise ValueError(f"{path}: tensor {mod}{scale_suffix}: missing (the quantization_config quantizes {mod})")
+        layers[mod] = (TensorSpec(elem, ScaleRule.RCEIL), None if kinds.get(mod) == "Embedding" else mod_act)
+        # the first scale's storage; the validator refuses scales stored otherwise
+        scale_dtype = scale_dtype or ("e8m0" if s.dtype == "F8_E8M0" else "u8")
     if not layers:
         raise ValueError(f"{path}: {fmt} checkpoint without any {scale_suffix} tensor")
+    tied = {head: (emb, wanted.get(head)) for head, emb in ties.items() if emb in layers and head not in layers}
     recipe = Recipe(name=f"imported-{fmt}", weights=TensorSpec(E4M3, ScaleRule.RCEIL), activations=act)
-    ignore = qc.get("ignore") or qc.get("modules_to_not_convert") or []
     prov = {"mxq_version": mxq_version(), "imported_from": fmt}
-    return native_config(recipe, layers, list(ignore), prov)
+    return native_config(recipe, layers, list(ignore), prov, scale_dtype=scale_dtype, tied=tied)
+
+
+def compressed_tensors_layers(path, qc: dict, modules: dict[str, str], tensors: dict) -> dict[str, TensorSpec | None]:
+    """The layers a compressed-tensors ``quantization_config`` quantizes -> each one's activation spec.
+
+    A layer is quantized when a config group's ``targets`` match it and no ``ignore`` entry does,
+    with compressed-tensors' patterns: ``re:`` + a regular expression matched from the start of the
+    module name, else an exact module name or class name ("Linear", "Embedding"). One ambiguity is
+    settled by the checkpoint: a group targeting "Linear" (or nothing) means every Linear layer to
+    the writers that walk a model (llm-compressor's ``oneshot``, ``mxq quantize``), but every weight
+    except the norms to the name-based ``model_free_ptq``, which so quantizes the input embedding
+    too. An embedding under such a group (not ignored, not targeted by name or as "Embedding") is
+    quantized when its weight is stored in fp8. A scale tensor of any other layer is an error."""
+    ignore = qc.get("ignore") or []
+    groups = qc.get("config_groups") or {}
+    if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
+        raise ValueError("quantization_config ignore: expected a list of module names or re: patterns")
+    for gname, g in groups.items():
+        t = g.get("targets")
+        if t is not None and (not isinstance(t, list) or not all(isinstance(p, str) for p in t)):
+            raise ValueError(f"quantization_config config_groups[{gname!r}].targets: expected a list of module names, class names or re: patterns"[:300])
+    out: dict[str, TensorSpec | None] = {}
+    for name, kind in modules.items():
+        if any(_ct_match(p, name, kind) for p in ignore):
+            continue
+        for g in groups.values():
+            targets = g.get("targets") or []
+            act = TensorSpec(E4M3, ScaleRule.RCEIL) if g.get("input_activations") else None
+            w = tensors.get(name + ".weight")
+            if any(_ct_match(t, name, kind) for t in targets) or (
+                kind == "Embedding" and ("Linear" in targets or not targets) and w is not None and w.dtype in ("F8_E4M3", "F8_E5M2")
+            ):
+                out[name] = act
+                break
+    for n in tensors:
+        if n.endswith(".weight_scale") and n[: -len(".weight_scale")] not in out:
+            mod = n[: -len(".weight_scale")]
+            why = "which the model does not have" if mod not in modules else (
+                "which the quantization_config's config_groups targets and ignore leave unquantized")
+            raise ValueError(f"{path}: tensor {n}: a scale for {mod}, {why}")
+    return out
+
+
+def _ct_match(pattern: str, name: str, kind: str) -> bool:
+    if pattern.startswith("re:"):
+        try:
+            return re.match(pattern[3:], name) is not None
+        except re.error as e:
+            raise ValueError(f"quantization_config: bad regular expression {pattern!r} ({e})"[:300]) from None
+    return pattern in (name, kind)
 
 
 # --- which layers a recipe quantizes -------------------------------------------------------------

@@ -39,6 +39,7 @@ from mxq.formats import quantize_mx, sqnr_db
 from mxq.models import ModelSource, ModelSourceError, resolve_source
 from mxq.progress import progress_bar
 from mxq.recipe import Recipe, TensorSpec, load_recipe
+from mxq.validate import SCALE_DTYPES
 
 FORMATS = ("mxq", "compressed-tensors")
 TOKENIZER_FILES = (
@@ -104,12 +105,12 @@ def _open_dir(path: Path) -> _Source:
 
     raw = read_config(path)
     if raw.get("quantization_config"):
-        qm = raw["quantization_config"].get("quant_method")
+        qm = raw["quantization_config"].get("quant_method") if isinstance(raw["quantization_config"], dict) else None
         raise ConversionError(f"{path}: already quantized (quant_method {qm!r}); mxq quantize needs a bf16/fp16/fp32 model")
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=False)
-    except (ValueError, KeyError, OSError) as e:
-        raise ConversionError(f"{path}/config.json: {_line(e)}") from None
+    except Exception as e:  # noqa: BLE001 - transformers' and huggingface_hub's many kinds: all a bad config.json
+        raise ConversionError(f"{path}/config.json: {' '.join(str(e).split())[:300] or type(e).__name__}") from None
     infos: dict[str, TensorInfo] = read_index(path)
     return _Source(
         config, raw, [(i.name, i.dtype, i.shape) for i in infos.values()], lambda n: read_tensor(infos[n]), path
@@ -152,22 +153,25 @@ def _open_source(source: str | os.PathLike | None) -> tuple[ModelSource, _Source
 
 # --- planning ------------------------------------------------------------------------------------
 
-def _skeleton_linears(config) -> tuple[dict[str, torch.nn.Linear], list[str]]:
-    """The model's Linear layers (built on the meta device) and the name of its output head."""
+def _skeleton_linears(config):
+    """The model's Linear layers (built on the meta device), the name of its output head, and its
+    input embedding (``mxq.embedding.EmbeddingLayer`` with the tied head, or None)."""
     from transformers import AutoModelForCausalLM
+
+    from mxq.embedding import embedding_layer
 
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
-    except (ValueError, KeyError) as e:
+    except Exception as e:  # noqa: BLE001 - a config.json the architecture cannot be built from fails in many ways
         raise ConversionError(f"architecture {getattr(config, 'model_type', '?')!r} is not a causal LM transformers can build ({_line(e)})") from None
     head = model.get_output_embeddings()
     linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    return linears, [n for n, m in linears.items() if m is head]
+    return linears, [n for n, m in linears.items() if m is head], embedding_layer(model)
 
 
 def _plan(src: _Source, recipe: Recipe, warn: Callable[[str], None], cplan=None):
-    linears, heads = _skeleton_linears(src.config)
+    linears, heads, emb = _skeleton_linears(src.config)
     if not set(linears) - set(heads):
         raise ConversionError(
             f"architecture {getattr(src.config, 'model_type', '?')!r} has no torch.nn.Linear layers "
@@ -202,6 +206,7 @@ def _plan(src: _Source, recipe: Recipe, warn: Callable[[str], None], cplan=None)
         for m in cplan.layers:
             if m not in linears:
                 raise ConversionError(f"plan: layers[{m!r}]: the model has no Linear layer of this name")
+    emb_choice = _plan_embedding(src, emb, recipe, warn, weights, chosen, kept, specs)
     layout: list[PlannedTensor] = []
     for name, dtype, shape in src.tensors:
         mod = name[: -len(".weight")] if name.endswith(".weight") else None
@@ -211,13 +216,37 @@ def _plan(src: _Source, recipe: Recipe, warn: Callable[[str], None], cplan=None)
             layout.append(PlannedTensor(mod + ".weight_scale", "U8", (n, k // recipe.block_size)))
         else:
             layout.append(PlannedTensor(name, dtype, tuple(shape)))
-    return chosen, kept, layout, {m: specs[m] for m in chosen}
+    return chosen, kept, layout, {m: specs[m] for m in chosen}, emb_choice
+
+
+def _plan_embedding(src: _Source, emb, recipe: Recipe, warn, weights: dict, chosen: set, kept: dict, specs: dict):
+    """The input embedding's part of the plan (``mxq.embedding.select_embedding``, returned; None
+    without one): when quantized it joins ``chosen`` and ``specs`` (no activations) and a tied head
+    leaves ``kept`` (it shares the embedding's tensors); a stored copy of the tied head's weight is dropped."""
+    from mxq.embedding import EmbeddingLayer, select_embedding
+
+    if emb is None or emb.name + ".weight" not in weights:
+        return None
+    dtype, shape = weights[emb.name + ".weight"]
+    try:
+        choice = select_embedding(EmbeddingLayer(emb.name, tuple(shape), dtype, emb.head), recipe, warn)
+    except LayerSelectionError as e:
+        raise ConversionError(str(e)) from None
+    if choice.kept:
+        kept[emb.name] = choice.kept
+    chosen.update(choice.layers())
+    specs.update(choice.layers())
+    for head in choice.tied():
+        kept.pop(head, None)
+        src.tensors = [t for t in src.tensors if t[0] != head + ".weight"]  # one copy: the embedding's
+    return choice
 
 
 # --- configs -------------------------------------------------------------------------------------
 
-def compressed_tensors_config(recipe: Recipe, ignore: list[str]) -> dict:
-    """The compressed-tensors ``mxfp8-quantized`` layout that vLLM serves."""
+def compressed_tensors_config(recipe: Recipe, ignore: list[str], embeddings: bool = False) -> dict:
+    """The compressed-tensors ``mxfp8-quantized`` layout that vLLM serves (``embeddings``: the
+    input embedding is quantized too, targeted by its class name "Embedding")."""
     if recipe.weights.elem.name != "e4m3" or (recipe.activations and recipe.activations.elem.name != "e4m3"):
         raise ConversionError(f"--format compressed-tensors: recipe {recipe.name!r} uses E5M2; the mxfp8-quantized format is E4M3 only")
     if recipe.attention:
@@ -235,7 +264,7 @@ def compressed_tensors_config(recipe: Recipe, ignore: list[str]) -> dict:
         "quantization_status": "compressed",
         "config_groups": {
             "group_0": {
-                "targets": ["Linear"],
+                "targets": ["Linear", "Embedding"] if embeddings else ["Linear"],
                 "weights": args(False),
                 "input_activations": args(True) if recipe.activations else None,
                 "output_activations": None,
@@ -262,8 +291,12 @@ def quantize_checkpoint(
     progress: bool = True,
     warn: Callable[[str], None] | None = None,
     plan=None,
+    scale_dtype: str = "u8",
 ) -> ConversionReport:
     """Quantize a model checkpoint to MXFP8 and write it to ``out`` (see the module docstring).
+
+    ``scale_dtype``: how the E8M0 scales are stored: "u8" (uint8, the default) or "e8m0"
+    (float8_e8m0fnu, as transformers' own MXFP8 checkpoints); the bits are the same.
 
     ``plan``: a calibration plan (``mxq.calibrate.Plan`` or the path of its JSON file). Its recipe
     is used (``recipe`` must then be None or the same name), its permutations are folded into the
@@ -276,6 +309,10 @@ def quantize_checkpoint(
     warn = warn or (lambda m: None)
     if fmt not in FORMATS:
         raise ConversionError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    if scale_dtype not in SCALE_DTYPES:
+        raise ConversionError(f"--scale-dtype {scale_dtype!r}: expected one of {', '.join(SCALE_DTYPES)}")
+    if scale_dtype != "u8" and fmt == "compressed-tensors":
+        raise ConversionError(f"--scale-dtype {scale_dtype}: the compressed-tensors layout stores uint8 scales; use --format mxq")
     if plan is not None and not isinstance(plan, Plan):
         try:
             plan = load_plan(plan)
@@ -308,7 +345,12 @@ def quantize_checkpoint(
         geom = Geometry.from_config(src.config)
         if geom != cplan.geometry:
             raise ConversionError(f"plan: model: made for {cplan.geometry.to_dict()}, the source is {geom.to_dict()}")
-    chosen, kept, layout, specs = _plan(src, recipe, warn, cplan)
+    chosen, kept, layout, specs, emb_choice = _plan(src, recipe, warn, cplan)
+    if scale_dtype != "u8":  # the writer stores the uint8 scale bytes as this dtype
+        layout = [
+            PlannedTensor(t.name, SCALE_DTYPES[scale_dtype], t.shape) if t.name.endswith(".weight_scale") and t.dtype == "U8" else t
+            for t in layout
+        ]
     report = ConversionReport(msrc.display, str(out), recipe.name, fmt, device, kept=dict(sorted(kept.items())))
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -342,7 +384,7 @@ def quantize_checkpoint(
                 report.bytes_after += tensor.numel() * tensor.element_size()
             report.n_tensors += 1
         writer.close()
-        _write_configs(tmp, src, recipe, specs, kept, fmt, msrc, cplan)
+        _write_configs(tmp, src, recipe, specs, kept, fmt, msrc, cplan, scale_dtype, embedding=emb_choice)
         report.seconds = time.perf_counter() - t0
         (tmp / "quantization_report.json").write_text(json.dumps(report.to_dict(), indent=1) + "\n")
         _replace(tmp, out, force)
@@ -405,8 +447,10 @@ def _rounded_weight(name: str, w: torch.Tensor, rounded, spec: TensorSpec, block
 
 
 def _write_configs(
-    tmp: Path, src: _Source, recipe: Recipe, specs: dict, kept: dict, fmt: str, msrc: ModelSource, cplan=None
+    tmp: Path, src: _Source, recipe: Recipe, specs: dict, kept: dict, fmt: str, msrc: ModelSource, cplan=None,
+    scale_dtype: str = "u8", embedding=None,
 ) -> None:
+    tied = embedding.tied() if embedding is not None else {}
     if src.gguf is not None:
         src.config.save_pretrained(tmp)
         cfg = json.loads((tmp / "config.json").read_text())
@@ -421,9 +465,12 @@ def _write_configs(
             if (src.files_dir / f).is_file():
                 shutil.copy2(src.files_dir / f, tmp / f)
     if fmt == "compressed-tensors":
-        if any(w.elem != recipe.weights.elem or a != recipe.activations for w, a in specs.values()):
+        embs = set(embedding.layers()) if embedding is not None else set()
+        if any(w.elem != recipe.weights.elem or (a != recipe.activations and m not in embs) for m, (w, a) in specs.items()):
             raise ConversionError("--format compressed-tensors: the plan sets per-layer formats, which that layout cannot record; use --format mxq")
-        cfg["quantization_config"] = compressed_tensors_config(recipe, list(kept))
+        # a tied head computing with bf16 activations is "ignored": its weight is the embedding's anyway
+        ignore = list(kept) + [h for h, (_, a) in tied.items() if a is None]
+        cfg["quantization_config"] = compressed_tensors_config(recipe, ignore, embeddings=bool(embs))
     else:
         layers = dict(specs)
         prov = {
@@ -433,7 +480,7 @@ def _write_configs(
             "torch_version": torch.__version__,
         }
         calib = cplan.config_section() if cplan is not None else None
-        cfg["quantization_config"] = native_config(recipe, layers, sorted(kept), prov, calibration=calib)
+        cfg["quantization_config"] = native_config(recipe, layers, sorted(kept), prov, calibration=calib, scale_dtype=scale_dtype, tied=tied)
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 

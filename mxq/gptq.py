@@ -103,6 +103,7 @@ def gptq_mx(
     d = torch.diagonal(h)
     d += damp * d.mean()
     hinv = _inverse_cholesky_upper(h)
+    del h, d
 
     elem = spec.elem
     out = torch.empty_like(w)
@@ -129,12 +130,17 @@ def gptq_mx(
 
 def _inverse_cholesky_upper(h: torch.Tensor) -> torch.Tensor:
     """Upper Cholesky factor of H⁻¹, with more damping if H is not positive definite."""
-    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
     mean = float(torch.diagonal(h).mean())
     for extra in (0.0, 1e-3, 1e-2, 1e-1, 1.0):
-        l_, info = torch.linalg.cholesky_ex(h + extra * mean * eye)
+        hd = h
+        if extra:
+            hd = h.clone()
+            torch.diagonal(hd).add_(extra * mean)
+        l_, info = torch.linalg.cholesky_ex(hd)
+        del hd
         if int(info) == 0:
             hinv = torch.cholesky_inverse(l_)
+            del l_
             u, info = torch.linalg.cholesky_ex(hinv, upper=True)
             if int(info) == 0:
                 return u
@@ -203,12 +209,14 @@ def _quantize_input_hook(act: TensorSpec):
     return hook
 
 
-def _rel_err(w: torch.Tensor, wq: torch.Tensor, h: torch.Tensor) -> float:
-    """‖(W − Ŵ)Xᵀ‖² / ‖WXᵀ‖² from H = XᵀX."""
-    d = (w - wq).double()
-    hd = h.double()
-    num = float((d @ hd * d).sum())
-    den = float((w.double() @ hd * w.double()).sum())
+def _rel_err(w: torch.Tensor, wq: torch.Tensor, h: torch.Tensor, rows: int = 4096) -> float:
+    """‖(W − Ŵ)Xᵀ‖² / ‖WXᵀ‖² from H = XᵀX (float32, a few rows at a time: bounded memory)."""
+    num = den = 0.0
+    for i in range(0, w.shape[0], rows):
+        wi = w[i : i + rows]
+        d = wi - wq[i : i + rows]
+        num += float(((d @ h) * d).sum())
+        den += float(((wi @ h) * wi).sum())
     return num / den if den > 0 else 0.0
 
 

@@ -50,13 +50,18 @@ class MXQHfQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model, **kwargs):
         cfg: MXQConfig = self.quantization_config
         dtype = kwargs.get("dtype") or model.dtype
+        checked = _validate(cfg, kwargs.get("checkpoint_files"))
+        embeddings = []
         for name in cfg.layers:
             try:
                 lin = model.get_submodule(name)
             except AttributeError:
                 raise ValueError(f"quantization_config lists layer {name!r}, which {type(model).__name__} does not have") from None
+            if isinstance(lin, torch.nn.Embedding):  # MXEmbedding (mxq.embedding), below
+                embeddings.append(name)
+                continue
             if not isinstance(lin, torch.nn.Linear):
-                raise ValueError(f"quantization_config lists {name!r}, a {type(lin).__name__}, not a Linear layer")
+                raise ValueError(f"quantization_config lists {name!r}, a {type(lin).__name__}, not a Linear or Embedding layer")
             w, a = cfg.layer_specs(name)
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
@@ -66,6 +71,13 @@ class MXQHfQuantizer(HfQuantizer):
                     elem=w.elem, act=a, block_size=cfg.block_size, dtype=dtype,
                 )
             setattr(parent, child, new)
+        from mxq.embedding import prepare_for_loading
+
+        prepare_for_loading(model, cfg, embeddings, dtype)  # MX embeddings and the heads tied to them
+        if getattr(cfg, "scale_dtype", "u8") == "e8m0":
+            _scales_as(model, torch.float8_e8m0fnu)
+        if checked is not None:
+            _check_shapes(model, checked)
         if cfg.attention == "mxfp8":
             import mxq.attention  # noqa: F401  (registers the "mxfp8" attention implementation)
 
@@ -77,6 +89,12 @@ class MXQHfQuantizer(HfQuantizer):
         checkpoint layout is unchanged (``state_dict`` writes them per projection)."""
         from mxq.linear import fuse_projections
 
+        _scales_as(model, torch.uint8)
+        from mxq.embedding import after_loading
+
+        after_loading(model, self.quantization_config)
+        if getattr(self.quantization_config, "scale_dtype", "u8") != "u8":
+            self.quantization_config.scale_dtype = "u8"  # what the model now holds, and save_pretrained writes
         fuse_projections(model)
         return model
 
@@ -106,6 +124,48 @@ class MXQHfQuantizer(HfQuantizer):
         return True
 
 
+def _validate(cfg: MXQConfig, files: list | None):
+    """Refuse a checkpoint whose tensors disagree with its quantization_config, or hold fp8 NaN
+    codes (``mxq.validate``), before any weight is loaded."""
+    if not files:
+        return None
+    from pathlib import Path
+
+    from mxq.validate import validate_checkpoint
+
+    return validate_checkpoint(Path(files[0]).parent, {"quantization_config": cfg.to_dict()}, files)
+
+
+def _check_shapes(model, checked) -> None:
+    """Every checkpoint tensor the model has must have the model's shape: with a quantizer,
+    transformers would set a tensor of another shape without a word."""
+    from mxq.checkpoint import CheckpointError
+
+    params = {n: p.shape for n, p in model.state_dict(keep_vars=True).items()}
+    for name, info in checked.tensors.items():
+        key = name[: -len("_inv")] if name.endswith(".weight_scale_inv") else name
+        want = params.get(key)
+        if want is not None and tuple(want) != tuple(info.shape):
+            raise CheckpointError(
+                f"{info.file}: tensor {name}: shape {list(info.shape)}, but {type(model).__name__} as config.json "
+                f"describes it has {list(want)}"
+            )
+
+
+def _scales_as(model, dtype: torch.dtype) -> None:
+    """Every MX layer's ``weight_scale`` as ``dtype``, uint8 or float8_e8m0fnu: the same bits.
+
+    transformers casts a checkpoint tensor to its parameter's dtype by value (an E8M0 scale 2**k
+    would become the integer 2**k): before loading, the parameters of an E8M0 checkpoint are made
+    float8_e8m0fnu so its bytes load unchanged; after loading they are viewed back as the uint8
+    bytes the layers compute with."""
+    other = torch.float8_e8m0fnu if dtype == torch.uint8 else torch.uint8
+    for m in model.modules():
+        s = m._parameters.get("weight_scale")
+        if s is not None and s.dtype == other:
+            m.weight_scale = torch.nn.Parameter(s.data.view(dtype), requires_grad=False)
+
+
 def _register() -> None:
     if QUANT_METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
         register_quantization_config(QUANT_METHOD)(MXQConfig)
@@ -123,18 +183,30 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: tor
     q/k/v and gate/up as separate layers (``mxq.linear.fuse_projections``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from mxq.checkpoint import checkpoint_files, read_header
+    from mxq.checkpoint import CheckpointError, checkpoint_files, read_header
 
     config = read_config(path)
-    fmt = checkpoint_format(config)
+    try:
+        fmt = checkpoint_format(config)
+    except ValueError as e:
+        raise CheckpointError(f"{os.path.join(path, 'config.json')}: {e}") from None
     for shard in checkpoint_files(path):  # refuses shards outside the directory before transformers reads any
         read_header(shard)  # and malformed headers, with the rules `mxq inspect` applies
-    if fmt in ("mxq", "none"):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False)
-    else:
+    if fmt != "none":  # the config and the headers now, naming config.json; the data as the quantizer loads
+        from mxq.validate import validate_checkpoint
+
+        validate_checkpoint(path, config, scan=False)
+    try:
         cfg = AutoConfig.from_pretrained(path, trust_remote_code=False)
-        cfg.quantization_config = foreign_to_native(path, config)
-        model = AutoModelForCausalLM.from_pretrained(path, config=cfg, dtype=dtype, trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 - transformers' and huggingface_hub's many kinds: all a bad config.json
+        msg = " ".join(str(e).split())[:300] or type(e).__name__
+        raise CheckpointError(f"{os.path.join(path, 'config.json')}: {msg}") from None
+    if fmt not in ("mxq", "none"):  # the tensors carry MXLinear's names and layout: only the config is rewritten
+        from mxq.embedding import skeleton_modules
+
+        # which layers are Linear or Embedding, and the tie, from a meta-device skeleton
+        cfg.quantization_config = foreign_to_native(path, config, *skeleton_modules(cfg))
+    model = AutoModelForCausalLM.from_pretrained(path, config=cfg, dtype=dtype, trust_remote_code=False)
     if not fuse:
         from mxq.linear import unfuse_projections
 

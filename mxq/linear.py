@@ -20,7 +20,7 @@ import functools
 import torch
 from torch import nn
 
-from mxq.config import LinearLayer, NativeConfig, native_config, select_layers
+from mxq.config import LinearLayer, select_layers
 from mxq.formats import (
     E4M3,
     ElemFormat,
@@ -207,39 +207,6 @@ def model_layers(model: nn.Module) -> list[LinearLayer]:
 def select_model_layers(model: nn.Module, recipe: Recipe, warn=None) -> tuple[list[str], dict[str, str]]:
     """``mxq.config.select_layers`` over an in-memory model's Linear layers."""
     return select_layers(model_layers(model), recipe, warn)
-
-
-def quantize_model(
-    model: nn.Module, recipe: Recipe | str | None = None, *, kernels: str | None = None, fuse: bool = True
-) -> nn.Module:
-    """Swap the recipe's Linear layers of an in-memory model for ``MXLinear`` (in place);
-    ``kernels`` as in ``set_kernels``; ``fuse``: sibling projections (q/k/v, gate/up) as one MX
-    GEMM each (``mxq.linear.fuse_projections``, same numbers, same ``state_dict`` layout)."""
-    import warnings
-
-    from mxq.recipe import load_recipe
-
-    if not isinstance(recipe, Recipe):
-        recipe = load_recipe(recipe)
-    if not linear_layers(model):
-        raise ValueError(f"{type(model).__name__} has no torch.nn.Linear layers to quantize")
-    chosen, kept = select_model_layers(model, recipe, warn=lambda m: warnings.warn(m, stacklevel=4))
-    for name in chosen:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(
-            parent,
-            child,
-            MXLinear.from_linear(getattr(parent, child), recipe.weights, recipe.activations),
-        )
-    if kernels is not None:
-        set_kernels(model, kernels)
-    if fuse:
-        fuse_projections(model)
-    if hasattr(model, "config"):
-        layers = {n: (recipe.weights, recipe.activations) for n in chosen}
-        model.config.quantization_config = NativeConfig(**native_config(recipe, layers, sorted(kept)))
-    return model
 
 
 # --- Sibling projections as one MX GEMM: q/k/v of an attention block, gate/up of an MLP ----------

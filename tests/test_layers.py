@@ -27,8 +27,8 @@ OUTSIDE = ("kernels", "eval")  # subpackages mapped into mxq (package-dir), one 
 # Layer of every module, top (0) to bottom (3). A module may import its own layer or lower ones.
 LAYERS = {
     0: {"cli", "cli_bench", "cli_eval", "cli_tune"},
-    1: {PACKAGE, "calibrate", "convert", "hf", "eval", "inspect", "models"},
-    2: {"linear", "attention", "checkpoint", "recipe", "config", "reorder", "progress", "decode"},
+    1: {PACKAGE, "calibrate", "gptq", "convert", "hf", "eval", "inspect", "models", "quantize"},
+    2: {"linear", "embedding", "attention", "checkpoint", "validate", "recipe", "config", "reorder", "progress", "decode"},
     3: {"formats", "kernels"},
 }
 LAYER = {m: rank for rank, mods in LAYERS.items() for m in mods}

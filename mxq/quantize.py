@@ -1,0 +1,53 @@
+"""``mxq.quantize_model``: an in-memory model to MXFP8 as a recipe says (Linear layers, and with
+``embeddings: mxfp8`` the input embedding and a tied head), fused and configured like a loaded
+checkpoint."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from mxq.config import NativeConfig, native_config
+from mxq.embedding import quantize_embedding
+from mxq.linear import MXLinear, fuse_projections, linear_layers, select_model_layers, set_kernels
+from mxq.recipe import Recipe
+
+
+def quantize_model(
+    model: nn.Module, recipe: Recipe | str | None = None, *, kernels: str | None = None, fuse: bool = True
+) -> nn.Module:
+    """Swap the recipe's Linear layers of an in-memory model for ``MXLinear`` (in place), and with
+    ``embeddings: mxfp8`` its input embedding for ``MXEmbedding`` (a tied head then shares its
+    tensors: ``mxq.embedding``); ``kernels`` as in ``set_kernels``; ``fuse``: sibling projections
+    (q/k/v, gate/up) as one MX GEMM each (``mxq.linear.fuse_projections``, same numbers, same
+    ``state_dict`` layout)."""
+    import warnings
+
+    from mxq.recipe import load_recipe
+
+    if not isinstance(recipe, Recipe):
+        recipe = load_recipe(recipe)
+    if not linear_layers(model):
+        raise ValueError(f"{type(model).__name__} has no torch.nn.Linear layers to quantize")
+    def warn(m):
+        warnings.warn(m, stacklevel=4)
+
+    chosen, kept = select_model_layers(model, recipe, warn=warn)
+    for name in chosen:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(
+            parent,
+            child,
+            MXLinear.from_linear(getattr(parent, child), recipe.weights, recipe.activations),
+        )
+    emb = quantize_embedding(model, recipe, kept, warn)
+    if kernels is not None:
+        set_kernels(model, kernels)
+    if fuse:
+        fuse_projections(model)
+    if hasattr(model, "config"):
+        layers = {n: (recipe.weights, recipe.activations) for n in chosen}
+        tied = emb.tied() if emb is not None else {}
+        layers.update(emb.layers() if emb is not None else {})
+        model.config.quantization_config = NativeConfig(**native_config(recipe, layers, sorted(kept), tied=tied))
+    return model

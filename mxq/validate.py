@@ -1,0 +1,268 @@
+"""One validator for MXFP8 checkpoints: ``mxq.load``, ``from_pretrained`` (mxq's quantizer) and ``mxq inspect``.
+
+What a checkpoint must be before anything uses it (every problem is one line naming the file and
+the key or tensor):
+
+- every shard header passes ``mxq.checkpoint.read_header``; an index names only tensors its
+  shards hold;
+- the ``quantization_config`` (native, or the native one ``mxq.config.foreign_to_native`` made):
+  ``format_version``, ``block_size``, each layer's ``weights`` / ``activations`` spec,
+  ``scale_dtype`` and ``attention`` are values this mxq reads;
+- every listed layer has a 2-D fp8 ``weight`` [N, K] in the element format the config names and
+  a ``weight_scale`` (or ``weight_scale_inv``) [N, K/32] stored as U8 or F8_E8M0 (both are the
+  bits of a biased E8M0), as the config's ``scale_dtype`` records; no fp8 tensor or scale belongs
+  to a layer the config does not list (it would load as plain numbers, without its scales);
+- the data holds no fp8 NaN code (E4M3 ``S.1111.111``; E5M2 exponent ``11111``: NaN and ±Inf)
+  and no NaN scale (0xFF), scanned in bounded chunks.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from mxq.checkpoint import INDEX_NAME, CheckpointError, TensorInfo, checkpoint_files, read_header
+from mxq.formats import E8M0_NAN, ElemFormat, as_elem_format, as_scale_rule
+
+FP8_DTYPES = {"F8_E4M3": "e4m3", "F8_E5M2": "e5m2"}
+# quantization_config scale_dtype -> the safetensors dtype of the scales
+SCALE_DTYPES = {"u8": "U8", "e8m0": "F8_E8M0"}
+SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv")
+# bytes b with (b & mask) == mask are not finite numbers
+_NONFINITE_MASK = {"F8_E4M3": 0x7F, "F8_E5M2": 0x7C}
+_CHUNK = 1 << 24
+
+
+@dataclass
+class Validation:
+    """What the validator found: the checkpoint's format, tensors, quantized layers and problems."""
+
+    format: str
+    config: dict
+    tensors: dict[str, TensorInfo] = field(default_factory=dict)
+    layers: dict[str, ElemFormat | None] = field(default_factory=dict)  # None: any fp8 format
+    problems: list[str] = field(default_factory=list)
+
+
+def validate_checkpoint(
+    path: str | os.PathLike, config: dict | None = None, files: list | None = None, scan: bool = True
+) -> Validation:
+    """``check_checkpoint``, raising ``CheckpointError`` with the first problem."""
+    v = check_checkpoint(path, config, files, scan)
+    if v.problems:
+        raise CheckpointError(v.problems[0])
+    return v
+
+
+def check_checkpoint(
+    path: str | os.PathLike, config: dict | None = None, files: list | None = None, scan: bool = True
+) -> Validation:
+    """Every problem of the checkpoint at ``path`` (see the module doc).
+
+    ``config``: its config.json as a dict (read from ``path`` when None); a foreign MXFP8
+    checkpoint's ``quantization_config`` may already be the native one ``foreign_to_native`` made.
+    ``files``: the shards to check (default: ``checkpoint_files(path)``). ``scan``: read the data
+    for NaN codes, not only the headers.
+    """
+    from mxq.config import checkpoint_format, read_config
+
+    path = Path(path)
+    cfg_file = path / "config.json"
+    config = read_config(path) if config is None else config
+    try:
+        fmt = checkpoint_format(config)
+    except (ValueError, AttributeError) as e:
+        raise CheckpointError(f"{cfg_file}: {_line(e)}") from None
+    v = Validation(fmt, config)
+    shards = [Path(f) for f in files] if files is not None else checkpoint_files(path)
+    for f in shards:
+        try:
+            infos, _ = read_header(f)
+        except CheckpointError as e:
+            v.problems.append(str(e))
+            continue
+        for name, info in infos.items():
+            if name in v.tensors:
+                v.problems.append(f"{f}: tensor {name} also appears in {v.tensors[name].file}")
+            v.tensors.setdefault(name, info)
+    v.problems.extend(_index_problems(path, v.tensors))
+
+    qc = config.get("quantization_config")
+    scale_dtypes = tuple(SCALE_DTYPES.values())
+    if fmt == "mxq":
+        try:
+            v.layers, scale_dtype = _config_layers(qc)
+            scale_dtypes = (SCALE_DTYPES[scale_dtype],)
+        except ValueError as e:
+            v.problems.insert(0, f"{cfg_file}: {e}")
+            return v
+    elif fmt != "none":  # foreign: the layers are the ones with scales
+        suffix = ".weight_scale_inv" if fmt == "mxfp8" else ".weight_scale"
+        v.layers = {n[: -len(suffix)]: None for n in v.tensors if n.endswith(suffix)}
+    for mod, elem in sorted(v.layers.items()):
+        v.problems.extend(_layer_problems(path, mod, elem, scale_dtypes, v.tensors, scan))
+    v.problems.extend(_unlisted(v.layers, v.tensors))
+    return v
+
+
+# --- the config ----------------------------------------------------------------------------------
+
+def _config_layers(qc: object) -> tuple[dict[str, ElemFormat], str]:
+    """The layers a native quantization_config lists (name -> weight format) and its scale_dtype;
+    ValueError naming the key for anything this mxq does not read."""
+    from mxq.config import NativeConfig
+
+    if not isinstance(qc, dict):
+        raise ValueError("quantization_config: expected a JSON object")
+    try:
+        NativeConfig(**qc)
+    except TypeError as e:
+        raise ValueError(f"quantization_config: {_line(e)}") from None
+    layers = qc.get("layers")
+    if not isinstance(layers, dict):  # empty is valid: a plan may keep every layer in bf16
+        raise ValueError("quantization_config layers: expected a mapping of layer names to specs")
+    out = {}
+    for name, d in layers.items():
+        where = f"quantization_config layers[{name!r}]"
+        if not isinstance(d, dict) or not isinstance(d.get("weights"), dict):
+            raise ValueError(f"{where}: expected {{'weights': {{elem, scale_rule}}, 'activations': ...}}")
+        out[name] = _spec(d["weights"], f"{where}.weights")
+        act = d.get("activations")
+        if act is not None:
+            if not isinstance(act, dict):
+                raise ValueError(f"{where}.activations: expected {{elem, scale_rule}} or null")
+            _spec(act, f"{where}.activations")
+    scale_dtype = qc.get("scale_dtype", "u8")
+    if not isinstance(scale_dtype, str) or scale_dtype not in SCALE_DTYPES:
+        raise ValueError(f"quantization_config scale_dtype: expected one of {sorted(SCALE_DTYPES)}, got {scale_dtype!r}"[:300])
+    if qc.get("attention") not in (None, "bf16", "mxfp8"):
+        raise ValueError(f"quantization_config attention: expected null, 'bf16' or 'mxfp8', got {qc.get('attention')!r}"[:300])
+    return out, scale_dtype
+
+
+def _spec(d: dict, where: str) -> ElemFormat:
+    for key in ("elem", "scale_rule"):
+        if not isinstance(d.get(key), str):
+            raise ValueError(f"{where}.{key}: expected a string, got {d.get(key)!r}"[:300])
+    try:
+        as_scale_rule(d["scale_rule"])
+        return as_elem_format(d["elem"])
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}"[:300]) from None
+
+
+# --- the tensors ---------------------------------------------------------------------------------
+
+def _layer_problems(
+    path: Path, mod: str, elem: ElemFormat | None, scale_dtypes: tuple[str, ...],
+    infos: dict[str, TensorInfo], scan: bool,
+) -> list[str]:  # fmt: skip
+    w = infos.get(mod + ".weight")
+    if w is None:
+        return [f"{path}: tensor {mod}.weight: missing (the quantization_config lists layer {mod})"]
+    scales = [infos[mod + s] for s in SCALE_SUFFIXES if mod + s in infos]
+    if not scales:
+        return [f"{w.file}: tensor {mod}.weight_scale: missing (the quantization_config lists layer {mod})"]
+    if len(scales) > 1:
+        return [f"{scales[1].file}: tensor {scales[1].name}: a second scale for {mod} (beside {scales[0].name})"]
+    s = scales[0]
+    probs = []
+    if w.dtype not in FP8_DTYPES:
+        probs.append(f"{w.file}: tensor {w.name}: dtype {w.dtype}, expected F8_E4M3 or F8_E5M2")
+    elif elem is not None and FP8_DTYPES[w.dtype] != elem.name:
+        probs.append(f"{w.file}: tensor {w.name}: dtype {w.dtype} but the quantization_config says {elem.name}")
+    if s.dtype not in scale_dtypes:
+        want = " or ".join(scale_dtypes)
+        probs.append(f"{s.file}: tensor {s.name}: dtype {s.dtype}, expected {want} (biased E8M0 scales)")
+    if len(w.shape) != 2:
+        probs.append(f"{w.file}: tensor {w.name}: shape {list(w.shape)} is not 2-D")
+    elif w.shape[1] % 32 or tuple(s.shape) != (w.shape[0], w.shape[1] // 32):
+        probs.append(
+            f"{s.file}: tensor {s.name}: shape {list(s.shape)} does not match weight {list(w.shape)} "
+            f"(expected {[w.shape[0], w.shape[1] // 32]})"
+        )
+    if probs or not scan:
+        return probs
+    nan = "NaN" if w.dtype == "F8_E4M3" else "NaN/Inf"
+    checks = ((w, _NONFINITE_MASK[w.dtype], f"{nan} code(s) in the fp8 data", "column"), (s, E8M0_NAN, "block(s) with NaN scale (0xFF)", "block"))
+    for info, mask, what, col in checks:
+        try:
+            n, first = count_codes(info, mask)
+        except CheckpointError as e:
+            return [str(e)]
+        if n:
+            r, c = divmod(first, info.shape[1]) if info.shape[1] else (0, 0)
+            probs.append(f"{info.file}: tensor {info.name}: {n} {what}, the first at row {r}, {col} {c}")
+    return probs
+
+
+def _unlisted(layers: dict, infos: dict[str, TensorInfo]) -> list[str]:
+    """fp8 weights and scales of layers the config does not list: they would load without scales."""
+    probs = []
+    for name, i in sorted(infos.items()):
+        for suffix in SCALE_SUFFIXES:
+            if name.endswith(suffix) and name[: -len(suffix)] not in layers:
+                probs.append(f"{i.file}: tensor {name}: a scale for a layer the quantization_config does not list")
+        if i.dtype in FP8_DTYPES and not (name.endswith(".weight") and name[: -len(".weight")] in layers):
+            probs.append(f"{i.file}: tensor {name}: {i.dtype} data of a layer the quantization_config does not list")
+    return probs
+
+
+def _index_problems(path: Path, infos: dict[str, TensorInfo]) -> list[str]:
+    """An index that names a tensor its shard does not hold."""
+    import json
+
+    idx = path / INDEX_NAME
+    if not idx.is_file():
+        return []
+    try:
+        wm = json.loads(idx.read_text())["weight_map"]
+        wm = dict(wm)
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return []  # checkpoint_files reports a malformed index
+    for name, shard in sorted(wm.items()):
+        i = infos.get(name)
+        if i is None or Path(i.file).name != shard:
+            where = f"is in {Path(i.file).name}" if i is not None else "is in no shard"
+            return [f"{idx}: weight_map puts tensor {name} in {shard}, but it {where}"[:400]]
+    return []
+
+
+def count_codes(info: TensorInfo, mask: int) -> tuple[int, int]:
+    """How many bytes ``b`` of a tensor's data have ``b & mask == mask``, and the index of the first
+    (-1 if none). Reads the file in chunks of 16 MiB (bounded memory, ~GB/s)."""
+    n, first = 0, -1
+    buf = bytearray(min(_CHUNK, info.nbytes))
+    if not buf:
+        return 0, -1
+    t = torch.frombuffer(buf, dtype=torch.uint8)
+    tmp = torch.empty(t.shape, dtype=torch.uint8, device="cpu")  # also under transformers' meta-device context
+    hit = torch.empty(t.shape, dtype=torch.bool, device="cpu")
+    with open(info.file, "rb") as f:
+        f.seek(info.begin)
+        done = 0
+        while done < info.nbytes:
+            want = min(len(buf), info.nbytes - done)
+            got = f.readinto(memoryview(buf)[:want])
+            if got != want:
+                raise CheckpointError(f"{info.file}: tensor {info.name}: truncated ({done + got} of {info.nbytes} bytes)")
+            torch.bitwise_and(t[:got], mask, out=tmp[:got])
+            torch.eq(tmp[:got], mask, out=hit[:got])
+            if hit[:got].any():
+                k = int(hit[:got].sum())
+                if first < 0:
+                    first = done + int(hit[:got].nonzero()[0])
+                n += k
+            done += got
+    return n, first
+
+
+def _line(e: BaseException) -> str:
+    s = str(e).strip()
+    return (s.splitlines()[0] if s else type(e).__name__)[:300]
+
+
+__all__ = ["Validation", "check_checkpoint", "validate_checkpoint", "count_codes", "SCALE_DTYPES"]
