@@ -25,6 +25,7 @@ VARIANTS = {
     # name: (recipe, rounding, keep_bf16, Hessian from MX-rounded inputs)
     "direct": ("mxfp8", "nearest", 0, False),
     "gptq": ("mxfp8", "gptq", 0, False),
+    "gptq-actorder": ("mxfp8", "gptq-actorder", 0, False),
     "gptq-qin": ("mxfp8", "gptq", 0, True),
     "nearest+keep8": ("mxfp8", "nearest", 8, False),
     "gptq+keep8": ("mxfp8", "gptq", 8, False),
@@ -116,9 +117,9 @@ def main(argv=None) -> int:
             m.set_attn_implementation("mxfp8")
         plan = make_plan(m, cal, keep_bf16=keep, progress=False)
         t_gptq = 0.0
-        if rounding == "gptq":
+        if rounding.startswith("gptq"):
             t2 = time.perf_counter()
-            round_plan(m, plan, batches, progress=False, quantized_inputs=qin)
+            round_plan(m, plan, batches, progress=False, quantized_inputs=qin, act_order=rounding == "gptq-actorder")
             t_gptq = time.perf_counter() - t2
         apply_plan(m, plan)
         row = {"variant": v, "recipe": rname, "rounding": rounding, "keep_bf16": keep, "quantized_inputs": qin,

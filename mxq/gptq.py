@@ -81,12 +81,15 @@ def gptq_mx(
     block_size: int = 32,
     damp: float = 0.01,
     lazy_block: int = LAZY_BLOCK,
+    act_order: bool = False,
 ) -> torch.Tensor:
     """GPTQ-rounded values of ``w`` [N, K] (float32, each an fp8 code times its block's 2**e).
 
     ``h`` [K, K]: Σ xᵀx of the layer's calibration inputs (any positive multiple). ``damp``: added
     to the diagonal as a fraction of its mean. Columns never seen active (zero diagonal) are
-    rounded like the others but receive no error and pass none on.
+    rounded like the others but receive no error and pass none on. ``act_order``: visit the 1x32
+    blocks by decreasing Hessian diagonal (their sum), and the columns of each block likewise;
+    blocks stay whole, so the stored layout is unchanged and only the order of rounding moves.
     """
     n, k = w.shape
     if spec.scale_rule not in GPTQ_RULES:
@@ -98,6 +101,13 @@ def gptq_mx(
     lazy_block = max(block_size, lazy_block // block_size * block_size)
     w = w.detach().float().clone()
     h = h.detach().float().clone()
+    perm = None
+    if act_order:
+        diag = torch.diagonal(h).reshape(-1, block_size)
+        blocks = torch.argsort(diag.sum(1), descending=True, stable=True)
+        inner = torch.argsort(diag, dim=1, descending=True, stable=True)
+        perm = (blocks.unsqueeze(1) * block_size + inner[blocks]).reshape(-1)
+        w, h = w[:, perm], h[perm][:, perm]
     dead = torch.diagonal(h) == 0
     h[dead, dead] = 1.0
     d = torch.diagonal(h)
@@ -125,6 +135,8 @@ def gptq_mx(
             w1[:, j:] -= err.unsqueeze(1) * hinv1[j, j:].unsqueeze(0)
             err1[:, j] = err
         w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+    if perm is not None:
+        out[:, perm] = out.clone()
     return out
 
 
@@ -232,6 +244,7 @@ def gptq_model(
     progress: bool = True,
     on_layer: Callable[[int], None] | None = None,
     quantized_inputs: bool = False,
+    act_order: bool = False,
 ) -> GPTQResult:
     """Round the weights of the Linear layers in ``specs`` (name -> (weights, activations)) with
     GPTQ, in place: afterwards ``model`` holds the rounded values in its own dtype, and direct cast
@@ -243,7 +256,8 @@ def gptq_model(
     ``device`` (peak device memory: one layer plus the calibration activations). An ``lm_head``
     in ``specs`` is rounded last, on the final normed hidden states. With ``offload`` the decoder
     layers are left on the host. ``quantized_inputs``: build each Hessian from the MX-rounded
-    inputs the W8A8 layer will see (its activations spec) instead of the exact ones.
+    inputs the W8A8 layer will see (its activations spec) instead of the exact ones. ``act_order``:
+    as in ``gptq_mx``.
     """
     t0 = time.perf_counter()
     layers = _decoder_layers(model)
@@ -315,7 +329,7 @@ def gptq_model(
                     h = hs.pop(group[0][0])
                     wspec = specs[group[0][0]][0]
                     w = torch.cat([lin.weight.detach().float() for _, lin in group])
-                    wq = gptq_mx(w, h, wspec, damp=damp)
+                    wq = gptq_mx(w, h, wspec, damp=damp, act_order=act_order)
                     rtn = fake_quantize_mx(w, -1, wspec.elem, 32, wspec.scale_rule)
                     g_err, r_err = _rel_err(w, wq, h), _rel_err(w, rtn, h)
                     row = 0
@@ -359,7 +373,7 @@ def gptq_model(
             t1 = time.perf_counter()
             wspec = specs[head_name][0]
             w = head.weight.detach().float()
-            wq = gptq_mx(w, h, wspec, damp=damp)
+            wq = gptq_mx(w, h, wspec, damp=damp, act_order=act_order)
             rtn = fake_quantize_mx(w, -1, wspec.elem, 32, wspec.scale_rule)
             result.layers[head_name] = {"gptq_err": _rel_err(w, wq, h), "rtn_err": _rel_err(w, rtn, h),
                                         "seconds": round(time.perf_counter() - t1, 3)}
@@ -370,7 +384,8 @@ def gptq_model(
 
 
 def round_plan(model: nn.Module, plan, batches: list[torch.Tensor], *, damp: float = 0.01,
-               offload: bool = False, progress: bool = True, quantized_inputs: bool = False):  # fmt: skip
+               offload: bool = False, progress: bool = True, quantized_inputs: bool = False,
+               act_order: bool = False):  # fmt: skip
     """GPTQ over the layers a calibration plan quantizes; the plan then carries their codes.
 
     ``model``: the bf16 model the plan was made from (its weights are overwritten with the rounded
@@ -384,7 +399,7 @@ def round_plan(model: nn.Module, plan, batches: list[torch.Tensor], *, damp: flo
     permute_model(model, plan.permutations)
     specs = plan.quantized
     res = gptq_model(model, batches, specs, damp=damp, offload=offload, progress=progress,
-                     quantized_inputs=quantized_inputs)
+                     quantized_inputs=quantized_inputs, act_order=act_order)
     mods = dict(model.named_modules())
     rounded = {}
     for name, (w, _a) in specs.items():
@@ -397,7 +412,8 @@ def round_plan(model: nn.Module, plan, batches: list[torch.Tensor], *, damp: flo
             lp.sqnr_db["weights_gptq"] = _db(st["gptq_err"])
     plan.rounded = rounded
     plan.choices["rounding"] = "gptq"
-    plan.choices["gptq"] = {"damp": damp, "lazy_block": LAZY_BLOCK, "quantized_inputs": quantized_inputs, **res.summary(),
+    plan.choices["gptq"] = {"damp": damp, "lazy_block": LAZY_BLOCK, "quantized_inputs": quantized_inputs, "act_order": act_order,
+                            **res.summary(),
                             "error_basis": "weights only, on the calibration inputs of each layer (as rounded before it)"}
     return plan
 

@@ -82,6 +82,26 @@ def test_gptq_equals_the_greedy_least_squares_definition(n, k, elem, rule):
     assert err(got) == pytest.approx(err(ref), rel=2e-3)
 
 
+def test_act_order_is_the_definition_in_hessian_order():
+    """With act_order the blocks are visited by decreasing Hessian diagonal and each block's columns
+    likewise: the same least-squares definition run on W and H permuted that way, then un-permuted.
+    Blocks stay whole, so direct cast still reproduces the values."""
+    w, x = _problem(19, 128, 512, seed=11)
+    spec = TensorSpec(E4M3, ScaleRule.RCEIL)
+    h = hessian(x)
+    d = torch.diagonal(h).reshape(-1, 32)
+    order = [int(b) * 32 + int(c) for b in torch.argsort(d.sum(1), descending=True, stable=True)
+             for c in torch.argsort(d[b], descending=True, stable=True)]
+    assert order != list(range(128))  # the test problem really reorders
+    perm = torch.tensor(order)
+    ref = torch.empty(19, 128, dtype=torch.float64)
+    ref[:, perm] = _greedy_least_squares(w[:, perm], h[perm][:, perm], spec)
+    got = gptq_mx(w, h, spec, act_order=True).double()
+    assert (got == ref).float().mean().item() >= 0.995
+    assert torch.equal(fake_quantize_mx(got.float(), -1, E4M3, 32, ScaleRule.RCEIL), got.float())
+    assert not torch.equal(got, gptq_mx(w, h, spec).double())
+
+
 def test_last_column_is_the_best_code_by_brute_force():
     """With every other column fixed at GPTQ's choice, no fp8 code of the block's last column (under
     its scale) gives a smaller output error than the one GPTQ picked."""
