@@ -328,7 +328,8 @@ def _print_plan(p) -> None:
     if q:
         for key in ("direct", "reorder", "chosen", "weights_nearest", "weights_gptq"):
             v = [lp.sqnr_db[key] for lp in q if key in lp.sqnr_db]
-            t.add_row(f"mean output SQNR dB, {key}", f"{sum(v) / len(v):.3f}")
+            if v:  # weights_* only after GPTQ
+                t.add_row(f"mean output SQNR dB, {key}", f"{sum(v) / len(v):.3f}")
     console.print(t)
     kept = sorted(
         ((n, lp) for n, lp in p.layers.items() if lp.keep_bf16 and lp.sensitivity_kl is not None),

@@ -307,3 +307,57 @@ def test_gpu_gptq_equals_cpu_and_offload_bounds_device_memory():
     assert peak < bound, (peak, bound)
     assert peak < model_bytes / 2, (peak, model_bytes)
     assert next(big.model.layers.parameters()).device.type == "cpu"
+
+
+# --- the command line ------------------------------------------------------------------------------
+
+def _cli(args: list[str], capsys) -> tuple[int, str]:
+    from mxq.cli import main
+
+    argv = sys.argv
+    sys.argv = ["mxq", *args]
+    try:
+        main()
+        rc = 0
+    except SystemExit as e:
+        rc = e.code or 0
+    finally:
+        sys.argv = argv
+    return rc, capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny Llama with a word-level tokenizer of its own, and a calibration text file."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    d = tmp_path_factory.mktemp("cli")
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([TEXT], trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    model = _llama()
+    assert len(fast) <= model.config.vocab_size
+    model.save_pretrained(d / "src")
+    fast.save_pretrained(d / "src")
+    (d / "text.txt").write_text((TEXT + "\n") * 8)
+    return d
+
+
+def test_cli_calibrate_then_quantize_with_gptq(model_dir, tmp_path, capsys):
+    src, text = str(model_dir / "src"), str(model_dir / "text.txt")
+    cal = ["--dataset", text, "--samples", "4", "--seq-len", "32", "--sensitivity-seq-len", "16"]
+    rc, err = _cli(["calibrate", src, *cal, "--out", str(tmp_path / "plan.json")], capsys)
+    assert rc == 0, err
+    assert (tmp_path / "plan.safetensors").is_file()
+    rc, err = _cli(["quantize", src, str(tmp_path / "g"), "--plan", str(tmp_path / "plan.json")], capsys)
+    assert rc == 0, err
+    rc, err = _cli(["quantize", src, str(tmp_path / "n"), "--calibrate", *cal, "--rounding", "nearest"], capsys)
+    assert rc == 0, err
+    choices = {k: json.loads((tmp_path / k / "config.json").read_text())["quantization_config"]["calibration"]["choices"]
+               for k in ("g", "n")}
+    assert choices["g"]["rounding"] == "gptq" and choices["n"]["rounding"] == "nearest"
+    assert choices["g"]["gptq"]["layers"] == 14
+    rc, err = _cli(["quantize", src, str(tmp_path / "x"), "--calibrate", *cal, "--rounding", "stochastic"], capsys)
+    assert rc != 0 and "--rounding" in err and not (tmp_path / "x").exists()
