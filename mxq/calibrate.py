@@ -626,10 +626,16 @@ def make_plan(
     scale_search: bool = True,
     keep_bf16: int = 0,
     max_dppl: float | None = None,
+    keep_bytes: float | None = None,
     min_gain_db: float = 0.05,
     progress: bool = True,
 ) -> Plan:
-    """Choose permutations, scale rules and kept layers from a :class:`Calibration` (see module doc)."""
+    """Choose permutations, scale rules and kept layers from a :class:`Calibration` (see module doc).
+
+    Kept layers: the ``keep_bf16`` most sensitive; or, with ``max_dppl``, the fewest for that
+    perplexity budget; or, with ``keep_bytes`` (percent), the most sensitive in rank order while the
+    checkpoint grows by at most that much over direct cast.
+    """
     rec, geom = cal.recipe, cal.geometry
     lins = linear_layers(model)
     act = rec.activations
@@ -705,6 +711,9 @@ def make_plan(
         settings = {n: (lp.weights, lp.activations) for n, lp in layers.items()}
         n_keep, curve = _keep_for_budget(model, settings, perm_of, ranking, cal.sens_batches, max_dppl, n_keep)
         notes["max_dppl_search"] = curve
+    elif keep_bytes is not None and n_keep == 0:
+        n_keep, extra, total = _keep_for_bytes(model, ranking, keep_bytes)
+        notes["keep_bytes_search"] = {"direct_cast_bytes": total, "extra_bytes": extra}
     for rank, n in enumerate(ranking[:n_keep]):
         layers[n].keep_bf16 = True
         layers[n].reason = f"sensitivity rank {rank + 1} (KL {cal.sensitivity[n]:.3g})"
@@ -717,11 +726,32 @@ def make_plan(
         stats[n]["block_spread_log2"] = {"before": block_spread(cal.stats[n].absmax), "after": block_spread(cal.stats[n].absmax, p)}
     choices = {
         "reorder": reorder, "residual_permutation": residual, "scale_search": scale_search, "keep_bf16": keep_bf16,
-        "max_dppl_percent": max_dppl, "min_gain_db": min_gain_db, "kept_by_sensitivity": n_keep,
+        "max_dppl_percent": max_dppl, "keep_bytes_percent": keep_bytes, "min_gain_db": min_gain_db,
+        "kept_by_sensitivity": n_keep,
         "sqnr_basis": "output SQNR on the sampled calibration rows, weights and activations quantized",
         **notes,
     }
     return Plan(rec, geom, layers, perms, stats, dict(cal.provenance), choices)
+
+
+def _keep_for_bytes(model: nn.Module, ranking: list[str], percent: float) -> tuple[int, int, int]:
+    """Most sensitive layers, in rank order, whose bf16 weights add at most ``percent`` to the
+    direct-cast checkpoint's bytes (every ranked layer fp8 + E8M0 scales, the rest as stored; a
+    tied tensor once): (how many, the bytes they add, the direct-cast bytes)."""
+    mods = dict(model.named_modules())
+    ranked = {id(mods[n].weight): n for n in ranking}
+    total = 0
+    for p in model.parameters():  # tied parameters come once
+        total += p.numel() + p.numel() // 32 if id(p) in ranked else p.numel() * p.element_size()
+    budget = percent / 100 * total
+    n, extra = 0, 0
+    for name in ranking:
+        w = mods[name].weight
+        add = w.numel() * w.element_size() - (w.numel() + w.numel() // 32)
+        if extra + add > budget:
+            break
+        n, extra = n + 1, extra + add
+    return n, extra, total
 
 
 def _keep_for_budget(model, settings, perms, ranking, batches, max_dppl, at_least):

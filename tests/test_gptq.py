@@ -358,6 +358,28 @@ def test_cli_calibrate_then_quantize_with_gptq(model_dir, tmp_path, capsys):
     choices = {k: json.loads((tmp_path / k / "config.json").read_text())["quantization_config"]["calibration"]["choices"]
                for k in ("g", "n")}
     assert choices["g"]["rounding"] == "gptq" and choices["n"]["rounding"] == "nearest"
-    assert choices["g"]["gptq"]["layers"] == 14
+    assert choices["g"]["gptq"]["layers"] + choices["g"]["kept_by_sensitivity"] == 14  # the default byte budget keeps some
+    assert choices["g"]["keep_bytes_percent"] == 3.5 and choices["n"]["keep_bytes_percent"] == 3.5
     rc, err = _cli(["quantize", src, str(tmp_path / "x"), "--calibrate", *cal, "--rounding", "stochastic"], capsys)
     assert rc != 0 and "--rounding" in err and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("percent", [0.0, 3.5, 12.0])
+def test_keep_bytes_budget_against_written_checkpoints(tmp_path, percent):
+    """``keep_bytes``: the kept layers are the most sensitive in rank order, and the written
+    checkpoint is at most PCT percent larger than the direct-cast one (one more would pass it)."""
+    model = _qwen()
+    model.save_pretrained(tmp_path / "src")
+    rec, cal = _tiny_plan_inputs(model)
+    plan = make_plan(model, cal, keep_bytes=percent, progress=False)
+    direct = quantize_checkpoint(tmp_path / "src", tmp_path / "d", recipe="mxfp8", progress=False)
+    kept = quantize_checkpoint(tmp_path / "src", tmp_path / "k", plan=plan, progress=False)
+    ranking = sorted(cal.selected, key=lambda n: -cal.sensitivity[n])
+    n = plan.choices["kept_by_sensitivity"]
+    assert {k for k, lp in plan.layers.items() if lp.keep_bf16 and k in cal.selected} == set(ranking[:n])
+    extra = kept.bytes_after - direct.bytes_after
+    assert extra <= percent / 100 * direct.bytes_after
+    if n < len(ranking):
+        w = dict(model.named_modules())[ranking[n]].weight
+        assert extra + w.numel() * w.element_size() - w.numel() * 33 // 32 > percent / 100 * direct.bytes_after
+    assert (n == 0) if percent == 0 else (n > 0 or percent < 10)
