@@ -27,6 +27,7 @@ from mxq.gptq import GPTQError, gptq_model, gptq_mx, hessian, round_plan
 from mxq.recipe import RecipeError, TensorSpec, parse_recipe
 
 sys.path.insert(0, str(Path(__file__).parent))
+from cli_helpers import run_cli  # noqa: E402
 from test_calibrate import TEXT, _CharTokenizer, _ids, _llama, _logits, _qwen, _tiny_plan_inputs  # noqa: E402
 
 
@@ -311,19 +312,6 @@ def test_gpu_gptq_equals_cpu_and_offload_bounds_device_memory():
 
 # --- the command line ------------------------------------------------------------------------------
 
-def _cli(args: list[str], capsys) -> tuple[int, str]:
-    from mxq.cli import main
-
-    argv = sys.argv
-    sys.argv = ["mxq", *args]
-    try:
-        main()
-        rc = 0
-    except SystemExit as e:
-        rc = e.code or 0
-    finally:
-        sys.argv = argv
-    return rc, capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
@@ -348,19 +336,19 @@ def model_dir(tmp_path_factory):
 def test_cli_calibrate_then_quantize_with_gptq(model_dir, tmp_path, capsys):
     src, text = str(model_dir / "src"), str(model_dir / "text.txt")
     cal = ["--dataset", text, "--samples", "4", "--seq-len", "32", "--sensitivity-seq-len", "16"]
-    rc, err = _cli(["calibrate", src, *cal, "--out", str(tmp_path / "plan.json")], capsys)
+    rc, err = run_cli(["calibrate", src, *cal, "--out", str(tmp_path / "plan.json")], capsys)
     assert rc == 0, err
     assert (tmp_path / "plan.safetensors").is_file()
-    rc, err = _cli(["quantize", src, str(tmp_path / "g"), "--plan", str(tmp_path / "plan.json")], capsys)
+    rc, err = run_cli(["quantize", src, str(tmp_path / "g"), "--plan", str(tmp_path / "plan.json")], capsys)
     assert rc == 0, err
-    rc, err = _cli(["quantize", src, str(tmp_path / "n"), "--calibrate", *cal, "--rounding", "nearest"], capsys)
+    rc, err = run_cli(["quantize", src, str(tmp_path / "n"), "--calibrate", *cal, "--rounding", "nearest"], capsys)
     assert rc == 0, err
     choices = {k: json.loads((tmp_path / k / "config.json").read_text())["quantization_config"]["calibration"]["choices"]
                for k in ("g", "n")}
     assert choices["g"]["rounding"] == "gptq" and choices["n"]["rounding"] == "nearest"
     assert choices["g"]["gptq"]["layers"] + choices["g"]["kept_by_sensitivity"] == 14  # the default byte budget keeps some
     assert choices["g"]["keep_bytes_percent"] == 3.5 and choices["n"]["keep_bytes_percent"] == 3.5
-    rc, err = _cli(["quantize", src, str(tmp_path / "x"), "--calibrate", *cal, "--rounding", "stochastic"], capsys)
+    rc, err = run_cli(["quantize", src, str(tmp_path / "x"), "--calibrate", *cal, "--rounding", "stochastic"], capsys)
     assert rc != 0 and "--rounding" in err and not (tmp_path / "x").exists()
 
 

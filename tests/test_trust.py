@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import run_cli
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -191,20 +191,6 @@ def test_the_scan_reads_only_what_it_needs_in_bounded_chunks(tmp_path):
 # --- mxq inspect: the same validator -------------------------------------------------------------
 
 
-def _cli(args: list[str], capsys) -> tuple[int, str]:
-    """Run `mxq ARGS` in this process as the console script does: exit status and stderr."""
-    from mxq.cli import main
-
-    argv = sys.argv
-    sys.argv = ["mxq", *args]
-    try:
-        main()
-        rc = 0
-    except SystemExit as e:
-        rc = e.code or 0
-    finally:
-        sys.argv = argv
-    return rc, capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -222,7 +208,7 @@ def test_inspect_refuses_what_the_loader_refuses(quantized, tmp_path, capsys, ke
         _edit_config(d, lambda qc: qc["layers"][LAYER]["weights"].update(scale_rule="nearest"))
     else:
         _edit_config(d, lambda qc: qc.update({key: value}))
-    rc, err = _cli(["inspect", str(d)], capsys)
+    rc, err = run_cli(["inspect", str(d)], capsys)
     lines = err.strip().splitlines()
     assert rc == 1 and len(lines) == 1 and match in lines[0] and str(d / "config.json") in lines[0], err
     with pytest.raises(ValueError, match=match.replace("(", r"\(")):
@@ -232,7 +218,7 @@ def test_inspect_refuses_what_the_loader_refuses(quantized, tmp_path, capsys, ke
 def test_inspect_reports_nan_codes_in_one_line(quantized, tmp_path, capsys):
     d = _copy(quantized / "u8", tmp_path / "q")
     _set_bytes(_shard(d), f"{LAYER}.weight", 0, 0x7F)
-    rc, err = _cli(["inspect", str(d)], capsys)
+    rc, err = run_cli(["inspect", str(d)], capsys)
     lines = err.strip().splitlines()
     assert rc == 1 and len(lines) == 1 and f"{LAYER}.weight: 1 NaN code(s)" in lines[0] and _shard(d).name in lines[0]
 
@@ -284,12 +270,12 @@ def test_recorded_scale_dtype_must_match_the_tensors(quantized, tmp_path):
 
 def test_cli_scale_dtype(src, tmp_path, capsys):
     out = tmp_path / "q"
-    rc, err = _cli(["quantize", str(src), str(out), "--scale-dtype", "e8m0"], capsys)
+    rc, err = run_cli(["quantize", str(src), str(out), "--scale-dtype", "e8m0"], capsys)
     assert rc == 0, err
     assert read_header(_shard(out))[0][f"{LAYER}.weight_scale"].dtype == "F8_E8M0"
-    rc, err = _cli(["inspect", str(out)], capsys)
+    rc, err = run_cli(["inspect", str(out)], capsys)
     assert rc == 0, err
-    rc, err = _cli(["quantize", str(src), str(tmp_path / "x"), "--scale-dtype", "e8m0", "--format", "compressed-tensors"], capsys)
+    rc, err = run_cli(["quantize", str(src), str(tmp_path / "x"), "--scale-dtype", "e8m0", "--format", "compressed-tensors"], capsys)
     assert rc == 1 and "compressed-tensors" in err and not (tmp_path / "x").exists()
 
 
