@@ -91,6 +91,7 @@ def gptq_mx(
     blocks by decreasing Hessian diagonal (their sum), and the columns of each block likewise;
     blocks stay whole, so the stored layout is unchanged and only the order of rounding moves.
     """
+    w_in = w
     n, k = w.shape
     if spec.scale_rule not in GPTQ_RULES:
         raise GPTQError(f"GPTQ rounding takes scale_rule rceil or mse, got {spec.scale_rule.value!r}")
@@ -99,7 +100,8 @@ def gptq_mx(
     if h.shape != (k, k):
         raise GPTQError(f"Hessian of shape {tuple(h.shape)} for a weight of shape {(n, k)}")
     lazy_block = max(block_size, lazy_block // block_size * block_size)
-    w = w.detach().float().clone()
+    w = w.detach().float()
+    w = w.clone() if w.data_ptr() == w_in.data_ptr() else w  # a float32 input is not modified
     h = h.detach().float().clone()
     perm = None
     if act_order:
@@ -221,15 +223,19 @@ def _quantize_input_hook(act: TensorSpec):
     return hook
 
 
-def _rel_err(w: torch.Tensor, wq: torch.Tensor, h: torch.Tensor, rows: int = 4096) -> float:
-    """‖(W − Ŵ)Xᵀ‖² / ‖WXᵀ‖² from H = XᵀX (float32, a few rows at a time: bounded memory)."""
-    num = den = 0.0
+def _errors(w: torch.Tensor, wq: torch.Tensor, h: torch.Tensor, spec: TensorSpec, rows: int = 2048) -> tuple[float, float]:
+    """‖(W − Ŵ)Xᵀ‖² / ‖WXᵀ‖² from H = XᵀX, for GPTQ's Ŵ and for round-to-nearest, a few rows at a
+    time in float32 (MX rounding is per row, so the chunks change no value; memory stays bounded)."""
+    g = r = den = 0.0
     for i in range(0, w.shape[0], rows):
-        wi = w[i : i + rows]
-        d = wi - wq[i : i + rows]
-        num += float(((d @ h) * d).sum())
-        den += float(((wi @ h) * wi).sum())
-    return num / den if den > 0 else 0.0
+        wi = w[i : i + rows].float()
+        wh = wi @ h
+        den += float((wh * wi).sum())
+        for q, acc in ((wq[i : i + rows], "g"), (fake_quantize_mx(wi, -1, spec.elem, 32, spec.scale_rule), "r")):
+            d = wi - q
+            v = float(((d @ h) * d).sum())
+            g, r = (g + v, r) if acc == "g" else (g, r + v)
+    return (g / den, r / den) if den > 0 else (0.0, 0.0)
 
 
 @torch.inference_mode()
@@ -328,10 +334,10 @@ def gptq_model(
                     t1 = time.perf_counter()
                     h = hs.pop(group[0][0])
                     wspec = specs[group[0][0]][0]
-                    w = torch.cat([lin.weight.detach().float() for _, lin in group])
+                    w = torch.cat([lin.weight.detach() for _, lin in group])  # in the model's dtype
                     wq = gptq_mx(w, h, wspec, damp=damp, act_order=act_order)
-                    rtn = fake_quantize_mx(w, -1, wspec.elem, 32, wspec.scale_rule)
-                    g_err, r_err = _rel_err(w, wq, h), _rel_err(w, rtn, h)
+                    g_err, r_err = _errors(w, wq, h, wspec)
+                    del w
                     row = 0
                     for name, lin in group:
                         n_out = lin.out_features
@@ -372,10 +378,10 @@ def gptq_model(
                 h = hessian(x) if h is None else h + hessian(x)
             t1 = time.perf_counter()
             wspec = specs[head_name][0]
-            w = head.weight.detach().float()
+            w = head.weight.detach()
             wq = gptq_mx(w, h, wspec, damp=damp, act_order=act_order)
-            rtn = fake_quantize_mx(w, -1, wspec.elem, 32, wspec.scale_rule)
-            result.layers[head_name] = {"gptq_err": _rel_err(w, wq, h), "rtn_err": _rel_err(w, rtn, h),
+            g_err, r_err = _errors(w, wq, h, wspec)
+            result.layers[head_name] = {"gptq_err": g_err, "rtn_err": r_err,
                                         "seconds": round(time.perf_counter() - t1, 3)}
             head.weight.data.copy_(wq.to(head.weight.dtype))
             bar.update(task, advance=1, layer=head_name)
