@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     import mxq
-    from mxq.calibrate import apply_plan, calibrate, calibration_batches, make_plan
+    from mxq.calibrate import apply_plan, calibrate, make_plan
     from mxq.eval.data import load_texts
     from mxq.eval.perplexity import make_windows, perplexity
     from mxq.gptq import round_plan
@@ -81,7 +81,6 @@ def main(argv=None) -> int:
     t_load = time.perf_counter() - t0
     texts = load_texts(a.calib)
     windows = make_windows(tok, load_texts(a.heldout), a.eval_seq_len, max_windows=a.max_windows)
-    batches = calibration_batches(tok, texts, a.samples, a.seq_len)
 
     def score(m) -> float:
         return perplexity(m, windows=windows, progress=False).ppl
@@ -119,7 +118,7 @@ def main(argv=None) -> int:
         t_gptq = 0.0
         if rounding.startswith("gptq"):
             t2 = time.perf_counter()
-            round_plan(m, plan, batches, progress=False, quantized_inputs=qin, act_order=rounding == "gptq-actorder")
+            round_plan(m, plan, cal.batches, progress=False, quantized_inputs=qin, act_order=rounding == "gptq-actorder")
             t_gptq = time.perf_counter() - t2
         apply_plan(m, plan)
         row = {"variant": v, "recipe": rname, "rounding": rounding, "keep_bf16": keep, "quantized_inputs": qin,

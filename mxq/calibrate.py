@@ -234,6 +234,7 @@ class Calibration:
     sensitivity: dict[str, float]  # KL of final logits, only this layer quantized (direct cast)
     sens_batches: list[torch.Tensor]
     provenance: dict
+    batches: list[torch.Tensor] = field(default_factory=list)  # the calibration token ids (GPTQ reruns them)
 
 
 def calibrate(
@@ -270,7 +271,7 @@ def calibrate(
         "sensitivity_metric": "mean KL(bf16 || only this layer quantized, direct cast) of final logits, nats/token",
         "seconds": round(time.perf_counter() - t0, 1), "mxq_version": mxq.__version__, "torch_version": torch.__version__,
     }
-    return Calibration(recipe, Geometry.from_config(model.config), stats, selected, kept, sens, sens_batches, prov)
+    return Calibration(recipe, Geometry.from_config(model.config), stats, selected, kept, sens, sens_batches, prov, batches)
 
 
 # --- sensitivity -------------------------------------------------------------------------------

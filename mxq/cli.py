@@ -272,7 +272,7 @@ def _run_calibration(
 ):
     import torch
 
-    from mxq.calibrate import calibrate, calibration_batches, make_plan
+    from mxq.calibrate import calibrate, make_plan
     from mxq.eval.data import chars_for_tokens, load_texts
     from mxq.models import load_model, resolve_device
     from mxq.recipe import ROUNDINGS
@@ -305,7 +305,7 @@ def _run_calibration(
     if rounding == "gptq":
         from mxq.gptq import round_plan
 
-        round_plan(m, p, calibration_batches(tok, texts, samples, seq_len))
+        round_plan(m, p, cal.batches)
     else:
         p.choices["rounding"] = "nearest"
     _print_plan(p)

@@ -40,6 +40,8 @@ from mxq.formats import (
     E8M0_MIN_EXP,
     ElemFormat,
     ScaleRule,
+    _cast_elements,
+    _exp2_f32,
     fake_quantize_mx,
     shared_exponents,
 )
@@ -56,15 +58,10 @@ class GPTQError(ValueError):
     """A layer or model GPTQ cannot round; the message names it."""
 
 
-def _exp2(e: torch.Tensor) -> torch.Tensor:
-    return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
-
-
 def _round_column(w: torch.Tensor, e: torch.Tensor, elem: ElemFormat) -> torch.Tensor:
-    """w[N] rounded to ``elem`` under the per-row scale 2**e[N] (saturating, nearest even)."""
-    s = _exp2(-e)
-    q = (w * s).clamp(-elem.max_normal, elem.max_normal).to(elem.torch_dtype).float()
-    return q * _exp2(e)
+    """w[N] rounded to ``elem`` under the per-row scale 2**e[N]: the element cast of ``quantize_mx``
+    (saturating, nearest even) on blocks of one element."""
+    return _cast_elements(w.view(-1, 1, 1), e.view(-1, 1), elem).float().view(-1) * _exp2_f32(e)
 
 
 def hessian(x: torch.Tensor) -> torch.Tensor:
@@ -226,16 +223,34 @@ def _quantize_input_hook(act: TensorSpec):
 def _errors(w: torch.Tensor, wq: torch.Tensor, h: torch.Tensor, spec: TensorSpec, rows: int = 2048) -> tuple[float, float]:
     """‖(W − Ŵ)Xᵀ‖² / ‖WXᵀ‖² from H = XᵀX, for GPTQ's Ŵ and for round-to-nearest, a few rows at a
     time in float32 (MX rounding is per row, so the chunks change no value; memory stays bounded)."""
+    def err(wi: torch.Tensor, q: torch.Tensor) -> float:
+        d = wi - q
+        return float(((d @ h) * d).sum())
+
     g = r = den = 0.0
     for i in range(0, w.shape[0], rows):
         wi = w[i : i + rows].float()
-        wh = wi @ h
-        den += float((wh * wi).sum())
-        for q, acc in ((wq[i : i + rows], "g"), (fake_quantize_mx(wi, -1, spec.elem, 32, spec.scale_rule), "r")):
-            d = wi - q
-            v = float(((d @ h) * d).sum())
-            g, r = (g + v, r) if acc == "g" else (g, r + v)
+        den += float(((wi @ h) * wi).sum())
+        g += err(wi, wq[i : i + rows])
+        r += err(wi, fake_quantize_mx(wi, -1, spec.elem, 32, spec.scale_rule))
     return (g / den, r / den) if den > 0 else (0.0, 0.0)
+
+
+def _round_group(group: list[tuple[str, nn.Linear]], h: torch.Tensor, spec: TensorSpec, damp: float,
+                 act_order: bool) -> dict[str, dict]:  # fmt: skip
+    """GPTQ over Linear layers that read one input (their rows stacked), in place; per layer: the
+    group's output errors, GPTQ and nearest, and its share of the time."""
+    t0 = time.perf_counter()
+    w = torch.cat([lin.weight.detach() for _, lin in group])  # in the model's dtype
+    wq = gptq_mx(w, h, spec, damp=damp, act_order=act_order)
+    g_err, r_err = _errors(w, wq, h, spec)
+    del w
+    row = 0
+    for _, lin in group:
+        lin.weight.data.copy_(wq[row : row + lin.out_features].to(lin.weight.dtype))
+        row += lin.out_features
+    secs = round((time.perf_counter() - t0) / len(group), 3)
+    return {name: {"gptq_err": g_err, "rtn_err": r_err, "seconds": secs} for name, _ in group}
 
 
 @torch.inference_mode()
@@ -259,7 +274,8 @@ def gptq_model(
     Decoder layers run in order on ``batches`` (token ids [B, T]); a rounded layer's activations
     are MX-rounded as W8A8 inference would (``specs``' activations) when it produces the next
     layer's inputs. ``offload``: keep the decoder layers on the host and move one at a time to
-    ``device`` (peak device memory: one layer plus the calibration activations). An ``lm_head``
+    ``device`` (the device then holds one layer, its Hessians and working copy, the calibration
+    activations, and the model's other modules: embedding, norm, head). An ``lm_head``
     in ``specs`` is rounded last, on the final normed hidden states. With ``offload`` the decoder
     layers are left on the host. ``quantized_inputs``: build each Hessian from the MX-rounded
     inputs the W8A8 layer will see (its activations spec) instead of the exact ones. ``act_order``:
@@ -331,21 +347,8 @@ def gptq_model(
                     for hk in hooks:
                         hk.remove()
                 for group in groups:
-                    t1 = time.perf_counter()
-                    h = hs.pop(group[0][0])
-                    wspec = specs[group[0][0]][0]
-                    w = torch.cat([lin.weight.detach() for _, lin in group])  # in the model's dtype
-                    wq = gptq_mx(w, h, wspec, damp=damp, act_order=act_order)
-                    g_err, r_err = _errors(w, wq, h, wspec)
-                    del w
-                    row = 0
-                    for name, lin in group:
-                        n_out = lin.out_features
-                        lin.weight.data.copy_(wq[row : row + n_out].to(lin.weight.dtype))
-                        row += n_out
-                        result.layers[name] = {"gptq_err": g_err, "rtn_err": r_err,
-                                               "seconds": round((time.perf_counter() - t1) / len(group), 3)}
-                        bar.update(task, advance=1, layer=name)
+                    result.layers.update(_round_group(group, hs.pop(group[0][0]), specs[group[0][0]][0], damp, act_order))
+                    bar.update(task, advance=len(group), layer=group[-1][0])
                 del hs
             # This layer's outputs, as the rounded model computes them, feed the next layer.
             act_hooks = [
@@ -376,14 +379,7 @@ def gptq_model(
             for x in hidden:
                 x = norm(x) if norm is not None else x
                 h = hessian(x) if h is None else h + hessian(x)
-            t1 = time.perf_counter()
-            wspec = specs[head_name][0]
-            w = head.weight.detach()
-            wq = gptq_mx(w, h, wspec, damp=damp, act_order=act_order)
-            g_err, r_err = _errors(w, wq, h, wspec)
-            result.layers[head_name] = {"gptq_err": g_err, "rtn_err": r_err,
-                                        "seconds": round(time.perf_counter() - t1, 3)}
-            head.weight.data.copy_(wq.to(head.weight.dtype))
+            result.layers.update(_round_group([(head_name, head)], h, specs[head_name][0], damp, act_order))
             bar.update(task, advance=1, layer=head_name)
     result.seconds = time.perf_counter() - t0
     return result
@@ -408,8 +404,8 @@ def round_plan(model: nn.Module, plan, batches: list[torch.Tensor], *, damp: flo
                      quantized_inputs=quantized_inputs, act_order=act_order)
     mods = dict(model.named_modules())
     rounded = {}
-    for name, (w, _a) in specs.items():
-        q = quantize_mx(mods[name].weight.detach(), -1, w.elem, 32, w.scale_rule)
+    for name, (wspec, _act) in specs.items():
+        q = quantize_mx(mods[name].weight.detach(), -1, wspec.elem, 32, wspec.scale_rule)
         rounded[name] = (q.data.cpu(), q.scales.cpu())
         st = res.layers.get(name)
         if st is not None and name in plan.layers:
