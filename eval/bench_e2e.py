@@ -39,6 +39,7 @@ import time
 
 import torch
 
+ROLES = ("bf16", "mxfp8", "bf16-grouped")
 SHAPES = {
     # Llama-3-8B (random weights, for speed only) and a tiny one for tests.
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -199,7 +200,9 @@ def bench_generate_static(model, batch: int, prompt_len: int, new_tokens: int) -
 
     _reset_peak(device)
     t0 = time.perf_counter()
-    gen(1), gen(1 + new_tokens)  # warm-up: compilation and graph capture for both cache lengths
+    # warm-up: compilation and graph capture. The longer call first: transformers keeps the largest
+    # static cache length it has seen, so the short call reuses that cache shape and graph.
+    gen(1 + new_tokens), gen(1)
     setup_s = time.perf_counter() - t0
     t1, tn = gen(1), gen(1 + new_tokens)
     dt = max(tn - t1, 1e-9)
@@ -353,13 +356,19 @@ def _build(a, device: torch.device):
 
 
 def worker(a, device: torch.device) -> dict:
-    """One model in this process: bf16 as built, or quantized with ``a.recipe`` (``a.worker``)."""
+    """One model in this process: bf16 as built, or quantized with ``a.recipe`` (``a.worker``);
+    ``bf16-grouped``: bf16 with mxq's attention without repeated K/V (``mxq.fuse.GROUPED_SDPA``),
+    to tell that part of the MXFP8 model's gain from the rest."""
     import mxq
 
     model, label = _build(a, device)
+    if a.worker == "bf16-grouped":
+        from mxq.fuse import use_grouped_sdpa
+
+        assert use_grouped_sdpa(model), "the bf16 model does not use sdpa attention"
     res = {"model": label, "config": {k: getattr(model.config, k, None) for k in ("hidden_size", "intermediate_size",
            "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size")}}  # fmt: skip
-    if a.worker != "bf16":
+    if a.worker == "mxfp8":
         check_ids = torch.randint(0, model.config.vocab_size, (1, 256), generator=torch.Generator().manual_seed(0)).to(device)
         with torch.inference_mode():
             ref_logits = model(check_ids).logits.float()
@@ -378,7 +387,7 @@ def worker(a, device: torch.device) -> dict:
         )
         del ref_logits, q_logits
         print(f"check vs bf16 logits: {res['check']}", flush=True)
-    res["measured"] = measure(model, "bf16" if a.worker == "bf16" else "mxfp8", a, device)
+    res["measured"] = measure(model, a.worker, a, device)
     return res
 
 
@@ -409,11 +418,23 @@ def main(argv=None) -> int:
     p.add_argument("--no-generate", action="store_true", help="skip the eager generate() figure")
     p.add_argument("--no-fuse", action="store_true", help="keep q/k/v and gate/up as separate MX GEMMs (mxq.linear.fuse_projections)")
     p.add_argument("--eager-decoder", action="store_true", help="also time the StaticGreedyDecoder step without a graph")
-    p.add_argument("--worker", choices=("bf16", "mxfp8"), help=argparse.SUPPRESS)
+    p.add_argument("--roles", default="bf16,mxfp8",
+                   help="models to run, each in a fresh process: bf16, mxfp8, bf16-grouped (bf16 with mxq's attention "
+                        "without repeated K/V); a run of some roles writes a partial JSON that --merge completes")
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="combine the JSON of earlier partial runs into one table")
+    p.add_argument("--worker", choices=ROLES, help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help="JSON file to write")
     a = p.parse_args(argv)
     a.batch = [int(v) for v in a.batch.split(",")]
+    if a.merge:
+        res = {}
+        for path in a.merge:
+            with open(path) as f:
+                part = json.load(f)
+            res.update({k: v for k, v in part.items() if k not in ROLES or v})
+            res.update({r: part[r] for r in ROLES if part.get(r)})
+        return _finish(res, a.out)
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print(
@@ -429,8 +450,13 @@ def main(argv=None) -> int:
     res = {"env": env_info(device), "recipe": a.recipe, "args": {k: v for k, v in vars(a).items()}}
     print(json.dumps(res["env"]), flush=True)
     args = list(sys.argv[1:] if argv is None else argv)
+    roles = [r.strip() for r in a.roles.split(",") if r.strip()]
+    bad = [r for r in roles if r not in ROLES]
+    if bad:
+        print(f"bench_e2e: --roles: unknown {bad}; choose from {', '.join(ROLES)}", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory() as tmp:
-        for role in ("bf16", "mxfp8"):  # each model in a fresh process
+        for role in roles:  # each model in a fresh process
             path = f"{tmp}/{role}.json"
             cmd = [sys.executable, "-m", "mxq.eval.bench_e2e", *args, "--worker", role, "--worker-out", path]
             print(f"--- {role}: a fresh process", flush=True)
@@ -444,12 +470,23 @@ def main(argv=None) -> int:
             res[role] = out["measured"]
             if role == "mxfp8":
                 res["quantize"], res["check"] = out["quantize"], out["check"]
-    res["summary"] = summary_rows(res)
-    print_table(res)
-    if a.out:
-        with open(a.out, "w") as f:
+    return _finish(res, a.out)
+
+
+def _finish(res: dict, out: str | None) -> int:
+    """The table (when both bf16 and mxfp8 are there) and the JSON."""
+    if res.get("bf16") and res.get("mxfp8"):
+        res["summary"] = summary_rows(res)
+        print_table(res)
+        if res.get("bf16-grouped"):
+            grouped = dict(res, bf16=res["bf16-grouped"])
+            res["summary_vs_bf16_grouped"] = summary_rows(grouped)
+            print("\nMXFP8 against bf16 with the same attention (mxq's, without repeated K/V):")
+            print("\n".join(table_lines(dict(grouped, summary=res["summary_vs_bf16_grouped"]))[2:]))
+    if out:
+        with open(out, "w") as f:
             json.dump(res, f, indent=1)
-        print(f"wrote {a.out}")
+        print(f"wrote {out}")
     return 0
 
 

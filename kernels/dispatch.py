@@ -101,9 +101,9 @@ def _decode_ws_supports(p: LinearProblem) -> bool:
     return p.triton and p.act_elem is not None and p.capability[0] == 9 and _decode_ws.takes(p.m, p.k, p.block_size)
 
 
-def _decode_ws_run(p, x2, weight, weight_scale, bias, out_dtype):
+def _decode_ws_run(p, x2, weight, weight_scale, bias, out_dtype, x_mx=None):
     return _decode_ws.mx_decode_gemm_ws(
-        x2, weight, weight_scale, bias, act_elem=p.act_elem, act_rule=p.act_rule, out_dtype=out_dtype
+        x2, weight, weight_scale, bias, act_elem=p.act_elem, act_rule=p.act_rule, out_dtype=out_dtype, x_mx=x_mx
     )
 
 
@@ -227,37 +227,57 @@ def mx_linear(
     act_rule: ScaleRule = ScaleRule.RCEIL,
     block_size: int = 32,
     kernels: str | None = None,
+    x_mx: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Y = X · Wᵀ (+ bias) for an MX weight (fp8 [N, K], ``weight_scale`` uint8 [N, K/block_size]);
     see ``mx_linear_reference`` for the contract. ``kernels``: which paths may run it ("auto",
-    "reference" or path names; default ``$MXQ_KERNELS`` or "auto")."""
+    "reference" or path names; default ``$MXQ_KERNELS`` or "auto").
+
+    ``x_mx``: X is already MX-rounded (RCEIL, ``act_elem``) by its producer (``producers``): x holds
+    the rounded values and ``x_mx`` = (fp8 codes [M, K], scale bytes [M, K/32]). The decode GEMM
+    reads the codes; every other path takes x as it is (W8A16 on rounded values: the same product,
+    without rounding X a second time)."""
     if weight_scale is None:
         raise ValueError("mx_linear needs weight_scale (uint8 [N, K / block_size])")
     if act_elem is not None:
         act_elem, act_rule = as_elem_format(act_elem), as_scale_rule(act_rule)
+    if x_mx is not None and (act_elem is None or act_rule is not ScaleRule.RCEIL):
+        raise ValueError("mx_linear: x_mx (X rounded by its producer) is for W8A8 with RCEIL activations")
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     spec = _spec(kernels)
     if not HAS_TRITON or spec == "reference":
+        if x_mx is not None:
+            act_elem = None  # x holds the MX-rounded values
         y = mx_linear_reference(x2, weight, weight_scale, bias, act_elem=act_elem, act_rule=act_rule, block_size=block_size)
         return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
     p = LinearProblem.of(x2.shape[0], weight.shape[0], k, x2.dtype, act_elem, act_rule, block_size, x2.device,
                          triton_runs(x2.device, spec))
     if p.capability[0] == 9:
         gluon_api.note_unavailable()
-    y = _run(choose(p, spec), p, spec, x2, weight, weight_scale, bias, x.dtype)
+    path = choose(p, spec)
+    if x_mx is not None:
+        if path.name == "decode_ws":
+            y = _run(path, p, spec, x2, weight, weight_scale, bias, x.dtype, x_mx)
+            return y.reshape(*x.shape[:-1], weight.shape[0])
+        p16 = p._replace(act_elem=None)
+        if path.supports(p16):  # the same path on the rounded values, without rounding them again
+            p = p16
+    y = _run(path, p, spec, x2, weight, weight_scale, bias, x.dtype)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def _run(path: KernelPath, p, spec, x2, weight, weight_scale, bias, out_dtype):
+def _run(path: KernelPath, p, spec, x2, weight, weight_scale, bias, out_dtype, x_mx=None):
+    run = path.run if x_mx is None else (lambda *a: _decode_ws_run(*a, x_mx=x_mx))
     if path.gluon is None:
-        return path.run(p, x2, weight, weight_scale, bias, out_dtype)
+        return run(p, x2, weight, weight_scale, bias, out_dtype)
 
-    def fall_back():  # the Gluon kernel is off now: choose again
+    def fall_back():  # the Gluon kernel is off now: choose again (x holds the rounded values)
         _CHOICE.clear()
-        return _run(choose(p, spec), p, spec, x2, weight, weight_scale, bias, out_dtype)
+        q = p if x_mx is None else p._replace(act_elem=None)
+        return _run(choose(q, spec), q, spec, x2, weight, weight_scale, bias, out_dtype)
 
-    return gluon_api.run_or_fall_back(path.gluon, lambda: path.run(p, x2, weight, weight_scale, bias, out_dtype), fall_back)
+    return gluon_api.run_or_fall_back(path.gluon, lambda: run(p, x2, weight, weight_scale, bias, out_dtype), fall_back)
 
 
 def linear_path(m: int, n: int, k: int, device: torch.device, *, w8a8: bool = True, x_dtype=torch.bfloat16,

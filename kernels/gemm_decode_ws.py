@@ -473,8 +473,12 @@ def mx_decode_gemm_ws(
     out_dtype: torch.dtype | None = None,
     config: DecodeWSConfig | None = None,
     block_size: int = 32,
+    x_mx: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """W8A8 Y [M, N] = MX(X) · dequant(W)ᵀ (+ bias), M <= 16, on a Hopper GPU (module doc).
+
+    ``x_mx`` = (fp8 codes [M, K], scale bytes [M, K/32]): X already quantized by its producer
+    (``producers``); the kernel reads them and X is not rounded again.
 
     X (bf16/fp16/fp32) is MX-quantized along K (``quantize_mx_rows``' kernel, any ScaleRule),
     then this kernel runs. Same result as ``gemm_decode.mx_decode_gemm`` up to fp32 accumulation
@@ -489,13 +493,14 @@ def mx_decode_gemm_ws(
         weight_scale.shape, weight_scale.stride(), weight_scale.dtype, weight_scale.data_ptr() & 15,
         None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.data_ptr() & 15),
         getattr(act_elem, "name", act_elem), act_rule, out_dtype, config, block_size, pdl_ok(dev), hw_cvt(dev),
+        x_mx is not None,
     )  # fmt: skip
     plan = _PLANS.get(key) if launch.FAST else None
     if plan is None:
-        plan = _WSPlan(x, weight, weight_scale, bias, act_elem, act_rule, out_dtype, config, block_size)
+        plan = _WSPlan(x, weight, weight_scale, bias, act_elem, act_rule, out_dtype, config, block_size, x_mx is not None)
         if launch.FAST:
             _PLANS.put(key, plan)
-    return plan(x, weight, weight_scale, bias)
+    return plan(x, weight, weight_scale, bias, x_mx)
 
 
 _PLANS = PlanCache()
@@ -505,7 +510,7 @@ class _WSPlan:
     """One ``mx_decode_gemm_ws`` call signature: checks, tiles, split, descriptors' block shapes
     and layouts, the quantizer's and the GEMM's launches. Holds no tensor (plans outlive models)."""
 
-    def __init__(self, x, weight, weight_scale, bias, act_elem, act_rule, out_dtype, config, block_size):
+    def __init__(self, x, weight, weight_scale, bias, act_elem, act_rule, out_dtype, config, block_size, pre=False):
         m, k = check_gemm_args(x, weight, weight_scale, bias, block_size)
         n = weight.shape[0]
         if not ws_supported(m, k, block_size, x.device):
@@ -543,12 +548,13 @@ class _WSPlan:
         self.scratch = self.ws_off + (4 * split * m * n if split > 1 else 0)
         consts = dict(BLOCK_N=cfg.block_n, BLOCK_M=block_m, STAGES=cfg.stages, SPLIT=split, HAS_BIAS=bias is not None,
                       LOADER_REGS=cfg.loader_regs, BOX=cfg.box)  # fmt: skip
-        self.fuse_x = cfg.fuse_x and act_rule is not ScaleRule.MSE and cfg.box == 128 and hw_cvt(x.device)
+        self.pre = pre  # X arrives quantized (``x_mx``): no quantizer, nothing to fuse
+        self.fuse_x = not pre and cfg.fuse_x and act_rule is not ScaleRule.MSE and cfg.box == 128 and hw_cvt(x.device)
         if self.fuse_x:
             pdl = False  # one kernel: nothing to overlap with
             consts.update(FUSE_X=True, X_FP8=x_gl, X_LAYOUT=self.x_layout, EMAX=act_elem.emax, MBITS=act_elem.mbits,
                           MAXN=act_elem.max_normal, RULE=_RULE_ID[act_rule])  # fmt: skip
-        else:
+        elif not pre:
             self.quantize = quantize_launch(act_elem, act_rule, block_size, write_q=True, write_d=False,
                                             pdl=pdl, device=x.device)  # fmt: skip
             self.qgrid = quantize_grid(m, k, act_rule, block_size)
@@ -556,7 +562,7 @@ class _WSPlan:
         self.gemm = {f: Launch(_mx_decode_ws_kernel, dict(consts, FUSED=f), opts) for f in (False, True)}
         self.has_bias = bias is not None
 
-    def __call__(self, x, weight, weight_scale, bias):
+    def __call__(self, x, weight, weight_scale, bias, x_mx=None):
         m, n, k = self.m, self.n, self.k
         if self.trivial:
             return operands_and_output(x, weight, weight_scale, bias, self.out_dtype, n)[3]
@@ -573,6 +579,13 @@ class _WSPlan:
         if self.fuse_x:
             ws = torch.empty((self.split, m, n), dtype=torch.float32, device=dev) if self.split > 1 else None
             x_desc, xs32 = w_desc, s32  # unused: the kernel reads x and quantizes it itself
+        elif self.pre:
+            xq, xs = x_mx
+            xq = xq.view(m, k) if xq.is_contiguous() and xq.data_ptr() % 16 == 0 else xq.reshape(m, k).contiguous()
+            xs = xs.reshape(m, k // BS)
+            ws = torch.empty((self.split, m, n), dtype=torch.float32, device=dev) if self.split > 1 else None
+            x_desc = descriptor(TensorDescriptor, xq.view(self.x_dtype), [m, k], [k, 1], self.x_block, self.x_layout)
+            xs32 = (xs if xs.is_contiguous() else xs.contiguous()).view(torch.int32)
         else:
             buf = torch.empty(self.scratch, dtype=torch.uint8, device=dev)
             xq = buf[: self.xs_off].view(m, k)

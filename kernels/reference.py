@@ -73,6 +73,25 @@ def fake_quantize_mx_rows(
     return fake_quantize_mx(x.to(torch.float32), -1, elem, block_size, rule).to(out_dtype or x.dtype)
 
 
+def _mx_rounded(v: torch.Tensor, elem: ElemFormat, block_size: int):
+    """(v MX-rounded with RCEIL in v's dtype, fp8 codes [M, K], scale bytes [M, K/bs]), blocks along the last axis."""
+    t = quantize_mx(v.reshape(-1, v.shape[-1]).float(), -1, elem, block_size, ScaleRule.RCEIL)
+    return t.dequantize(torch.float32).to(v.dtype).reshape(v.shape).clone(), t.data.clone(), t.scales.clone()
+
+
+def rmsnorm_mx_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, elem: ElemFormat, block_size: int = 32):
+    """transformers' RMSNorm (Llama, Mistral, Qwen2, Qwen3), its output MX-rounded: ``producers.rmsnorm_mx``."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return _mx_rounded(weight * h.to(x.dtype), elem, block_size)
+
+
+def silu_mul_mx_reference(gu: torch.Tensor, elem: ElemFormat, block_size: int = 32):
+    """SiLU(gate) · up of a fused gate/up output [..., 2I], MX-rounded: ``producers.silu_mul_mx``."""
+    g, u = gu.chunk(2, dim=-1)
+    return _mx_rounded(torch.nn.functional.silu(g) * u, elem, block_size)
+
+
 ROTATION_SEED = 0x6D7871  # "mxq": the random signs of the Q/K rotation are part of the format
 
 

@@ -85,9 +85,10 @@ class MXQHfQuantizer(HfQuantizer):
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
-        """Sibling projections (q/k/v, gate/up) as one MX GEMM each (``mxq.linear.fuse_projections``); the
-        checkpoint layout is unchanged (``state_dict`` writes them per projection)."""
-        from mxq.linear import fuse_projections
+        """The fast structure (``mxq.fuse``: q/k/v and gate/up as one MX GEMM each, activation
+        quantization in its producer, attention without repeated K/V); the checkpoint layout is
+        unchanged (``state_dict`` writes the projections separately)."""
+        from mxq.fuse import fuse
 
         _scales_as(model, torch.uint8)
         from mxq.embedding import after_loading
@@ -95,7 +96,7 @@ class MXQHfQuantizer(HfQuantizer):
         after_loading(model, self.quantization_config)
         if getattr(self.quantization_config, "scale_dtype", "u8") != "u8":
             self.quantization_config.scale_dtype = "u8"  # what the model now holds, and save_pretrained writes
-        fuse_projections(model)
+        fuse(model)
         return model
 
     def update_weight_conversions(self, weight_conversions, *args, **kwargs):

@@ -45,19 +45,22 @@ def mx_linear_op(
     act_rule: str,
     block_size: int,
     kernels: str = "",
+    x_codes: torch.Tensor | None = None,
+    x_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``mxq.kernels.mx_linear`` as a torch custom op (``act_elem`` "" = bf16 activations)."""
+    """``mxq.kernels.mx_linear`` as a torch custom op (``act_elem`` "" = bf16 activations;
+    ``x_codes``/``x_scales``: X quantized by its producer, ``mx_linear``'s ``x_mx``)."""
     from mxq.kernels import mx_linear
 
     return mx_linear(
         x, weight, weight_scale, bias,
         act_elem=as_elem_format(act_elem) if act_elem else None, act_rule=as_scale_rule(act_rule),
-        block_size=block_size, kernels=kernels or None,
+        block_size=block_size, kernels=kernels or None, x_mx=(x_codes, x_scales) if x_codes is not None else None,
     )  # fmt: skip
 
 
 @mx_linear_op.register_fake
-def _mx_linear_fake(x, weight, weight_scale, bias, act_elem, act_rule, block_size, kernels=""):
+def _mx_linear_fake(x, weight, weight_scale, bias, act_elem, act_rule, block_size, kernels="", x_codes=None, x_scales=None):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
@@ -134,7 +137,9 @@ class MXLinear(nn.Module):
         """The weight as the layer computes with it: float32 [N, K]."""
         return self.mx_weight().dequantize(torch.float32)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, x_mx: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Y = X · Wᵀ (+ bias). ``x_mx``: X was MX-rounded by its producer (``mxq.producers``): x holds
+        the rounded values, ``x_mx`` their fp8 codes and scale bytes."""
         from mxq.kernels import mx_linear
 
         act_elem = self.act.elem if self.act is not None else None
@@ -143,6 +148,7 @@ class MXLinear(nn.Module):
             return mx_linear_op(
                 x, self.weight, self.weight_scale, self.bias,
                 act_elem.name if act_elem is not None else "", act_rule.value, self.block_size, self.kernels or "",
+                *(x_mx if x_mx is not None else (None, None)),
             )  # fmt: skip
         return mx_linear(
             x,
@@ -153,6 +159,7 @@ class MXLinear(nn.Module):
             act_rule=act_rule,
             block_size=self.block_size,
             kernels=self.kernels,
+            x_mx=x_mx,
         )
 
     def extra_repr(self) -> str:
@@ -258,13 +265,24 @@ class FusedMXLinear(MXLinear):
         self._has_bias = tuple(m.bias is not None for m in layers)
         self._x = self._y = None  # the input of the last fused call and its output, until all slices took theirs
         self._left = 0
+        self._given = None  # (x, codes, scales) from the producer of the next input (``give``)
         self._register_state_dict_hook(_split_state)
         self._join_hook = None  # on the parent (``attach``): only it sees the siblings' keys when loading
+
+    def give(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        """The producer of this layer's next input has MX-rounded it (``mxq.producers``): ``x`` holds
+        the rounded values; the GEMM takes the codes and scales instead of rounding x again."""
+        self._given = (x, codes, scales)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole fused output [..., sum(sizes)] for ``x`` (the quantized X given for it, if any)."""
+        given, self._given = self._given, None
+        return self.forward(x, given[1:] if given is not None and given[0] is x else None)
 
     def output_for(self, x: torch.Tensor) -> torch.Tensor:
         """The fused output for ``x``, computed once per input for all siblings."""
         if self._x is not x:
-            self._x, self._y, self._left = x, self.forward(x), len(self.sizes)
+            self._x, self._y, self._left = x, self.product(x), len(self.sizes)
         y = self._y
         self._left -= 1
         if self._left <= 0:  # every sibling has its slice: keep nothing alive
@@ -375,7 +393,11 @@ def fuse_projections(model: nn.Module) -> list[str]:
 
 
 def unfuse_projections(model: nn.Module) -> None:
-    """Undo ``fuse_projections``: every sibling an ``MXLinear`` with its own weight again."""
+    """Undo ``fuse_projections`` (and ``mxq.producers.fuse_producers``, which needs it): every sibling
+    an ``MXLinear`` with its own weight again, every producer its module's own forward."""
+    for m in model.modules():
+        if "_mxq_feeds" in m.__dict__:  # an instance-level forward installed by mxq.producers
+            del m.__dict__["forward"], m.__dict__["_mxq_feeds"]
     for parent in list(model.modules()):
         for names in SIBLINGS:
             fused = getattr(parent, _attr(names), None)

@@ -8,7 +8,8 @@ from torch import nn
 
 from mxq.config import NativeConfig, native_config
 from mxq.embedding import quantize_embedding
-from mxq.linear import MXLinear, fuse_projections, linear_layers, select_model_layers, set_kernels
+from mxq.fuse import fuse as fuse_model
+from mxq.linear import MXLinear, linear_layers, select_model_layers, set_kernels
 from mxq.recipe import Recipe
 
 
@@ -17,9 +18,9 @@ def quantize_model(
 ) -> nn.Module:
     """Swap the recipe's Linear layers of an in-memory model for ``MXLinear`` (in place), and with
     ``embeddings: mxfp8`` its input embedding for ``MXEmbedding`` (a tied head then shares its
-    tensors: ``mxq.embedding``); ``kernels`` as in ``set_kernels``; ``fuse``: sibling projections
-    (q/k/v, gate/up) as one MX GEMM each (``mxq.linear.fuse_projections``, same numbers, same
-    ``state_dict`` layout)."""
+    tensors: ``mxq.embedding``); ``kernels`` as in ``set_kernels``; ``fuse``: the fast structure
+    (``mxq.fuse``: q/k/v and gate/up as one MX GEMM each, activation quantization in its producer,
+    attention without repeated K/V; same function, same ``state_dict`` layout)."""
     import warnings
 
     from mxq.recipe import load_recipe
@@ -44,7 +45,7 @@ def quantize_model(
     if kernels is not None:
         set_kernels(model, kernels)
     if fuse:
-        fuse_projections(model)
+        fuse_model(model)
     if hasattr(model, "config"):
         layers = {n: (recipe.weights, recipe.activations) for n in chosen}
         tied = emb.tied() if emb is not None else {}

@@ -150,11 +150,18 @@ def test_bench_e2e_cpu_smoke(tmp_path):
     bookkeeping is right."""
     from mxq.eval import bench_e2e
 
+    common = ["--shape", "tiny", "--device", "cpu", "--seq-len", "48", "--reps", "1", "--batch", "1,2",
+              "--prompt-len", "5", "--new-tokens", "3", "--generate-tokens", "2"]  # fmt: skip
+    parts = [tmp_path / "a.json", tmp_path / "b.json"]
+    # two partial runs (as on a machine whose calls are time-limited), then the merge
+    assert bench_e2e.main([*common, "--roles", "bf16", "--out", str(parts[0])]) == 0
+    assert "summary" not in json.loads(parts[0].read_text())
+    assert bench_e2e.main([*common, "--roles", "mxfp8,bf16-grouped", "--out", str(parts[1])]) == 0
     out = tmp_path / "e2e.json"
-    rc = bench_e2e.main(["--shape", "tiny", "--device", "cpu", "--seq-len", "48", "--reps", "1", "--batch", "1,2",
-                         "--prompt-len", "5", "--new-tokens", "3", "--generate-tokens", "2", "--out", str(out)])  # fmt: skip
-    assert rc == 0
+    assert bench_e2e.main(["--merge", *map(str, parts), "--out", str(out)]) == 0
+    assert bench_e2e.main([*common, "--roles", "fp4"]) == 2
     res = json.loads(out.read_text())
+    assert res["bf16-grouped"]["weight_bytes"] == res["bf16"]["weight_bytes"] and res["summary_vs_bf16_grouped"]
     ref = bench_e2e.build_random("tiny", torch.device("cpu"))
     assert res["bf16"]["weight_bytes"] == sum(p.numel() * 2 for p in ref.parameters()) + sum(
         b.numel() * b.element_size() for b in ref.buffers()

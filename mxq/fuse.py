@@ -1,0 +1,237 @@
+"""The fast structure of a quantized model, set up in one place: ``fuse(model)``.
+
+``quantize_model`` and ``from_pretrained`` call it; it changes how the model computes, never what
+it computes, and never its ``state_dict``:
+
+1. **Sibling projections** (``mxq.linear.fuse_projections``): q/k/v and gate/up each one MX GEMM.
+2. **Activation quantization in its producer** (``fuse_producers``, kernels in
+   ``mxq.kernels.producers``). In a Llama-family decoder layer (Llama, Mistral, Qwen2, Qwen3)
+   every W8A8 input comes from an RMSNorm (``input_layernorm`` → q/k/v,
+   ``post_attention_layernorm`` → gate/up) or from SiLU(gate)·up (→ down_proj). Those modules get
+   a forward that computes the producer and rounds its output to MX in one kernel:
+   - the RMSNorm returns the MX-rounded values (what the projections compute with anyway) and
+     hands their fp8 codes and scales to the fused projection it feeds (``FusedMXLinear.give``),
+     which recognises its input by identity and skips its own rounding;
+   - the MLP runs fused gate/up → SiLU·up rounded to MX → down_proj on the codes.
+   transformers' own code is untouched: the decoder layer still calls ``self.input_layernorm(h)``
+   and ``self.self_attn(...)``. Only modules whose arithmetic is known are changed (the
+   ``NORMS`` and ``MLPS`` classes, SiLU, W8A8 with RCEIL activations: RCEIL rounding is
+   idempotent, so a path that rounds X again computes the same function); others keep their
+   forward. ``mxq.linear.unfuse_projections`` removes these forwards too.
+3. **Attention without repeated K/V** (``GROUPED_SDPA``): transformers' SDPA attention repeats K
+   and V to every query head whenever it passes a mask (always with a static cache), a copy of the
+   whole cache per layer and step. This attention function folds each KV head's query heads into
+   the query length instead (rows g·Sq + s), so SDPA reads K and V once; the same arithmetic.
+   Used for steps of at most ``GROUPED_MAX_ROWS`` query rows per KV head (decoding); anything
+   else goes to transformers' SDPA. Set when the model uses ``sdpa``.
+
+Under ``torch.compile`` the producers are the custom ops ``mxq::rmsnorm_mx`` and
+``mxq::silu_mul_mx`` (opaque, shape-only fakes) and the model still compiles with ``fullgraph``.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+from mxq.formats import ScaleRule, as_elem_format
+from mxq.linear import FusedMXLinear, MXLinear, fuse_projections
+
+# Module classes whose forward is the arithmetic the producer kernels compute (by class name, as
+# transformers defines them; a subclass or another family keeps its own forward).
+NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")
+SILUS = ("SiLU", "SiLUActivation")  # torch.nn.SiLU, transformers.activations.SiLUActivation
+QKV, GATE_UP = "mxq_fused_q_proj_k_proj_v_proj", "mxq_fused_gate_proj_up_proj"
+
+GROUPED_SDPA = "mxq_sdpa"
+GROUPED_MAX_ROWS = 64
+
+
+def fuse(model: nn.Module) -> list[str]:
+    """Set up the fast structure (module doc) in place; what was fused, by module name."""
+    done = fuse_projections(model)
+    done += fuse_producers(model)
+    if use_grouped_sdpa(model):
+        done.append(f"attention: {GROUPED_SDPA}")
+    return done
+
+
+# --- producers ----------------------------------------------------------------------------------
+
+
+def _w8a8_rceil(m: nn.Module | None) -> bool:
+    act = getattr(m, "act", None)
+    return isinstance(m, MXLinear) and act is not None and act.scale_rule is ScaleRule.RCEIL
+
+
+def fuse_producers(model: nn.Module) -> list[str]:
+    """Give each known RMSNorm and gated MLP that feeds a W8A8 projection the fused forward."""
+    done = []
+    for name, layer in model.named_modules():
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        for norm_name, consumer in (("input_layernorm", getattr(attn, QKV, None)),
+                                    ("post_attention_layernorm", getattr(mlp, GATE_UP, None))):  # fmt: skip
+            norm = getattr(layer, norm_name, None)
+            if type(norm).__name__ in NORMS and isinstance(consumer, FusedMXLinear) and _w8a8_rceil(consumer):
+                _install(norm, _norm_forward, consumer)
+                done.append(f"{name}.{norm_name}")
+        gate_up = getattr(mlp, GATE_UP, None)
+        if (
+            type(mlp).__name__ in MLPS and isinstance(gate_up, FusedMXLinear) and _w8a8_rceil(gate_up)
+            and _w8a8_rceil(getattr(mlp, "down_proj", None)) and mlp.down_proj.act.elem == gate_up.act.elem
+            and type(getattr(mlp, "act_fn", None)).__name__ in SILUS
+        ):  # fmt: skip
+            _install(mlp, _mlp_forward, gate_up)
+            done.append(f"{name}.mlp")
+    return done
+
+
+def _install(module: nn.Module, forward, feeds: FusedMXLinear) -> None:
+    # plain instance attributes (not submodules: the consumer is registered where it lives)
+    module.__dict__["_mxq_feeds"] = feeds
+    module.__dict__["forward"] = types.MethodType(forward, module)
+
+
+def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """RMSNorm whose output is MX-rounded, the codes handed to the fused projection it feeds."""
+    feeds = self.__dict__["_mxq_feeds"]
+    if self.weight.dtype != x.dtype or x.shape[-1] % feeds.block_size:
+        return type(self).forward(self, x)
+    y, q, s = rmsnorm_mx(x, self.weight, self.variance_epsilon, feeds)
+    feeds.give(y, q, s)
+    return y
+
+
+def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """down_proj(SiLU(gate) · up), gate/up one GEMM, SiLU·up rounded to MX in one kernel."""
+    gate_up = self.__dict__["_mxq_feeds"]
+    gu = gate_up.product(x)
+    y, q, s = silu_mul_mx(gu, gate_up)
+    return self.down_proj(y, (q, s))
+
+
+def _triton(t: torch.Tensor, kernels: str | None) -> bool:
+    from mxq.kernels.dispatch import HAS_TRITON, _spec
+
+    return HAS_TRITON and t.device.type == "cuda" and _spec(kernels) != "reference"
+
+
+def _rmsnorm_mx(x, weight, eps: float, elem: str, block_size: int, kernels: str):
+    e = as_elem_format(elem)
+    if _triton(x, kernels or None):
+        from mxq.kernels.producers import rmsnorm_mx as kernel
+
+        return kernel(x, weight, eps, e, block_size)
+    from mxq.kernels.reference import rmsnorm_mx_reference
+
+    return rmsnorm_mx_reference(x, weight, eps, e, block_size)
+
+
+def _silu_mul_mx(gu, elem: str, block_size: int, kernels: str):
+    e = as_elem_format(elem)
+    if _triton(gu, kernels or None):
+        from mxq.kernels.producers import silu_mul_mx as kernel
+
+        return kernel(gu, e, block_size)
+    from mxq.kernels.reference import silu_mul_mx_reference
+
+    return silu_mul_mx_reference(gu, e, block_size)
+
+
+@torch.library.custom_op("mxq::rmsnorm_mx", mutates_args=())
+def rmsnorm_mx_op(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, elem: str, block_size: int, kernels: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _rmsnorm_mx(x, weight, eps, elem, block_size, kernels)
+
+
+@torch.library.custom_op("mxq::silu_mul_mx", mutates_args=())
+def silu_mul_mx_op(
+    gu: torch.Tensor, elem: str, block_size: int, kernels: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _silu_mul_mx(gu, elem, block_size, kernels)
+
+
+def _fake(v: torch.Tensor, k: int, elem: str, block_size: int):
+    m = v.numel() // v.shape[-1]
+    return (v.new_empty(*v.shape[:-1], k), v.new_empty((m, k), dtype=as_elem_format(elem).torch_dtype),
+            v.new_empty((m, k // block_size), dtype=torch.uint8))  # fmt: skip
+
+
+rmsnorm_mx_op.register_fake(lambda x, weight, eps, elem, block_size, kernels: _fake(x, x.shape[-1], elem, block_size))
+silu_mul_mx_op.register_fake(lambda gu, elem, block_size, kernels: _fake(gu, gu.shape[-1] // 2, elem, block_size))
+
+
+def rmsnorm_mx(x: torch.Tensor, weight: torch.Tensor, eps: float, feeds: MXLinear):
+    """(MX-rounded RMSNorm output, fp8 codes [M, K], scales [M, K/32]) in ``feeds``' activation format."""
+    args = (feeds.act.elem.name, feeds.block_size, feeds.kernels or "")
+    if torch.compiler.is_compiling():
+        return rmsnorm_mx_op(x, weight, float(eps), *args)
+    return _rmsnorm_mx(x, weight, eps, *args)
+
+
+def silu_mul_mx(gu: torch.Tensor, feeds: MXLinear):
+    """(MX-rounded SiLU(gate)·up of a fused gate/up output, fp8 codes, scales)."""
+    args = (feeds.act.elem.name, feeds.block_size, feeds.kernels or "")
+    if torch.compiler.is_compiling():
+        return silu_mul_mx_op(gu, *args)
+    return _silu_mul_mx(gu, *args)
+
+
+# --- attention without repeated K/V ---------------------------------------------------------------
+
+
+def grouped_sdpa_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+):
+    """transformers' SDPA attention, with each KV head's query heads folded into the query rows
+    when a mask is given (module doc); [B, Hq, Sq, D] queries -> ([B, Sq, Hq, D], None)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    b, hq, sq, d = query.shape
+    if (
+        groups <= 1 or attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1
+        or sq * groups > GROUPED_MAX_ROWS or (dropout and module.training) or kwargs.get("output_attentions")
+    ):  # fmt: skip
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)  # fmt: skip
+    hkv, n = key.shape[1], key.shape[2]
+    q = query.reshape(b, hkv, groups * sq, d)
+    mask = attention_mask[:, :, :, :n]
+    mb = mask.shape[0]
+    mask = mask.expand(mb, 1, sq, n)[:, :, None].expand(mb, 1, groups, sq, n).reshape(mb, 1, groups * sq, n)
+    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(b, hq, sq, out.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def register_grouped_sdpa() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_forward)
+    AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
+
+
+def use_grouped_sdpa(model: nn.Module) -> bool:
+    """Switch a model that uses ``sdpa`` to ``GROUPED_SDPA``; whether it did."""
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "_attn_implementation", None) != "sdpa" or not hasattr(model, "set_attn_implementation"):
+        return False
+    register_grouped_sdpa()
+    model.set_attn_implementation(GROUPED_SDPA)
+    return True
+
+
+register_grouped_sdpa()

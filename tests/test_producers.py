@@ -1,0 +1,251 @@
+"""Activation quantization fused into its producer (kernels/producers.py, mxq/fuse.py), and
+attention without repeated K/V.
+
+Kernels: RMSNorm → MX and SiLU·up → MX against the torch reference (transformers' arithmetic,
+then ``mxq.formats``), byte for byte in the interpreter (fp32/fp16: its bf16 cast truncates) and on
+a GPU within the rounding of the reduction. Models: a tiny model of each family with the fast
+structure computes the unfused model's logits exactly on the reference path, compiles to one
+graph in which the producers hand their codes to the GEMMs, and unfuses. Attention: the grouped
+SDPA equals transformers' SDPA on random inputs and masks.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from kernel_helpers import CUDA, DEV, HOPPER, activations, gpu, mx_weight
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+import mxq
+from mxq.formats import E4M3, E5M2, ScaleRule, fake_quantize_mx
+from mxq.fuse import GROUPED_SDPA, fuse, grouped_sdpa_forward
+from mxq.kernels import dispatch
+from mxq.kernels import producers as P
+from mxq.kernels.reference import mx_linear_reference, quantize_mx_rows, rmsnorm_mx_reference, silu_mul_mx_reference
+from mxq.linear import FusedMXLinear, unfuse_projections
+
+SMALL = dict(vocab_size=97, hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=32, max_position_embeddings=128)  # fmt: skip
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+}
+# the interpreter's fp32 -> bf16 cast truncates: bf16 runs only on a GPU
+KERNEL_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def _assert_producer_close(got, want, dtype):
+    """Rounded values, codes and scales equal the reference's; on a GPU the reduction and exp may
+    move a value by an ulp before rounding, so there a few elements may sit one fp8 step away."""
+    (y, q, s), (ry, rq, rs) = got, want
+    assert y.shape == ry.shape and y.dtype == ry.dtype == dtype and q.dtype == rq.dtype and s.shape == rs.shape
+    if not CUDA:
+        assert torch.equal(y.nan_to_num(7.0), ry.nan_to_num(7.0)) and _same_bytes(q, rq) and torch.equal(s, rs)
+        return
+    diff = (q.view(torch.uint8).int() - rq.view(torch.uint8).int()).abs()
+    assert (diff > 1).sum() == 0 and (diff > 0).float().mean() < 1e-3, diff.float().mean()
+    assert (s.int() - rs.int()).abs().max() <= 1 and (s != rs).float().mean() < 1e-3
+    # the rounded values are the codes' values (checked against the format's own rounding)
+    assert torch.equal(y.float().view(-1, y.shape[-1]).nan_to_num(7.0),
+                       fake_quantize_mx(y.float().view(-1, y.shape[-1]), -1, E4M3 if q.dtype == torch.float8_e4m3fn else E5M2, 32,
+                                        ScaleRule.RCEIL).nan_to_num(7.0))  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("elem", [E4M3, E5M2])
+def test_rmsnorm_mx_matches_reference(dtype, elem):
+    gen = torch.Generator().manual_seed(hash((str(dtype), elem.name)) % 2**31)
+    for shape in [(5, 160), (1, 4096), (2, 3, 96)] if CUDA else [(5, 160), (1, 1024), (2, 3, 96)]:
+        k = shape[-1]
+        x = activations(int(torch.tensor(shape[:-1]).prod()), k, dtype, gen, special=True, decades=(-2, 2)).view(shape)
+        w = (torch.rand(k, generator=gen) + 0.5).to(dtype).to(DEV)
+        got = P.rmsnorm_mx(x, w, 1e-5, elem)
+        want = rmsnorm_mx_reference(x, w, 1e-5, elem)
+        _assert_producer_close(got, want, dtype)
+        assert got[1].shape == (x.numel() // k, k) and got[2].shape == (x.numel() // k, k // 32)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("elem", [E4M3, E5M2])
+def test_silu_mul_mx_matches_reference(dtype, elem):
+    gen = torch.Generator().manual_seed(hash((str(dtype), elem.name, "silu")) % 2**31)
+    for shape in [(7, 2 * 160), (1, 2 * 1056), (2, 2, 2 * 96)]:
+        k2 = shape[-1]
+        gu = activations(int(torch.tensor(shape[:-1]).prod()), k2, dtype, gen, special=True, decades=(-2, 1)).view(shape)
+        got = P.silu_mul_mx(gu, elem)
+        want = silu_mul_mx_reference(gu, elem)
+        _assert_producer_close(got, want, dtype)
+
+
+def test_producer_kernels_refuse_bad_input():
+    x = torch.randn(2, 100, device=DEV)
+    with pytest.raises(ValueError, match="divisible by the MX block 32"):
+        P.rmsnorm_mx(x, torch.ones(100, device=DEV), 1e-6, E4M3)
+    with pytest.raises(ValueError, match="weight of shape"):
+        P.rmsnorm_mx(torch.randn(2, 96, device=DEV), torch.ones(96, device=DEV, dtype=torch.float16), 1e-6, E4M3)
+    with pytest.raises(ValueError, match="even last axis"):
+        P.silu_mul_mx(torch.randn(2, 97, device=DEV), E4M3)
+
+
+@pytest.mark.parametrize("path", ["gemv", "gemm", "reference"] + (["decode_ws"] if HOPPER else []))
+def test_mx_linear_takes_producer_codes(path):
+    """X rounded by its producer (values + codes) gives what W8A8 on the unrounded X gives."""
+    gen = torch.Generator().manual_seed(11)
+    n, k = 72, 256
+    wq, ws, _ = mx_weight(n, k, E4M3, gen)
+    for m in (1, 3):
+        x = activations(m, k, torch.float32, gen, special=False)
+        # the producer here: the format's own rounding of x (a producer's output is exactly that)
+        q, s = quantize_mx_rows(x, E4M3)
+        xr = fake_quantize_mx(x, -1, E4M3, 32, ScaleRule.RCEIL)
+        want = dispatch.mx_linear(x, wq, ws, act_elem=E4M3, kernels=path)
+        got = dispatch.mx_linear(xr, wq, ws, act_elem=E4M3, kernels=path, x_mx=(q, s))
+        ref = mx_linear_reference(x, wq, ws, act_elem=E4M3)
+        assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+        if path != "decode_ws":
+            assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="RCEIL"):
+        dispatch.mx_linear(xr, wq, ws, act_elem=E4M3, act_rule=ScaleRule.FLOOR, x_mx=(q, s))
+
+
+def _model(family: str, dtype=torch.float32, recipe="mxfp8", fused=False):
+    torch.manual_seed(sum(map(ord, family)))
+    cfg_cls, model_cls = FAMILIES[family]
+    m = model_cls(cfg_cls(**SMALL, attn_implementation="sdpa")).to(dtype).eval()
+    return mxq.quantize_model(m, recipe, fuse=fused)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_structure_computes_the_unfused_model(family, dtype):
+    plain = _model(family, dtype)
+    fast = copy.deepcopy(plain)
+    done = fuse(fast)
+    layers = SMALL["num_hidden_layers"]
+    assert sum(d.endswith(("input_layernorm", "post_attention_layernorm")) for d in done) == 2 * layers
+    assert sum(d.endswith(".mlp") for d in done) == layers and f"attention: {GROUPED_SDPA}" in done
+    assert fast.config._attn_implementation == GROUPED_SDPA
+    assert fast.state_dict().keys() == plain.state_dict().keys()
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 19))
+    with torch.no_grad():
+        want, got = plain(ids).logits, fast(ids).logits
+    assert torch.equal(got, want)
+    kw = dict(max_new_tokens=9, min_new_tokens=9, do_sample=False, pad_token_id=0)
+    with torch.no_grad():  # decoding: the grouped attention over a static cache (masked), and the dynamic cache
+        for cache in ("static", "dynamic"):
+            assert torch.equal(fast.generate(ids, cache_implementation=cache, **kw),
+                               plain.generate(ids, cache_implementation=cache, **kw))  # fmt: skip
+    unfuse_projections(fast)
+    assert not any("_mxq_feeds" in m.__dict__ for m in fast.modules())
+    with torch.no_grad():
+        assert torch.equal(fast(ids).logits, want)
+
+
+def test_producers_only_where_the_arithmetic_is_known():
+    """W8A16 has no activation rounding to fuse; a FLOOR activation rule is not idempotent; a
+    norm of an unknown class keeps its forward."""
+    m = _model("llama", recipe="mxfp8-w8a16", fused=True)
+    assert not any("_mxq_feeds" in x.__dict__ for x in m.modules())
+    m = _model("llama")
+    for mod in m.modules():
+        if getattr(mod, "act", None) is not None:
+            mod.act = type(mod.act)(mod.act.elem, ScaleRule.FLOOR)
+    assert not [d for d in fuse(m) if not d.startswith("attention")][2 * SMALL["num_hidden_layers"]:]
+    assert not any("_mxq_feeds" in x.__dict__ for x in m.modules())
+    m = _model("qwen2")
+    m.model.layers[0].input_layernorm.__class__ = type("OtherRMSNorm", (type(m.model.layers[0].input_layernorm),), {})
+    done = fuse(m)
+    assert "model.layers.0.input_layernorm" not in done and "model.layers.1.input_layernorm" in done
+
+
+def test_compiled_producers_hand_codes_to_the_gemms(monkeypatch):
+    """Under dynamo (fullgraph) each norm and SiLU·up is one producer op and every q/k/v, gate/up
+    and down GEMM receives its codes; the logits equal the eager model's."""
+    m = _model("qwen3", fused=True)
+    ids = torch.randint(0, SMALL["vocab_size"], (1, 9))
+    with torch.no_grad():
+        want = m(ids).logits
+    import mxq.kernels
+
+    calls, orig = [], mxq.kernels.mx_linear
+
+    def counting(*a, **k):
+        calls.append((a[1].shape[0], k.get("x_mx") is not None))
+        return orig(*a, **k)
+
+    monkeypatch.setattr(mxq.kernels, "mx_linear", counting)
+    torch._dynamo.reset()
+    g = torch.compile(m, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        g(ids)
+        calls.clear()
+        got = g(ids).logits
+    torch._dynamo.reset()
+    assert torch.equal(got, want)
+    layers, h = SMALL["num_hidden_layers"], SMALL["hidden_size"]
+    with_codes = [n for n, given in calls if given]
+    assert len(calls) == 4 * layers and len(with_codes) == 3 * layers  # all but o_proj
+    assert with_codes.count(h) == layers  # down_proj
+
+
+def test_loaded_checkpoint_has_the_fast_structure(tmp_path):
+    m = _model("mistral", dtype=torch.bfloat16, fused=True)
+    m.save_pretrained(tmp_path / "ckpt")
+    model, plain = mxq.load(tmp_path / "ckpt"), mxq.load(tmp_path / "ckpt", fuse=False)
+    assert sum("_mxq_feeds" in x.__dict__ for x in model.modules()) == 3 * SMALL["num_hidden_layers"]
+    assert not any("_mxq_feeds" in x.__dict__ for x in plain.modules())
+    ids = torch.randint(0, SMALL["vocab_size"], (1, 11))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, plain(ids).logits)
+
+
+@pytest.mark.parametrize("groups,sq,b", [(1, 1, 2), (2, 1, 3), (4, 3, 1), (3, 1, 2), (8, 16, 1)])
+def test_grouped_sdpa_equals_transformers_sdpa(groups, sq, b):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    gen = torch.Generator().manual_seed(groups * 100 + sq)
+    hkv, n, d = 2, 37, 32
+    q = torch.randn(b, hkv * groups, sq, d, generator=gen)
+    k, v = torch.randn(b, hkv, n, d, generator=gen), torch.randn(b, hkv, n, d, generator=gen)
+    mask = torch.rand(b, 1, sq, n, generator=gen) > 0.3
+    mask[..., 0] = True
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = groups, True
+    want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=d**-0.5)
+    got, _ = grouped_sdpa_forward(module, q, k, v, mask, scaling=d**-0.5)
+    assert got.shape == want.shape == (b, sq, hkv * groups, d)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_gpu_fast_structure_matches_reference_path(family):
+    """On the GPU the fast structure (producer kernels, decode GEMM on their codes) computes what
+    the unfused model on the torch reference computes: bf16 logits within W8A8's step noise."""
+    plain = _model(family, torch.bfloat16).cuda()
+    fast = copy.deepcopy(plain)
+    fuse(fast)
+    mxq.set_kernels(plain, "reference")
+    for m in (1, 8, 300):
+        ids = torch.randint(0, SMALL["vocab_size"], (1, m), device="cuda")
+        with torch.no_grad():
+            a, r = fast(ids).logits.float(), plain(ids).logits.float()
+        assert ((a - r).norm() / r.norm()).item() < 0.03
