@@ -184,7 +184,43 @@ def bench_decode_generate(model, batch: int, prompt_len: int, new_tokens: int) -
                 tokens_per_s=batch * new_tokens / dt, ms_per_step=1e3 * dt / new_tokens)  # fmt: skip
 
 
-def bench_generate_static(model, batch: int, prompt_len: int, new_tokens: int) -> dict:
+def profile_steps(gen, new_tokens: int) -> dict:
+    """Where a decode step of ``gen(n)`` (a generate call of n new tokens) goes, from two profiled
+    calls (n = 1 and n = 1 + new_tokens; their difference is decoding alone): wall ms per step,
+    device-busy ms per step (the union of kernel and copy intervals), kernels per step, and the
+    kernels by time per step. Wall minus busy is the time the device waits for the host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    stats = {}
+    for n in (1, 1 + new_tokens):
+        with profile(activities=acts) as prof:
+            wall = gen(n)
+        ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy, end = 0.0, None
+        for s0, s1 in sorted((e.time_range.start, e.time_range.end) for e in ev):
+            if end is None or s0 > end:
+                busy, start, end = busy + ((end - start) if end is not None else 0.0), s0, s1
+            else:
+                end = max(end, s1)
+        busy += (end - start) if end is not None else 0.0
+        kernels = {}
+        for e in ev:
+            if not e.name.startswith(("Memcpy", "Memset")):
+                c = kernels.setdefault(e.name[:100], [0, 0.0])
+                c[0] += 1
+                c[1] += e.time_range.elapsed_us()
+        stats[n] = dict(wall_ms=1e3 * wall, busy_ms=busy / 1e3, kernels=kernels)
+    a, b = stats[1], stats[1 + new_tokens]
+    per = {k: [(c - a["kernels"].get(k, [0, 0.0])[0]) / new_tokens, (us - a["kernels"].get(k, [0, 0.0])[1]) / new_tokens]
+           for k, (c, us) in b["kernels"].items()}  # fmt: skip
+    top = sorted(per.items(), key=lambda kv: -kv[1][1])[:25]
+    return dict(wall_ms_per_step=(b["wall_ms"] - a["wall_ms"]) / new_tokens, busy_ms_per_step=(b["busy_ms"] - a["busy_ms"]) / new_tokens,
+                kernels_per_step=sum(c for c, _ in per.values()),
+                top_kernels=[dict(name=k, per_step=c, us_per_step=us) for k, (c, us) in top])  # fmt: skip
+
+
+def bench_generate_static(model, batch: int, prompt_len: int, new_tokens: int, profile: bool = False) -> dict:
     """``generate(cache_implementation="static")``: decode time = t(1 + n) - t(1), both lengths
     called once before timing (the first call of a cache length compiles on CUDA)."""
     device = next(model.parameters()).device
@@ -206,8 +242,11 @@ def bench_generate_static(model, batch: int, prompt_len: int, new_tokens: int) -
     setup_s = time.perf_counter() - t0
     t1, tn = gen(1), gen(1 + new_tokens)
     dt = max(tn - t1, 1e-9)
-    return dict(batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, decode_s=dt, setup_s=setup_s,
-                tokens_per_s=batch * new_tokens / dt, ms_per_step=1e3 * dt / new_tokens, peak_bytes=_peak(device))  # fmt: skip
+    out = dict(batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, decode_s=dt, setup_s=setup_s,
+               tokens_per_s=batch * new_tokens / dt, ms_per_step=1e3 * dt / new_tokens, peak_bytes=_peak(device))  # fmt: skip
+    if profile:
+        out["profile"] = profile_steps(gen, min(new_tokens, 32))
+    return out
 
 
 def measure(model, label: str, a, device: torch.device) -> dict:
@@ -221,10 +260,16 @@ def measure(model, label: str, a, device: torch.device) -> dict:
     print(f"[{label}] prefill {res['prefill']['tokens_per_s']:.0f} tok/s", flush=True)
     res["decode"] = []
     for b in a.batch:
-        r = bench_generate_static(model, b, a.prompt_len, a.new_tokens)
+        r = bench_generate_static(model, b, a.prompt_len, a.new_tokens, profile=a.profile)
         r["mode"] = 'generate() static cache'
         res["decode"].append(r)
         print(f"[{label}] decode B={b} {r['mode']}: {r['tokens_per_s']:.1f} tok/s (setup {r['setup_s']:.1f} s)", flush=True)
+        if a.profile:
+            pr = r["profile"]
+            print(f"[{label}]   profiled: {pr['wall_ms_per_step']:.2f} ms/step, device busy {pr['busy_ms_per_step']:.2f} ms, "
+                  f"{pr['kernels_per_step']:.0f} kernels/step", flush=True)  # fmt: skip
+            for k in pr["top_kernels"][:12]:
+                print(f"[{label}]   {k['us_per_step']:8.1f} us/step {k['per_step']:6.1f}/step  {k['name'][:80]}", flush=True)
     if not a.no_generate:
         r = bench_decode_generate(model, 1, a.prompt_len, a.generate_tokens)
         r["mode"] = "generate() dynamic cache"
@@ -416,6 +461,8 @@ def main(argv=None) -> int:
         help="StaticGreedyDecoder: compile the step (inductor) before capturing its graph",
     )
     p.add_argument("--no-generate", action="store_true", help="skip the eager generate() figure")
+    p.add_argument("--profile", action="store_true",
+                   help="profile the static-cache generate() decode: device-busy vs wall time per step, kernels per step, top kernels")
     p.add_argument("--no-fuse", action="store_true", help="keep q/k/v and gate/up as separate MX GEMMs (mxq.linear.fuse_projections)")
     p.add_argument("--eager-decoder", action="store_true", help="also time the StaticGreedyDecoder step without a graph")
     p.add_argument("--roles", default="bf16,mxfp8",

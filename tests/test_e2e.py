@@ -154,8 +154,11 @@ def test_bench_e2e_cpu_smoke(tmp_path):
               "--prompt-len", "5", "--new-tokens", "3", "--generate-tokens", "2"]  # fmt: skip
     parts = [tmp_path / "a.json", tmp_path / "b.json"]
     # two partial runs (as on a machine whose calls are time-limited), then the merge
-    assert bench_e2e.main([*common, "--roles", "bf16", "--out", str(parts[0])]) == 0
-    assert "summary" not in json.loads(parts[0].read_text())
+    assert bench_e2e.main([*common, "--roles", "bf16", "--profile", "--out", str(parts[0])]) == 0
+    part = json.loads(parts[0].read_text())
+    assert "summary" not in part
+    prof = part["bf16"]["decode"][0]["profile"]  # on a CPU: no device intervals, host time only
+    assert prof["wall_ms_per_step"] > 0 and prof["busy_ms_per_step"] == 0 and prof["kernels_per_step"] == 0
     assert bench_e2e.main([*common, "--roles", "mxfp8,bf16-grouped", "--out", str(parts[1])]) == 0
     out = tmp_path / "e2e.json"
     assert bench_e2e.main(["--merge", *map(str, parts), "--out", str(out)]) == 0
