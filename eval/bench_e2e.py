@@ -184,6 +184,17 @@ def bench_decode_generate(model, batch: int, prompt_len: int, new_tokens: int) -
                 tokens_per_s=batch * new_tokens / dt, ms_per_step=1e3 * dt / new_tokens)  # fmt: skip
 
 
+def union_length(intervals) -> float:
+    """Total length covered by (start, end) intervals (overlaps counted once)."""
+    busy, start, end = 0.0, 0.0, None
+    for s0, s1 in sorted(intervals):
+        if end is None or s0 > end:
+            busy, start, end = busy + ((end - start) if end is not None else 0.0), s0, s1
+        else:
+            end = max(end, s1)
+    return busy + ((end - start) if end is not None else 0.0)
+
+
 def profile_steps(gen, new_tokens: int) -> dict:
     """Where a decode step of ``gen(n)`` (a generate call of n new tokens) goes, from two profiled
     calls (n = 1 and n = 1 + new_tokens; their difference is decoding alone): wall ms per step,
@@ -197,13 +208,7 @@ def profile_steps(gen, new_tokens: int) -> dict:
         with profile(activities=acts) as prof:
             wall = gen(n)
         ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        busy, end = 0.0, None
-        for s0, s1 in sorted((e.time_range.start, e.time_range.end) for e in ev):
-            if end is None or s0 > end:
-                busy, start, end = busy + ((end - start) if end is not None else 0.0), s0, s1
-            else:
-                end = max(end, s1)
-        busy += (end - start) if end is not None else 0.0
+        busy = union_length([(e.time_range.start, e.time_range.end) for e in ev])
         kernels = {}
         for e in ev:
             if not e.name.startswith(("Memcpy", "Memset")):

@@ -145,6 +145,19 @@ def _expected_weight_bytes(model):
     return total
 
 
+def test_bench_e2e_busy_time_is_the_union_of_intervals():
+    from mxq.eval.bench_e2e import union_length
+
+    rng = torch.Generator().manual_seed(3)
+    ivs = [(float(a), float(a + d)) for a, d in zip(torch.randint(0, 200, (40,), generator=rng).tolist(),
+                                                     torch.randint(0, 15, (40,), generator=rng).tolist())]  # fmt: skip
+    covered = torch.zeros(260, dtype=torch.bool)  # unit cells: an independent count
+    for a, b in ivs:
+        covered[int(a) : int(b)] = True
+    assert union_length(ivs) == covered.sum().item()
+    assert union_length([]) == 0 and union_length([(1.0, 4.0), (2.0, 3.0), (4.0, 6.0)]) == 5.0
+
+
 def test_bench_e2e_cpu_smoke(tmp_path):
     """The benchmark runs end to end on a CPU (no graphs), each model in its own process, and its
     bookkeeping is right."""

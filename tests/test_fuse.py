@@ -91,20 +91,15 @@ def test_no_fusion_across_different_formats():
     assert type(mlp.gate_proj) is MXLinear
 
 
-def test_compiled_fused_model_runs_one_gemm_per_group(monkeypatch):
-    """Traced by dynamo, the three q/k/v calls on one input become one mxq::mx_linear call."""
-    m = _model("qwen3")
-    ids = torch.randint(0, SMALL["vocab_size"], (1, 9))
-    with torch.no_grad():
-        want = m(ids).logits
-    fuse_projections(m)
-    calls = []
+def compiled_linear_calls(m, ids, monkeypatch):
+    """(logits of m compiled by dynamo with fullgraph=True, the second call's ``mx_linear`` calls as
+    (output width, whether the producer gave X's codes))."""
     import mxq.kernels
 
-    orig = mxq.kernels.mx_linear
+    calls, orig = [], mxq.kernels.mx_linear
 
     def counting(*a, **k):
-        calls.append(a[1].shape[0])
+        calls.append((a[1].shape[0], k.get("x_mx") is not None))
         return orig(*a, **k)
 
     monkeypatch.setattr(mxq.kernels, "mx_linear", counting)
@@ -115,6 +110,18 @@ def test_compiled_fused_model_runs_one_gemm_per_group(monkeypatch):
         calls.clear()
         got = g(ids).logits
     torch._dynamo.reset()
+    return got, calls
+
+
+def test_compiled_fused_model_runs_one_gemm_per_group(monkeypatch):
+    """Traced by dynamo, the three q/k/v calls on one input become one mxq::mx_linear call."""
+    m = _model("qwen3")
+    ids = torch.randint(0, SMALL["vocab_size"], (1, 9))
+    with torch.no_grad():
+        want = m(ids).logits
+    fuse_projections(m)
+    got, calls = compiled_linear_calls(m, ids, monkeypatch)
+    calls = [n for n, _ in calls]
     assert torch.equal(got, want)
     layers = SMALL["num_hidden_layers"]
     # per layer: fused qkv, o_proj, fused gate_up, down_proj

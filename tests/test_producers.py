@@ -16,33 +16,23 @@ import copy
 import pytest
 import torch
 from kernel_helpers import CUDA, DEV, HOPPER, activations, gpu, mx_weight
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+from test_fuse import FAMILIES, compiled_linear_calls  # FAMILIES: Llama, Mistral, Qwen2, Qwen3
 
 import mxq
 from mxq.formats import E4M3, E5M2, ScaleRule, fake_quantize_mx
 from mxq.fuse import GROUPED_SDPA, fuse, grouped_sdpa_forward
 from mxq.kernels import dispatch
 from mxq.kernels import producers as P
-from mxq.kernels.reference import mx_linear_reference, quantize_mx_rows, rmsnorm_mx_reference, silu_mul_mx_reference
-from mxq.linear import FusedMXLinear, unfuse_projections
+from mxq.kernels.reference import (
+    mx_linear_reference,
+    quantize_mx_rows,
+    rmsnorm_mx_reference,
+    silu_mul_mx_reference,
+)
+from mxq.linear import unfuse_projections
 
 SMALL = dict(vocab_size=97, hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32, max_position_embeddings=128)  # fmt: skip
-FAMILIES = {
-    "llama": (LlamaConfig, LlamaForCausalLM),
-    "mistral": (MistralConfig, MistralForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
-}
 # the interpreter's fp32 -> bf16 cast truncates: bf16 runs only on a GPU
 KERNEL_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
 
@@ -182,22 +172,7 @@ def test_compiled_producers_hand_codes_to_the_gemms(monkeypatch):
     ids = torch.randint(0, SMALL["vocab_size"], (1, 9))
     with torch.no_grad():
         want = m(ids).logits
-    import mxq.kernels
-
-    calls, orig = [], mxq.kernels.mx_linear
-
-    def counting(*a, **k):
-        calls.append((a[1].shape[0], k.get("x_mx") is not None))
-        return orig(*a, **k)
-
-    monkeypatch.setattr(mxq.kernels, "mx_linear", counting)
-    torch._dynamo.reset()
-    g = torch.compile(m, backend="aot_eager", fullgraph=True)
-    with torch.no_grad():
-        g(ids)
-        calls.clear()
-        got = g(ids).logits
-    torch._dynamo.reset()
+    got, calls = compiled_linear_calls(m, ids, monkeypatch)
     assert torch.equal(got, want)
     layers, h = SMALL["num_hidden_layers"], SMALL["hidden_size"]
     with_codes = [n for n, given in calls if given]
