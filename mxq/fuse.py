@@ -17,7 +17,7 @@ it computes, and never its ``state_dict``:
    and ``self.self_attn(...)``. Only modules whose arithmetic is known are changed (the
    ``NORMS`` and ``MLPS`` classes, SiLU, W8A8 with RCEIL activations: RCEIL rounding is
    idempotent, so a path that rounds X again computes the same function); others keep their
-   forward. ``mxq.linear.unfuse_projections`` removes these forwards too.
+   forward. ``unfuse`` (or ``mxq.linear.unfuse_projections``) removes these forwards.
 3. **Attention without repeated K/V** (``GROUPED_SDPA``): transformers' SDPA attention repeats K
    and V to every query head whenever it passes a mask (always with a static cache), a copy of the
    whole cache per layer and step. This attention function folds each KV head's query heads into
@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from mxq.formats import ScaleRule, as_elem_format
-from mxq.linear import FusedMXLinear, MXLinear, fuse_projections
+from mxq.linear import FusedMXLinear, MXLinear, fuse_projections, unfuse_projections
 
 # Module classes whose forward is the arithmetic the producer kernels compute (by class name, as
 # transformers defines them; a subclass or another family keeps its own forward).
@@ -57,6 +57,15 @@ def fuse(model: nn.Module) -> list[str]:
     if use_grouped_sdpa(model):
         done.append(f"attention: {GROUPED_SDPA}")
     return done
+
+
+def unfuse(model: nn.Module) -> None:
+    """Undo ``fuse``: the model as transformers builds it (separate projections, its modules' own
+    forwards, transformers' SDPA)."""
+    unfuse_projections(model)
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "_attn_implementation", None) == GROUPED_SDPA:
+        model.set_attn_implementation("sdpa")
 
 
 # --- producers ----------------------------------------------------------------------------------

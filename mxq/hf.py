@@ -181,7 +181,8 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: tor
          kernels: str | None = None, fuse: bool = True):  # fmt: skip
     """Load an MXFP8 checkpoint (mxq, compressed-tensors mxfp8-quantized or transformers mxfp8);
     ``kernels`` chooses the kernels that may run it (``mxq.set_kernels``); ``fuse=False`` keeps
-    q/k/v and gate/up as separate layers (``mxq.linear.fuse_projections``)."""
+    the model as transformers builds it (``mxq.fuse``: q/k/v and gate/up separate, its
+    own norms, MLPs and attention)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from mxq.checkpoint import CheckpointError, checkpoint_files, read_header
@@ -209,8 +210,8 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: tor
         cfg.quantization_config = foreign_to_native(path, config, *skeleton_modules(cfg))
     model = AutoModelForCausalLM.from_pretrained(path, config=cfg, dtype=dtype, trust_remote_code=False)
     if not fuse:
-        from mxq.linear import unfuse_projections
+        from mxq.fuse import unfuse
 
-        unfuse_projections(model)
+        unfuse(model)
     model = model.to(device).eval()
     return set_kernels(model, kernels) if kernels is not None else model

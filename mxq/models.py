@@ -134,9 +134,9 @@ def load_model(
     except OSError as e:
         raise ModelSourceError(f"{src.display}: cannot load model ({_first_line(e)})") from e
     if not fuse:
-        from mxq.linear import unfuse_projections
+        from mxq.fuse import unfuse
 
-        unfuse_projections(model)
+        unfuse(model)
     model = model.to(device).eval()
     if kernels is not None:
         from mxq.linear import set_kernels

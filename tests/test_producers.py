@@ -20,7 +20,7 @@ from test_fuse import FAMILIES, compiled_linear_calls  # FAMILIES: Llama, Mistra
 
 import mxq
 from mxq.formats import E4M3, E5M2, ScaleRule, fake_quantize_mx
-from mxq.fuse import GROUPED_SDPA, fuse, grouped_sdpa_forward
+from mxq.fuse import GROUPED_SDPA, fuse, grouped_sdpa_forward, unfuse
 from mxq.kernels import dispatch
 from mxq.kernels import producers as P
 from mxq.kernels.reference import (
@@ -29,7 +29,6 @@ from mxq.kernels.reference import (
     rmsnorm_mx_reference,
     silu_mul_mx_reference,
 )
-from mxq.linear import unfuse_projections
 
 SMALL = dict(vocab_size=97, hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32, max_position_embeddings=128)  # fmt: skip
@@ -142,8 +141,8 @@ def test_fast_structure_computes_the_unfused_model(family, dtype):
         for cache in ("static", "dynamic"):
             assert torch.equal(fast.generate(ids, cache_implementation=cache, **kw),
                                plain.generate(ids, cache_implementation=cache, **kw))  # fmt: skip
-    unfuse_projections(fast)
-    assert not any("_mxq_feeds" in m.__dict__ for m in fast.modules())
+    unfuse(fast)
+    assert not any("_mxq_feeds" in m.__dict__ for m in fast.modules()) and fast.config._attn_implementation == "sdpa"
     with torch.no_grad():
         assert torch.equal(fast(ids).logits, want)
 
@@ -185,7 +184,7 @@ def test_loaded_checkpoint_has_the_fast_structure(tmp_path):
     m.save_pretrained(tmp_path / "ckpt")
     model, plain = mxq.load(tmp_path / "ckpt"), mxq.load(tmp_path / "ckpt", fuse=False)
     assert sum("_mxq_feeds" in x.__dict__ for x in model.modules()) == 3 * SMALL["num_hidden_layers"]
-    assert not any("_mxq_feeds" in x.__dict__ for x in plain.modules())
+    assert not any("_mxq_feeds" in x.__dict__ for x in plain.modules()) and plain.config._attn_implementation == "sdpa"
     ids = torch.randint(0, SMALL["vocab_size"], (1, 11))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, plain(ids).logits)
