@@ -30,8 +30,9 @@ import torch
 
 
 def _fp64_linear(
-    x, weight, weight_scale=None, bias=None, *, act_elem=None, act_rule="rceil", block_size=32, kernels=None
-):
+    x, weight, weight_scale=None, bias=None, *, act_elem=None, act_rule="rceil", block_size=32, kernels=None,
+    x_mx=None,
+):  # fmt: skip
     from mxq.formats import MXTensor, fake_quantize_mx
     from mxq.kernels.reference import _elem_of
 
@@ -40,7 +41,7 @@ def _fp64_linear(
         weight, weight_scale, torch.Size((n, k)), 1, block_size, _elem_of(weight)
     ).dequantize(torch.float64)
     xf = x.to(torch.float32)
-    if act_elem is not None:
+    if act_elem is not None and x_mx is None:  # with x_mx, x holds the values its producer rounded
         xf = fake_quantize_mx(xf, -1, act_elem, block_size, act_rule)
     y = xf.double() @ w.t()
     if bias is not None:

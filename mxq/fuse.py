@@ -88,14 +88,18 @@ def fuse_producers(model: nn.Module) -> list[str]:
                 _install(norm, _norm_forward, consumer)
                 done.append(f"{name}.{norm_name}")
         gate_up = getattr(mlp, GATE_UP, None)
-        if (
-            type(mlp).__name__ in MLPS and isinstance(gate_up, FusedMXLinear) and _w8a8_rceil(gate_up)
-            and _w8a8_rceil(getattr(mlp, "down_proj", None)) and mlp.down_proj.act.elem == gate_up.act.elem
-            and type(getattr(mlp, "act_fn", None)).__name__ in SILUS
-        ):  # fmt: skip
+        if type(mlp).__name__ in MLPS and isinstance(gate_up, FusedMXLinear) and _mlp_fusable(mlp, gate_up):
             _install(mlp, _mlp_forward, gate_up)
             done.append(f"{name}.mlp")
     return done
+
+
+def _mlp_fusable(mlp: nn.Module, gate_up: FusedMXLinear) -> bool:
+    down = getattr(mlp, "down_proj", None)
+    return (
+        _w8a8_rceil(gate_up) and _w8a8_rceil(down) and down.act.elem == gate_up.act.elem
+        and type(getattr(mlp, "act_fn", None)).__name__ in SILUS
+    )  # fmt: skip
 
 
 def _install(module: nn.Module, forward, feeds: FusedMXLinear) -> None:
@@ -107,8 +111,8 @@ def _install(module: nn.Module, forward, feeds: FusedMXLinear) -> None:
 def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
     """RMSNorm whose output is MX-rounded, the codes handed to the fused projection it feeds."""
     feeds = self.__dict__["_mxq_feeds"]
-    if self.weight.dtype != x.dtype or x.shape[-1] % feeds.block_size:
-        return type(self).forward(self, x)
+    if not _w8a8_rceil(feeds) or self.weight.dtype != x.dtype or x.shape[-1] % feeds.block_size:
+        return type(self).forward(self, x)  # formats changed since fusing (e.g. act = None), or another dtype
     y, q, s = rmsnorm_mx(x, self.weight, self.variance_epsilon, feeds)
     feeds.give(y, q, s)
     return y
@@ -117,6 +121,8 @@ def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     """down_proj(SiLU(gate) · up), gate/up one GEMM, SiLU·up rounded to MX in one kernel."""
     gate_up = self.__dict__["_mxq_feeds"]
+    if not _mlp_fusable(self, gate_up):
+        return type(self).forward(self, x)  # formats changed since fusing
     gu = gate_up.product(x)
     y, q, s = silu_mul_mx(gu, gate_up)
     return self.down_proj(y, (q, s))

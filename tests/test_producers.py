@@ -29,6 +29,7 @@ from mxq.kernels.reference import (
     rmsnorm_mx_reference,
     silu_mul_mx_reference,
 )
+from mxq.linear import MXLinear
 
 SMALL = dict(vocab_size=97, hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32, max_position_embeddings=128)  # fmt: skip
@@ -162,6 +163,19 @@ def test_producers_only_where_the_arithmetic_is_known():
     m.model.layers[0].input_layernorm.__class__ = type("OtherRMSNorm", (type(m.model.layers[0].input_layernorm),), {})
     done = fuse(m)
     assert "model.layers.0.input_layernorm" not in done and "model.layers.1.input_layernorm" in done
+
+
+def test_producers_follow_formats_changed_after_fusing():
+    """Setting the layers' activations to None after fusing (W8A8 -> W8A16, as eval/check_paths does)
+    turns the producers off: the model computes the W8A16 model."""
+    fast = _model("llama", fused=True)
+    plain = _model("llama", recipe="mxfp8-w8a16")
+    for m in fast.modules():
+        if isinstance(m, MXLinear):  # fused ones included
+            m.act = None
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 7))
+    with torch.no_grad():
+        assert torch.equal(fast(ids).logits, plain(ids).logits)
 
 
 def test_compiled_producers_hand_codes_to_the_gemms(monkeypatch):
