@@ -12,11 +12,15 @@ compiled kernels, allocator state or CUDA graphs. Through the calls a user makes
   sequence, batch ``--prefill-batch``: tokens/s (median of timed runs) and peak memory;
 * ``model.generate(ids, cache_implementation="static")`` at each ``--batch``, ``--new-tokens``
   after a ``--prompt-len`` prompt (on CUDA transformers compiles the forward and replays CUDA
-  graphs): decode tokens/s = B * n / (t(1 + n) - t(1)), after warm-up calls of both lengths;
+  graphs): decode tokens/s = B * n / (t(1 + n) - t(1)), after warm-up calls of both lengths (the longer first: one static cache shape and graph serve both);
 * ``model.generate(ids)`` with the default dynamic cache at B=1 (``--generate-tokens`` new);
 * ``mxq.decode.StaticGreedyDecoder`` at each ``--batch``: the decode step replayed from a CUDA
   graph, compiled first with ``--compile``; ``--eager-decoder`` adds the same step without graph.
   The graph path is checked to give the same tokens as the eager static path first.
+
+``--profile`` adds, per static-cache batch, where a decode step goes (device busy vs wall time,
+kernels per step, the top kernels). ``--roles`` picks the models (bf16, mxfp8, bf16-grouped: bf16 with
+mxq's attention without repeated K/V); ``--merge`` joins partial runs into one table.
 
 The driver prints a markdown table of MXFP8 / bf16 ratios (> 1: MXFP8 faster; for memory the
 fraction of bf16) and writes JSON. On a CPU (``--device cpu``) it runs without graphs or
