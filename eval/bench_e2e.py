@@ -472,7 +472,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-generate", action="store_true", help="skip the eager generate() figure")
     p.add_argument("--profile", action="store_true",
                    help="profile the static-cache generate() decode: device-busy vs wall time per step, kernels per step, top kernels")
-    p.add_argument("--no-fuse", action="store_true", help="keep q/k/v and gate/up as separate MX GEMMs (mxq.linear.fuse_projections)")
+    p.add_argument("--no-fuse", action="store_true", help="the quantized model as transformers builds it: no fused projections, producers or grouped attention (mxq.fuse)")
     p.add_argument("--eager-decoder", action="store_true", help="also time the StaticGreedyDecoder step without a graph")
     p.add_argument("--roles", default="bf16,mxfp8",
                    help="models to run, each in a fresh process: bf16, mxfp8, bf16-grouped (bf16 with mxq's attention "

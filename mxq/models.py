@@ -121,8 +121,8 @@ def load_model(
     """Load a causal LM (and its tokenizer) from any model reference mxq accepts.
 
     mxq checkpoints load through the Hugging Face quantizer that ``import mxq`` registers, so
-    the returned model holds ``MXLinear`` modules (q/k/v and gate/up fused unless ``fuse=False``,
-``mxq.linear.fuse_projections``); ``kernels`` as in ``mxq.linear.set_kernels``.
+    the returned model holds ``MXLinear`` modules in the fast structure of ``mxq.fuse`` (unless
+    ``fuse=False``: the model as transformers builds it); ``kernels`` as in ``mxq.linear.set_kernels``.
     """
     from transformers import AutoModelForCausalLM
 
