@@ -23,7 +23,7 @@ it computes, and never its ``state_dict``:
    whole cache per layer and step. This attention function folds each KV head's query heads into
    the query length instead (rows g·Sq + s), so SDPA reads K and V once; the same arithmetic.
    Used for steps of at most ``GROUPED_MAX_ROWS`` query rows per KV head (decoding); anything
-   else goes to transformers' SDPA. Set when the model uses ``sdpa``.
+   else goes to transformers' SDPA. Set when a Llama, Mistral, Qwen2 or Qwen3 model uses ``sdpa``.
 
 Under ``torch.compile`` the producers are the custom ops ``mxq::rmsnorm_mx`` and
 ``mxq::silu_mul_mx`` (opaque, shape-only fakes) and the model still compiles with ``fullgraph``.
@@ -219,6 +219,7 @@ def grouped_sdpa_forward(
     if (
         groups <= 1 or attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1
         or sq * groups > GROUPED_MAX_ROWS or (dropout and module.training) or kwargs.get("output_attentions")
+        or any(kwargs.get(k) is not None for k in ("position_bias", "s_aux", "softcap"))  # not plain SDPA
     ):  # fmt: skip
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)  # fmt: skip
@@ -239,10 +240,17 @@ def register_grouped_sdpa() -> None:
     AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
 
 
+# model types whose attention calls the attention function as Llama's does (plain SDPA arguments)
+GROUPED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
 def use_grouped_sdpa(model: nn.Module) -> bool:
-    """Switch a model that uses ``sdpa`` to ``GROUPED_SDPA``; whether it did."""
+    """Switch a model of ``GROUPED_MODEL_TYPES`` that uses ``sdpa`` to ``GROUPED_SDPA``; whether it did."""
     cfg = getattr(model, "config", None)
-    if getattr(cfg, "_attn_implementation", None) != "sdpa" or not hasattr(model, "set_attn_implementation"):
+    if (
+        getattr(cfg, "_attn_implementation", None) != "sdpa" or getattr(cfg, "model_type", None) not in GROUPED_MODEL_TYPES
+        or not hasattr(model, "set_attn_implementation")
+    ):  # fmt: skip
         return False
     register_grouped_sdpa()
     model.set_attn_implementation(GROUPED_SDPA)

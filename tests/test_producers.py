@@ -20,7 +20,7 @@ from test_fuse import FAMILIES, compiled_linear_calls  # FAMILIES: Llama, Mistra
 
 import mxq
 from mxq.formats import E4M3, E5M2, ScaleRule, fake_quantize_mx
-from mxq.fuse import GROUPED_SDPA, fuse, grouped_sdpa_forward, unfuse
+from mxq.fuse import GROUPED_SDPA, fuse, grouped_sdpa_forward, unfuse, use_grouped_sdpa
 from mxq.kernels import dispatch
 from mxq.kernels import producers as P
 from mxq.kernels.reference import (
@@ -202,6 +202,23 @@ def test_loaded_checkpoint_has_the_fast_structure(tmp_path):
     ids = torch.randint(0, SMALL["vocab_size"], (1, 11))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, plain(ids).logits)
+
+
+def test_grouped_sdpa_only_for_known_families_and_plain_arguments():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    m = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=50, attn_implementation="sdpa"))
+    assert not use_grouped_sdpa(m) and m.config._attn_implementation == "sdpa"
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(1, 4, 1, 16, generator=gen), torch.randn(1, 2, 9, 16, generator=gen), torch.randn(1, 2, 9, 16, generator=gen)
+    mask = torch.ones(1, 1, 1, 9, dtype=torch.bool)
+    bias = torch.randn(1, 4, 1, 9, generator=gen)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 2, True
+    want, _ = sdpa_attention_forward(module, q, k, v, mask, position_bias=bias)
+    got, _ = grouped_sdpa_forward(module, q, k, v, mask, position_bias=bias)  # falls back: the bias is not plain SDPA
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("groups,sq,b", [(1, 1, 2), (2, 1, 3), (4, 3, 1), (3, 1, 2), (8, 16, 1)])
