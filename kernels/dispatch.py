@@ -25,6 +25,7 @@ has been compiled. The measurements behind the order and the thresholds are in k
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -268,7 +269,7 @@ def mx_linear(
 
 
 def _run(path: KernelPath, p, spec, x2, weight, weight_scale, bias, out_dtype, x_mx=None):
-    run = path.run if x_mx is None else (lambda *a: _decode_ws_run(*a, x_mx=x_mx))
+    run = path.run if x_mx is None else functools.partial(path.run, x_mx=x_mx)  # decode_ws takes the codes
     if path.gluon is None:
         return run(p, x2, weight, weight_scale, bias, out_dtype)
 

@@ -576,16 +576,14 @@ class _WSPlan:
         y = torch.empty((m, n), dtype=self.out_dtype, device=dev)
         w_desc = descriptor(TensorDescriptor, weight, [n, k], [weight.stride(0), 1], self.w_block, self.w_layout)
         s32 = weight_scale.view(torch.int32)
-        if self.fuse_x:
+        if self.fuse_x or self.pre:
             ws = torch.empty((self.split, m, n), dtype=torch.float32, device=dev) if self.split > 1 else None
-            x_desc, xs32 = w_desc, s32  # unused: the kernel reads x and quantizes it itself
-        elif self.pre:
-            xq, xs = x_mx
-            xq = xq.view(m, k) if xq.is_contiguous() and xq.data_ptr() % 16 == 0 else xq.reshape(m, k).contiguous()
-            xs = xs.reshape(m, k // BS)
-            ws = torch.empty((self.split, m, n), dtype=torch.float32, device=dev) if self.split > 1 else None
-            x_desc = descriptor(TensorDescriptor, xq.view(self.x_dtype), [m, k], [k, 1], self.x_block, self.x_layout)
-            xs32 = (xs if xs.is_contiguous() else xs.contiguous()).view(torch.int32)
+            x_desc, xs32 = w_desc, s32  # fuse_x: unused, the kernel reads x and quantizes it itself
+            if self.pre:  # the producer's codes; TMA needs 16-byte aligned rows, the int32 scale view 4-byte ones
+                xq, xs = (t.reshape(m, -1) for t in x_mx)
+                xq, xs = (t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format) for t in (xq, xs))
+                x_desc = descriptor(TensorDescriptor, xq.view(self.x_dtype), [m, k], [k, 1], self.x_block, self.x_layout)
+                xs32 = xs.view(torch.int32)
         else:
             buf = torch.empty(self.scratch, dtype=torch.uint8, device=dev)
             xq = buf[: self.xs_off].view(m, k)

@@ -37,6 +37,8 @@ import torch
 from torch import nn
 
 from mxq.formats import ScaleRule, as_elem_format
+from mxq.kernels import reference
+from mxq.kernels.dispatch import HAS_TRITON, _spec
 from mxq.linear import FusedMXLinear, MXLinear, fuse_projections, unfuse_projections
 
 # Module classes whose forward is the arithmetic the producer kernels compute (by class name, as
@@ -128,32 +130,22 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(y, (q, s))
 
 
-def _triton(t: torch.Tensor, kernels: str | None) -> bool:
-    from mxq.kernels.dispatch import HAS_TRITON, _spec
+def _producer(name: str, t: torch.Tensor, kernels: str, *args):
+    """``kernels.producers.<name>`` on a CUDA tensor (unless ``kernels`` is "reference"), else its
+    torch reference ``kernels.reference.<name>_reference``."""
+    if HAS_TRITON and t.device.type == "cuda" and _spec(kernels or None) != "reference":
+        from mxq.kernels import producers
 
-    return HAS_TRITON and t.device.type == "cuda" and _spec(kernels) != "reference"
+        return getattr(producers, name)(t, *args)
+    return getattr(reference, f"{name}_reference")(t, *args)
 
 
 def _rmsnorm_mx(x, weight, eps: float, elem: str, block_size: int, kernels: str):
-    e = as_elem_format(elem)
-    if _triton(x, kernels or None):
-        from mxq.kernels.producers import rmsnorm_mx as kernel
-
-        return kernel(x, weight, eps, e, block_size)
-    from mxq.kernels.reference import rmsnorm_mx_reference
-
-    return rmsnorm_mx_reference(x, weight, eps, e, block_size)
+    return _producer("rmsnorm_mx", x, kernels, weight, eps, as_elem_format(elem), block_size)
 
 
 def _silu_mul_mx(gu, elem: str, block_size: int, kernels: str):
-    e = as_elem_format(elem)
-    if _triton(gu, kernels or None):
-        from mxq.kernels.producers import silu_mul_mx as kernel
-
-        return kernel(gu, e, block_size)
-    from mxq.kernels.reference import silu_mul_mx_reference
-
-    return silu_mul_mx_reference(gu, e, block_size)
+    return _producer("silu_mul_mx", gu, kernels, as_elem_format(elem), block_size)
 
 
 @torch.library.custom_op("mxq::rmsnorm_mx", mutates_args=())

@@ -138,7 +138,7 @@ class MXLinear(nn.Module):
         return self.mx_weight().dequantize(torch.float32)
 
     def forward(self, x: torch.Tensor, x_mx: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Y = X · Wᵀ (+ bias). ``x_mx``: X was MX-rounded by its producer (``mxq.producers``): x holds
+        """Y = X · Wᵀ (+ bias). ``x_mx``: X was MX-rounded by its producer (``mxq.fuse``): x holds
         the rounded values, ``x_mx`` their fp8 codes and scale bytes."""
         from mxq.kernels import mx_linear
 
@@ -270,7 +270,7 @@ class FusedMXLinear(MXLinear):
         self._join_hook = None  # on the parent (``attach``): only it sees the siblings' keys when loading
 
     def give(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
-        """The producer of this layer's next input has MX-rounded it (``mxq.producers``): ``x`` holds
+        """The producer of this layer's next input has MX-rounded it (``mxq.fuse``): ``x`` holds
         the rounded values; the GEMM takes the codes and scales instead of rounding x again."""
         self._given = (x, codes, scales)
 
@@ -393,10 +393,10 @@ def fuse_projections(model: nn.Module) -> list[str]:
 
 
 def unfuse_projections(model: nn.Module) -> None:
-    """Undo ``fuse_projections`` (and ``mxq.producers.fuse_producers``, which needs it): every sibling
+    """Undo ``fuse_projections`` (and ``mxq.fuse.fuse_producers``, which needs it): every sibling
     an ``MXLinear`` with its own weight again, every producer its module's own forward."""
     for m in model.modules():
-        if "_mxq_feeds" in m.__dict__:  # an instance-level forward installed by mxq.producers
+        if "_mxq_feeds" in m.__dict__:  # an instance-level forward installed by mxq.fuse
             del m.__dict__["forward"], m.__dict__["_mxq_feeds"]
     for parent in list(model.modules()):
         for names in SIBLINGS:

@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import sys
 
 
-def run_cli(args: list[str], capsys) -> tuple[int, str]:
-    """``mxq ARGS``: its exit status and what it wrote to stderr."""
+def run_cli(args: list[str]) -> tuple[int, str]:
+    """``mxq ARGS``: its exit status and what it wrote to stderr (stdout is discarded). Captures by
+    itself, so hypothesis tests (no function-scoped fixtures) can use it too."""
     from mxq.cli import main
 
-    argv = sys.argv
+    argv, err = sys.argv, io.StringIO()
     sys.argv = ["mxq", *args]
     try:
-        main()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            main()
         rc = 0
     except SystemExit as e:
         rc = e.code or 0
     finally:
         sys.argv = argv
-    return rc, capsys.readouterr().err
+    return rc, err.getvalue()

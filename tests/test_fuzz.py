@@ -11,12 +11,10 @@ type, a traceback, a hang (each example has a deadline), or a file written outsi
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 import shutil
 import struct
-import sys
 import tempfile
 import traceback
 from pathlib import Path
@@ -25,6 +23,7 @@ import pytest
 import torch
 
 hypothesis = pytest.importorskip("hypothesis")
+from cli_helpers import run_cli  # noqa: E402
 from hypothesis import HealthCheck, Phase, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -256,27 +255,16 @@ def _damage(data, d: Path) -> None:
 @FUZZ
 @given(data=st.data())
 def test_inspect_survives_damage(pristine, data):
-    from mxq.cli import main
-
     with _work(pristine, "q") as tmp:
         d = tmp / "q"
         _damage(data, d)
         before = _files(tmp)
-        err, argv = io.StringIO(), sys.argv
-        sys.argv = ["mxq", "inspect", str(d)]
-        try:
-            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-                main()
-            rc = 0
-        except SystemExit as e:
-            rc = e.code
-        finally:
-            sys.argv = argv
-        lines = err.getvalue().strip().splitlines()
-        assert rc in (0, 1), (rc, err.getvalue()[-2000:])
+        rc, err = run_cli(["inspect", str(d)])
+        lines = err.strip().splitlines()
+        assert rc in (0, 1), (rc, err[-2000:])
         event(f"inspect exit {rc}")
         if rc == 1:
-            assert len(lines) == 1 and lines[0].startswith("mxq: error: ") and str(d) in lines[0], err.getvalue()[-2000:]
+            assert len(lines) == 1 and lines[0].startswith("mxq: error: ") and str(d) in lines[0], err[-2000:]
         assert _files(tmp) == before
 
 

@@ -333,22 +333,22 @@ def model_dir(tmp_path_factory):
     return d
 
 
-def test_cli_calibrate_then_quantize_with_gptq(model_dir, tmp_path, capsys):
+def test_cli_calibrate_then_quantize_with_gptq(model_dir, tmp_path):
     src, text = str(model_dir / "src"), str(model_dir / "text.txt")
     cal = ["--dataset", text, "--samples", "4", "--seq-len", "32", "--sensitivity-seq-len", "16"]
-    rc, err = run_cli(["calibrate", src, *cal, "--out", str(tmp_path / "plan.json")], capsys)
+    rc, err = run_cli(["calibrate", src, *cal, "--out", str(tmp_path / "plan.json")])
     assert rc == 0, err
     assert (tmp_path / "plan.safetensors").is_file()
-    rc, err = run_cli(["quantize", src, str(tmp_path / "g"), "--plan", str(tmp_path / "plan.json")], capsys)
+    rc, err = run_cli(["quantize", src, str(tmp_path / "g"), "--plan", str(tmp_path / "plan.json")])
     assert rc == 0, err
-    rc, err = run_cli(["quantize", src, str(tmp_path / "n"), "--calibrate", *cal, "--rounding", "nearest"], capsys)
+    rc, err = run_cli(["quantize", src, str(tmp_path / "n"), "--calibrate", *cal, "--rounding", "nearest"])
     assert rc == 0, err
     choices = {k: json.loads((tmp_path / k / "config.json").read_text())["quantization_config"]["calibration"]["choices"]
                for k in ("g", "n")}
     assert choices["g"]["rounding"] == "gptq" and choices["n"]["rounding"] == "nearest"
     assert choices["g"]["gptq"]["layers"] + choices["g"]["kept_by_sensitivity"] == 14  # the default byte budget keeps some
     assert choices["g"]["keep_bytes_percent"] == 3.5 and choices["n"]["keep_bytes_percent"] == 3.5
-    rc, err = run_cli(["quantize", src, str(tmp_path / "x"), "--calibrate", *cal, "--rounding", "stochastic"], capsys)
+    rc, err = run_cli(["quantize", src, str(tmp_path / "x"), "--calibrate", *cal, "--rounding", "stochastic"])
     assert rc != 0 and "--rounding" in err and not (tmp_path / "x").exists()
 
 

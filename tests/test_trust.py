@@ -202,23 +202,23 @@ def test_the_scan_reads_only_what_it_needs_in_bounded_chunks(tmp_path):
         ("layers", "LAYER_RULE", "unknown scale rule 'nearest'"),
     ],
 )
-def test_inspect_refuses_what_the_loader_refuses(quantized, tmp_path, capsys, key, value, match):
+def test_inspect_refuses_what_the_loader_refuses(quantized, tmp_path, key, value, match):
     d = _copy(quantized / "u8", tmp_path / "q")
     if value == "LAYER_RULE":
         _edit_config(d, lambda qc: qc["layers"][LAYER]["weights"].update(scale_rule="nearest"))
     else:
         _edit_config(d, lambda qc: qc.update({key: value}))
-    rc, err = run_cli(["inspect", str(d)], capsys)
+    rc, err = run_cli(["inspect", str(d)])
     lines = err.strip().splitlines()
     assert rc == 1 and len(lines) == 1 and match in lines[0] and str(d / "config.json") in lines[0], err
     with pytest.raises(ValueError, match=match.replace("(", r"\(")):
         mxq.load(d)
 
 
-def test_inspect_reports_nan_codes_in_one_line(quantized, tmp_path, capsys):
+def test_inspect_reports_nan_codes_in_one_line(quantized, tmp_path):
     d = _copy(quantized / "u8", tmp_path / "q")
     _set_bytes(_shard(d), f"{LAYER}.weight", 0, 0x7F)
-    rc, err = run_cli(["inspect", str(d)], capsys)
+    rc, err = run_cli(["inspect", str(d)])
     lines = err.strip().splitlines()
     assert rc == 1 and len(lines) == 1 and f"{LAYER}.weight: 1 NaN code(s)" in lines[0] and _shard(d).name in lines[0]
 
@@ -268,14 +268,14 @@ def test_recorded_scale_dtype_must_match_the_tensors(quantized, tmp_path):
     _refused_by_both(d, "weight_scale: dtype U8, expected F8_E8M0")
 
 
-def test_cli_scale_dtype(src, tmp_path, capsys):
+def test_cli_scale_dtype(src, tmp_path):
     out = tmp_path / "q"
-    rc, err = run_cli(["quantize", str(src), str(out), "--scale-dtype", "e8m0"], capsys)
+    rc, err = run_cli(["quantize", str(src), str(out), "--scale-dtype", "e8m0"])
     assert rc == 0, err
     assert read_header(_shard(out))[0][f"{LAYER}.weight_scale"].dtype == "F8_E8M0"
-    rc, err = run_cli(["inspect", str(out)], capsys)
+    rc, err = run_cli(["inspect", str(out)])
     assert rc == 0, err
-    rc, err = run_cli(["quantize", str(src), str(tmp_path / "x"), "--scale-dtype", "e8m0", "--format", "compressed-tensors"], capsys)
+    rc, err = run_cli(["quantize", str(src), str(tmp_path / "x"), "--scale-dtype", "e8m0", "--format", "compressed-tensors"])
     assert rc == 1 and "compressed-tensors" in err and not (tmp_path / "x").exists()
 
 
