@@ -253,7 +253,7 @@ def calibrate(
     progress: bool = True,
 ) -> Calibration:
     """Statistics and per-layer sensitivity of ``model`` (bf16, eval mode) on the calibration text."""
-    from mxq.linear import select_model_layers as select_layers
+    from mxq.experts import select_model_layers as select_layers
 
     t0 = time.perf_counter()
     model.eval()

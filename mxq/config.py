@@ -48,13 +48,15 @@ def native_config(
     calibration: dict | None = None,
     scale_dtype: str = "u8",
     tied: dict[str, tuple[str, TensorSpec | None]] | None = None,
+    experts: dict[str, dict] | None = None,
 ) -> dict:
     """The ``quantization_config`` mxq writes: the recipe, every quantized layer's settings, the kept layers.
 
     ``scale_dtype``: how the E8M0 scales are stored, "u8" (uint8) or "e8m0" (float8_e8m0fnu); the same bits.
     ``layers`` may hold the input embedding (activations None: ``mxq.embedding``); ``tied``: output
     heads that read a quantized embedding's tensors instead of their own (head -> (embedding, the
-    head's activations)), written as ``{"lm_head": {"to": "model.embed_tokens", "activations": ...}}``."""
+    head's activations)), written as ``{"lm_head": {"to": "model.embed_tokens", "activations": ...}}``;
+    ``experts``: experts module -> ``experts_entry``."""
     cfg = {
         "quant_method": QUANT_METHOD,
         "format_version": FORMAT_VERSION,
@@ -71,9 +73,27 @@ def native_config(
     }
     if tied:
         cfg["tied"] = {h: {"to": e, "activations": a.to_dict() if a else None} for h, (e, a) in sorted(tied.items())}
+    if experts:
+        cfg["experts"] = dict(sorted(experts.items()))
     if calibration is not None:  # written by the calibrator: provenance, folded permutations, kept layers
         cfg["calibration"] = calibration
     return cfg
+
+
+def experts_entry(layer, weights: TensorSpec, act: TensorSpec | None, stored: list[str] | None = None) -> dict:
+    """The config's record of one quantized experts module (``layer``: ``mxq.experts.ExpertsLayer``).
+
+    ``stored``: where its codes are on disk. Fused (the default, and what ``save_pretrained`` of a
+    loaded model writes): ``<module>.<proj>`` fp8 [E, N, K] with ``<module>.<proj>_scale`` uint8
+    [E, N, K/32]. Per expert (checkpoints whose source stores experts one by one): names with
+    ``{e}`` for the expert index, each ``{name}.weight`` fp8 [N, K] with ``{name}.weight_scale``,
+    as Linear layers are stored."""
+    fused = [f"{layer.name}.{p}" for p in layer.projections]
+    return {
+        "weights": weights.to_dict(), "activations": act.to_dict() if act else None,
+        "num_experts": layer.num_experts, "projections": list(layer.projections),
+        "layout": "per_expert" if stored and stored != fused else "fused", "stored": stored or fused,
+    }
 
 
 class NativeConfig:
@@ -100,6 +120,7 @@ class NativeConfig:
         self.provenance = kwargs.pop("provenance", {})
         if "tied" in kwargs:
             self.tied = _check_tied(kwargs.pop("tied"), self.layers)
+        self.experts = _check_experts(kwargs.pop("experts", None) or {})
         for k, v in kwargs.items():  # keep anything a newer minor version added
             if k.startswith("_") or hasattr(type(self), k):  # never over a method of this class
                 raise ValueError(f"quantization_config {k}: not a key this mxq reads"[:300])
@@ -107,6 +128,11 @@ class NativeConfig:
 
     def layer_specs(self, name: str) -> tuple[TensorSpec, TensorSpec | None]:
         d = self.layers[name]
+        act = d.get("activations")
+        return TensorSpec.from_dict(d["weights"]), TensorSpec.from_dict(act) if act else None
+
+    def experts_specs(self, name: str) -> tuple[TensorSpec, TensorSpec | None]:
+        d = self.experts[name]
         act = d.get("activations")
         return TensorSpec.from_dict(d["weights"]), TensorSpec.from_dict(act) if act else None
 
@@ -120,6 +146,33 @@ class NativeConfig:
 
     def to_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
+
+def _check_experts(experts: object) -> dict:
+    """The ``experts`` section: module -> {weights, activations, num_experts, projections, layout, stored}."""
+    if not isinstance(experts, dict):
+        raise ValueError(f"quantization_config experts: expected a mapping of module names to entries, got {type(experts).__name__}")
+    for name, d in experts.items():
+        where = f"quantization_config experts[{name!r}]"[:200]
+        if not isinstance(d, dict) or not isinstance(d.get("weights"), dict):
+            raise ValueError(f"{where}: expected {{'weights', 'activations', 'num_experts', 'projections', 'layout', 'stored'}}")
+        n, projs, stored = d.get("num_experts"), d.get("projections"), d.get("stored")
+        if type(n) is not int or not 0 < n <= 1 << 16:
+            raise ValueError(f"{where}.num_experts: expected a positive integer, got {n!r}"[:300])
+        if d.get("layout") not in ("fused", "per_expert"):
+            raise ValueError(f"{where}.layout: expected 'fused' or 'per_expert', got {d.get('layout')!r}"[:300])
+        ok = isinstance(projs, list) and projs in (["gate_up_proj", "down_proj"], ["up_proj", "down_proj"])
+        if not ok:
+            raise ValueError(f"{where}.projections: expected ['gate_up_proj', 'down_proj'] or ['up_proj', 'down_proj'], got {projs!r}"[:300])
+        if not isinstance(stored, list) or not all(isinstance(t, str) for t in stored) or not stored:
+            raise ValueError(f"{where}.stored: expected a list of tensor names"[:300])
+        try:
+            TensorSpec.from_dict(d["weights"])
+            if d.get("activations") is not None:
+                TensorSpec.from_dict(d["activations"])
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"{where}: bad weights/activations spec ({e})"[:300]) from None
+    return experts
 
 
 def _check_tied(tied: object, layers: object) -> dict:
@@ -295,27 +348,42 @@ class LayerSelectionError(ValueError):
     """A Linear layer the recipe selects whose weight mxq cannot quantize."""
 
 
+# Roles of the weight matrices selection sees: a Linear layer, a module of routed experts (3-D
+# parameters), or a matrix that stays in high precision whatever the recipe says, with its reason.
+ROLE_LINEAR, ROLE_EXPERTS = "linear", "experts"
+KEPT_ROLES = {
+    "router": "router (which experts a token reaches stays in high precision)",
+    "shared_expert_gate": "shared-expert gate (stays in high precision)",
+    "custom_linear": "a Linear subclass with its own forward (an MX layer would change what it returns)",
+}
+
+
 @dataclass(frozen=True)
 class LinearLayer:
-    """One Linear layer as layer selection sees it.
+    """One weight-matrix layer as layer selection sees it.
 
-    ``shape``: its weight's shape ([N, K]); ``dtype``: the weight's safetensors dtype name, or None
-    for an in-memory floating-point weight (nothing to check); ``tied``: why the weight is not the
-    layer's own (it is tied to another tensor), "" when it is.
+    ``shape``: its weight's shape ([N, K]; for experts [E, N, K] of the first projection);
+    ``dtype``: the weight's safetensors dtype name, or None for an in-memory floating-point weight
+    (nothing to check); ``tied``: why the weight is not the layer's own (it is tied to another
+    tensor), "" when it is; ``role``: ``ROLE_LINEAR``, ``ROLE_EXPERTS`` or a key of ``KEPT_ROLES``;
+    ``ks``: for experts, the K of every projection.
     """
 
     name: str
     shape: tuple[int, ...] = ()
     dtype: str | None = None
     tied: str = ""
+    role: str = ROLE_LINEAR
+    ks: tuple[int, ...] = ()
 
 
 def select_layers(
     layers: Iterable[LinearLayer], recipe: Recipe, warn: Callable[[str], None] | None = None
 ) -> tuple[list[str], dict[str, str]]:
-    """Names of the Linear layers the recipe quantizes, and the kept ones with the reason.
+    """Names of the layers the recipe quantizes (Linear layers and experts modules), and the kept
+    ones with the reason.
 
-    Rules, in order: the recipe's include/exclude; a tied weight stays as it is (quantizing it
+    Rules, in order: routers and shared-expert gates stay (``KEPT_ROLES``); the recipe's include/exclude; a tied weight stays as it is (quantizing it
     would add a second copy); K must be a multiple of the block size (else kept, with a warning);
     a selected weight in a dtype other than F32/F16/BF16 raises ``LayerSelectionError``.
     """
@@ -323,12 +391,16 @@ def select_layers(
     kept: dict[str, str] = {}
     for layer in layers:
         name, shape = layer.name, layer.shape
-        if not recipe.selects(name):
+        ks = layer.ks if layer.role == ROLE_EXPERTS else (shape[-1:] if len(shape) == 2 else ())
+        if layer.role in KEPT_ROLES:
+            kept[name] = KEPT_ROLES[layer.role]
+        elif not recipe.selects(name):
             kept[name] = "excluded by recipe"
         elif layer.tied:
             kept[name] = layer.tied
-        elif len(shape) != 2 or shape[-1] % recipe.block_size:
-            kept[name] = f"K={shape[-1] if shape else '?'} is not a multiple of {recipe.block_size}"
+        elif not ks or any(k % recipe.block_size for k in ks):
+            bad = [k for k in ks if k % recipe.block_size] or ["?"]
+            kept[name] = f"K={bad[0]} is not a multiple of {recipe.block_size}"
             if warn:
                 warn(f"keeping {name} in its original dtype: {kept[name]}")
         elif layer.dtype is not None and layer.dtype not in QUANTIZABLE_DTYPES:

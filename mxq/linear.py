@@ -20,7 +20,6 @@ import functools
 import torch
 from torch import nn
 
-from mxq.config import LinearLayer, select_layers
 from mxq.formats import (
     E4M3,
     ElemFormat,
@@ -30,7 +29,7 @@ from mxq.formats import (
     as_scale_rule,
     quantize_mx,
 )
-from mxq.recipe import Recipe, TensorSpec
+from mxq.recipe import TensorSpec
 
 TIED_TO_EMBEDDING = "tied to the input embedding (quantizing it would add a second copy)"
 
@@ -195,25 +194,6 @@ def set_kernels(model: nn.Module, kernels: str | None) -> nn.Module:
 
 def linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
     return {n: m for n, m in model.named_modules() if type(m) is nn.Linear}
-
-
-def model_layers(model: nn.Module) -> list[LinearLayer]:
-    """The model's Linear layers as ``mxq.config.select_layers`` sees them."""
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    emb_weight = getattr(emb, "weight", None)
-    return [
-        LinearLayer(
-            name,
-            tuple(lin.weight.shape),
-            tied=TIED_TO_EMBEDDING if emb_weight is not None and lin.weight is emb_weight else "",
-        )
-        for name, lin in linear_layers(model).items()
-    ]
-
-
-def select_model_layers(model: nn.Module, recipe: Recipe, warn=None) -> tuple[list[str], dict[str, str]]:
-    """``mxq.config.select_layers`` over an in-memory model's Linear layers."""
-    return select_layers(model_layers(model), recipe, warn)
 
 
 # --- Sibling projections as one MX GEMM: q/k/v of an attention block, gate/up of an MLP ----------

@@ -1,4 +1,5 @@
-"""``mxq.quantize_model``: an in-memory model to MXFP8 as a recipe says (Linear layers, and with
+"""``mxq.quantize_model``: an in-memory model to MXFP8 as a recipe says (Linear layers, routed
+experts (``mxq.experts``), and with
 ``embeddings: mxfp8`` the input embedding and a tied head), fused and configured like a loaded
 checkpoint."""
 
@@ -6,17 +7,19 @@ from __future__ import annotations
 
 from torch import nn
 
-from mxq.config import NativeConfig, native_config
+from mxq.config import NativeConfig, experts_entry, native_config
 from mxq.embedding import quantize_embedding
 from mxq.fuse import fuse as fuse_model
-from mxq.linear import MXLinear, linear_layers, select_model_layers, set_kernels
+from mxq.experts import experts_layers, quantize_experts, select_model_layers
+from mxq.linear import MXLinear, linear_layers, set_kernels
 from mxq.recipe import Recipe
 
 
 def quantize_model(
     model: nn.Module, recipe: Recipe | str | None = None, *, kernels: str | None = None, fuse: bool = True
 ) -> nn.Module:
-    """Swap the recipe's Linear layers of an in-memory model for ``MXLinear`` (in place), and with
+    """Swap the recipe's Linear layers of an in-memory model for ``MXLinear`` and its experts
+    modules for ``MXExperts`` (in place; routers and shared-expert gates stay), and with
     ``embeddings: mxfp8`` its input embedding for ``MXEmbedding`` (a tied head then shares its
     tensors: ``mxq.embedding``); ``kernels`` as in ``set_kernels``; ``fuse``: the fast structure
     (``mxq.fuse``: q/k/v and gate/up as one MX GEMM each, activation quantization in its producer,
@@ -27,12 +30,16 @@ def quantize_model(
 
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe)
-    if not linear_layers(model):
-        raise ValueError(f"{type(model).__name__} has no torch.nn.Linear layers to quantize")
+    moe = experts_layers(model)
+    if not linear_layers(model) and not moe:
+        raise ValueError(f"{type(model).__name__} has no torch.nn.Linear layers or experts to quantize")
     def warn(m):
         warnings.warn(m, stacklevel=4)
 
     chosen, kept = select_model_layers(model, recipe, warn=warn)
+    experts = [n for n in chosen if n in moe]
+    chosen = [n for n in chosen if n not in moe]
+    quantize_experts(model, experts, recipe.weights, recipe.activations, recipe.block_size, kernels)
     for name in chosen:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -50,5 +57,6 @@ def quantize_model(
         layers = {n: (recipe.weights, recipe.activations) for n in chosen}
         tied = emb.tied() if emb is not None else {}
         layers.update(emb.layers() if emb is not None else {})
-        model.config.quantization_config = NativeConfig(**native_config(recipe, layers, sorted(kept), tied=tied))
+        ex = {n: experts_entry(moe[n], recipe.weights, recipe.activations) for n in experts}
+        model.config.quantization_config = NativeConfig(**native_config(recipe, layers, sorted(kept), tied=tied, experts=ex))
     return model

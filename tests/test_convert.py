@@ -260,7 +260,7 @@ def test_lm_head_recipe_untied_and_tied(tmp_path, llama_dir):
     assert tied.lm_head.weight is tied.model.embed_tokens.weight
     cfg = tied.config.quantization_config.to_dict()
     assert "lm_head" in cfg["ignore"] and "lm_head" not in cfg["layers"]
-    from mxq.linear import select_model_layers as select_layers
+    from mxq.experts import select_model_layers as select_layers
     from mxq.recipe import load_recipe
 
     fresh = AutoModelForCausalLM.from_pretrained(tmp_path / "qw", dtype=torch.bfloat16)
