@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -74,6 +75,7 @@ class ConversionReport:
     bytes_after: int = 0
     seconds: float = 0.0
     n_tensors: int = 0
+    shares: dict = field(default_factory=dict)  # parameters quantized: all, routed experts (``_shares``)
 
     @property
     def ratio(self) -> float:
@@ -153,12 +155,39 @@ def _open_source(source: str | os.PathLike | None) -> tuple[ModelSource, _Source
 
 # --- planning ------------------------------------------------------------------------------------
 
-def _skeleton_linears(config):
-    """The model's Linear layers (built on the meta device), the name of its output head, and its
-    input embedding (``mxq.embedding.EmbeddingLayer`` with the tied head, or None)."""
+@dataclass
+class _Plan:
+    """What the conversion writes: the quantized Linear layers (``chosen``, with their ``specs``),
+    the kept layers and matrices with their reasons, the output tensors in order (``layout``), the
+    input embedding's choice, and the routed experts: each quantized expert tensor on disk ->
+    ``_ExpertTensor``, and each experts module's config entry."""
+
+    chosen: set[str]
+    kept: dict[str, str]
+    layout: list[PlannedTensor]
+    specs: dict
+    embedding: object = None
+    expert_tensors: dict[str, _ExpertTensor] = field(default_factory=dict)
+    experts: dict[str, dict] = field(default_factory=dict)
+    experts_disk: dict[str, list[str]] = field(default_factory=dict)  # every experts module's source tensors
+
+
+@dataclass(frozen=True)
+class _ExpertTensor:
+    module: str
+    spec: TensorSpec
+    transposed: bool  # a fused [E, K, N] tensor, written [E, N, K]
+    scale_name: str
+
+
+def _skeleton(config):
+    """The model built on the meta device: its weight-matrix layers by role (``mxq.experts.structure``),
+    its experts modules, the name of its output head, its input embedding
+    (``mxq.embedding.EmbeddingLayer`` with the tied head, or None) and every parameter name."""
     from transformers import AutoModelForCausalLM
 
     from mxq.embedding import embedding_layer
+    from mxq.experts import experts_layers, structure
 
     try:
         with torch.device("meta"):
@@ -166,34 +195,73 @@ def _skeleton_linears(config):
     except Exception as e:  # noqa: BLE001 - a config.json the architecture cannot be built from fails in many ways
         raise ConversionError(f"architecture {getattr(config, 'model_type', '?')!r} is not a causal LM transformers can build ({_line(e)})") from None
     head = model.get_output_embeddings()
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    return linears, [n for n, m in linears.items() if m is head], embedding_layer(model)
+    heads = [n for n, m in model.named_modules() if m is head]
+    emb = model.get_input_embeddings()
+    return structure(model, getattr(emb, "weight", None)), experts_layers(model), heads, embedding_layer(model)
 
 
-def _plan(src: _Source, recipe: Recipe, warn: Callable[[str], None], cplan=None):
-    linears, heads, emb = _skeleton_linears(src.config)
-    if not set(linears) - set(heads):
+def _experts_on_disk(info, weights: dict) -> tuple[str, list[str]] | None:
+    """Where an experts module's weights are in the source: ("fused", [3-D tensor per projection])
+    or ("per_expert", [2-D tensor names ending in .weight]); None when neither layout is complete.
+    Per-expert names are found under the module's decoder layer with any block name (Mixtral's
+    checkpoints say ``block_sparse_moe`` where the model says ``mlp``)."""
+    fused = [f"{info.name}.{p}" for p in info.projections]
+    if all(n in weights and len(weights[n][1]) == 3 for n in fused):
+        return "fused", fused
+    layer, _, rest = info.name.rpartition(".")
+    layer = layer.rpartition(".")[0]
+    pat = re.compile(rf"^{re.escape(layer)}\.[^.]+\.{re.escape(rest)}\.(\d+)\.([^.]+)\.weight$")
+    found = sorted(n for n in weights if pat.match(n) and len(weights[n][1]) == 2)
+    per_proj = len(info.projections) + (1 if info.projections[0] == "gate_up_proj" else 0)  # gate_up is two on disk
+    if found and len(found) == info.num_experts * per_proj:
+        return "per_expert", found
+    return None
+
+
+def _plan(src: _Source, recipe: Recipe, warn: Callable[[str], None], cplan=None) -> _Plan:
+    from mxq.config import ROLE_EXPERTS, experts_entry
+
+    layers_, moe, heads, emb = _skeleton(src.config)
+    weights = {name: (dtype, shape) for name, dtype, shape in src.tensors}
+    layers, on_disk = [], {}
+    for lay in layers_:
+        if lay.role == ROLE_EXPERTS:
+            where = _experts_on_disk(moe[lay.name], weights)
+            if where is None:
+                layers.append(LinearLayer(lay.name, lay.shape, role="custom_linear"))
+                kept_reason = "experts stored in a layout mxq does not read (neither fused 3-D nor numbered per-expert tensors)"
+                warn(f"keeping {lay.name} in its original dtype: {kept_reason}")
+                on_disk[lay.name] = kept_reason
+                continue
+            on_disk[lay.name] = where
+            dtype = weights[where[1][0]][0]
+            layers.append(LinearLayer(lay.name, lay.shape, dtype, role=ROLE_EXPERTS, ks=lay.ks))
+        elif lay.role != "linear" or lay.tied:
+            layers.append(lay)
+        elif lay.name + ".weight" in weights:
+            dtype, shape = weights[lay.name + ".weight"]
+            layers.append(LinearLayer(lay.name, tuple(shape), dtype))
+        else:
+            layers.append(LinearLayer(lay.name, tied="tied to another tensor (not in the checkpoint)"))
+    if not any(lay.role in ("linear", ROLE_EXPERTS) and lay.name not in heads for lay in layers):
         raise ConversionError(
-            f"architecture {getattr(src.config, 'model_type', '?')!r} has no torch.nn.Linear layers "
+            f"architecture {getattr(src.config, 'model_type', '?')!r} has no torch.nn.Linear layers or experts "
             "besides its output head: nothing to quantize"
         )
-    weights = {name: (dtype, shape) for name, dtype, shape in src.tensors}
-    layers = []
-    for mod in linears:
-        if mod + ".weight" in weights:
-            dtype, shape = weights[mod + ".weight"]
-            layers.append(LinearLayer(mod, tuple(shape), dtype))
-        else:
-            layers.append(LinearLayer(mod, tied="tied to another tensor (not in the checkpoint)"))
     try:
         selected, kept = select_layers(layers, recipe, warn)
     except LayerSelectionError as e:
         raise ConversionError(str(e)) from None
-    chosen = set(selected)
-    if not chosen:
-        raise ConversionError("no Linear layer is selected for quantization (check the recipe's include/exclude)")
+    for name, why in on_disk.items():
+        if isinstance(why, str):
+            kept[name] = why
+    chosen_experts = [n for n in selected if n in moe]
+    chosen = set(selected) - set(chosen_experts)
+    if not chosen and not chosen_experts:
+        raise ConversionError("no Linear layer or experts module is selected for quantization (check the recipe's include/exclude)")
     specs = {m: (recipe.weights, recipe.activations) for m in chosen}
     if cplan is not None:
+        linears = {lay.name for lay in layers_ if lay.role == "linear"}
         for m in sorted(chosen):
             lp = cplan.layers.get(m)
             if lp is None:
@@ -207,16 +275,58 @@ def _plan(src: _Source, recipe: Recipe, warn: Callable[[str], None], cplan=None)
             if m not in linears:
                 raise ConversionError(f"plan: layers[{m!r}]: the model has no Linear layer of this name")
     emb_choice = _plan_embedding(src, emb, recipe, warn, weights, chosen, kept, specs)
-    layout: list[PlannedTensor] = []
+    plan = _Plan(chosen, kept, [], {m: specs[m] for m in chosen}, emb_choice)
+    for m, where in on_disk.items():
+        if not isinstance(where, str):
+            plan.experts_disk[m] = where[1]
+    for m in chosen_experts:
+        layout_kind, names = on_disk[m]
+        info = moe[m]
+        if layout_kind == "fused":
+            for n in names:
+                plan.expert_tensors[n] = _ExpertTensor(m, recipe.weights, info.transposed, n + "_scale")
+            stored = None
+        else:
+            for n in names:
+                plan.expert_tensors[n] = _ExpertTensor(m, recipe.weights, False, n + "_scale")
+            stored = sorted({re.sub(r"\.(\d+)\.([^.]+)\.weight$", r".{e}.\2", n) for n in names})
+        plan.experts[m] = experts_entry(info, recipe.weights, recipe.activations, stored)
     for name, dtype, shape in src.tensors:
         mod = name[: -len(".weight")] if name.endswith(".weight") else None
+        et = plan.expert_tensors.get(name)
         if mod in chosen:
             n, k = shape
-            layout.append(PlannedTensor(name, DTYPE_NAMES[specs[mod][0].elem.torch_dtype], (n, k)))
-            layout.append(PlannedTensor(mod + ".weight_scale", "U8", (n, k // recipe.block_size)))
+            plan.layout.append(PlannedTensor(name, DTYPE_NAMES[specs[mod][0].elem.torch_dtype], (n, k)))
+            plan.layout.append(PlannedTensor(mod + ".weight_scale", "U8", (n, k // recipe.block_size)))
+        elif et is not None:
+            shape = (shape[0], shape[2], shape[1]) if et.transposed else tuple(shape)
+            plan.layout.append(PlannedTensor(name, DTYPE_NAMES[et.spec.elem.torch_dtype], shape))
+            plan.layout.append(PlannedTensor(et.scale_name, "U8", (*shape[:-1], shape[-1] // recipe.block_size)))
         else:
-            layout.append(PlannedTensor(name, dtype, tuple(shape)))
-    return chosen, kept, layout, {m: specs[m] for m in chosen}, emb_choice
+            plan.layout.append(PlannedTensor(name, dtype, tuple(shape)))
+    _warn_uncovered(src, plan, layers_, moe, heads, emb, warn)
+    return plan
+
+
+_PROJECTION = re.compile(r"proj|^w\d+$|^fc\d*$|dense|linear")
+
+
+def _warn_uncovered(src: _Source, plan: _Plan, layers, moe, heads, emb, warn) -> None:
+    """A matrix that looks like a projection (by its module's name) but that no rule covers (not a
+    Linear layer, experts module, router or embedding) stays in its dtype: say so, naming it, and
+    list it as kept."""
+    covered = {lay.name for lay in layers} | set(heads) | set(moe)
+    if emb is not None:
+        covered.add(emb.name)
+    for name, dtype, shape in src.tensors:
+        if len(shape) < 2 or dtype not in ("F32", "F16", "BF16") or name in plan.expert_tensors:
+            continue
+        mod = name.rpartition(".")[0] if name.endswith((".weight", ".bias")) else name
+        if mod in covered or any(name.startswith(m + ".") for m in moe) or not _PROJECTION.search(mod.rpartition(".")[2]):
+            continue
+        why = "looks like a projection, but no rule covers it (not a Linear layer, experts module, router or embedding)"
+        plan.kept[name] = why
+        warn(f"keeping {name} {list(shape)} in {dtype}: {why}")
 
 
 def _plan_embedding(src: _Source, emb, recipe: Recipe, warn, weights: dict, chosen: set, kept: dict, specs: dict):
@@ -240,6 +350,19 @@ def _plan_embedding(src: _Source, emb, recipe: Recipe, warn, weights: dict, chos
         kept.pop(head, None)
         src.tensors = [t for t in src.tensors if t[0] != head + ".weight"]  # one copy: the embedding's
     return choice
+
+
+def _shares(src: _Source, plan: _Plan) -> dict:
+    """The share of the model's parameters written in MX, of all and of the routed experts'."""
+    sizes = {name: torch.Size(shape).numel() for name, _d, shape in src.tensors}
+    experts = sum(sizes[n] for names in plan.experts_disk.values() for n in names)
+    experts_q = sum(sizes[n] for n in plan.expert_tensors)
+    quantized = experts_q + sum(sizes.get(m + ".weight", 0) for m in plan.chosen)
+    total = sum(sizes.values())
+    return {
+        "parameters": total, "quantized": quantized, "quantized_share": quantized / max(total, 1),
+        "expert_parameters": experts, "experts_quantized_share": experts_q / experts if experts else None,
+    }
 
 
 # --- configs -------------------------------------------------------------------------------------
@@ -345,10 +468,11 @@ def quantize_checkpoint(
         geom = Geometry.from_config(src.config)
         if geom != cplan.geometry:
             raise ConversionError(f"plan: model: made for {cplan.geometry.to_dict()}, the source is {geom.to_dict()}")
-    chosen, kept, layout, specs, emb_choice = _plan(src, recipe, warn, cplan)
+    plan_ = _plan(src, recipe, warn, cplan)
+    chosen, kept, layout, specs, emb_choice = plan_.chosen, plan_.kept, plan_.layout, plan_.specs, plan_.embedding
     if scale_dtype != "u8":  # the writer stores the uint8 scale bytes as this dtype
         layout = [
-            PlannedTensor(t.name, SCALE_DTYPES[scale_dtype], t.shape) if t.name.endswith(".weight_scale") and t.dtype == "U8" else t
+            PlannedTensor(t.name, SCALE_DTYPES[scale_dtype], t.shape) if t.name.endswith(("_scale", ".weight_scale")) and t.dtype == "U8" else t
             for t in layout
         ]
     report = ConversionReport(msrc.display, str(out), recipe.name, fmt, device, kept=dict(sorted(kept.items())))
@@ -368,7 +492,20 @@ def quantize_checkpoint(
                     tensor = permute_tensor(name, tensor, cplan.permutations, geom)
                 except ReorderError as e:
                     raise ConversionError(f"plan: permutations: {e}") from None
+            et = plan_.expert_tensors.get(name)
             rounded = cplan.rounded_weight(mod) if cplan is not None and mod in chosen else None
+            if et is not None:
+                from mxq.experts import canonical
+
+                data, scales, sqnr = _quantize_weight(name, canonical(tensor, et.transposed) if tensor.dim() == 3 else tensor,
+                                                      et.spec, recipe.block_size, device)  # fmt: skip
+                writer.write(name, data)
+                writer.write(et.scale_name, scales)
+                after = data.numel() + scales.numel()
+                report.quantized.append(LayerResult(name, tuple(data.shape), sqnr, tensor.numel() * tensor.element_size(), after))
+                report.bytes_after += after
+                report.n_tensors += 1
+                continue
             if rounded is not None:
                 data, scales, sqnr = _rounded_weight(name, tensor, rounded, specs[mod][0], recipe.block_size)
             elif mod in chosen:
@@ -384,7 +521,8 @@ def quantize_checkpoint(
                 report.bytes_after += tensor.numel() * tensor.element_size()
             report.n_tensors += 1
         writer.close()
-        _write_configs(tmp, src, recipe, specs, kept, fmt, msrc, cplan, scale_dtype, embedding=emb_choice)
+        _write_configs(tmp, src, recipe, specs, kept, fmt, msrc, cplan, scale_dtype, embedding=emb_choice, experts=plan_.experts)
+        report.shares = _shares(src, plan_)
         report.seconds = time.perf_counter() - t0
         (tmp / "quantization_report.json").write_text(json.dumps(report.to_dict(), indent=1) + "\n")
         _replace(tmp, out, force)
@@ -418,11 +556,13 @@ def _quantize_weight(name: str, w: torch.Tensor, spec: TensorSpec, block_size: i
     w = w.to(device)
     bad = ~torch.isfinite(w)
     if bad.any():
-        r, c = (int(i) for i in bad.nonzero()[0])
-        val = w[r, c].item()
+        idx = [int(i) for i in bad.nonzero()[0]]
+        val = w[tuple(idx)].item()
+        *lead, r, c = idx
         b = c // block_size
+        where = f"expert {lead[0]}, " if lead else ""
         raise ConversionError(
-            f"tensor {name}: non-finite value {val} at row {r}, block {b} "
+            f"tensor {name}: non-finite value {val} at {where}row {r}, block {b} "
             f"(columns {b * block_size}-{(b + 1) * block_size - 1})"
         )
     q = quantize_mx(w, -1, spec.elem, block_size, spec.scale_rule)
@@ -448,7 +588,7 @@ def _rounded_weight(name: str, w: torch.Tensor, rounded, spec: TensorSpec, block
 
 def _write_configs(
     tmp: Path, src: _Source, recipe: Recipe, specs: dict, kept: dict, fmt: str, msrc: ModelSource, cplan=None,
-    scale_dtype: str = "u8", embedding=None,
+    scale_dtype: str = "u8", embedding=None, experts: dict | None = None,
 ) -> None:
     tied = embedding.tied() if embedding is not None else {}
     if src.gguf is not None:
@@ -470,6 +610,12 @@ def _write_configs(
             raise ConversionError("--format compressed-tensors: the plan sets per-layer formats, which that layout cannot record; use --format mxq")
         # a tied head computing with bf16 activations is "ignored": its weight is the embedding's anyway
         ignore = list(kept) + [h for h, (_, a) in tied.items() if a is None]
+        fused = sorted(m for m, d in (experts or {}).items() if d["layout"] == "fused")
+        if fused:
+            raise ConversionError(
+                f"--format compressed-tensors: {fused[0]} holds its experts as fused 3-D tensors, which that layout "
+                "stores only one Linear per expert; use --format mxq"
+            )
         cfg["quantization_config"] = compressed_tensors_config(recipe, ignore, embeddings=bool(embs))
     else:
         layers = dict(specs)
@@ -480,7 +626,8 @@ def _write_configs(
             "torch_version": torch.__version__,
         }
         calib = cplan.config_section() if cplan is not None else None
-        cfg["quantization_config"] = native_config(recipe, layers, sorted(kept), prov, calibration=calib, scale_dtype=scale_dtype, tied=tied)
+        cfg["quantization_config"] = native_config(recipe, layers, sorted(kept), prov, calibration=calib, scale_dtype=scale_dtype,
+                                                   tied=tied, experts=experts)  # fmt: skip
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 

@@ -71,6 +71,7 @@ class MXQHfQuantizer(HfQuantizer):
                     elem=w.elem, act=a, block_size=cfg.block_size, dtype=dtype,
                 )
             setattr(parent, child, new)
+        _prepare_experts(model, cfg, dtype)
         from mxq.embedding import prepare_for_loading
 
         prepare_for_loading(model, cfg, embeddings, dtype)  # MX embeddings and the heads tied to them
@@ -91,6 +92,7 @@ class MXQHfQuantizer(HfQuantizer):
         from mxq.fuse import fuse
 
         _scales_as(model, torch.uint8)
+        _routers_as_model(model)
         from mxq.embedding import after_loading
 
         after_loading(model, self.quantization_config)
@@ -123,6 +125,54 @@ class MXQHfQuantizer(HfQuantizer):
         # MXLinear compiles through the custom op torch.ops.mxq.mx_linear (no graph breaks, no
         # host syncs), so generate(cache_implementation="static") may compile the forward.
         return True
+
+
+def _prepare_experts(model, cfg: MXQConfig, dtype) -> None:
+    """Each experts module the config lists becomes an ``MXExperts`` (on the meta device, filled by
+    loading). Per-expert tensors on disk reach its 3-D parameters through the family's own
+    checkpoint conversion (transformers stacks ``experts.N.gate_proj.weight`` and ``up_proj`` into
+    ``experts.gate_up_proj``, and the same rule carries the ``_scale`` suffix to ``gate_up_proj_scale``)."""
+    from mxq.experts import MXExperts, experts_layer, is_experts
+
+    for name in getattr(cfg, "experts", None) or {}:
+        try:
+            mod = model.get_submodule(name)
+        except AttributeError:
+            raise ValueError(f"quantization_config experts lists {name!r}, which {type(model).__name__} does not have") from None
+        if not is_experts(mod):
+            raise ValueError(f"quantization_config experts lists {name!r}, a {type(mod).__name__}, not an experts module")
+        info, d = experts_layer(name, mod), cfg.experts[name]
+        if d["num_experts"] != info.num_experts or list(d["projections"]) != list(info.projections):
+            raise ValueError(
+                f"quantization_config experts[{name!r}]: {d['num_experts']} experts {d['projections']}, but "
+                f"{type(model).__name__} has {info.num_experts} {list(info.projections)}"
+            )
+        w, a = cfg.experts_specs(name)
+        parent_name, _, child = name.rpartition(".")
+        with torch.device("meta"):
+            new = MXExperts(mod, elem=w.elem, act=a, block_size=cfg.block_size, dtype=dtype)
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+def _routers_as_model(model) -> None:
+    """Routers in the dtype the model was loaded in. transformers 5.17 with a quantizer leaves a
+    tensor it renames while loading (Mixtral's ``block_sparse_moe.gate`` -> ``mlp.gate``) in the
+    checkpoint's dtype, and the router's matmul then fails on mixed dtypes."""
+    from mxq.experts import ROUTER_NAMES, is_experts
+
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    want = getattr(getattr(emb, "weight", None), "dtype", None)
+    if want is None or not want.is_floating_point or want.itemsize < 2:
+        return
+    for name, m in model.named_modules():
+        if not is_experts(m):
+            continue
+        parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+        for r in ROUTER_NAMES:
+            router = getattr(parent, r, None)
+            w = getattr(router, "weight", None)
+            if isinstance(w, torch.nn.Parameter) and w.dtype.is_floating_point and w.dtype != want and w.dtype.itemsize >= 2:
+                router.weight = torch.nn.Parameter(w.data.to(want), requires_grad=False)
 
 
 def _validate(cfg: MXQConfig, files: list | None):

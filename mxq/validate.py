@@ -45,6 +45,7 @@ class Validation:
     tensors: dict[str, TensorInfo] = field(default_factory=dict)
     layers: dict[str, ElemFormat | None] = field(default_factory=dict)  # None: any fp8 format
     problems: list[str] = field(default_factory=list)
+    fused: dict[str, tuple[ElemFormat, int]] = field(default_factory=dict)  # fused experts tensor -> (format, experts)
 
 
 def validate_checkpoint(
@@ -96,15 +97,19 @@ def check_checkpoint(
         try:
             v.layers, scale_dtype = _config_layers(qc)
             scale_dtypes = (SCALE_DTYPES[scale_dtype],)
+            per_expert, v.fused = _config_experts(qc)
         except ValueError as e:
             v.problems.insert(0, f"{cfg_file}: {e}")
             return v
+        v.layers.update(per_expert)
     elif fmt != "none":  # foreign: the layers are the ones with scales
         suffix = ".weight_scale_inv" if fmt == "mxfp8" else ".weight_scale"
         v.layers = {n[: -len(suffix)]: None for n in v.tensors if n.endswith(suffix)}
     for mod, elem in sorted(v.layers.items()):
         v.problems.extend(_layer_problems(path, mod, elem, scale_dtypes, v.tensors, scan))
-    v.problems.extend(_unlisted(v.layers, v.tensors))
+    for name, (elem, e) in sorted(v.fused.items()):
+        v.problems.extend(_fused_problems(path, name, elem, e, scale_dtypes, v.tensors, scan))
+    v.problems.extend(_unlisted(v.layers, v.tensors, v.fused))
     return v
 
 
@@ -141,6 +146,23 @@ def _config_layers(qc: object) -> tuple[dict[str, ElemFormat], str]:
     if qc.get("attention") not in (None, "bf16", "mxfp8"):
         raise ValueError(f"quantization_config attention: expected null, 'bf16' or 'mxfp8', got {qc.get('attention')!r}"[:300])
     return out, scale_dtype
+
+
+def _config_experts(qc: dict) -> tuple[dict[str, ElemFormat], dict[str, tuple[ElemFormat, int]]]:
+    """The experts section's tensors: per-expert ones as layers (name -> format, one per expert and
+    projection) and fused ones (name -> (format, experts)); ValueError naming the key."""
+    per_expert, fused = {}, {}
+    for name, d in (qc.get("experts") or {}).items():  # NativeConfig checked the section's shape
+        where = f"quantization_config experts[{name!r}]"[:200]
+        elem = _spec(d["weights"], f"{where}.weights")
+        for t in d["stored"]:
+            if d["layout"] == "fused":
+                fused[t] = (elem, d["num_experts"])
+            elif t.count("{e}") != 1 or "{" in t.replace("{e}", "") or "}" in t.replace("{e}", ""):
+                raise ValueError(f"{where}.stored: {t!r} must hold {{e}} once (the expert index)"[:300])
+            else:
+                per_expert.update({t.replace("{e}", str(i)): elem for i in range(d["num_experts"])})
+    return per_expert, fused
 
 
 def _spec(d: dict, where: str) -> ElemFormat:
@@ -199,10 +221,40 @@ def _layer_problems(
     return probs
 
 
-def _unlisted(layers: dict, infos: dict[str, TensorInfo]) -> list[str]:
+def _fused_problems(path: Path, name: str, elem: ElemFormat, experts: int, scale_dtypes: tuple[str, ...],
+                    infos: dict[str, TensorInfo], scan: bool) -> list[str]:  # fmt: skip
+    """A fused experts tensor: fp8 [E, N, K] in the config's format with ``<name>_scale`` [E, N, K/32]."""
+    w, s = infos.get(name), infos.get(name + "_scale")
+    if w is None or s is None:
+        miss = name if w is None else name + "_scale"
+        return [f"{path}: tensor {miss}: missing (the quantization_config's experts store it)"]
+    if w.dtype not in FP8_DTYPES or FP8_DTYPES[w.dtype] != elem.name:
+        return [f"{w.file}: tensor {name}: dtype {w.dtype} but the quantization_config says {elem.name}"]
+    if s.dtype not in scale_dtypes:
+        return [f"{s.file}: tensor {s.name}: dtype {s.dtype}, expected {' or '.join(scale_dtypes)} (biased E8M0 scales)"]
+    if len(w.shape) != 3 or w.shape[0] != experts or w.shape[2] % 32 or tuple(s.shape) != (*w.shape[:2], w.shape[2] // 32):
+        return [f"{s.file}: tensor {s.name}: shape {list(s.shape)} does not match {name} {list(w.shape)} of {experts} experts"]
+    if not scan:
+        return []
+    probs = []
+    for info, mask, what in ((w, _NONFINITE_MASK[w.dtype], "non-finite fp8 code(s)"), (s, E8M0_NAN, "NaN scale(s) (0xFF)")):
+        try:
+            n, first = count_codes(info, mask)
+        except CheckpointError as e:
+            return [str(e)]
+        if n:
+            rows = info.shape[1] * info.shape[2]
+            probs.append(f"{info.file}: tensor {info.name}: {n} {what}, the first in expert {first // rows}")
+    return probs
+
+
+def _unlisted(layers: dict, infos: dict[str, TensorInfo], fused: dict | None = None) -> list[str]:
     """fp8 weights and scales of layers the config does not list: they would load without scales."""
     probs = []
+    fused = fused or {}
     for name, i in sorted(infos.items()):
+        if name in fused or (name.endswith("_scale") and name[: -len("_scale")] in fused):
+            continue
         for suffix in SCALE_SUFFIXES:
             if name.endswith(suffix) and name[: -len(suffix)] not in layers:
                 probs.append(f"{i.file}: tensor {name}: a scale for a layer the quantization_config does not list")
