@@ -400,6 +400,22 @@ def calibrate_cmd(
     console.print(f"plan written to {out}")
 
 
+def _print_kept(kept: dict[str, str]) -> None:
+    """Every matrix left in high precision, grouped by reason (all names in quantization_report.json)."""
+    by_reason: dict[str, list[str]] = {}
+    for name, why in kept.items():
+        by_reason.setdefault(why, []).append(name)
+    if not by_reason:
+        return
+    k = Table(title="left in high precision")
+    k.add_column("reason")
+    k.add_column("layers")
+    for why, names in sorted(by_reason.items()):
+        shown = ", ".join(names[:4]) + (f", ... ({len(names)} in all)" if len(names) > 4 else "")
+        k.add_row(why, shown)
+    console.print(k)
+
+
 def _print_report(r) -> None:
     t = Table(title=f"mxq quantize: {r.source} -> {r.out}")
     t.add_column("")
@@ -411,6 +427,10 @@ def _print_report(r) -> None:
         str(len(r.kept))
         + (f" ({', '.join(list(r.kept)[:3])}{'...' if len(r.kept) > 3 else ''})" if r.kept else ""),
     )
+    if r.shares:
+        t.add_row("parameters in MX", f"{r.shares['quantized_share']:.1%}")
+        if r.shares.get("experts_quantized_share") is not None:
+            t.add_row("routed-expert parameters in MX", f"{r.shares['experts_quantized_share']:.1%}")
     t.add_row("bytes before", _fmt_bytes(r.bytes_before))
     t.add_row("bytes after", _fmt_bytes(r.bytes_after))
     t.add_row("compression", f"{r.ratio:.2f}x")
@@ -422,6 +442,7 @@ def _print_report(r) -> None:
         )
     t.add_row("time", f"{r.seconds:.1f} s")
     console.print(t)
+    _print_kept(r.kept)
     if r.quantized:
         w = Table(title="per-layer weight SQNR (worst 10; all layers in quantization_report.json)")
         for c in ("layer", "shape", "SQNR dB"):
@@ -456,6 +477,7 @@ def inspect_cmd(
     t.add_row("architecture", rep.architecture)
     t.add_row("tensors", str(len(rep.tensors)))
     t.add_row("quantized layers", str(rep.n_quantized))
+    t.add_row("parameters in MX", f"{rep.mx_share:.1%}")
     t.add_row(
         "bytes by dtype",
         ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in sorted(rep.bytes_by_dtype.items())),

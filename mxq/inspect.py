@@ -20,6 +20,7 @@ class InspectReport:
     n_quantized: int = 0
     bytes_by_dtype: dict[str, int] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    mx_share: float = 0.0  # parameters stored as fp8 MX codes, of all parameters (scales not counted)
 
 
 def inspect_checkpoint(path: str | os.PathLike) -> InspectReport:
@@ -42,7 +43,18 @@ def inspect_checkpoint(path: str | os.PathLike) -> InspectReport:
     for i in rep.tensors:
         by_dtype[i.dtype] += i.nbytes
     rep.bytes_by_dtype = dict(by_dtype)
+    scales = ("_scale", "_scale_inv")
+    params = [i for i in rep.tensors if not i.name.endswith(scales)]
+    total = sum(_numel(i.shape) for i in params)
+    rep.mx_share = sum(_numel(i.shape) for i in params if i.dtype in ("F8_E4M3", "F8_E5M2")) / max(total, 1)
     return rep
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
 
 
 __all__ = ["InspectReport", "inspect_checkpoint"]
