@@ -9,8 +9,8 @@ from torch import nn
 
 from mxq.config import NativeConfig, experts_entry, native_config
 from mxq.embedding import quantize_embedding
-from mxq.fuse import fuse as fuse_model
 from mxq.experts import experts_layers, quantize_experts, select_model_layers
+from mxq.fuse import fuse as fuse_model
 from mxq.linear import MXLinear, linear_layers, set_kernels
 from mxq.recipe import Recipe
 

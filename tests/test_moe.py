@@ -13,6 +13,7 @@ import torch
 from cli_helpers import run_cli
 from moe_models import FAMILIES, moe_model
 from mx_reference import dequantize
+from mx_reference import quantize as mx_quantize
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -118,8 +119,8 @@ def _loop_reference(mod: MXExperts, x, idx, w):
     """W8A8 experts, independently: each token through each of its experts, X rounded with the
     numpy reference, weights decoded bit by bit."""
     def rounded(v):
-        e, s = np.asarray(v, np.float32), None
-        codes, scales = __import__("mx_reference").quantize(e, "e4m3", "rceil", -1, 32)
+        e = np.asarray(v, np.float32)
+        codes, scales = mx_quantize(e, "e4m3", "rceil", -1, 32)
         return dequantize(codes, scales, "e4m3", e.shape, -1, 32)
 
     def weight(p, e):
