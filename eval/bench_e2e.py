@@ -50,6 +50,15 @@ SHAPES = {
                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024),
+    # Qwen3-30B-A3B widths with 16 of its 48 layers (a mixture of experts: 128 experts, top-8), and a tiny one
+    "qwen3-30b-a3b-16l": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                              num_experts=128, num_experts_per_tok=8, num_hidden_layers=16, num_attention_heads=32,
+                              num_key_value_heads=4, head_dim=128, vocab_size=151936, max_position_embeddings=8192,
+                              rope_theta=1000000.0, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
+    "tiny-moe": dict(model_type="qwen3_moe", hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                     num_experts=8, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=1024,
+                     decoder_sparse_step=1, mlp_only_layers=[]),
 }  # fmt: skip
 
 
@@ -106,16 +115,21 @@ def weight_bytes(model) -> int:
 
 
 def build_random(shape: str, device: torch.device, seed: int = 0):
-    """A Llama-shaped bf16 model with random weights (N(0, 0.02)), built directly on ``device``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A bf16 model of ``shape`` with random weights (transformers' initialisation), built directly on
+    ``device`` (Llama unless the shape names another ``model_type``). Mixtures of experts run their
+    bf16 experts with transformers' fastest implementation here (``grouped_mm``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = LlamaConfig(**SHAPES[shape], tie_word_embeddings=False)
+    kw = dict(SHAPES[shape])
+    cfg = AutoConfig.for_model(kw.pop("model_type", "llama"), **kw, tie_word_embeddings=False)
+    if "num_experts" in kw:
+        cfg._experts_implementation = "grouped_mm"
     torch.manual_seed(seed)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(cfg)
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     finally:
         torch.set_default_dtype(prev)
     return model.eval()
@@ -421,7 +435,8 @@ def worker(a, device: torch.device) -> dict:
 
         assert use_grouped_sdpa(model), "the bf16 model does not use sdpa attention"
     res = {"model": label, "config": {k: getattr(model.config, k, None) for k in ("hidden_size", "intermediate_size",
-           "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size")}}  # fmt: skip
+           "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size", "num_experts",
+           "num_experts_per_tok", "moe_intermediate_size")}}  # fmt: skip
     if a.worker == "mxfp8":
         check_ids = torch.randint(0, model.config.vocab_size, (1, 256), generator=torch.Generator().manual_seed(0)).to(device)
         with torch.inference_mode():
@@ -449,7 +464,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group()
     src.add_argument(
-        "--shape", choices=sorted(SHAPES), help="random-weight Llama shape (default llama3-8b)"
+        "--shape", choices=sorted(SHAPES), help="random-weight shape: Llama, or a Qwen3 mixture of experts (default llama3-8b)"
     )
     src.add_argument("--model", help="a model mxq can load (HF dir, hub id, .gguf, 'default')")
     p.add_argument("--recipe", default="mxfp8")
