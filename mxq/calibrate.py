@@ -260,6 +260,10 @@ def calibrate(
     batches = calibration_batches(tokenizer, texts, samples, seq_len, batch_size)
     stats = collect_statistics(model, batches, sample_rows, progress)
     selected, kept = select_layers(model, recipe)
+    from mxq.experts import experts_layers
+
+    moe = experts_layers(model)  # routed experts: cast directly by the converter, not planned per layer
+    selected = [n for n in selected if n not in moe]
     n_s = min(sensitivity_samples, samples)
     sens_ids = torch.cat(batches)[:n_s, :sensitivity_seq_len]
     sens_batches = [sens_ids[i : i + 1] for i in range(n_s)]

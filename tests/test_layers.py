@@ -28,7 +28,7 @@ OUTSIDE = ("kernels", "eval")  # subpackages mapped into mxq (package-dir), one 
 LAYERS = {
     0: {"cli", "cli_bench", "cli_eval", "cli_tune"},
     1: {PACKAGE, "calibrate", "gptq", "convert", "hf", "eval", "inspect", "models", "quantize"},
-    2: {"fuse", "linear", "embedding", "attention", "checkpoint", "validate", "recipe", "config", "reorder", "progress", "decode"},
+    2: {"experts", "fuse", "linear", "embedding", "attention", "checkpoint", "validate", "recipe", "config", "reorder", "progress", "decode"},
     3: {"formats", "kernels"},
 }
 LAYER = {m: rank for rank, mods in LAYERS.items() for m in mods}
