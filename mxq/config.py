@@ -240,7 +240,8 @@ def checkpoint_format(config: dict) -> str:
 
 
 def foreign_to_native(
-    path: str | os.PathLike, config: dict, modules: dict[str, str] | None = None, ties: dict[str, str] | None = None
+    path: str | os.PathLike, config: dict, modules: dict[str, str] | None = None, ties: dict[str, str] | None = None,
+    experts: dict[str, tuple[int, tuple[str, ...]]] | None = None,
 ) -> dict:
     """Native quantization_config for a compressed-tensors mxfp8 or transformers mxfp8 checkpoint.
 
@@ -249,7 +250,9 @@ def foreign_to_native(
     checkpoint's layers are the ones its config_groups' targets and its ignore quantize
     (``compressed_tensors_layers``), an embedding is a layer without activations (``MXEmbedding``)
     and a head tied to a quantized embedding shares its tensors (``tied``). Without them the layers
-    are the ones with scales."""
+    are the ones with scales. ``experts``: the model's experts modules (name -> (experts,
+    projections)); their per-expert tensors with scales (``experts.N.gate_proj.weight`` +
+    ``weight_scale``, as llm-compressor writes them) become the native config's ``experts``."""
     fmt = checkpoint_format(config)
     qc = config["quantization_config"]
     tensors = read_index(path)
@@ -262,10 +265,11 @@ def foreign_to_native(
     act = TensorSpec(E4M3, ScaleRule.RCEIL) if has_act else None
     ignore = qc.get("ignore") or qc.get("modules_to_not_convert") or []
     kinds, ties = modules or {}, ties or {}
+    moe, claimed = _per_expert_entries(tensors, experts or {}, scale_suffix, act)
     if fmt == "compressed-tensors" and modules is not None:
-        wanted = compressed_tensors_layers(path, qc, modules, tensors)
+        wanted = compressed_tensors_layers(path, qc, modules, tensors, claimed)
     else:
-        wanted = {n[: -len(scale_suffix)]: act for n in tensors if n.endswith(scale_suffix)}
+        wanted = {n[: -len(scale_suffix)]: act for n in tensors if n.endswith(scale_suffix) and n[: -len(scale_suffix)] not in claimed}
         for head in ties:  # a tied head has no scales of its own: its activations follow the ignore list
             if isinstance(ignore, list) and head not in ignore:
                 wanted.setdefault(head, act)
@@ -284,15 +288,40 @@ def foreign_to_native(
         layers[mod] = (TensorSpec(elem, ScaleRule.RCEIL), None if kinds.get(mod) == "Embedding" else mod_act)
         # the first scale's storage; the validator refuses scales stored otherwise
         scale_dtype = scale_dtype or ("e8m0" if s.dtype == "F8_E8M0" else "u8")
-    if not layers:
+    if not layers and not moe:
         raise ValueError(f"{path}: {fmt} checkpoint without any {scale_suffix} tensor")
     tied = {head: (emb, wanted.get(head)) for head, emb in ties.items() if emb in layers and head not in layers}
     recipe = Recipe(name=f"imported-{fmt}", weights=TensorSpec(E4M3, ScaleRule.RCEIL), activations=act)
     prov = {"mxq_version": mxq_version(), "imported_from": fmt}
-    return native_config(recipe, layers, list(ignore), prov, scale_dtype=scale_dtype, tied=tied)
+    return native_config(recipe, layers, list(ignore), prov, scale_dtype=scale_dtype or "u8", tied=tied, experts=moe)
 
 
-def compressed_tensors_layers(path, qc: dict, modules: dict[str, str], tensors: dict) -> dict[str, TensorSpec | None]:
+def _per_expert_entries(tensors: dict, experts: dict, scale_suffix: str, act: TensorSpec | None) -> tuple[dict, set[str]]:
+    """Experts modules stored one expert at a time with scales: their native ``experts`` entries,
+    and the per-expert layer names they claim. A module's tensors are the numbered ones under its
+    decoder layer with any block name (Mixtral's ``block_sparse_moe``, as the converter reads them)."""
+    entries, claimed = {}, set()
+    for name, (n_experts, projections) in experts.items():
+        layer, _, leaf = name.rpartition(".")
+        pat = re.compile(rf"^{re.escape(layer.rpartition('.')[0])}\.[^.]+\.{re.escape(leaf)}\.(\d+)\.([^.]+)\.weight$")
+        bases = sorted(n[: -len(".weight")] for n in tensors if pat.match(n) and n[: -len(".weight")] + scale_suffix in tensors)
+        per_expert = len(projections) + (1 if projections[0] == "gate_up_proj" else 0)
+        if len(bases) != n_experts * per_expert:
+            continue
+        elem = {"F8_E4M3": E4M3, "F8_E5M2": E5M2}.get(tensors[bases[0] + ".weight"].dtype)
+        if elem is None:
+            continue
+        stored = sorted({re.sub(r"\.(\d+)\.([^.]+)$", r".{e}.\2", b) for b in bases})
+        entries[name] = {
+            "weights": TensorSpec(elem, ScaleRule.RCEIL).to_dict(), "activations": act.to_dict() if act else None,
+            "num_experts": n_experts, "projections": list(projections), "layout": "per_expert", "stored": stored,
+        }
+        claimed.update(bases)
+    return entries, claimed
+
+
+def compressed_tensors_layers(path, qc: dict, modules: dict[str, str], tensors: dict,
+                              claimed: set[str] = frozenset()) -> dict[str, TensorSpec | None]:  # fmt: skip
     """The layers a compressed-tensors ``quantization_config`` quantizes -> each one's activation spec.
 
     A layer is quantized when a config group's ``targets`` match it and no ``ignore`` entry does,
@@ -325,7 +354,7 @@ def compressed_tensors_layers(path, qc: dict, modules: dict[str, str], tensors: 
                 out[name] = act
                 break
     for n in tensors:
-        if n.endswith(".weight_scale") and n[: -len(".weight_scale")] not in out:
+        if n.endswith(".weight_scale") and n[: -len(".weight_scale")] not in out and n[: -len(".weight_scale")] not in claimed:
             mod = n[: -len(".weight_scale")]
             why = "which the model does not have" if mod not in modules else (
                 "which the quantization_config's config_groups targets and ignore leave unquantized")

@@ -316,20 +316,24 @@ def after_loading(model: nn.Module, cfg) -> None:
         h.weight, h.weight_scale = e.weight, e.weight_scale
 
 
-def skeleton_modules(config) -> tuple[dict[str, str], dict[str, str]]:
+def skeleton_modules(config) -> tuple[dict[str, str], dict[str, str], dict[str, tuple[int, tuple[str, ...]]]]:
     """The Linear and Embedding layers of the model ``config`` describes (name -> "Linear" or
-    "Embedding"; built on the meta device) and its ties (head -> input embedding)."""
+    "Embedding"; built on the meta device), its ties (head -> input embedding) and its experts
+    modules (name -> (number of experts, projections), ``mxq.experts``)."""
     from transformers import AutoModelForCausalLM
+
+    from mxq.experts import experts_layers
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+    experts = {n: (e.num_experts, e.projections) for n, e in experts_layers(model).items()}
     kinds = {
         n: "Embedding" if isinstance(m, nn.Embedding) else "Linear"
         for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))
     }  # fmt: skip
     found = input_embedding(model)
     head = tied_head(model, found[0]) if found is not None else ""
-    return kinds, ({head: found[0]} if head else {})
+    return kinds, ({head: found[0]} if head else {}), experts
 
 
 # --- the model's dtype ---------------------------------------------------------------------------

@@ -195,3 +195,35 @@ def test_validator_names_a_bad_experts_tensor(tmp_path):
     save_file(tensors, f, metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=name):
         mxq.load(out)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_compressed_tensors_experts(tmp_path, family):
+    """Per-expert tensors as llm-compressor writes them: compressed-tensors' own compressor decodes
+    them to the values mxq computes with, and mxq loads such a checkpoint (with llm-compressor's
+    usual ignore patterns) to the same logits as its native one."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.mxfp8.base import MXFP8QuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    src = _source(tmp_path, family)
+    ct, native = tmp_path / "ct", tmp_path / "native"
+    assert run_cli(["quantize", str(src), str(ct), "--format", "compressed-tensors"])[0] == 0
+    assert run_cli(["quantize", str(src), str(native)])[0] == 0
+    cfg = json.loads((ct / "config.json").read_text())
+    scheme = QuantizationConfig.model_validate(cfg["quantization_config"]).config_groups["group_0"]
+    with safe_open(checkpoint_files(ct)[0], "pt") as f:
+        experts = [n for n in f.keys() if ".experts." in n and n.endswith(".weight")]
+        assert experts
+        for n in experts[:6]:
+            w, s = f.get_tensor(n), f.get_tensor(n + "_scale")
+            got = MXFP8QuantizationCompressor.decompress({"weight": w, "weight_scale": s}, scheme)["weight"]
+            want = dequantize(w.view(torch.uint8).numpy(), s.numpy(), "e4m3", tuple(w.shape), -1, 32)
+            assert torch.equal(got.float(), torch.from_numpy(want).float()), n
+    cfg["quantization_config"]["ignore"] = ["lm_head", "re:.*mlp.gate$"]
+    (ct / "config.json").write_text(json.dumps(cfg))
+    ids = torch.randint(0, 256, (2, 7))
+    a, b = mxq.load(ct, dtype=torch.float32), mxq.load(native, dtype=torch.float32)
+    assert sum(isinstance(m, MXExperts) for m in a.modules()) == 2
+    with torch.no_grad():
+        assert torch.equal(a(ids).logits, b(ids).logits)
