@@ -97,7 +97,7 @@ def check_checkpoint(
         try:
             v.layers, scale_dtype = _config_layers(qc)
             scale_dtypes = (SCALE_DTYPES[scale_dtype],)
-            per_expert, v.fused = _config_experts(qc)
+            per_expert, v.fused = _config_experts(qc, v.tensors)
         except ValueError as e:
             v.problems.insert(0, f"{cfg_file}: {e}")
             return v
@@ -148,21 +148,43 @@ def _config_layers(qc: object) -> tuple[dict[str, ElemFormat], str]:
     return out, scale_dtype
 
 
-def _config_experts(qc: dict) -> tuple[dict[str, ElemFormat], dict[str, tuple[ElemFormat, int]]]:
+def _config_experts(qc: dict, tensors: dict) -> tuple[dict[str, ElemFormat], dict[str, tuple[ElemFormat, int]]]:
     """The experts section's tensors: per-expert ones as layers (name -> format, one per expert and
-    projection) and fused ones (name -> (format, experts)); ValueError naming the key."""
+    projection) and fused ones (name -> (format, experts)); ValueError naming the key.
+
+    Where the entry's ``stored`` tensors are absent but the other layout is complete on disk, that
+    one is taken: ``save_pretrained`` writes experts in the model family's own checkpoint layout
+    (transformers splits a fused [E, N, K] tensor back into per-expert ones, scales included), which
+    need not be the layout the config was written for."""
     per_expert, fused = {}, {}
     for name, d in (qc.get("experts") or {}).items():  # NativeConfig checked the section's shape
         where = f"quantization_config experts[{name!r}]"[:200]
         elem = _spec(d["weights"], f"{where}.weights")
-        for t in d["stored"]:
-            if d["layout"] == "fused":
+        layout, stored = _experts_on_disk(name, d, tensors)
+        for t in stored:
+            if layout == "fused":
                 fused[t] = (elem, d["num_experts"])
             elif t.count("{e}") != 1 or "{" in t.replace("{e}", "") or "}" in t.replace("{e}", ""):
                 raise ValueError(f"{where}.stored: {t!r} must hold {{e}} once (the expert index)"[:300])
             else:
                 per_expert.update({t.replace("{e}", str(i)): elem for i in range(d["num_experts"])})
     return per_expert, fused
+
+
+def _experts_on_disk(name: str, d: dict, tensors: dict) -> tuple[str, list[str]]:
+    """(layout, stored names) of one experts entry: as the config says, or the other layout where
+    only that one is on disk (numbered per-expert tensors under the module's decoder layer)."""
+    import re
+
+    if not tensors or all((t if d["layout"] == "fused" else t.replace("{e}", "0") + ".weight") in tensors for t in d["stored"]):
+        return d["layout"], d["stored"]
+    fused = [f"{name}.{p}" for p in d["projections"]]
+    if all(t in tensors for t in fused):
+        return "fused", fused
+    layer, _, leaf = name.rpartition(".")
+    pat = re.compile(rf"^{re.escape(layer.rpartition('.')[0])}\.[^.]+\.{re.escape(leaf)}\.(\d+)\.([^.]+)\.weight$")
+    found = sorted({re.sub(r"\.(\d+)\.([^.]+)\.weight$", r".{e}.\2", t) for t in tensors if pat.match(t)})
+    return ("per_expert", found) if found else (d["layout"], d["stored"])
 
 
 def _spec(d: dict, where: str) -> ElemFormat:

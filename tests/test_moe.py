@@ -227,3 +227,31 @@ def test_compressed_tensors_experts(tmp_path, family):
     assert sum(isinstance(m, MXExperts) for m in a.modules()) == 2
     with torch.no_grad():
         assert torch.equal(a(ids).logits, b(ids).logits)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_save_pretrained_round_trip(tmp_path, family):
+    """``save_pretrained`` writes the family's own expert layout (per-expert for most, with the
+    scales carried along); the checkpoint loads back to the same logits."""
+    model = mxq.quantize_model(moe_model(family))
+    model.save_pretrained(tmp_path / "saved")
+    back = mxq.load(tmp_path / "saved", dtype=torch.float32)
+    ids = torch.randint(0, 256, (2, 6))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, back(ids).logits)
+
+
+def test_validator_names_a_missing_expert_scale(tmp_path):
+    from mxq.checkpoint import CheckpointError
+
+    src = _source(tmp_path, "qwen3_moe")
+    out = tmp_path / "mx"
+    assert run_cli(["quantize", str(src), str(out)])[0] == 0
+    f = checkpoint_files(out)[0]
+    with safe_open(f, "pt") as h:
+        tensors = {n: h.get_tensor(n) for n in h.keys() if n != "model.layers.1.mlp.experts.2.up_proj.weight_scale"}
+    save_file(tensors, f, metadata={"format": "pt"})
+    (out / "model.safetensors.index.json").unlink()
+    f.rename(out / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"experts\.2\.up_proj\.weight_scale"):
+        mxq.load(out)
