@@ -103,6 +103,26 @@ def quantize_experts_weight(w: torch.Tensor, spec: TensorSpec, block_size: int =
     return q.data, q.scales
 
 
+@torch.library.custom_op("mxq::mx_grouped_linear", mutates_args=())
+def mx_grouped_linear_op(
+    x: torch.Tensor, group_end: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+    bias: torch.Tensor | None, act_elem: str, act_rule: str, block_size: int, kernels: str = "",
+) -> torch.Tensor:  # fmt: skip
+    """``mxq.kernels.moe.mx_grouped_linear`` as a torch custom op (``act_elem`` "" = bf16 activations)."""
+    from mxq.formats import as_elem_format, as_scale_rule
+    from mxq.kernels.moe import mx_grouped_linear
+
+    return mx_grouped_linear(
+        x, group_end, weight, weight_scale, bias, act_elem=as_elem_format(act_elem) if act_elem else None,
+        act_rule=as_scale_rule(act_rule), block_size=block_size, kernels=kernels or None,
+    )  # fmt: skip
+
+
+@mx_grouped_linear_op.register_fake
+def _mx_grouped_linear_fake(x, group_end, weight, weight_scale, bias, act_elem, act_rule, block_size, kernels=""):
+    return x.new_empty(x.shape[0], weight.shape[1])
+
+
 class MXExperts(nn.Module):
     """The routed experts of one MoE layer in MX (module doc): ``<proj>`` fp8 [E, N, K] and
     ``<proj>_scale`` uint8 [E, N, K/32] for each projection, ``<proj>_bias`` [E, N] where the
@@ -162,13 +182,17 @@ class MXExperts(nn.Module):
         return self.mx_weight(proj).dequantize(torch.float32)
 
     def grouped(self, proj: str, x: torch.Tensor, group_end: torch.Tensor) -> torch.Tensor:
-        """One projection over rows sorted by expert (``mx_grouped_linear``)."""
+        """One projection over rows sorted by expert (``mx_grouped_linear``; under ``torch.compile``
+        the custom op ``mxq::mx_grouped_linear``, opaque to the compiler)."""
+        a = self.act
+        args = (x, group_end, getattr(self, proj), getattr(self, proj + SCALE_SUFFIX), getattr(self, proj + "_bias", None))
+        if torch.compiler.is_compiling():
+            return mx_grouped_linear_op(*args, a.elem.name if a is not None else "", a.scale_rule.value if a is not None else "rceil",
+                                        self.block_size, self.kernels or "")  # fmt: skip
         from mxq.kernels.moe import mx_grouped_linear
 
-        a = self.act
         return mx_grouped_linear(
-            x, group_end, getattr(self, proj), getattr(self, proj + SCALE_SUFFIX), getattr(self, proj + "_bias", None),
-            act_elem=a.elem if a is not None else None, act_rule=a.scale_rule if a is not None else ScaleRule.RCEIL,
+            *args, act_elem=a.elem if a is not None else None, act_rule=a.scale_rule if a is not None else ScaleRule.RCEIL,
             block_size=self.block_size, kernels=self.kernels,
         )  # fmt: skip
 
