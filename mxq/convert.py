@@ -206,16 +206,37 @@ def _experts_on_disk(info, weights: dict) -> tuple[str, list[str]] | None:
     Per-expert names are found under the module's decoder layer with any block name (Mixtral's
     checkpoints say ``block_sparse_moe`` where the model says ``mlp``)."""
     fused = [f"{info.name}.{p}" for p in info.projections]
-    if all(n in weights and len(weights[n][1]) == 3 for n in fused):
+    if all(n in weights for n in fused):
+        for n, (nn_, k) in zip(fused, info.shapes, strict=True):
+            want = (info.num_experts, k, nn_) if info.transposed else (info.num_experts, nn_, k)
+            if tuple(weights[n][1]) != want:
+                raise ConversionError(f"tensor {n}: shape {list(weights[n][1])}, but the model's config makes it {list(want)}")
         return "fused", fused
     layer, _, rest = info.name.rpartition(".")
     layer = layer.rpartition(".")[0]
     pat = re.compile(rf"^{re.escape(layer)}\.[^.]+\.{re.escape(rest)}\.(\d+)\.([^.]+)\.weight$")
-    found = sorted(n for n in weights if pat.match(n) and len(weights[n][1]) == 2)
-    per_proj = len(info.projections) + (1 if info.projections[0] == "gate_up_proj" else 0)  # gate_up is two on disk
-    if found and len(found) == info.num_experts * per_proj:
-        return "per_expert", found
-    return None
+    found = sorted(n for n in weights if pat.match(n))
+    if not found:
+        return None
+    gated = info.projections[0] == "gate_up_proj"
+    (n_up, k_up), (n_down, k_down) = info.shapes
+    shapes = {(n_up // 2 if gated else n_up, k_up), (n_down, k_down)}
+    projs, experts = set(), set()
+    for n in found:
+        e, proj = pat.match(n).groups()
+        projs.add(proj)
+        experts.add(int(e))
+        if tuple(weights[n][1]) not in shapes:
+            raise ConversionError(f"tensor {n}: shape {list(weights[n][1])}, but the model's config makes an expert's "
+                                  f"projections {' or '.join(str(list(x)) for x in sorted(shapes))}")  # fmt: skip
+    block = found[0][len(layer) + 1 :].split(".")[0]
+    expected = {f"{layer}.{block}.{rest}.{e}.{p}.weight" for e in range(info.num_experts) for p in projs}
+    missing, extra = sorted(expected - set(found)), sorted(set(found) - expected)
+    if missing or extra or len(projs) != len(info.projections) + gated:
+        why = (f"missing {missing[0]}" if missing else f"{extra[0]} is not one of its {info.num_experts} experts" if extra
+               else f"projections {sorted(projs)}, expected {len(info.projections) + gated}")  # fmt: skip
+        raise ConversionError(f"{info.name}: the checkpoint's experts are incomplete or inconsistent: {why}")
+    return "per_expert", found
 
 
 def _plan(src: _Source, recipe: Recipe, warn: Callable[[str], None], cplan=None) -> _Plan:

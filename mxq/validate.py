@@ -107,6 +107,8 @@ def check_checkpoint(
         v.layers = {n[: -len(suffix)]: None for n in v.tensors if n.endswith(suffix)}
     for mod, elem in sorted(v.layers.items()):
         v.problems.extend(_layer_problems(path, mod, elem, scale_dtypes, v.tensors, scan))
+    if fmt == "mxq":
+        v.problems.extend(_expert_shape_problems(per_expert, v.tensors))
     for name, (elem, e) in sorted(v.fused.items()):
         v.problems.extend(_fused_problems(path, name, elem, e, scale_dtypes, v.tensors, scan))
     v.problems.extend(_unlisted(v.layers, v.tensors, v.fused))
@@ -169,6 +171,23 @@ def _config_experts(qc: dict, tensors: dict) -> tuple[dict[str, ElemFormat], dic
             else:
                 per_expert.update({t.replace("{e}", str(i)): elem for i in range(d["num_experts"])})
     return per_expert, fused
+
+
+def _expert_shape_problems(per_expert: dict, tensors: dict) -> list[str]:
+    """Per-expert weights of one projection must share a shape (loading stacks them into [E, N, K])."""
+    import re
+
+    first: dict[str, TensorInfo] = {}
+    probs = []
+    for base in sorted(per_expert):
+        w = tensors.get(base + ".weight")
+        if w is None:
+            continue
+        key = re.sub(r"\.\d+\.([^.]+)$", r".{e}.\1", base)
+        ref = first.setdefault(key, w)
+        if tuple(w.shape) != tuple(ref.shape):
+            probs.append(f"{w.file}: tensor {w.name}: shape {list(w.shape)}, but {ref.name} has {list(ref.shape)} (experts of one projection share a shape)")
+    return probs
 
 
 def _experts_on_disk(name: str, d: dict, tensors: dict) -> tuple[str, list[str]]:

@@ -267,3 +267,59 @@ def test_experts_compile_as_one_graph():
         want = block(x)
         got = torch.compile(block, fullgraph=True, backend="eager")(x)
     assert torch.equal(got, want)
+
+
+# --- hostile MoE checkpoints: one line naming the tensor, nothing written ------------------------
+
+def _edit(path, edit):
+    f = path / "model.safetensors"
+    with safe_open(f, "pt") as h:
+        tensors = {n: h.get_tensor(n) for n in h.keys()}
+    edit(tensors)
+    save_file(tensors, f, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("case", ["missing_expert", "unequal_expert", "fused_count"])
+def test_quantize_refuses_broken_experts(tmp_path, case):
+    family = "gpt_oss" if case == "fused_count" else "qwen3_moe"
+    src = _source(tmp_path, family)
+    named = {
+        "missing_expert": "model.layers.1.mlp.experts.3.up_proj.weight",
+        "unequal_expert": "model.layers.0.mlp.experts.2.down_proj.weight",
+        "fused_count": "model.layers.0.mlp.experts.down_proj",
+    }[case]
+
+    def edit(t):
+        if case == "missing_expert":
+            del t[named]
+        elif case == "unequal_expert":
+            t[named] = t[named][:, :32].contiguous()
+        else:
+            t[named] = t[named][:3].contiguous()
+
+    _edit(src, edit)
+    out = tmp_path / "mx"
+    rc, err = run_cli(["quantize", str(src), str(out)])
+    assert rc != 0 and named in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    assert not out.exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".mx")] == []
+
+
+def test_load_refuses_a_router_in_fp8_and_unequal_experts(tmp_path):
+    from mxq.checkpoint import CheckpointError
+
+    src = _source(tmp_path, "qwen3_moe")
+    out = tmp_path / "mx"
+    assert run_cli(["quantize", str(src), str(out)])[0] == 0
+    f = checkpoint_files(out)[0]
+    with safe_open(f, "pt") as h:
+        good = {n: h.get_tensor(n) for n in h.keys()}
+    router = "model.layers.0.mlp.gate.weight"
+    save_file({**good, router: good[router].to(torch.float8_e4m3fn)}, f, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=router):
+        mxq.load(out)
+    odd = "model.layers.1.mlp.experts.1.down_proj"
+    save_file({**good, odd + ".weight": good[odd + ".weight"][:32].contiguous(),
+               odd + ".weight_scale": good[odd + ".weight_scale"][:32].contiguous()}, f, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=odd + ".weight"):
+        mxq.load(out)
