@@ -7,6 +7,9 @@ the torch reference runs.
 
 API for the rest of mxq:
 - ``mx_linear(x, weight, weight_scale, bias, *, act_elem, act_rule, block_size, kernels)``;
+- ``mx_grouped_linear(x, group_end, weight, weight_scale, bias, *, act_elem, act_rule, block_size,
+  kernels)``: the same per expert group of rows sorted by expert (``moe``); ``gather_mx_rows``
+  puts X's rows in that order, MX-rounded;
 - ``quantize_mx_rows(x, elem, rule, block_size)`` -> (fp8 data, uint8 scales), 1x32 along K;
 - ``check_kernels(spec)``: validates a ``kernels`` argument ("auto", "reference" or path names).
 """
@@ -19,6 +22,7 @@ if __name__ != "mxq.kernels":
     __file__ = None
 else:
     from mxq.kernels.dispatch import HAS_TRITON, mx_linear
+    from mxq.kernels.moe import gather_mx_rows, mx_grouped_linear
     from mxq.kernels.reference import mx_linear_reference
     from mxq.kernels.registry import check_kernels
 
@@ -30,6 +34,8 @@ else:
 __all__ = [
     "check_kernels",
     "fake_quantize_mx_rows",
+    "gather_mx_rows",
+    "mx_grouped_linear",
     "mx_linear",
     "mx_linear_reference",
     "quantize_mx_rows",
