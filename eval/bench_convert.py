@@ -1,6 +1,6 @@
 """Converter speed and memory on a large checkpoint, against the pure-I/O floor.
 
-Generates a random bf16 checkpoint with the tensor shapes of a Llama config (shard by shard, so
+Generates a random bf16 checkpoint with the tensor shapes of a Llama or Qwen3-MoE config (shard by shard, so
 generating it never holds the model either), then in one process:
 
 * the I/O floor: every tensor read and written unchanged through the same streaming reader and
@@ -30,7 +30,34 @@ SHAPES = {
                       num_key_value_heads=8, vocab_size=128256),
     "tiny": dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
                  num_key_value_heads=2, vocab_size=1024),
-}
+    # Qwen3-30B-A3B widths with 16 of its 48 layers: 128 experts per layer, stored one by one as its
+    # checkpoints store them (experts.N.{gate,up,down}_proj.weight)
+    "qwen3-30b-a3b-16l": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                              num_experts=128, num_experts_per_tok=8, num_hidden_layers=16, num_attention_heads=32,
+                              num_key_value_heads=4, head_dim=128, vocab_size=151936, decoder_sparse_step=1, mlp_only_layers=[]),
+    "tiny-moe": dict(model_type="qwen3_moe", hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                     num_experts=8, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=64, vocab_size=1024, decoder_sparse_step=1, mlp_only_layers=[]),
+}  # fmt: skip
+
+
+def _disk_shapes(skel) -> dict[str, tuple[int, ...]]:
+    """Tensor shapes as a checkpoint of this model stores them: fused experts [E, 2I, H] / [E, H, I]
+    written one expert and projection at a time."""
+    shapes = {}
+    for k, v in skel.state_dict().items():
+        if k.endswith("experts.gate_up_proj"):
+            e, two_i, h = v.shape
+            for i in range(e):
+                for p in ("gate_proj", "up_proj"):
+                    shapes[f"{k[: -len('gate_up_proj')]}{i}.{p}.weight"] = (two_i // 2, h)
+        elif k.endswith("experts.down_proj"):
+            e, h, inter = v.shape
+            for i in range(e):
+                shapes[f"{k[: -len('down_proj')]}{i}.down_proj.weight"] = (h, inter)
+        else:
+            shapes[k] = tuple(v.shape)
+    return shapes
 
 
 def _status(key: str) -> int:
@@ -53,14 +80,15 @@ def generate(shape: str, path: Path, shard_bytes: int = 4 * 1024**3, device: str
     """Write a random bf16 checkpoint of the named shape (random numbers drawn on ``device``);
     returns (parameters, bytes)."""
     from safetensors.torch import save_file
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = LlamaConfig(**SHAPES[shape], tie_word_embeddings=False, torch_dtype="bfloat16")
+    kw = dict(SHAPES[shape])
+    cfg = AutoConfig.for_model(kw.pop("model_type", "llama"), **kw, tie_word_embeddings=False, torch_dtype="bfloat16")
     path.mkdir(parents=True, exist_ok=True)
     cfg.save_pretrained(path)
     with torch.device("meta"):
-        skel = LlamaForCausalLM(cfg)
-    shapes = {k: tuple(v.shape) for k, v in skel.state_dict().items()}
+        skel = AutoModelForCausalLM.from_config(cfg)
+    shapes = _disk_shapes(skel)
     shards, cur, size = [], [], 0
     for k, s in shapes.items():
         n = torch.Size(s).numel() * 2

@@ -128,6 +128,8 @@ class MXExperts(nn.Module):
     ``<proj>_scale`` uint8 [E, N, K/32] for each projection, ``<proj>_bias`` [E, N] where the
     family has biases. ``act``: the activations' MX spec (W8A8), None for W8A16."""
 
+    takes_kernels = True  # ``mxq.set_kernels`` sets ``kernels`` (the ``GROUPED`` paths it may run)
+
     def __init__(self, source: nn.Module, *, elem, act: TensorSpec | None, block_size: int = 32,
                  dtype: torch.dtype | None = None, kernels: str | None = None):  # fmt: skip
         super().__init__()

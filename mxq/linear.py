@@ -181,13 +181,15 @@ def _check_kernels(kernels: str | None) -> str | None:
 def set_kernels(model: nn.Module, kernels: str | None) -> nn.Module:
     """Which kernels run ``model``'s MX layers: "auto", "reference" (the torch reference, for A/B
     checks) or path names (``mxq.kernels.dispatch.LINEAR``, the attention registries); None
-    restores the default ($MXQ_KERNELS, else "auto"). Also read by MX attention (``mxq.attention``)
-    through each module's ``mxq_kernels``. Returns the model."""
+    restores the default ($MXQ_KERNELS, else "auto"). MX layers (``MXLinear``, and modules whose
+    class sets ``takes_kernels``: ``mxq.experts.MXExperts``) keep it as ``kernels``; attention
+    modules (the ones transformers hands to MX attention, ``mxq.attention``) as ``mxq_kernels``.
+    Returns the model."""
     spec = _check_kernels(kernels)
     for m in model.modules():
-        if isinstance(m, MXLinear):
+        if isinstance(m, MXLinear) or getattr(type(m), "takes_kernels", False):
             m.kernels = spec
-        else:
+        elif type(m).__name__.endswith("Attention"):
             m.mxq_kernels = spec
     return model
 

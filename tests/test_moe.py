@@ -323,3 +323,10 @@ def test_load_refuses_a_router_in_fp8_and_unequal_experts(tmp_path):
                odd + ".weight_scale": good[odd + ".weight_scale"][:32].contiguous()}, f, metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=odd + ".weight"):
         mxq.load(out)
+
+
+def test_set_kernels_reaches_the_experts():
+    model = mxq.quantize_model(moe_model("olmoe"))
+    mxq.set_kernels(model, "reference")
+    assert all(m.kernels == "reference" for m in model.modules() if isinstance(m, MXExperts))
+    assert not hasattr(model.model.layers[0].mlp.gate, "mxq_kernels")  # only layers that read it get it
