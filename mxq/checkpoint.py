@@ -78,6 +78,8 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict]:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise CheckpointError(f"{path}: corrupt header (not valid JSON)") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: corrupt header (JSON nested too deeply)") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupt header (not a JSON object)")
     meta = header.pop("__metadata__", None)
@@ -89,10 +91,7 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict]:
     infos: dict[str, TensorInfo] = {}
     spans = []
     for name, e in header.items():
-        try:
-            dtype, shape, (b, end) = e["dtype"], tuple(e["shape"]), e["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: tensor {name}: malformed header entry") from None
+        dtype, shape, (b, end) = _entry(path, name, e)
         if dtype not in DTYPES:
             raise CheckpointError(f"{path}: tensor {name}: unsupported dtype {dtype}")
         if not all(type(d) is int and 0 <= d < 2**63 for d in shape):
@@ -118,6 +117,23 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict]:
     if pos != data_len:
         raise CheckpointError(f"{path}: {data_len - pos} bytes after the last tensor belong to no tensor")
     return infos, meta
+
+
+def _entry(path: str, name: str, e: object) -> tuple[str, tuple, tuple]:
+    """One header entry checked against the safetensors schema: {"dtype": str, "shape": [int, ...],
+    "data_offsets": [int, int]} and nothing else; a one-line error naming the tensor and the key."""
+    where = f"{path}: tensor {name[:200]}"
+    if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
+        got = sorted(map(str, e))[:5] if isinstance(e, dict) else type(e).__name__
+        raise CheckpointError(f"{where}: malformed header entry (expected dtype, shape, data_offsets; got {got})"[:400])
+    dtype, shape, offsets = e["dtype"], e["shape"], e["data_offsets"]
+    if not isinstance(dtype, str):
+        raise CheckpointError(f"{where}: dtype must be a string, got {type(dtype).__name__}")
+    if not isinstance(shape, list) or not all(type(d) is int for d in shape):
+        raise CheckpointError(f"{where}: shape must be a list of integers, got {str(shape)[:60]}"[:400])
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(d) is int for d in offsets):
+        raise CheckpointError(f"{where}: data_offsets must be two integers, got {str(offsets)[:60]}"[:400])
+    return dtype, tuple(shape), tuple(offsets)
 
 
 def read_tensor(info: TensorInfo) -> torch.Tensor:

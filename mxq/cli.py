@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from pathlib import Path
@@ -174,6 +175,9 @@ def quantize_cmd(
     scale_dtype: str = typer.Option(
         "u8", "--scale-dtype", help="How the E8M0 scales are stored: u8 (uint8) or e8m0 (float8_e8m0fnu, as transformers writes them)."
     ),
+    allow_nonfinite: bool = typer.Option(
+        False, "--allow-nonfinite", help="Copy a NaN/Inf in a tensor kept in high precision, with a warning naming it (default: stop)."
+    ),
     calibrate: bool = typer.Option(
         False,
         "--calibrate",
@@ -204,8 +208,8 @@ def quantize_cmd(
     from mxq.convert import quantize_checkpoint
     from mxq.recipe import load_recipe
 
-    if not (max_shard_size > 0 and max_shard_size * 1024**3 >= 1):
-        raise typer.BadParameter(f"--max-shard-size must be a positive size in GiB, got {max_shard_size}")
+    if not (math.isfinite(max_shard_size) and max_shard_size > 0 and max_shard_size * 1024**3 >= 1):
+        raise typer.BadParameter(f"--max-shard-size must be a finite positive size in GiB, got {max_shard_size}")
     if scale_dtype not in ("u8", "e8m0"):
         raise typer.BadParameter(f"--scale-dtype must be u8 or e8m0, got {scale_dtype!r}")
     if calibrate and plan is not None:
@@ -250,6 +254,7 @@ def quantize_cmd(
         warn=warn,
         plan=cplan,
         scale_dtype=scale_dtype,
+        allow_nonfinite=allow_nonfinite,
     )
     _print_report(report)
 
@@ -499,13 +504,28 @@ def inspect_cmd(
 
 
 def _log2(v: float) -> float:
-    import math
-
     return math.log2(v)
 
 
+_TERMINATED = []  # SIGTERM seen: the interrupt it raised ends as "terminated", status 143
+
+
+def _on_sigterm(signum, frame) -> None:
+    """SIGTERM as Ctrl-C: the work in flight unwinds through its cleanup (the converter removes its
+    temporary directory) instead of the process dying where it stands."""
+    _TERMINATED.append(signum)
+    raise KeyboardInterrupt
+
+
 def main() -> None:
+    import signal
+
     debug = "--debug" in sys.argv[1:]
+    if hasattr(signal, "SIGTERM"):
+        try:
+            signal.signal(signal.SIGTERM, _on_sigterm)
+        except ValueError:  # not the main thread (an embedding program): leave its handling alone
+            pass
     try:
         # standalone_mode=False: typer turns Ctrl-C into a returned exit code (130), not an exception
         rc = app(standalone_mode=False)
@@ -536,10 +556,10 @@ def _interrupted() -> None:
     (the converter removes its temporary directory); the process ends here without interpreter
     finalization, where a late KeyboardInterrupt in a library's exit hook was seen to turn the
     status into death by SIGINT."""
-    print("mxq: interrupted", file=sys.stderr)
+    print("mxq: terminated" if _TERMINATED else "mxq: interrupted", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(130)
+    os._exit(143 if _TERMINATED else 130)
 
 
 if __name__ == "__main__":

@@ -436,8 +436,12 @@ def quantize_checkpoint(
     warn: Callable[[str], None] | None = None,
     plan=None,
     scale_dtype: str = "u8",
+    allow_nonfinite: bool = False,
 ) -> ConversionReport:
     """Quantize a model checkpoint to MXFP8 and write it to ``out`` (see the module docstring).
+
+    ``allow_nonfinite``: a NaN or Inf in a tensor kept in high precision is copied with a warning
+    naming it, instead of stopping the run (weights being quantized never may hold one).
 
     ``scale_dtype``: how the E8M0 scales are stored: "u8" (uint8, the default) or "e8m0"
     (float8_e8m0fnu, as transformers' own MXFP8 checkpoints); the bits are the same.
@@ -538,6 +542,7 @@ def quantize_checkpoint(
                 report.quantized.append(LayerResult(mod, tuple(tensor.shape), sqnr, tensor.numel() * tensor.element_size(), after))
                 report.bytes_after += after
             else:
+                _check_finite(name, tensor, allow_nonfinite, warn)
                 writer.write(name, tensor)
                 report.bytes_after += tensor.numel() * tensor.element_size()
             report.n_tensors += 1
@@ -589,6 +594,20 @@ def _quantize_weight(name: str, w: torch.Tensor, spec: TensorSpec, block_size: i
     q = quantize_mx(w, -1, spec.elem, block_size, spec.scale_rule)
     sqnr = sqnr_db(w.float(), q.dequantize())
     return q.data.cpu(), q.scales.cpu(), sqnr
+
+
+def _check_finite(name: str, t: torch.Tensor, allow: bool, warn) -> None:
+    """A tensor copied as it is must hold no NaN/Inf: it would reach every output unnoticed."""
+    if not t.is_floating_point() or t.dtype.itemsize < 2:
+        return
+    bad = ~torch.isfinite(t)
+    if not bad.any():
+        return
+    idx = [int(i) for i in bad.nonzero()[0]]
+    msg = f"tensor {name}: {int(bad.sum())} NaN/Inf value(s), the first {t[tuple(idx)].item()} at index {idx}"
+    if not allow:
+        raise ConversionError(f"{msg}; nothing was written (--allow-nonfinite copies it with a warning)")
+    warn(f"{msg}: copied as it is (--allow-nonfinite)")
 
 
 def _rounded_weight(name: str, w: torch.Tensor, rounded, spec: TensorSpec, block_size: int):

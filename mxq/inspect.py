@@ -26,7 +26,7 @@ class InspectReport:
 def inspect_checkpoint(path: str | os.PathLike) -> InspectReport:
     """Describe the checkpoint at ``path``; its problems are the ones ``mxq.load`` refuses
     (``mxq.validate.check_checkpoint``, the same validator)."""
-    v = check_checkpoint(Path(path))
+    v = check_checkpoint(Path(path), scan_float=True)
     qc = v.config.get("quantization_config")
     recipe = qc.get("recipe") if isinstance(qc, dict) else None
     name = recipe.get("name") if isinstance(recipe, dict) else None

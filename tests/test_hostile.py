@@ -1,0 +1,86 @@
+"""Hostile and broken inputs: each refused in one line naming the file, tensor or option, with no
+traceback and nothing left beside OUT (or, where an option allows it, a warning naming it)."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+from cli_helpers import run_cli
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+
+@pytest.fixture()
+def tiny(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=128, tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    path = tmp_path / "src"
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def _leftovers(parent):
+    return [p.name for p in parent.iterdir() if ".mxq-" in p.name]
+
+
+def _one_line(rc, err, *named):
+    """Failed, with one error line (after any progress output) naming each of ``named``."""
+    lines = [ln for ln in err.strip().splitlines() if ln.startswith("mxq: ")]
+    assert rc != 0 and len(lines) == 1 and lines[0].startswith("mxq: error: ") and "Traceback" not in err, err[-800:]
+    for n in named:
+        assert str(n) in lines[0], (n, lines[0])
+
+
+def _header_file(path, header: bytes):
+    f = path / "model.safetensors"
+    f.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 64)
+    return f
+
+
+@pytest.mark.parametrize("case", ["nested", "dtype_list", "shape_str", "extra_key"])
+def test_malformed_headers_name_file_and_tensor(tiny, tmp_path, case):
+    header = {
+        "nested": b"[" * 50000 + b"]" * 50000,
+        "dtype_list": json.dumps({"a.weight": {"dtype": ["F32"], "shape": [4, 4], "data_offsets": [0, 64]}}).encode(),
+        "shape_str": json.dumps({"a.weight": {"dtype": "F32", "shape": "4x4", "data_offsets": [0, 64]}}).encode(),
+        "extra_key": json.dumps({"a.weight": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 64], "x": 1}}).encode(),
+    }[case]
+    f = _header_file(tiny, header)
+    out = tmp_path / "out"
+    for cmd in (["quantize", str(tiny), str(out)], ["inspect", str(tiny)]):
+        rc, err = run_cli(cmd)
+        _one_line(rc, err, f)
+        if case != "nested":
+            assert "a.weight" in err
+    assert not out.exists() and not _leftovers(tmp_path)
+
+
+def test_max_shard_size_inf_is_named(tiny, tmp_path):
+    rc, err = run_cli(["quantize", str(tiny), str(tmp_path / "out"), "--max-shard-size", "inf"])
+    assert rc != 0 and "--max-shard-size" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("where", ["model.norm.weight", "model.embed_tokens.weight"])
+def test_nonfinite_high_precision_tensor_stops_the_run(tiny, tmp_path, where):
+    f = tiny / "model.safetensors"
+    with safe_open(f, "pt") as h:
+        t = {n: h.get_tensor(n) for n in h.keys()}
+    t[where] = t[where].clone()
+    t[where].view(-1)[3] = float("nan")
+    save_file(t, f, metadata={"format": "pt"})
+    out = tmp_path / "out"
+    rc, err = run_cli(["quantize", str(tiny), str(out)])
+    _one_line(rc, err, where)
+    assert not out.exists() and not _leftovers(tmp_path)
+    rc, err = run_cli(["inspect", str(tiny)])
+    assert rc != 0 and where in err and "NaN/Inf" in err
+    rc, err = run_cli(["quantize", str(tiny), str(out), "--allow-nonfinite"])
+    assert rc == 0 and out.exists()
+    rc, err = run_cli(["inspect", str(out)])
+    assert rc != 0 and where in err
