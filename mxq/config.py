@@ -214,7 +214,8 @@ def read_config(path: str | os.PathLike) -> dict:
 
 
 def checkpoint_format(config: dict) -> str:
-    """'mxq', 'compressed-tensors', 'mxfp8' (transformers) or 'none'."""
+    """'mxq', 'compressed-tensors', 'mxfp8' (transformers' ``mxfp8``, and its ``fp8`` with 1x32 blocks
+    and E8M0 scales: the same tensors) or 'none'."""
     qc = config.get("quantization_config")
     if qc is None:
         return "none"
@@ -236,6 +237,14 @@ def checkpoint_format(config: dict) -> str:
         raise ValueError(f"compressed-tensors checkpoint in format {sorted(fmts)}; mxq reads only 'mxfp8-quantized'")
     if method == "mxfp8":
         return "mxfp8"
+    if method == "fp8":  # transformers' FineGrainedFP8Config: MXFP8 when its blocks are 1x32 with E8M0 scales
+        block, fmt = qc.get("weight_block_size"), qc.get("scale_fmt", "float")
+        if isinstance(block, list) and block == [1, 32] and fmt == "ue8m0":
+            return "mxfp8"
+        raise ValueError(
+            f"quantization method 'fp8' with weight_block_size {block!r} and scale_fmt {fmt!r} is not MXFP8; "
+            "mxq reads it with weight_block_size [1, 32] and scale_fmt 'ue8m0'"[:300]
+        )
     raise ValueError(f"quantization method {method!r} is not MXFP8; mxq reads mxq, compressed-tensors mxfp8-quantized and mxfp8 checkpoints")
 
 

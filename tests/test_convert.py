@@ -784,3 +784,33 @@ NO_TRITON = textwrap.dedent(
 def test_import_and_cpu_path_without_triton():
     r = subprocess.run([sys.executable, "-c", NO_TRITON], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+
+
+def test_transformers_fp8_1x32_ue8m0_checkpoint_loads(tmp_path, llama_dir):
+    """transformers' FineGrainedFP8Config(weight_block_size=(1, 32), scale_fmt="ue8m0") writes MXFP8
+    under quant_method "fp8" (E8M0 weight_scale_inv, 1x32 blocks, RCEIL scales): mxq reads it; any
+    other fp8 layout is refused in one line naming config.json."""
+    from mxq.checkpoint import CheckpointError
+
+    native = tmp_path / "native"
+    quantize_checkpoint(llama_dir, native, progress=False)
+    other = tmp_path / "hf-fp8"
+    other.mkdir()
+    tensors = {}
+    for f in native.glob("model-*.safetensors"):
+        for k, v in load_file(f).items():
+            is_scale = k.endswith(".weight_scale")
+            tensors[k.replace(".weight_scale", ".weight_scale_inv")] = v.view(torch.float8_e8m0fnu) if is_scale else v
+    save_file(tensors, other / "model.safetensors")
+    cfg = json.loads((native / "config.json").read_text())
+    qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [1, 32], "scale_fmt": "ue8m0",
+          "modules_to_not_convert": ["lm_head"]}  # fmt: skip
+    cfg["quantization_config"] = qc
+    (other / "config.json").write_text(json.dumps(cfg))
+    ids = _ids(320)
+    with torch.no_grad():
+        assert torch.equal(mxq.load(other)(ids).logits, mxq.load(native)(ids).logits)
+    cfg["quantization_config"] = {**qc, "weight_block_size": [128, 128], "scale_fmt": "float"}
+    (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"config\.json.*'fp8'.*not MXFP8"):
+        mxq.load(other)
