@@ -18,7 +18,9 @@ compiled kernels, allocator state or CUDA graphs. Through the calls a user makes
   graph, compiled first with ``--compile``; ``--eager-decoder`` adds the same step without graph.
   The graph path is checked to give the same tokens as the eager static path first.
 
-``--profile`` adds, per static-cache batch, where a decode step goes (device busy vs wall time,
+``--pairs N`` alternates the fresh processes N times (bf16, MXFP8, bf16, ...) and gives every ratio as
+the median over the pairs with its min-max: run-to-run noise (transformers' host time, clocks) shows in
+each figure. ``--profile`` adds, per static-cache batch, where a decode step goes (device busy vs wall time,
 kernels per step, the top kernels). ``--roles`` picks the models (bf16, mxfp8, bf16-grouped: bf16 with
 mxq's attention without repeated K/V); ``--merge`` joins partial runs into one table.
 
@@ -382,8 +384,9 @@ def table_lines(res: dict) -> list[str]:
         "| metric | bf16 | MXFP8 | MXFP8 / bf16 |",
         "|---|---:|---:|---:|",
     ]
+    spread = lambda r: f" ({f(r['ratio_min'])}-{f(r['ratio_max'])}, {r['pairs']} pairs)" if r.get("pairs") else ""
     lines += [
-        f"| {r['metric']} | {f(r['bf16'])} | {f(r['mxfp8'])} | {f(r['ratio'])} |"
+        f"| {r['metric']} | {f(r['bf16'])} | {f(r['mxfp8'])} | {f(r['ratio'])}{spread(r)} |"
         for r in res["summary"]
     ]
     return lines
@@ -493,6 +496,9 @@ def main(argv=None) -> int:
                    help="models to run, each in a fresh process: bf16, mxfp8, bf16-grouped (bf16 with mxq's attention "
                         "without repeated K/V); a run of some roles writes a partial JSON that --merge completes")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="combine the JSON of earlier partial runs into one table")
+    p.add_argument("--pairs", type=int, default=1,
+                   help="alternate the roles' fresh processes N times (bf16, mxfp8, bf16, ...); the table gives each "
+                        "ratio as the median over the pairs with its min-max")
     p.add_argument("--worker", choices=ROLES, help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help="JSON file to write")
@@ -526,28 +532,50 @@ def main(argv=None) -> int:
     if bad:
         print(f"bench_e2e: --roles: unknown {bad}; choose from {', '.join(ROLES)}", file=sys.stderr)
         return 2
+    runs: dict[str, list] = {r: [] for r in roles}
     with tempfile.TemporaryDirectory() as tmp:
-        for role in roles:  # each model in a fresh process
-            path = f"{tmp}/{role}.json"
-            cmd = [sys.executable, "-m", "mxq.eval.bench_e2e", *args, "--worker", role, "--worker-out", path]
-            print(f"--- {role}: a fresh process", flush=True)
-            rc = subprocess.call(cmd)
-            if rc != 0:
-                print(f"bench_e2e: the {role} process failed (exit {rc})", file=sys.stderr)
-                return rc
-            with open(path) as f:
-                out = json.load(f)
-            res["model"], res["config"] = out["model"], out["config"]
-            res[role] = out["measured"]
-            if role == "mxfp8":
-                res["quantize"], res["check"] = out["quantize"], out["check"]
+        for i in range(a.pairs):  # each model in a fresh process; with --pairs N the roles alternate N times
+            for role in roles:
+                path = f"{tmp}/{role}-{i}.json"
+                cmd = [sys.executable, "-m", "mxq.eval.bench_e2e", *args, "--worker", role, "--worker-out", path]
+                print(f"--- {role}{f' (pair {i + 1} of {a.pairs})' if a.pairs > 1 else ''}: a fresh process", flush=True)
+                rc = subprocess.call(cmd)
+                if rc != 0:
+                    print(f"bench_e2e: the {role} process failed (exit {rc})", file=sys.stderr)
+                    return rc
+                with open(path) as f:
+                    out = json.load(f)
+                res["model"], res["config"] = out["model"], out["config"]
+                runs[role].append(out["measured"])
+                if role == "mxfp8" and i == 0:
+                    res["quantize"], res["check"] = out["quantize"], out["check"]
+    for role in roles:
+        res[role] = runs[role][0]
+    if a.pairs > 1 and "bf16" in roles and "mxfp8" in roles:
+        res["runs"] = runs
     return _finish(res, a.out)
+
+
+def pair_summary(res: dict) -> list[dict]:
+    """With alternated pairs (``res["runs"]``): each metric's bf16 and MXFP8 medians and the median
+    ratio over the pairs with its min and max, so run-to-run noise shows in every figure."""
+    per_pair = [summary_rows({**res, "bf16": b, "mxfp8": q}) for b, q in zip(res["runs"]["bf16"], res["runs"]["mxfp8"])]
+    rows = []
+    for cells in zip(*per_pair):
+        ratios = [c["ratio"] for c in cells if c["ratio"] is not None]
+        med = lambda vs: statistics.median(vs) if vs else None
+        rows.append(dict(
+            metric=cells[0]["metric"], bf16=med([c["bf16"] for c in cells if c["bf16"] is not None]),
+            mxfp8=med([c["mxfp8"] for c in cells if c["mxfp8"] is not None]), ratio=med(ratios),
+            ratio_min=min(ratios) if ratios else None, ratio_max=max(ratios) if ratios else None, pairs=len(cells),
+        ))  # fmt: skip
+    return rows
 
 
 def _finish(res: dict, out: str | None) -> int:
     """The table (when both bf16 and mxfp8 are there) and the JSON."""
     if res.get("bf16") and res.get("mxfp8"):
-        res["summary"] = summary_rows(res)
+        res["summary"] = pair_summary(res) if res.get("runs") else summary_rows(res)
         print_table(res)
         if res.get("bf16-grouped"):
             grouped = dict(res, bf16=res["bf16-grouped"])

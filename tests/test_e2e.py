@@ -341,3 +341,22 @@ def test_gpu_generate_8b_widths():
             assert torch.tensor(rep[kind]).shape == torch.tensor(rep["reference"]).shape
             for row, d in enumerate(rep[f"{kind}_divergence"]):
                 assert d is None or d["margin"] <= 2 * err, (b, kind, row, d, err)
+
+
+def test_bench_e2e_pairs_give_median_and_spread(tmp_path):
+    """--pairs 3 alternates the fresh processes and gives each ratio as the median over the pairs,
+    with its min and max, computed from the per-pair figures written beside it."""
+    import statistics
+
+    from mxq.eval import bench_e2e
+
+    out = tmp_path / "pairs.json"
+    args = ["--shape", "tiny", "--device", "cpu", "--seq-len", "32", "--reps", "1", "--batch", "1", "--prompt-len", "4",
+            "--new-tokens", "2", "--no-generate", "--pairs", "3", "--out", str(out)]  # fmt: skip
+    assert bench_e2e.main(args) == 0
+    res = json.loads(out.read_text())
+    assert len(res["runs"]["bf16"]) == len(res["runs"]["mxfp8"]) == 3
+    row = next(r for r in res["summary"] if r["metric"].startswith("prefill tok/s"))
+    ratios = [q["prefill"]["tokens_per_s"] / b["prefill"]["tokens_per_s"] for b, q in zip(res["runs"]["bf16"], res["runs"]["mxfp8"])]
+    assert row["pairs"] == 3 and row["ratio"] == statistics.median(ratios)
+    assert row["ratio_min"] == min(ratios) and row["ratio_max"] == max(ratios)
