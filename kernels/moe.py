@@ -23,7 +23,8 @@ rest exit before loading anything.
   program streams [BN, BK] fp8 tiles of one expert, sums each 32-block's fp8 x X products in fp32
   and applies the block scale once per block (fp8 x bf16 is exact in fp32); W8A8 rounds X inside.
   One row per tile (``block_m`` 1) where experts hold about one row each (top-k decode): an expert
-  with r rows is streamed r times, the repeats from L2. No split-K: narrow N tiles fill the SMs.
+  with r rows is streamed r times, the repeats from L2. No split-K: narrow N tiles (16 weight rows;
+  64 when X is rounded inside) over the active experts fill the SMs.
 
 The Triton interpreter (CPU tests) computes bf16 dots wrongly; the dot dtype is a constexpr and the
 interpreter runs fp32. ``gather_mx_rows``: X's rows in sorted order (``x[index]``), MX-rounded
@@ -47,7 +48,7 @@ try:
     import triton
     import triton.language as tl
 
-    from mxq.kernels.common import INTERPRET, e8m0_to_f32, sm_count, tma_or_pointer
+    from mxq.kernels.common import INTERPRET, e8m0_to_f32, tma_or_pointer
     from mxq.kernels.launch import call, cdiv, next_pow2
     from mxq.kernels.quantize import (
         _RULE_ID,
@@ -317,32 +318,37 @@ class GroupedDecodeConfig:
     num_stages: int = 3
 
 
-def pick_grouped_gemm_config(s: int, e: int, n: int, k: int, x_dtype: torch.dtype, device: torch.device) -> GroupedGemmConfig:
-    """Tiles from host facts: the mean rows per expert sets the row tile (a tile holds one expert's
-    rows, so a tall tile over few rows is mostly padding)."""
+def pick_grouped_gemm_config(s: int, e: int, n: int, k: int, x_dtype: torch.dtype, device: torch.device,
+                             out_dtype: torch.dtype | None = None) -> GroupedGemmConfig:  # fmt: skip
+    """Tiles from host facts. A tile holds one expert's rows, and the weight dequant, not the MMA,
+    bounds this kernel at these sizes: 256-row tiles (one per expert at ~128 rows, half padding)
+    beat 128-row ones (1.5 per expert) by 14-17 % (kernels/NOTES.md, "MoE: the grouped GEMM")."""
     if INTERPRET or device.type != "cuda":
         return GroupedGemmConfig(16, 32, 64, num_warps=4, num_stages=1, tma=False)
     if x_dtype != torch.bfloat16:  # fp32 operands: twice the shared memory per tile
         return GroupedGemmConfig(64, 64, 32, num_warps=4, num_stages=3, deq_bf16=False)
-    rows = s / max(e, 1)
-    if rows >= 384:
+    if not wgmma_async_ok() and (out_dtype == torch.float32 or n % 128):
+        # the serialized loop's 8-warp epilogues gave garbage there in gemm.py (kernels/NOTES.md,
+        # "GEMM: the exact emulation kernel"); the 4-warp tile was right everywhere
+        return GroupedGemmConfig(128, 64, 64, num_warps=4, num_stages=4)
+    if s >= 96 * max(e, 1):
         return GroupedGemmConfig(256, 128, 64, num_warps=8, num_stages=3)
-    if rows >= 96:
-        return GroupedGemmConfig(128, 128, 64, num_warps=8, num_stages=4)
-    return GroupedGemmConfig(64, 128, 64, num_warps=4, num_stages=4)
+    return GroupedGemmConfig(128, 128, 64, num_warps=8, num_stages=4)  # one tile for up to 128 rows
 
 
-def pick_grouped_decode_config(s: int, e: int, n: int, k: int, device: torch.device) -> GroupedDecodeConfig:
-    """Rows per tile from the rows per active expert (at least s / min(s, e)); weight rows per tile
-    so that the tiles of the active experts cover the SMs about four times."""
-    per_expert = -(-s // max(1, min(s, e)))
-    bm = min(8, next_pow2(per_expert))
+def pick_grouped_decode_config(s: int, e: int, n: int, k: int, device: torch.device, w8a8: bool = False) -> GroupedDecodeConfig:
+    """Rows per tile from the rows per active expert (at least s / min(s, e)). One row per tile:
+    16 x 256 weight tiles (W8A16); 64 x 256 with 8 warps when X is rounded inside (W8A8), which
+    spreads each thread's rounding work over more weight rows (H100 sweep, kernels/NOTES.md,
+    "MoE: the grouped decode kernel")."""
+    bm = min(8, next_pow2(max(1, -(-s // max(1, min(s, e))))))
     if INTERPRET or device.type != "cuda":
         return GroupedDecodeConfig(block_m=bm, block_n=16, block_k=64, num_warps=4, num_stages=1)
-    active = min(cdiv(s, bm), e)
-    if active * cdiv(n, 32) >= 4 * sm_count(device):
-        return GroupedDecodeConfig(block_m=bm, block_n=32, block_k=128)
-    return GroupedDecodeConfig(block_m=bm, block_n=16, block_k=256)
+    if bm > 1:
+        return GroupedDecodeConfig(block_m=bm, block_n=16, block_k=128)
+    if w8a8:
+        return GroupedDecodeConfig(block_m=1, block_n=64, block_k=256, num_warps=8)
+    return GroupedDecodeConfig(block_m=1, block_n=16, block_k=256)
 
 
 def _prepare(x, group_end, weight, weight_scale, bias, block_size, block_k, out_dtype):
@@ -379,7 +385,7 @@ def mx_grouped_gemm(
     check_grouped_args(x, group_end, weight, weight_scale, bias, block_size)
     s, k = x.shape
     e, n, _ = weight.shape
-    cfg = config or pick_grouped_gemm_config(s, e, n, k, x.dtype, x.device)
+    cfg = config or pick_grouped_gemm_config(s, e, n, k, x.dtype, x.device, out_dtype or x.dtype)
     x, group_end, weight, weight_scale, bias, y, done = _prepare(x, group_end, weight, weight_scale, bias, block_size,
                                                                  cfg.block_k, out_dtype)  # fmt: skip
     if done:
@@ -428,10 +434,10 @@ def mx_grouped_decode(
     e, n, _ = weight.shape
     if s > 65535:
         raise ValueError(f"mx_grouped_decode is for few rows (one grid row per tile), got S={s}")
-    cfg = config or pick_grouped_decode_config(s, e, n, k, x.device)
     out_dtype = out_dtype or x.dtype
     if act_elem is not None and act_rule is ScaleRule.MSE:
         x, act_elem = fake_quantize_mx_rows(x, act_elem, act_rule, block_size, out_dtype=torch.float32), None
+    cfg = config or pick_grouped_decode_config(s, e, n, k, x.device, w8a8=act_elem is not None)
     x, group_end, weight, weight_scale, bias, y, done = _prepare(x, group_end, weight, weight_scale, bias, block_size,
                                                                  cfg.block_k, out_dtype)  # fmt: skip
     if done:
@@ -526,10 +532,12 @@ _paths = [KernelPath("reference", "torch reference (per-expert loop over dequant
 if HAS_TRITON:
     _paths = [
         KernelPath("grouped_decode", "grouped decode: CUDA-core stream of the active experts", _decode_supports, _decode_run,
-                   lambda p: pick_grouped_decode_config(p.s, p.e, p.n, p.k, p.device)),
+                   lambda p: pick_grouped_decode_config(p.s, p.e, p.n, p.k, p.device,
+                                                        w8a8=p.act_elem is not None and p.act_rule is not ScaleRule.MSE)),
         KernelPath("grouped_gemm", "grouped prefill: dequantized weight as the register operand, one launch",
                    _triton_supports, _gemm_run,
-                   lambda p: pick_grouped_gemm_config(p.s, p.e, p.n, p.k, torch.bfloat16 if p.act_elem else p.x_dtype, p.device)),
+                   lambda p: pick_grouped_gemm_config(p.s, p.e, p.n, p.k, torch.bfloat16 if p.act_elem else p.x_dtype,
+                                                      p.device, p.x_dtype)),
     ] + _paths  # fmt: skip
 GROUPED = Registry("grouped", _paths)
 

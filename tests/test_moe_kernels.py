@@ -172,6 +172,7 @@ def test_dispatch_rule():
     assert moe.grouped_problem(x, w, None, ScaleRule.RCEIL, 32, "grouped_gemm").triton == moe.INTERPRET
     assert moe.pick_grouped_decode_config(8, 128, 1536, 2048, cpu).block_m == 1
     assert moe.pick_grouped_decode_config(64, 8, 1536, 2048, cpu).block_m == 8
+    assert moe.pick_grouped_decode_config(0, 128, 1536, 2048, cpu).block_m == 1  # no rows: still a tile rule
 
 
 def test_auto_on_cpu_is_the_reference():
