@@ -29,13 +29,14 @@ LLAMA_SHAPES = {  # layer: (N, K); qkv and gate/up fused as serving stacks run t
 MS = (1, 4, 16, 64, 256, 2048, 8192)
 
 
-def _bench(fn) -> float:
+def median_us(fn) -> float:
+    """Median µs of ``fn`` by ``triton.testing.do_bench`` (L2 flushed before each run)."""
     import triton
 
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3  # µs
 
 
-def _bench_graph(fns) -> float:
+def graph_us(fns) -> float:
     """Median µs per call of ``fns`` (the same call over different weight copies, so weights come
     from HBM, not L2, as in a model), timed as CUDA-graph replays by ``tune.time_interleaved``: at
     least ``tune.MIN_GRAPH_CALLS`` calls a graph, a model-like separator kernel between calls
@@ -46,14 +47,16 @@ def _bench_graph(fns) -> float:
     return time_interleaved({"call": fns}, rounds=5, reps=5)["call"]
 
 
-def _copies(nbytes: int) -> int:
-    """Weight copies whose total exceeds three times L2 (60 MB on H200), at most 8."""
-    return max(1, min(8, -(-180_000_000 // max(1, nbytes))))
+def weight_copies(nbytes: int) -> int:
+    """Weight copies whose total exceeds three times an L2 of 60 MB (the H200's), at most 8."""
+    from mxq.kernels import tune
+
+    return tune.weight_copies(nbytes, 60_000_000)
 
 
 def _try(fn, graph=None):
     try:
-        return _bench_graph(graph) if graph is not None else _bench(fn)
+        return graph_us(graph) if graph is not None else median_us(fn)
     except Exception as e:  # a baseline that cannot take the shape is reported, not fatal
         return f"error: {type(e).__name__}: {str(e)[:120]}"
 
@@ -66,16 +69,16 @@ def bench_quantize(sizes=((4096, 4096), (8192, 8192), (16384, 8192))) -> list[di
     for m, k in sizes:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         y = torch.empty_like(x)
-        t_copy = _bench(lambda: y.copy_(x))
+        t_copy = median_us(lambda: y.copy_(x))
         copy_gbs = 4 * m * k / t_copy / 1e3
         for rule in (ScaleRule.RCEIL, ScaleRule.FLOOR, ScaleRule.EVEN, ScaleRule.MSE):
-            t_q = _bench(lambda: quantize_mx_rows(x, E4M3, rule))
-            t_d = _bench(lambda: fake_quantize_mx_rows(x, E4M3, rule, out_dtype=torch.bfloat16))
+            t_q = median_us(lambda: quantize_mx_rows(x, E4M3, rule))
+            t_d = median_us(lambda: fake_quantize_mx_rows(x, E4M3, rule, out_dtype=torch.bfloat16))
             tiles = {}
             if rule is not ScaleRule.MSE:
                 for tile in ((32, 128, 4), (16, 256, 4), (64, 128, 8), (32, 256, 8), (8, 512, 4), (128, 64, 8)):
-                    tiles[str(tile)] = (_bench(lambda: quantize_mx_rows(x, E4M3, rule, tile=tile)),
-                                        _bench(lambda: fake_quantize_mx_rows(x, E4M3, rule, out_dtype=torch.bfloat16, tile=tile)))
+                    tiles[str(tile)] = (median_us(lambda: quantize_mx_rows(x, E4M3, rule, tile=tile)),
+                                        median_us(lambda: fake_quantize_mx_rows(x, E4M3, rule, out_dtype=torch.bfloat16, tile=tile)))
             q_gbs = (2 + 1 + 1 / 32) * m * k / t_q / 1e3
             d_gbs = 4 * m * k / t_d / 1e3
             rows.append(dict(m=m, k=k, rule=rule.value, copy_us=t_copy, copy_gbs=copy_gbs,
@@ -102,7 +105,7 @@ def bench_gemm(models, ms, sweep: bool, sweep_ms=(1, 16, 64, 2048)) -> tuple[lis
             w_rs = (w_bf16.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448.0).float()
             w_row8 = (w_bf16.float() / w_rs).to(torch.float8_e4m3fn)
             del w_bf16
-            r8, rbf = _copies(n * k), _copies(2 * n * k)
+            r8, rbf = weight_copies(n * k), weight_copies(2 * n * k)
             packs = [(t.data.clone(), t.scales.clone()) for _ in range(r8)]  # (fp8 data, E8M0 scales)
             rows8 = [w_row8.clone() for _ in range(r8)]
             wbfs = [w_deq.to(torch.bfloat16) for _ in range(rbf)]
@@ -141,7 +144,7 @@ def bench_gemm(models, ms, sweep: bool, sweep_ms=(1, 16, 64, 2048)) -> tuple[lis
                 ])  # fmt: skip
                 row["mxq_w8a16_us"] = _try(None, [lambda p=p: mx_linear(x, *p, None) for p in packs])
                 row["mxq_quant_only_us"] = _try(None, [lambda: fake_quantize_mx_rows(x, E4M3, out_dtype=torch.bfloat16)])
-                row["mxq_w8a16_eager_us"] = _bench(lambda: mx_linear(x, *p0, None))
+                row["mxq_w8a16_eager_us"] = median_us(lambda: mx_linear(x, *p0, None))
                 row["config"] = path_name(m, n, k, x.device)
                 flops = 2 * m * n * k
                 for key in ("mxq_w8a8", "mxq_w8a16", "cublas_bf16"):
@@ -247,8 +250,9 @@ def main(argv=None) -> int:
         return 2
     import triton
 
-    from mxq.kernels import gemm as _gemm  # noqa: F401  (points Triton at a ptxas >= 13.3 if installed)
     from mxq.kernels import toolchain
+
+    toolchain.configure_ptxas()  # the ptxas the kernels will be compiled with, for the record below
 
     ptxas = toolchain.triton_ptxas()
     res = {

@@ -34,11 +34,11 @@ def _fp64_linear(
     x_mx=None,
 ):  # fmt: skip
     from mxq.formats import MXTensor, fake_quantize_mx
-    from mxq.kernels.reference import _elem_of
+    from mxq.kernels.reference import elem_of
 
     n, k = weight.shape
     w = MXTensor(
-        weight, weight_scale, torch.Size((n, k)), 1, block_size, _elem_of(weight)
+        weight, weight_scale, torch.Size((n, k)), 1, block_size, elem_of(weight)
     ).dequantize(torch.float64)
     xf = x.to(torch.float32)
     if act_elem is not None and x_mx is None:  # with x_mx, x holds the values its producer rounded

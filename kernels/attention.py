@@ -12,7 +12,7 @@ The public names, from the modules that hold them:
   with MX rounding; ``decode_query_blocks`` (``attention_decode_common``): the decode query as
   the warp-specialized kernel reads it.
 
-Tiles (docs/ARCHITECTURE.md): Q and K are MX-blocked along head_dim (1x32 tiles of [S, D]);
+Tiles (docs/ARCHITECTURE.md, "Tiles, and which axis is which"): Q and K are MX-blocked along head_dim (1x32 tiles of [S, D]);
 V is MX-blocked along the key sequence (32x1 tiles of [S, D]), because P·V reduces over keys.
 A V block holds 32 consecutive keys starting at key 0; when the key count is not a multiple
 of 32 the last block is padded with zero keys (the padding takes part in the block's amax as

@@ -9,10 +9,10 @@ per element), split the context over programs (split-KV) and merge the partial s
 Which kernel runs is the registry ``DECODE`` (``kernels/registry.py``), in order:
 
 - ``attn_decode_ws`` (``attention_decode_ws``, Gluon): Hopper only, and by default only under
-  CUDA-graph capture, where GPU time decides (3-4 % less than gqa on an H100); eager calls are
+  CUDA-graph capture, where GPU time decides and ws takes less of it than gqa; eager calls are
   launch-bound and gqa is one launch, ws three (kernels/NOTES.md, "Attention: decode
   warp-specialized in Gluon"). A compile error turns it off and the call takes the next path.
-- ``attn_decode_gqa`` (``_decode_gqa_kernel``, Triton): wherever Triton runs (CUDA, or the CPU
+- ``attn_decode_gqa`` (``decode_gqa_kernel``, Triton): wherever Triton runs (CUDA, or the CPU
   interpreter): all query heads of a kv head in one program, fp16 MMAs on the raw fp8 tiles
   (exact), the E8M0 scales applied per block after the products.
 - ``reference``: ``mx_attention_reference`` on the dequantized cache, in torch.
@@ -33,23 +33,20 @@ from mxq.kernels import attention_decode_ws as _ws
 from mxq.kernels import gluon_api
 from mxq.kernels.attention_decode_common import (
     DecodeProblem,
-    _decode_merge_kernel,
-    _decode_qn,
     check_counters,
+    decode_merge_kernel,
     decode_problem,
+    decode_qn,
 )
 from mxq.kernels.attention_rotate import (
     LOG2E,
-    _block_d,
-    _fmt,
-    _mask_args,
-    _mma,
-    _parts,
-    _q_rotation,
+    bf16_parts,
+    mask_args,
+    padded_head_dim,
+    q_rotation_operand,
 )
-from mxq.kernels.common import INTERPRET
-from mxq.kernels.launch import call, next_pow2
-from mxq.kernels.launch import cdiv as _cdiv
+from mxq.kernels.common import INTERPRET, mma, mx_round_consts
+from mxq.kernels.launch import call, cdiv, next_pow2
 from mxq.kernels.reference import hadamard_block, mx_attention_reference
 from mxq.kernels.registry import KernelPath, Registry
 
@@ -112,10 +109,10 @@ def _gqa_tile(
     # cache written by mxq holds. Byte 0 does not occur (``mxq.formats`` clamps finite scales to
     # 2**-126 and up), and byte 255 (a block holding a NaN or Inf) comes with NaN element codes, so
     # the block's product is NaN with the +inf scale as well. The two selects for those bytes would
-    # add 60 SASS instructions per warp and tile (808 -> 868, sm_90) and cost 0.8 of 16.5 µs at a 4k
-    # context (H100, CUDA graph, B=4 Hq=32 Hkv=8 D=128, 2026-11-24). The same for V's scales below.
+    # lengthen every tile's instruction chain, measurably (kernels/NOTES.md, "Attention: the Triton
+    # decode kernel"). The same for V's scales below.
     ksc = (ke.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-    r = _mma(k8.to(tl.float16), qb, tl.zeros([BLOCK_N, GP * DB], tl.float32), INTERP)
+    r = mma(k8.to(tl.float16), qb, tl.zeros([BLOCK_N, GP * DB], tl.float32), INTERP)
     r = tl.reshape(r, (BLOCK_N, GP, DB))
     s = tl.sum(r * (ksc[:, None, :] * cq[None, :, :]), axis=2) * qk_scale  # [BLOCK_N, GP]
     ok = (offs_g < GROUP_C)[None, :]
@@ -154,7 +151,7 @@ def _gqa_tile(
     else:
         v8 = tl.load(vbase + offs_d[:, None] * stride_vd + vcols[None, :])
     vsc = (ve.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # the bare shift: see ksc above
-    t = _mma(v8.to(tl.float16), pb, tl.zeros([BLOCK_D, GP * PP * 2], tl.float32), INTERP)
+    t = mma(v8.to(tl.float16), pb, tl.zeros([BLOCK_D, GP * PP * 2], tl.float32), INTERP)
     t = tl.sum(tl.reshape(t, (BLOCK_D, GP, PP, 2)), axis=3)
     acc = acc * alpha[None, :] + tl.sum(t * vsc[:, None, :], axis=2)
     return acc, m_new, l_i
@@ -168,9 +165,9 @@ def _decode_q(
     RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr,
     QPARTS: tl.constexpr, QM: tl.constexpr, ROT_NB: tl.constexpr,
 ):  # fmt: skip
-    """The decode kernel's query operand: ``_decode_qn``'s blocks laid block-diagonally over the
+    """The decode kernel's query operand: ``decode_qn``'s blocks laid block-diagonally over the
     D blocks: qb [BLOCK_D, GP * DB] fp16, cq [GP, DB]."""
-    qn, cq = _decode_qn(
+    qn, cq = decode_qn(
         Q, ROT, b, hk, stride_qb, stride_qh, stride_qd, D, GROUP_C, GP, BLOCK_D, DB,
         EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8, INTERP, QPARTS, QM, ROT_NB,
     )  # fmt: skip
@@ -182,7 +179,7 @@ def _decode_q(
 
 
 @triton.jit
-def _decode_gqa_kernel(
+def decode_gqa_kernel(
     Q, KD, KS, VD, VS, ML, ACC, MASK, ROT,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_kn,
@@ -321,13 +318,10 @@ def _decode_config(on_gpu: bool) -> tuple[int, int, int, int]:
     """(block_n, num_warps, num_stages, programs wanted over the whole grid) of the gqa kernel."""
     if not on_gpu:
         return 32, 4, 1, 4
-    # H200 sweeps, B=4 Hkv=8 D=128 (2026-11-21): block_n {32, 64, 128} x warps {1, 2, 4, 8} x stages
-    # {1..6} x {264..2112} programs. Best at every context 1k-32k: 64 keys, 2 warps, 3 stages,
-    # 528 programs (4 per SM): 16k 72.9 -> 52.8 µs (0.90x -> 1.24x bf16 SDPA). Small programs
-    # let more of them share an SM, which hides the latency of the per-tile instruction chain
-    # (Nsight: 2 warps per scheduler issued 0.27 instructions/cycle with 4-warp programs).
-    # Re-checked after the scales-ahead loads and the paged V (H200 sweep, 2026-11-21): still
-    # best at 16k and 32k; register caps (maxnreg 128/168) with more programs per SM are slower.
+    # The sweep's best at every context (kernels/NOTES.md, "Attention: the Triton decode kernel"):
+    # 64 keys, 2 warps, 3 stages, 4 programs per SM. Small programs let more of them share an SM,
+    # which hides the latency of the per-tile instruction chain; register caps that fit more
+    # programs per SM spill and are slower.
     return 64, 2, 3, 528
 
 
@@ -340,7 +334,7 @@ def _run_gqa(
     elem=E4M3, rule=ScaleRule.RCEIL, out=None, qk_rotation=False, counters=None, block_n=None, chunk=None,
     num_warps=None, num_stages=None, maxnreg=None, merge=None,
 ):  # fmt: skip
-    """``_decode_gqa_kernel``, its split merge fused into it or by ``_decode_merge_kernel``."""
+    """``decode_gqa_kernel``, its split merge fused into it or by ``decode_merge_kernel``."""
     b, hq, _, d = q.shape
     paged = v_data.dim() == 5
     if paged:  # [B, Hkv, P, D, 32] pages: address V as (page, channel, slot) through the strides
@@ -352,7 +346,7 @@ def _run_gqa(
     dp = k_data.shape[-1]
     group = hq // hkv
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    bd = _block_d(d)
+    bd = padded_head_dim(d)
     on_gpu = q.device.type == "cuda"
     cfg = _decode_config(on_gpu)
     block_n = block_n or cfg[0]
@@ -360,10 +354,10 @@ def _run_gqa(
     num_stages = num_stages or cfg[2]
     if chunk is None:
         want = max(1, cfg[3] // max(1, b * hkv)) if on_gpu else 4
-        chunk = max(block_n, _cdiv(_cdiv(length, want), block_n) * block_n)
+        chunk = max(block_n, cdiv(cdiv(length, want), block_n) * block_n)
     if chunk % block_n:
         raise ValueError(f"chunk {chunk} is not a multiple of block_n {block_n}")
-    nsplit = max(1, _cdiv(length, chunk))
+    nsplit = max(1, cdiv(length, chunk))
     if merge is None:  # under CUDA-graph capture GPU time decides, eagerly the CPU time of a launch
         merge = "kernel" if problem.capturing else "fused"
     if merge not in ("fused", "kernel"):
@@ -381,14 +375,14 @@ def _run_gqa(
         out = torch.empty((b, 1, hq, d), dtype=q.dtype, device=q.device).transpose(1, 2)
     if qk_rotation:  # the kernel rotates q itself
         scale = scale / hadamard_block(d)
-    mask, ms, mask_bool = _mask_args(attention_mask, b, hq, 1, length)
+    mask, ms, mask_bool = mask_args(attention_mask, b, hq, 1, length)
     if block_n % 32:
         raise ValueError("the gqa decode kernel needs block_n a multiple of 32")
     db, pp = bd // 32, block_n // 32
-    gp = max(next_pow2(group), _cdiv(16, db), _cdiv(16, 2 * pp))
-    rot_nb, rot = _q_rotation(d, bd, q.device) if qk_rotation else (0, q)
+    gp = max(next_pow2(group), cdiv(16, db), cdiv(16, 2 * pp))
+    rot_nb, rot = q_rotation_operand(d, bd, q.device) if qk_rotation else (0, q)
     call(
-        _decode_gqa_kernel, (b * hkv, nsplit),
+        decode_gqa_kernel, (b * hkv, nsplit),
         (q, k_data, k_scale, v_data, v_scale, ml, acc, mask if mask is not None else q, rot,
          q.stride(0), q.stride(1), q.stride(3),
          k_data.stride(0), k_data.stride(1), k_data.stride(2),
@@ -399,14 +393,14 @@ def _run_gqa(
          hkv, length, d, dp, chunk, nsplit, scale * LOG2E,
          counters if fused else ml, out, out.stride(0), out.stride(1)),  # COUNT, Out, stride_ob, stride_oh
         dict(GROUP_C=group, GP=gp, BLOCK_N=block_n, BLOCK_D=bd, MASK_D=bd != d,
-             HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **_fmt(elem, rule, q.device), INTERP=INTERPRET,
-             QPARTS=_parts(q.dtype) if qk_rotation else 0, QM=max(16, gp), ROT_NB=rot_nb,
+             HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **mx_round_consts(elem, rule, q.device), INTERP=INTERPRET,
+             QPARTS=bf16_parts(q.dtype) if qk_rotation else 0, QM=max(16, gp), ROT_NB=rot_nb,
              FUSE_MERGE=fused, MERGE_CHUNK=min(16, next_pow2(nsplit))),
         num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg and on_gpu else {}),
     )  # fmt: skip
     if not fused:
         call(
-            _decode_merge_kernel, (b * hq,), (ml, acc, out, hq, d, nsplit, out.stride(0), out.stride(1)),
+            decode_merge_kernel, (b * hq,), (ml, acc, out, hq, d, nsplit, out.stride(0), out.stride(1)),
             dict(SPLIT_PAD=next_pow2(nsplit), BLOCK_D=bd), num_warps=4,
         )  # fmt: skip
     return out
@@ -432,7 +426,7 @@ def _run_reference(
     """``mx_attention_reference`` on the cache dequantized by the format core (its MX values are
     fixed points of MX rounding: the reference's rounding leaves them as they are)."""
     d = q.shape[-1]
-    pages = _cdiv(length, 32)
+    pages = cdiv(length, 32)
     k = k_data[:, :, :length].float().unflatten(-1, (-1, 32)) * decode_e8m0(k_scale[:, :, :length]).unsqueeze(-1)
     k = k.flatten(-2)[..., :d]
     if v_data.dim() == 5:  # pages [B, Hkv, P, D, 32], scales [B, Hkv, P, D]
@@ -537,13 +531,13 @@ def mx_attention_decode(
     arguments below and ``merge`` belong to "gqa" ("ws" takes its own ``DecodeAttnWSConfig``;
     ``counters`` serve its opt-in fused merge too). ``block_n``, ``chunk`` (keys per split),
     ``num_warps``, ``num_stages``, ``maxnreg`` (register cap per thread, so more programs fit on an
-    SM): tuning, defaults from the H200 sweep.
+    SM): tuning, defaults from the sweep (``_decode_config``).
 
     ``merge``: how the split-KV partials are combined: "fused" (the split that finishes last for a
     (batch, kv head) merges them inside the decode kernel: one launch) or "kernel" (a second
-    kernel). Default: "kernel" while a CUDA graph is being captured (0.5-2 µs less GPU time per
-    call on an H200), "fused" otherwise (eager calls are launch-bound: one Triton launch fewer,
-    ~20 µs of CPU). ``counters``: int32 zeros, at least B*Hkv of them, for the fused merge's
+    kernel). Default: "kernel" while a CUDA graph is being captured (less GPU time per call),
+    "fused" otherwise (eager calls are launch-bound: one Triton launch fewer; kernels/NOTES.md,
+    "Attention: decode fixed cost, the split merge"). ``counters``: int32 zeros, at least B*Hkv of them, for the fused merge's
     arrival counts (each call leaves them at zero again); the cache layer owns one per layer so
     CUDA graphs replay it. Without it a zeroed one is allocated per call. Two calls running at
     the same time on different streams need different counters.

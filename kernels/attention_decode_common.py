@@ -7,12 +7,12 @@ MXFP8 cache (``mx_attention_decode``'s doc), so this module sits below both:
 - ``DecodeProblem``: what a decode call is (shapes, dtypes, layout, mask or not, the device's
   capability, CUDA-graph capture), built by ``decode_problem`` from the tensors' metadata alone;
   the kernel registry (``attention_decode.DECODE``) chooses a path from it;
-- the query operand (``_decode_qn``): the query heads of a kv head, rotated (``qk_rotation``)
+- the query operand (``decode_qn``): the query heads of a kv head, rotated (``qk_rotation``)
   and MX-rounded along head_dim, each 32-block normalized by a power of two so its values are
   exact in fp16 (or as the MX codes and 2**scale); the Triton kernel computes it in its own
   program, the Gluon kernel reads it from ``decode_query_blocks``. The torch reference of the
   rounded query: ``mxq.formats.quantize_mx(reference.rotate_qk(q), -1)``;
-- ``_decode_merge_kernel``: the partial softmaxes of the splits (m, l in the log2 domain, the
+- ``decode_merge_kernel``: the partial softmaxes of the splits (m, l in the log2 domain, the
   unnormalized output rows) merged into the output, and ``check_counters`` for the fused merges'
   tickets.
 """
@@ -27,15 +27,23 @@ import triton.language as tl
 
 from mxq.formats import E4M3, ElemFormat, ScaleRule, as_elem_format, as_scale_rule
 from mxq.kernels.attention_rotate import (
-    _block_d,
-    _fmt,
-    _parts,
-    _q_rotation,
-    _rotate_rows,
-    _rotate_rows_factored,
+    bf16_parts,
+    padded_head_dim,
+    q_rotation_operand,
+    rotate_rows,
+    rotate_rows_factored,
 )
-from mxq.kernels.common import INTERPRET, capability
-from mxq.kernels.quantize import _pow2_f32, mx_round_codes, mx_round_dequant
+from mxq.kernels.common import (
+    INTERPRET,
+    capability,
+    gdc_launch_dependents,
+    gdc_wait,
+    mx_round_codes,
+    mx_round_consts,
+    mx_round_dequant,
+    pow2_f32,
+)
+from mxq.kernels.toolchain import configure_ptxas
 
 
 @dataclass(frozen=True)
@@ -80,7 +88,7 @@ def decode_problem(
 
 
 @triton.jit
-def _decode_qn(
+def decode_qn(
     Q, ROT, b, hk, stride_qb, stride_qh, stride_qd, D,
     GROUP_C: tl.constexpr, GP: tl.constexpr, BLOCK_D: tl.constexpr, DB: tl.constexpr,
     EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
@@ -102,9 +110,9 @@ def _decode_qn(
             mask=(offs_r < GROUP_C)[:, None] & (offs_d < D)[None, :], other=0.0,
         )  # fmt: skip
         if ROT_NB > 0:  # ROT is the 2 KB factored operand
-            y = _rotate_rows_factored(q, ROT, offs_d, BLOCK_D, ROT_NB, QPARTS, INTERP)
+            y = rotate_rows_factored(q, ROT, offs_d, BLOCK_D, ROT_NB, QPARTS, INTERP)
         else:
-            y = _rotate_rows(q, ROT, offs_d, BLOCK_D, QPARTS, INTERP)
+            y = rotate_rows(q, ROT, offs_d, BLOCK_D, QPARTS, INTERP)
         if QM == GP:
             qf = y
         else:
@@ -117,7 +125,7 @@ def _decode_qn(
         qf = q.to(tl.float32)
     if CODES:
         r, e, nonfinite = mx_round_codes(tl.reshape(qf, (GP, DB, 32)), EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8)
-        cq = tl.where(nonfinite, float("nan"), _pow2_f32(e))
+        cq = tl.where(nonfinite, float("nan"), pow2_f32(e))
         qn = tl.where(nonfinite[:, :, None], 0.0, r)
     else:
         qr = mx_round_dequant(tl.reshape(qf, (GP, DB, 32)), EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8)
@@ -138,16 +146,16 @@ def _decode_q_prep_kernel(
     RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr,
     QPARTS: tl.constexpr, QM: tl.constexpr, ROT_NB: tl.constexpr, PDL: tl.constexpr, CODES: tl.constexpr = False,
 ):  # fmt: skip
-    """``_decode_qn`` for one (batch, kv head) into QN [B*Hkv*GP, BLOCK_D] (fp16, or the element
+    """``decode_qn`` for one (batch, kv head) into QN [B*Hkv*GP, BLOCK_D] (fp16, or the element
     format's fp8 with CODES), CQ [B*Hkv*GP, DB]."""
     if PDL:
         # launched behind the kernel that wrote q and the cache (or not: then the wait returns at once):
         # wait for it, and only then let the decode kernel launched behind this one start streaming
         # the cache, which that kernel may still have been writing before the wait
-        tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.program_id(0)
-    qn, cq = _decode_qn(
+    qn, cq = decode_qn(
         Q, ROT, pid // Hkv, pid % Hkv, stride_qb, stride_qh, stride_qd, D, GROUP_C, GP, BLOCK_D, DB,
         EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8, INTERP, QPARTS, QM, ROT_NB, CODES,
     )  # fmt: skip
@@ -173,28 +181,29 @@ def decode_query_blocks(
     group = hq // hkv
     if group > gp:
         raise ValueError(f"decode_query_blocks: {group} query heads per kv head, more than gp={gp}")
-    bd = _block_d(d)
+    bd = padded_head_dim(d)
     qdt = (torch.float8_e4m3fn if elem.mbits == 3 else torch.float8_e5m2) if codes else torch.float16
     qn = torch.empty((b * hkv * gp, bd), dtype=qdt, device=q.device)
     cq = torch.empty((b * hkv * gp, bd // 32), dtype=torch.float32, device=q.device)
-    rot_nb, rot = _q_rotation(d, bd, q.device) if qk_rotation else (0, q)
+    rot_nb, rot = q_rotation_operand(d, bd, q.device) if qk_rotation else (0, q)
+    configure_ptxas()
     _decode_q_prep_kernel[(b * hkv,)](
         q, rot, qn, cq, hkv, q.stride(0), q.stride(1), q.stride(3), d,
-        GROUP_C=group, GP=gp, BLOCK_D=bd, DB=bd // 32, **_fmt(elem, rule, q.device), INTERP=INTERPRET,
-        QPARTS=_parts(q.dtype) if qk_rotation else 0, QM=max(16, gp), ROT_NB=rot_nb, PDL=pdl, CODES=codes, num_warps=4,
+        GROUP_C=group, GP=gp, BLOCK_D=bd, DB=bd // 32, **mx_round_consts(elem, rule, q.device), INTERP=INTERPRET,
+        QPARTS=bf16_parts(q.dtype) if qk_rotation else 0, QM=max(16, gp), ROT_NB=rot_nb, PDL=pdl, CODES=codes, num_warps=4,
         **({"launch_pdl": True} if launch_pdl and pdl else {}),
     )  # fmt: skip
     return qn, cq
 
 
 @triton.jit
-def _decode_merge_kernel(
+def decode_merge_kernel(
     ML, ACC, Out, Hq, D, NSPLIT,
     stride_ob, stride_oh,
     SPLIT_PAD: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     if PDL:  # launched behind the decode kernel (programmatic dependent launch): wait for its partials
-        tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        gdc_wait()
     pid = tl.program_id(0)  # b * Hq + h
     b = pid // Hq
     h = pid % Hq

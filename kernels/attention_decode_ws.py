@@ -1,9 +1,9 @@
 """Decode attention over the MXFP8 KV cache, warp-specialized (Gluon, Hopper sm_90).
 
-The same function as ``attention_decode._decode_gqa_kernel`` (read ``attention_decode``'s module doc first):
+The same function as ``attention_decode.decode_gqa_kernel`` (read ``attention_decode``'s module doc first):
 one query token per sequence, all query heads of a kv head in one program, the context split
 over programs (split-KV), scores and softmax in fp32, partial results merged by
-``attention_decode_common._decode_merge_kernel``. What differs is the schedule, which plain Triton does not
+``attention_decode_common.decode_merge_kernel``. What differs is the schedule, which plain Triton does not
 let us write (kernels/NOTES.md, "Attention: decode fixed cost, the split merge": that kernel reaches ~65 % of DRAM bandwidth
 because each warp's loads wait behind its own per-tile instruction chain):
 
@@ -27,7 +27,7 @@ because each warp's loads wait behind its own per-tile instruction chain):
 The query heads of a kv head sit in the N = 8 columns of the MMAs (M = keys or channels): up to
 8 query heads per kv head. Shapes taken: D in {64, 128}, the cache's paged V layout
 (``MXFP8CacheLayer``), contiguous cache tensors, no attention mask; others take
-``attention_decode._decode_gqa_kernel``. The Triton interpreter cannot run Gluon: the CPU tests
+``attention_decode.decode_gqa_kernel``. The Triton interpreter cannot run Gluon: the CPU tests
 compile it for sm_90 (tests/test_sass_dev.py), the GPU tests compare it with the reference and
 with the Triton kernel.
 """
@@ -43,40 +43,24 @@ from mxq.formats import E4M3, ElemFormat, ScaleRule, as_elem_format, as_scale_ru
 from mxq.kernels import gluon_api
 from mxq.kernels.attention_decode_common import (
     DecodeProblem,
-    _decode_merge_kernel,
     check_counters,
+    decode_merge_kernel,
     decode_problem,
     decode_query_blocks,
 )
 from mxq.kernels.buffers import split_counters
+from mxq.kernels.common import e8m0_to_f32, gdc_launch_dependents, gdc_wait, pdl_ok
+from mxq.kernels.gluon_api import HAVE_GLUON, TensorDescriptor, gl, gluon, hopper
 from mxq.kernels.launch import cdiv, next_pow2
-from mxq.kernels.quantize import pdl_ok
 from mxq.kernels.reference import hadamard_block
-
-HAVE_GLUON = gluon_api.PROBLEM is None  # the Gluon API as the kernels spell it (gluon_api)
-if HAVE_GLUON:
-    from mxq.kernels.gluon_api import (
-        TensorDescriptor,
-        fence_async_shared,
-        gl,
-        gluon,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
+from mxq.kernels.toolchain import configure_ptxas
 
 GP = 8  # query-head slots per kv head: the MMAs' N
 BLOCK_N = 64  # keys per tile: 2 V pages
 LOG2E = 1.4426950408889634
 
 
-def _stub(*args, **kwargs):  # pragma: no cover
-    raise RuntimeError("attention_decode_ws needs Gluon (triton >= 3.5)")
-
-
 if HAVE_GLUON:
-    from mxq.kernels.common import gl_e8m0_to_f32, gl_gdc_wait
 
     @gluon.jit
     def _load_stage(k_desc, ks_desc, v_desc, vs_desc, k_smem, ks_smem, v_smem, vs_smem, bar, s, i, key0, page0,
@@ -88,16 +72,16 @@ if HAVE_GLUON:
         VBOXES: gl.constexpr = 1 if WIDE_V else PP
         nbytes: gl.constexpr = (k_desc.block_type.nbytes + ks_desc.block_type.nbytes + VBOXES * v_desc.block_type.nbytes
                                 + vs_desc.block_type.nbytes)  # fmt: skip
-        mbarrier.expect(bar, nbytes)
+        hopper.mbarrier.expect(bar, nbytes)
         key = key0 + i * BLOCK_N
-        tma.async_copy_global_to_shared(k_desc, [key, 0], bar, k_smem.index(s))
-        tma.async_copy_global_to_shared(ks_desc, [(key * DB) // 64, 0], bar, ks_smem.index(s))  # 64 bytes a row
+        hopper.tma.async_copy_global_to_shared(k_desc, [key, 0], bar, k_smem.index(s))
+        hopper.tma.async_copy_global_to_shared(ks_desc, [(key * DB) // 64, 0], bar, ks_smem.index(s))  # 64 bytes a row
         if WIDE_V:  # PP consecutive pages = PP·D·32 contiguous bytes
-            tma.async_copy_global_to_shared(v_desc, [(page0 + i * PP) * (D * 32 // 128), 0], bar, v_smem.index(s))
+            hopper.tma.async_copy_global_to_shared(v_desc, [(page0 + i * PP) * (D * 32 // 128), 0], bar, v_smem.index(s))
         else:
             for p in gl.static_range(PP):
-                tma.async_copy_global_to_shared(v_desc, [(page0 + i * PP + p) * D, 0], bar, v_smem.index(s * PP + p))
-        tma.async_copy_global_to_shared(vs_desc, [page0 + i * PP, 0], bar, vs_smem.index(s))
+                hopper.tma.async_copy_global_to_shared(v_desc, [(page0 + i * PP + p) * D, 0], bar, v_smem.index(s * PP + p))
+        hopper.tma.async_copy_global_to_shared(vs_desc, [page0 + i * PP, 0], bar, vs_smem.index(s))
 
     @gluon.jit
     def _loader(k_desc, ks_desc, v_desc, vs_desc, q_desc, k_smem, ks_smem, v_smem, vs_smem, q_smem, p_smem,
@@ -110,12 +94,12 @@ if HAVE_GLUON:
             if i < n_iter:
                 _load_stage(k_desc, ks_desc, v_desc, vs_desc, k_smem, ks_smem, v_smem, vs_smem, ready.index(i), i, i,
                             key0, page0, BLOCK_N)  # fmt: skip
-        gl_gdc_wait()
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem)
+        gdc_wait()
+        hopper.mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        hopper.tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem)
         for i in range(STAGES, n_iter):
             s = i % STAGES
-            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+            hopper.mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
             _load_stage(k_desc, ks_desc, v_desc, vs_desc, k_smem, ks_smem, v_smem, vs_smem, ready.index(s), s, i,
                         key0, page0, BLOCK_N)  # fmt: skip
 
@@ -123,18 +107,18 @@ if HAVE_GLUON:
     def _kblock(k_tile, q_smem, j: gl.constexpr, zero, a_l: gl.constexpr):
         """Block j's scores, asynchronous: (token, the register operand to keep alive until the wait)."""
         a = k_tile.slice(j * 32, 32, dim=1).load(a_l).to(gl.float16)
-        return warpgroup_mma(a, q_smem.slice(j * 32, 32, dim=1).permute((1, 0)), zero, use_acc=False, is_async=True), a
+        return hopper.warpgroup_mma(a, q_smem.slice(j * 32, 32, dim=1).permute((1, 0)), zero, use_acc=False, is_async=True), a
 
     @gluon.jit
     def _kblock8(k_tile, q_smem, j: gl.constexpr, zero):
         """Block j's scores from the fp8 codes of K and Q in shared memory (one k32 fp8 wgmma), asynchronous."""
         b = q_smem.slice(j * 32, 32, dim=1).permute((1, 0))
-        return warpgroup_mma(k_tile.slice(j * 32, 32, dim=1), b, zero, use_acc=False, is_async=True)
+        return hopper.warpgroup_mma(k_tile.slice(j * 32, 32, dim=1), b, zero, use_acc=False, is_async=True)
 
     @gluon.jit
     def _kscale(kw, cqj, j: gl.constexpr):
         """2**ke[n, j] · cq[g, j]: block j's factor for the scores [keys, heads]."""
-        return gl_e8m0_to_f32((kw >> (8 * j)) & 0xFF)[:, None] * cqj[None, :]
+        return e8m0_to_f32((kw >> (8 * j)) & 0xFF)[:, None] * cqj[None, :]
 
     @gluon.jit
     def _vpage(v_page, p_smem, vs_flat, pg: gl.constexpr, key, L, zero, a_l: gl.constexpr, row_l: gl.constexpr,
@@ -143,15 +127,15 @@ if HAVE_GLUON:
         asynchronous (token, operand) and the page's channel scales 2**vs[c]."""
         D: gl.constexpr = zero.shape[0]
         va = v_page.load(a_l)
-        vf = gl_e8m0_to_f32(vs_flat.slice(pg * D, D).load(row_l).to(gl.int32))
+        vf = e8m0_to_f32(vs_flat.slice(pg * D, D).load(row_l).to(gl.int32))
         if MASKED:  # keys past the context: zero values (the cache may hold anything there)
             kv = key + pg * 32 + gl.arange(0, 32, layout=gl.SliceLayout(0, a_l))
             va = gl.where((kv < L)[None, :], va.to(gl.float16), 0.0)
             vf = gl.where(key + pg * 32 < L, vf, 1.0)  # a page past the end: its P is 0
         else:
             va = va.to(gl.float16)
-        t = warpgroup_mma(va, p_smem.index(0).slice(pg * 32, 32, dim=1).permute((1, 0)), zero, use_acc=False, is_async=True)
-        t = warpgroup_mma(va, p_smem.index(1).slice(pg * 32, 32, dim=1).permute((1, 0)), t, is_async=True)
+        t = hopper.warpgroup_mma(va, p_smem.index(0).slice(pg * 32, 32, dim=1).permute((1, 0)), zero, use_acc=False, is_async=True)
+        t = hopper.warpgroup_mma(va, p_smem.index(1).slice(pg * 32, 32, dim=1).permute((1, 0)), t, is_async=True)
         return t, va, vf
 
     @gluon.jit
@@ -169,7 +153,7 @@ if HAVE_GLUON:
         flat_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         s = i % STAGES
         key = lo + i * BLOCK_N
-        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        hopper.mbarrier.wait(ready.index(s), (i // STAGES) & 1)
         k_tile = k_smem.index(s)
         zero_s = gl.zeros([BLOCK_N, 8], gl.float32, mma_l)
         # scores: DB block products in flight together; the K scale words (one per key) meanwhile
@@ -182,7 +166,7 @@ if HAVE_GLUON:
             t2 = _kblock8(k_tile, q_smem, 2, zero8)
             t3 = _kblock8(k_tile, q_smem, 3, zero8)
             kw = ks_smem.index(s)._reinterpret(gl.int32, [BLOCK_N], flat_l).load(row_l)
-            r0, r1, r2, r3 = warpgroup_mma_wait(0, deps=(t0, t1, t2, t3))
+            r0, r1, r2, r3 = hopper.warpgroup_mma_wait(0, deps=(t0, t1, t2, t3))
             sc = (gl.convert_layout(r0, mma_l) * _kscale(kw, cq0, 0) + gl.convert_layout(r1, mma_l) * _kscale(kw, cq1, 1)
                   + gl.convert_layout(r2, mma_l) * _kscale(kw, cq2, 2) + gl.convert_layout(r3, mma_l) * _kscale(kw, cq3, 3))  # fmt: skip
         elif q_smem.dtype.is_fp8():
@@ -190,7 +174,7 @@ if HAVE_GLUON:
             t0 = _kblock8(k_tile, q_smem, 0, zero8)
             t1 = _kblock8(k_tile, q_smem, 1, zero8)
             kw = ks_smem.index(s)._reinterpret(gl.int16, [BLOCK_N], flat_l).load(row_l).to(gl.int32)
-            r0, r1 = warpgroup_mma_wait(0, deps=(t0, t1))
+            r0, r1 = hopper.warpgroup_mma_wait(0, deps=(t0, t1))
             sc = gl.convert_layout(r0, mma_l) * _kscale(kw, cq0, 0) + gl.convert_layout(r1, mma_l) * _kscale(kw, cq1, 1)
         elif DB == 4:
             t0, a0 = _kblock(k_tile, q_smem, 0, zero_s, a_l)
@@ -198,13 +182,13 @@ if HAVE_GLUON:
             t2, a2 = _kblock(k_tile, q_smem, 2, zero_s, a_l)
             t3, a3 = _kblock(k_tile, q_smem, 3, zero_s, a_l)
             kw = ks_smem.index(s)._reinterpret(gl.int32, [BLOCK_N], flat_l).load(row_l)
-            r0, r1, r2, r3, a0, a1, a2, a3 = warpgroup_mma_wait(0, deps=(t0, t1, t2, t3, a0, a1, a2, a3))
+            r0, r1, r2, r3, a0, a1, a2, a3 = hopper.warpgroup_mma_wait(0, deps=(t0, t1, t2, t3, a0, a1, a2, a3))
             sc = r0 * _kscale(kw, cq0, 0) + r1 * _kscale(kw, cq1, 1) + r2 * _kscale(kw, cq2, 2) + r3 * _kscale(kw, cq3, 3)
         else:
             t0, a0 = _kblock(k_tile, q_smem, 0, zero_s, a_l)
             t1, a1 = _kblock(k_tile, q_smem, 1, zero_s, a_l)
             kw = ks_smem.index(s)._reinterpret(gl.int16, [BLOCK_N], flat_l).load(row_l).to(gl.int32)
-            r0, r1, a0, a1 = warpgroup_mma_wait(0, deps=(t0, t1, a0, a1))
+            r0, r1, a0, a1 = hopper.warpgroup_mma_wait(0, deps=(t0, t1, a0, a1))
             sc = r0 * _kscale(kw, cq0, 0) + r1 * _kscale(kw, cq1, 1)
         sc = sc * qk_scale
         offs_g = gl.arange(0, 8, layout=col_l)
@@ -220,7 +204,7 @@ if HAVE_GLUON:
         p_hi = p.to(gl.float16)
         p_smem.index(0).permute((1, 0)).store(p_hi)
         p_smem.index(1).permute((1, 0)).store((p - p_hi.to(gl.float32)).to(gl.float16))
-        fence_async_shared()
+        hopper.fence_async_shared()
         gl.thread_barrier()  # every warp's part of P is in shared memory before the MMAs read it
         # P·V: both pages (hi and lo parts) in flight together
         vs_flat = vs_smem.index(s)._reinterpret(gl.uint8, [2 * D], flat_l)
@@ -236,8 +220,8 @@ if HAVE_GLUON:
         u0, v0, f0 = _vpage(v_pg0, p_smem, vs_flat, 0, key, L, zero_o, a_l, row_l, MASKED)
         u1, v1, f1 = _vpage(v_pg1, p_smem, vs_flat, 1, key, L, zero_o, a_l, row_l, MASKED)
         acc = acc * alpha[None, :]
-        o0, o1, v0, v1 = warpgroup_mma_wait(0, deps=(u0, u1, v0, v1))
-        mbarrier.arrive(empty.index(s))
+        o0, o1, v0, v1 = hopper.warpgroup_mma_wait(0, deps=(u0, u1, v0, v1))
+        hopper.mbarrier.arrive(empty.index(s))
         acc += o0 * f0[:, None] + o1 * f1[:, None]
         return acc, l_acc, m_new
 
@@ -256,12 +240,12 @@ if HAVE_GLUON:
         m_i = gl.full([8], float("-inf"), gl.float32, col_l)
         DB: gl.constexpr = D // 32
         cq_base = cq_ptr + q_row * DB + gl.arange(0, 8, layout=col_l) * DB
-        gl_gdc_wait()  # cq comes from the query preparation
+        gdc_wait()  # cq comes from the query preparation
         cq0 = gl.load(cq_base)
         cq1 = gl.load(cq_base + 1)
         cq2 = gl.load(cq_base + (2 % DB))
         cq3 = gl.load(cq_base + (3 % DB))
-        mbarrier.wait(q_bar, 0)
+        hopper.mbarrier.wait(q_bar, 0)
         for i in range(0, n_full):
             acc, l_acc, m_i = _tile(acc, l_acc, m_i, k_smem, ks_smem, v_smem, vs_smem, q_smem, p_smem, ready, empty,
                                     cq0, cq1, cq2, cq3, i, lo, L, qk_scale, STAGES, BLOCK_N, GROUP_C, False)  # fmt: skip
@@ -269,7 +253,7 @@ if HAVE_GLUON:
             acc, l_acc, m_i = _tile(acc, l_acc, m_i, k_smem, ks_smem, v_smem, vs_smem, q_smem, p_smem, ready, empty,
                                     cq0, cq1, cq2, cq3, i, lo, L, qk_scale, STAGES, BLOCK_N, GROUP_C, True)  # fmt: skip
         if NSPLIT > 1 and not FUSED:  # the merge kernel behind this one may launch now (it waits for our partials)
-            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+            gdc_launch_dependents()
         l_i = gl.sum(l_acc, axis=0)
         offs_g = gl.arange(0, 8, layout=col_l)
         offs_d = gl.arange(0, D, layout=row_l)
@@ -280,7 +264,7 @@ if HAVE_GLUON:
             optrs = out_ptr + out_off + offs_g[None, :] * stride_oh + offs_d[:, None]
             gl.store(optrs, o.to(out_ptr.dtype.element_ty), mask=omask)
         else:
-            rows = (ml_row + offs_g) * NSPLIT + split  # _decode_merge_kernel's rows
+            rows = (ml_row + offs_g) * NSPLIT + split  # decode_merge_kernel's rows
             gl.store(ml_ptr + rows * 2, m_i, mask=gmask)
             gl.store(ml_ptr + rows * 2 + 1, l_i, mask=gmask)
             gl.store(acc_ptr + rows[None, :] * D + offs_d[:, None], acc, mask=omask)
@@ -294,7 +278,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _merge(ml_ptr, acc_ptr, out_ptr, ml_row, NSPLIT, out_off, stride_oh, D: gl.constexpr, GROUP_C: gl.constexpr,
                mma_l: gl.constexpr):  # fmt: skip
-        """The split-KV merge of ``_decode_merge_kernel`` for the GROUP_C query heads of one
+        """The split-KV merge of ``decode_merge_kernel`` for the GROUP_C query heads of one
         kv head, in the decode kernel's last program: the largest m first, then Σ 2**(m_s - m)·acc_s
         and Σ 2**(m_s - m)·l_s in split order (whichever program is last: one result). Loads come 8
         (4) splits at a time, unrolled, so each group costs one L2 round trip, not one per split."""
@@ -328,7 +312,7 @@ if HAVE_GLUON:
         gl.store(optrs, o.to(out_ptr.dtype.element_ty), mask=gmask[None, :] & (offs_d < D)[:, None])
 
     @gluon.jit
-    def _decode_ws_kernel(
+    def decode_ws_kernel(
         k_desc, ks_desc, v_desc, vs_desc, q_desc, cq_ptr, ml_ptr, acc_ptr, out_ptr, cnt_ptr,
         Hkv, C, L, CHUNK, NSPLIT, qk_scale, stride_ob, stride_oh,
         STAGES: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_C: gl.constexpr, LOADER_REGS: gl.constexpr,
@@ -361,13 +345,13 @@ if HAVE_GLUON:
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [8, D], q_desc.layout)
         p_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, BLOCK_N], gl.float16)
         p_smem = gl.allocate_shared_memory(gl.float16, [2, 8, BLOCK_N], p_l)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], hopper.mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], hopper.mbarrier.MBarrierLayout())
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], hopper.mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=1)
-        mbarrier.init(q_bar, count=1)
+            hopper.mbarrier.init(ready.index(s), count=1)
+            hopper.mbarrier.init(empty.index(s), count=1)
+        hopper.mbarrier.init(q_bar, count=1)
         # one argument list for both partitions (Gluon's workers share a signature); inline, so
         # the constexprs stay constexprs
         gl.warp_specialize(
@@ -385,21 +369,21 @@ if HAVE_GLUON:
             [LOADER_REGS],
         )  # fmt: skip
         for s in gl.static_range(STAGES):
-            mbarrier.invalidate(ready.index(s))
-            mbarrier.invalidate(empty.index(s))
-        mbarrier.invalidate(q_bar)
+            hopper.mbarrier.invalidate(ready.index(s))
+            hopper.mbarrier.invalidate(empty.index(s))
+        hopper.mbarrier.invalidate(q_bar)
 
 else:  # pragma: no cover
-    _decode_ws_kernel = _stub
+    decode_ws_kernel = gluon_api.unavailable("attention_decode_ws")
 
 
 @dataclass(frozen=True)
 class DecodeAttnWSConfig:
-    """Tiles of ``_decode_ws_kernel``; the defaults are the H100's (``default_config``: per device)."""
+    """Tiles of ``decode_ws_kernel``; the defaults are the H100's (``default_config``: per device)."""
 
-    # ring depth in tiles of BLOCK_N = 64 keys (16.9 KB a stage at D = 128). H100 sweeps (2026-11-21, kernels/NOTES.md,
-    # "Attention: decode warp-specialized in Gluon"): 2 beats 4 at every context 4k-32k, ties 3 with the wide V rows; 264 programs beat
-    # 528 and tie 396 at maxnreg 80 (3 programs per SM, the H200's choice: ``default_config``)
+    # ring depth in tiles of BLOCK_N = 64 keys (16.9 KB a stage at D = 128): 2 is the sweep's best
+    # (kernels/NOTES.md, "Attention: decode warp-specialized in Gluon"); programs and registers per
+    # device: ``default_config``
     stages: int = 2
     programs: int = 264  # programs wanted over the grid (2 per SM on 132 SMs): sets the split
     # registers per thread at launch: Triton launches 2 warpgroups (math + the loader's, padded),
@@ -408,32 +392,32 @@ class DecodeAttnWSConfig:
     loader_regs: int = 24
     pdl: bool = True  # the query preparation lets this kernel start and stream its first tiles
     # the query preparation itself launched with PDL behind whatever wrote q and the cache: it waits
-    # for that kernel before it lets this one start (A/B on H100 and H200, 2026-11-22)
+    # for that kernel before it lets this one start; no measurable gain, so off (kernels/NOTES.md,
+    # "Attention: decode fixed part")
     prep_pdl: bool = False
     merge_pdl: bool = True  # the split merge kernel launches while this kernel's last programs finish
     # the split merge inside this kernel (the last split of each (batch, kv head), by an atomic
-    # ticket) instead of the merge kernel: one launch fewer, but 0.2-0.8 µs slower per call in
-    # CUDA graphs on an H100 (kernels/NOTES.md, "Attention: decode stream, per-device tiles, quality levers"), so off by default
+    # ticket) instead of the merge kernel: one launch fewer, but slower per call in CUDA graphs
+    # (kernels/NOTES.md, "Attention: decode stream and per-device tiles"), so off by default
     fused_merge: bool = False
     # V by TMA as one box of 128-byte rows a tile (both pages, unswizzled) instead of a [D, 32] box
-    # (32-byte rows) per page: an H200 measurement (2026-11-21) found 32-byte TMA rows streaming ~15 % below 128-byte ones;
-    # here 16k 55.7 -> 54.2 µs on the H100, and on the H200 a gain only at 3 programs per SM (NOTES)
+    # (32-byte rows) per page: 32-byte TMA rows stream slower; a gain wherever enough bytes are in
+    # flight (kernels/NOTES.md, "Attention: decode stream and per-device tiles")
     wide_v: bool = True
     # Q·Kᵀ as fp8 wgmmas (k32, one per 32-wide D block) on the MX codes of K and of the query, both
     # from shared memory, instead of K widened to fp16 in registers against a normalized fp16 query:
-    # no K loads or conversions in the math warps (the query's codes come from the query preparation);
-    # 423 -> 372 instructions per warp and tile, 16k context 44.0 -> 41.8 µs (H200, 3 per SM) and
-    # 57.0 -> 56.1 (H100) (kernels/NOTES.md, "Attention: decode scores on fp8 codes"). E4M3 cache and query only (else
-    # the fp16 route). The fp8 MMA sums each 32-block in fewer bits than fp32 (2**-12 of the sum of
+    # no K loads or conversions in the math warps (the query's codes come from the query preparation):
+    # fewer instructions per tile, faster (kernels/NOTES.md, "Attention: decode scores on fp8 codes").
+    # E4M3 cache and query only (else the fp16 route). The fp8 MMA sums each 32-block in fewer bits than fp32 (2**-12 of the sum of
     # |products| at most; the GPU test's bound), well under the bf16 output's rounding
     qk_fp8: bool = True
 
 
 def default_config(device: torch.device) -> DecodeAttnWSConfig:
-    """The tiles ``mx_attention_decode_ws`` uses on ``device`` when no config is given. Both have 132
-    SMs; the H200's HBM3e (4.8 TB/s against 3.35) wants more bytes in flight: 3 programs per SM (396,
-    maxnreg 80) beat 2 there at 8k-32k (16k 44.9 -> 42.4 µs) and tie on the H100 (54.2 vs 54.9).
-    Sweeps: kernels/NOTES.md, "Attention: decode stream, per-device tiles, quality levers". Other devices take the H100's tiles."""
+    """The tiles ``mx_attention_decode_ws`` uses on ``device`` when no config is given. The H100 and
+    the H200 both have 132 SMs; the H200's faster HBM3e wants more bytes in flight: 3 programs per SM
+    (396, maxnreg 80) beat 2 there and tie on the H100 (kernels/NOTES.md, "Attention: decode stream
+    and per-device tiles"). Other devices take the H100's tiles."""
     if "H200" in torch.cuda.get_device_name(device):
         return DecodeAttnWSConfig(programs=396, maxnreg=80)
     return DecodeAttnWSConfig()
@@ -460,7 +444,7 @@ def _gl_dtype(dt: torch.dtype):
     return {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5, torch.float16: gl.float16}[dt]
 
 
-def _boxes(bn: int, d: int, fp8: torch.dtype, wide_v: bool = True, q_dtype: torch.dtype = torch.float16) -> tuple[list, list]:
+def tma_boxes(bn: int, d: int, fp8: torch.dtype, wide_v: bool = True, q_dtype: torch.dtype = torch.float16) -> tuple[list, list]:
     """TMA boxes and shared layouts of K, K scales, V, V scales, the query (fp16 normalized blocks,
     or fp8 codes): the scale bytes unswizzled (the math warps read them as flat words). V: the
     tile's bn/32 pages as one box of 128-byte rows, unswizzled (``wide_v``), or a [D, 32] box per
@@ -541,16 +525,17 @@ def mx_attention_decode_ws(
     vs2 = v_scale.view(-1, d)
     k_desc, ks_desc, v_desc, vs_desc, q_desc = (
         TensorDescriptor(t, list(t.shape), list(t.stride()), box, lay)
-        for t, box, lay in zip((k2, ks2, v2, vs2, qn), *_boxes(bn, d, k_data.dtype, cfg.wide_v, qn.dtype))
+        for t, box, lay in zip((k2, ks2, v2, vs2, qn), *tma_boxes(bn, d, k_data.dtype, cfg.wide_v, qn.dtype))
     )
-    _decode_ws_kernel[(b * hkv, nsplit)](
+    configure_ptxas()
+    decode_ws_kernel[(b * hkv, nsplit)](
         k_desc, ks_desc, v_desc, vs_desc, q_desc, cq, ml, acc, out, counters if fused else cq,
         hkv, cap, length, chunk, nsplit, scale * LOG2E, out.stride(0), out.stride(1),
         STAGES=cfg.stages, BLOCK_N=bn, GROUP_C=group, LOADER_REGS=cfg.loader_regs, FUSED=fused,
         num_warps=4, maxnreg=cfg.maxnreg, launch_pdl=pdl,
     )  # fmt: skip
     if nsplit > 1 and not fused:
-        _decode_merge_kernel[(b * hq,)](
+        decode_merge_kernel[(b * hq,)](
             ml, acc, out, hq, d, nsplit, out.stride(0), out.stride(1), SPLIT_PAD=next_pow2(nsplit), BLOCK_D=d,
             PDL=merge_pdl, num_warps=4, launch_pdl=merge_pdl,
         )  # fmt: skip

@@ -6,15 +6,15 @@ V along the keys (32x1 blocks from key 0, the last zero-padded), softmax attenti
 ``quantize_vt_pages`` writes the MXFP8 cache's V: the bytes of ``mxq.formats.quantize_mx(v, -2)``,
 stored transposed (as rows of Vᵀ or in the cache's 32-key pages).
 
-How the kernel stays exact on Hopper (sm_90 has no block-scaled MMA; docs/ANCHORS.md):
+How the kernel stays exact on Hopper (sm_90 has no block-scaled MMA; kernels/NOTES.md, "Attention: prefill"):
 - an MX value is fp8 x 2**e: at most 4 significant bits, so bf16 holds it exactly (unless the
   block sits at the very bottom of the fp32 range, amax below ~2**-120). The kernel therefore
   runs bf16 MMAs on MX-rounded operands: Q is rounded in registers as it is loaded (loaded once
   per program), K and V are rounded once by a pre-pass into bf16 copies (they are re-read by
   every query block): K by the row quantizer (``quantize.fake_quantize_mx_rows``), or with the
   Q/K rotation by ``attention_rotate.rotate_qk_rows``'s tile fused with its rounding, and V
-  along the keys by rounding Vᵀ (``_round_vt``), so it is stored transposed; with the rotation
-  both in one launch (``_prep_kv``). Products of two bf16-exact operands are exact in the fp32
+  along the keys by rounding Vᵀ (``round_vt``), so it is stored transposed; with the rotation
+  both in one launch (``prep_kv``). Products of two bf16-exact operands are exact in the fp32
   accumulator.
 - the softmax runs in fp32. P is fp32; a single bf16 copy of P would add a 2**-9 relative
   error per weight, so P·V is computed as P_hi·V + P_lo·V with P_hi = P's top 16 bits (exact
@@ -35,29 +35,29 @@ import triton.language as tl
 from mxq.formats import E4M3, ElemFormat, ScaleRule, as_elem_format, as_scale_rule
 from mxq.kernels.attention_rotate import (
     LOG2E,
-    _block_d,
-    _fmt,
-    _mask_args,
-    _mma,
-    _parts,
-    _rotate_rows,
-    _rotate_tile,
-    _rotation_operand,
+    bf16_parts,
+    mask_args,
+    padded_head_dim,
+    rotate_rows,
+    rotate_tile,
+    rotation_operand,
 )
-from mxq.kernels.common import INTERPRET
-from mxq.kernels.launch import call, next_pow2
-from mxq.kernels.launch import cdiv as _cdiv
-from mxq.kernels.quantize import (
-    _SCALE_BIAS,
-    _SCALE_NAN,
-    _elem_bits,
-    _mx_fast_exponent,
-    _mx_scaled,
-    _round_to_elem,
-    fake_quantize_mx_rows,
+from mxq.kernels.common import (
+    INTERPRET,
+    SCALE_BIAS,
+    SCALE_NAN,
+    elem_bits,
+    mma,
+    mx_fast_exponent,
+    mx_round_consts,
     mx_round_dequant,
+    mx_scaled,
+    round_to_elem,
 )
+from mxq.kernels.launch import call, cdiv, next_pow2
+from mxq.kernels.quantize import fake_quantize_mx_rows
 from mxq.kernels.reference import hadamard_block
+from mxq.kernels.toolchain import configure_ptxas
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -85,7 +85,7 @@ def _prefill_block(
     else:
         k = tl.load(k_ptrs + start_n * stride_kn)
         vt = tl.load(vt_ptrs + start_n * stride_vn)
-    s = _mma(q, tl.trans(k), tl.zeros([q.shape[0], k.shape[0]], tl.float32), INTERP)
+    s = mma(q, tl.trans(k), tl.zeros([q.shape[0], k.shape[0]], tl.float32), INTERP)
     if MASKED:
         s = s * qk_scale
         ok = (cols < Sk)[None, :] & (offs_m < Sq)[:, None]
@@ -114,15 +114,15 @@ def _prefill_block(
         pb = p.to(tl.uint32, bitcast=True)
         p_hi = (pb >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         p_lo = (p - (pb & 0xFFFF0000).to(tl.float32, bitcast=True)).to(tl.bfloat16)
-        acc = _mma(p_hi, v, acc, INTERP)
-        acc = _mma(p_lo, v, acc, INTERP)
+        acc = mma(p_hi, v, acc, INTERP)
+        acc = mma(p_lo, v, acc, INTERP)
     else:
-        acc = _mma(p.to(v.dtype), v, acc, INTERP)
+        acc = mma(p.to(v.dtype), v, acc, INTERP)
     return acc, m_new, l_i
 
 
 @triton.jit
-def _prefill_kernel(
+def prefill_kernel(
     Q, K, VT, Out, M, ROT,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn,
@@ -151,7 +151,7 @@ def _prefill_kernel(
     q_ptrs = Q + b.to(tl.int64) * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=(offs_m < Sq)[:, None] & (offs_d < D)[None, :], other=0.0)
     if QPARTS > 0:  # Q·R (the Q/K rotation), exact products, fp32 accumulation
-        qf = _rotate_rows(q, ROT, offs_d, BLOCK_D, QPARTS, INTERP)
+        qf = rotate_rows(q, ROT, offs_d, BLOCK_D, QPARTS, INTERP)
     else:
         qf = q.to(tl.float32)
     # Q rounded to MX along head_dim in registers; exact in bf16.
@@ -201,7 +201,7 @@ def _prefill_kernel(
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(offs_m < Sq)[:, None] & (offs_d < D)[None, :])
 
 
-def _round_k(k, elem, rule, block_d):
+def round_k(k, elem, rule, block_d):
     """K MX-rounded along head_dim, zero-padded to ``block_d`` (the format's own block padding): bf16."""
     d = k.shape[-1]
     kp = F.pad(k, (0, block_d - d)) if block_d != d else k.contiguous()
@@ -248,11 +248,11 @@ def _prep_kv_kernel(
     RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
     """The prefill's K and V operands in one launch: programs [0, NK) rotate and round K rows
-    (``_rotate_tile``, NKB row blocks per batch entry), the rest round Vᵀ (``_round_vt_tile``,
+    (``rotate_tile``, NKB row blocks per batch entry), the rest round Vᵀ (``_round_vt_tile``,
     NVB key tiles per head)."""
     pid = tl.program_id(0)
     if pid < NK:
-        _rotate_tile(
+        rotate_tile(
             K, R, KY, pid % NKB, (pid // NKB).to(tl.int64), H, S, D, BLOCK_D, stride_kb, stride_kh, stride_ks,
             BLOCK_R, BLOCK_D, PARTS, True, EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8, INTERP,
         )  # fmt: skip
@@ -292,18 +292,18 @@ def _quantize_vt_kernel(
     NBS: tl.constexpr = BLOCK_S // 32
     bh = tl.program_id(1)
     xf, offs_s, offs_d = _vt_blocks(V, tl.program_id(0), bh, H, S, D, stride_vb, stride_vh, stride_vs, BLOCK_S, BLOCK_D)
-    e, nonfinite = _mx_fast_exponent(xf, EMAX, MBITS, RULE)
+    e, nonfinite = mx_fast_exponent(xf, EMAX, MBITS, RULE)
     if HW_CVT:
-        qb = _mx_scaled(xf, e, MAXN, RULE).to(FP8, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+        qb = mx_scaled(xf, e, MAXN, RULE).to(FP8, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
     else:
-        qb = _elem_bits(_round_to_elem(xf, e, MAXN, MBITS, EMIN), MBITS, EMIN, EBIAS).to(tl.uint8)
+        qb = elem_bits(round_to_elem(xf, e, MAXN, MBITS, EMIN), MBITS, EMIN, EBIAS).to(tl.uint8)
     qb = tl.reshape(tl.where(nonfinite[:, :, None], NAN_BYTE, qb).to(tl.uint8), (BLOCK_D, BLOCK_S))
     bh = bh.to(tl.int64)
     cols = (offs_s // 32) * stride_qp + offs_s % 32
     qptr = QD + bh * stride_qbh + offs_d[:, None] * stride_qd + cols[None, :]
     tl.store(qptr, qb, mask=(offs_d < D)[:, None] & (offs_s < NP * 32)[None, :])
     pages = tl.program_id(0) * NBS + tl.arange(0, NBS)
-    sb = tl.where(nonfinite, _SCALE_NAN, e + _SCALE_BIAS).to(tl.uint8)
+    sb = tl.where(nonfinite, SCALE_NAN, e + SCALE_BIAS).to(tl.uint8)
     sptr = QS + bh * stride_sbh + offs_d[:, None] * stride_sd + pages[None, :] * stride_sp
     tl.store(sptr, sb, mask=(offs_d < D)[:, None] & (pages < NP)[None, :])
 
@@ -319,7 +319,7 @@ def quantize_vt_pages(
     if v.stride(-1) != 1:
         v = v.contiguous()
     b, h, sk, d = v.shape
-    npg = _cdiv(sk, 32)
+    npg = cdiv(sk, 32)
     if paged:
         qd = torch.empty((b, h, npg, d, 32), dtype=torch.uint8, device=v.device)
         qs = torch.empty((b, h, npg, d), dtype=torch.uint8, device=v.device)
@@ -331,10 +331,10 @@ def quantize_vt_pages(
     block_s = 64
     if qd.numel():
         call(
-            _quantize_vt_kernel, (_cdiv(sk, block_s), b * h),
+            _quantize_vt_kernel, (cdiv(sk, block_s), b * h),
             (v, qd, qs, h, sk, d, npg, v.stride(0), v.stride(1), v.stride(2), *strides),
             dict(BLOCK_S=block_s, BLOCK_D=max(16, next_pow2(d)), EBIAS=elem.bias, NAN_BYTE=elem.nan_byte,
-                 **_fmt(elem, rule, v.device)), num_warps=4,
+                 **mx_round_consts(elem, rule, v.device)), num_warps=4,
         )  # fmt: skip
     return qd.view(elem.torch_dtype), qs
 
@@ -346,7 +346,7 @@ def _vt_buffer(b, h, block_d, sk, device):
     return torch.empty((b, h, block_d, sp), dtype=torch.bfloat16, device=device)[..., :sk]
 
 
-def _round_vt(v, elem, rule, block_d):
+def round_vt(v, elem, rule, block_d):
     """V [B, H, S, D] -> Vᵀ MX-rounded along the keys, bf16 [B, H, block_d, S] (zero rows past D),
     rows padded as ``_vt_buffer``'s."""
     if v.stride(-1) != 1:
@@ -356,15 +356,16 @@ def _round_vt(v, elem, rule, block_d):
     sp = vt.stride(2)
     block_s = 64
     if vt.numel():
+        configure_ptxas()
         _round_vt_kernel[(triton.cdiv(sk, block_s), b * h)](
             v, vt, h, sk, sp, d, v.stride(0), v.stride(1), v.stride(2),
-            BLOCK_S=block_s, BLOCK_D=block_d, **_fmt(elem, rule, v.device), num_warps=4,
+            BLOCK_S=block_s, BLOCK_D=block_d, **mx_round_consts(elem, rule, v.device), num_warps=4,
         )  # fmt: skip
     return vt
 
 
-def _prep_kv(k, v, elem, rule, block_d):
-    """(``rotate_qk_rows(k, round_to=(elem, rule))``, ``_round_vt(v, ...)``) in one launch."""
+def prep_kv(k, v, elem, rule, block_d):
+    """(``rotate_qk_rows(k, round_to=(elem, rule))``, ``round_vt(v, ...)``) in one launch."""
     if k.stride(-1) != 1:
         k = k.contiguous()
     if v.stride(-1) != 1:
@@ -374,21 +375,21 @@ def _prep_kv(k, v, elem, rule, block_d):
     vt = _vt_buffer(b, h, block_d, sk, v.device)
     sp = vt.stride(2)
     block_r = block_s = 64
-    nkb, nvb = _cdiv(h * sk, block_r), _cdiv(sk, block_s)
+    nkb, nvb = cdiv(h * sk, block_r), cdiv(sk, block_s)
     if k_mx.numel():
         call(
             _prep_kv_kernel, (nkb * b + nvb * b * h,),
-            (k, _rotation_operand(d, block_d, k.device), k_mx, v, vt, h, sk, sp, d, nkb, nkb * b, nvb,
+            (k, rotation_operand(d, block_d, k.device), k_mx, v, vt, h, sk, sp, d, nkb, nkb * b, nvb,
              k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2)),
-            dict(BLOCK_R=block_r, BLOCK_S=block_s, BLOCK_D=block_d, PARTS=_parts(k.dtype),
-                 **_fmt(elem, rule, k.device), INTERP=INTERPRET), num_warps=4,
+            dict(BLOCK_R=block_r, BLOCK_S=block_s, BLOCK_D=block_d, PARTS=bf16_parts(k.dtype),
+                 **mx_round_consts(elem, rule, k.device), INTERP=INTERPRET), num_warps=4,
         )  # fmt: skip
     return k_mx, vt
 
 
-def _kv_descriptors(k_mx, vt_mx, block_n):
+def kv_descriptors(k_mx, vt_mx, block_n):
     """Host TMA descriptors of the prefill's K rows [B·H·S, BLOCK_D] and Vᵀ rows [B·H·BLOCK_D, S]
-    (``_prefill_kernel``'s TMA mode), or None where the layout does not allow them."""
+    (``prefill_kernel``'s TMA mode), or None where the layout does not allow them."""
     b, h, sk, bd = k_mx.shape
     sp = vt_mx.stride(2)
     if (
@@ -438,25 +439,25 @@ def mx_attention_prefill(
     if v.shape != k.shape or k.shape[0] != b or k.shape[3] != d:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be [{b}, Hkv, Sk, {d}]")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    bd = _block_d(d)
+    bd = padded_head_dim(d)
     if out is None:
         out = torch.empty((b, sq, hq, d), dtype=q.dtype, device=q.device).transpose(1, 2)
     rot, qparts = q, 0  # the Q rotation runs inside the kernel, K's fused with its rounding
     if qk_rotation:
-        rot, qparts, scale = _rotation_operand(d, bd, q.device), _parts(q.dtype), scale / hadamard_block(d)
+        rot, qparts, scale = rotation_operand(d, bd, q.device), bf16_parts(q.dtype), scale / hadamard_block(d)
     if qk_rotation and not k_rotated:  # K rotated and rounded, Vᵀ rounded: one launch
-        k_mx, vt_mx = _prep_kv(k, v, elem, rule, bd)
+        k_mx, vt_mx = prep_kv(k, v, elem, rule, bd)
     else:
-        k_mx, vt_mx = _round_k(k, elem, rule, bd), _round_vt(v, elem, rule, bd)
+        k_mx, vt_mx = round_k(k, elem, rule, bd), round_vt(v, elem, rule, bd)
     if out.stride(-1) != 1:
         raise ValueError("out needs a unit stride along head_dim")
-    mask, ms, mask_bool = _mask_args(attention_mask, b, hq, sq, sk)
+    mask, ms, mask_bool = mask_args(attention_mask, b, hq, sq, sk)
     block_m, block_n, warps, stages, *maxnreg = tile or _prefill_tile(bd, q.device)
-    grid = (_cdiv(sq, block_m), b * hq)
-    descs = _kv_descriptors(k_mx, vt_mx, block_n) if tma and sk else None
+    grid = (cdiv(sq, block_m), b * hq)
+    descs = kv_descriptors(k_mx, vt_mx, block_n) if tma and sk else None
     if b * hq and sq:
         call(
-            _prefill_kernel, grid,
+            prefill_kernel, grid,
             (q, *(descs or (k_mx, vt_mx)), out, mask if mask is not None else q, rot,
              q.stride(0), q.stride(1), q.stride(2), q.stride(3),
              k_mx.stride(0), k_mx.stride(1), k_mx.stride(2),
@@ -466,7 +467,7 @@ def mx_attention_prefill(
              hq, hq // hkv, sq, sk, d, scale * LOG2E),
             dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=bd,
                  CAUSAL=causal, HAS_MASK=mask is not None, MASK_BOOL=mask_bool, PV_SPLIT=exact,
-                 **_fmt(elem, rule, q.device), INTERP=INTERPRET, QPARTS=qparts, TMA=descs is not None),
+                 **mx_round_consts(elem, rule, q.device), INTERP=INTERPRET, QPARTS=qparts, TMA=descs is not None),
             num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg[0]} if maxnreg and maxnreg[0] else {}),
         )  # fmt: skip
     return out
@@ -475,6 +476,5 @@ def mx_attention_prefill(
 def _prefill_tile(block_d: int, device: torch.device) -> tuple[int, int, int, int]:
     if device.type != "cuda":
         return 16, 32, 4, 1
-    # H200 sweep at S=4096, D=128 (2026-11-21): 64x64/4 warps/3 stages 245 (exact) and 308 (bf16-P)
-    # TFLOP/s non-causal, 205/245 causal; 128x64/8/2 gave 194/257 and 162/199.
+    # the tile sweep's best across S, causal or not, exact or bf16 P (kernels/NOTES.md, "Attention: prefill")
     return 64, 64, 4, 3

@@ -9,13 +9,16 @@ before they are MX-rounded and the scores divided by its block size (``mxq.atten
 
 The kernels compute x·R as MMAs on bf16 pieces of x (1 piece for bf16 input, 2 for fp16, 3 for
 fp32), so every product is exact and only the fp32 accumulation rounds: Q inside the prefill and
-decode kernels (``_rotate_rows``; the decode kernels from the 2 KB factored operand,
-``_rotate_rows_factored``, where the Hadamard blocks are >= 32 wide), K in ``rotate_qk_rows``
+decode kernels (``rotate_rows``; the decode kernels from the 2 KB factored operand,
+``rotate_rows_factored``, where the Hadamard blocks are >= 32 wide), K in ``rotate_qk_rows``
 fused with its MX rounding (the prefill's K operand) or before it enters the cache.
 
-Shared by the attention modules: ``_mma`` (an MMA of bf16-exact operands, also under the
-interpreter), the host helpers ``_block_d`` (head_dim padded for the kernels), ``_fmt`` (the
-element format's constexprs), ``_parts`` (bf16 pieces per input dtype) and ``_mask_args``.
+Shared by the attention modules (the kernel core, ``common``, holds what the other kernel
+families share too: the MX rounding, ``mma``, ``mx_round_consts``): the host helpers
+``padded_head_dim`` (head_dim padded for the kernels), ``bf16_parts`` (bf16 pieces per input
+dtype), ``mask_args`` (an attention mask as kernel arguments) and the rotation operands
+(``rotation_operand``, ``q_rotation_operand``), the Triton functions ``rotate_rows``,
+``rotate_rows_factored`` and ``rotate_tile``.
 """
 
 from __future__ import annotations
@@ -26,10 +29,8 @@ import triton.language as tl
 
 from mxq.formats import E4M3, ElemFormat, ScaleRule
 from mxq.kernels.buffers import persistent
-from mxq.kernels.common import INTERPRET
-from mxq.kernels.launch import call
-from mxq.kernels.launch import cdiv as _cdiv
-from mxq.kernels.quantize import _RULE_ID, fp8_dtype, hw_cvt, mx_round_dequant
+from mxq.kernels.common import INTERPRET, mma, mx_round_consts, mx_round_dequant
+from mxq.kernels.launch import call, cdiv
 from mxq.kernels.reference import hadamard_block, qk_rotation, sylvester_hadamard
 
 LOG2E = 1.4426950408889634
@@ -39,33 +40,19 @@ LOG2E = 1.4426950408889634
 # Shared by the attention kernels
 # ---------------------------------------------------------------------------------------------
 
-@triton.jit
-def _mma(a, b, acc, INTERP: tl.constexpr):
-    """acc + a @ b for bf16-exact operands. The interpreter's bf16 dot is wrong (Triton 3.6) and
-    its fp32 dot defaults to tf32, so there the same exact values go through an ieee fp32 dot."""
-    if INTERP:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc)
-
-
-def _block_d(d: int) -> int:
+def padded_head_dim(d: int) -> int:
+    """head_dim as the kernels' BLOCK_D: the next power of two, at least 32 (one MX block)."""
     return max(32, 1 << max(0, d - 1).bit_length())  # (triton.next_power_of_2 costs ~2 µs from Python)
 
 
-def _fmt(elem: ElemFormat, rule: ScaleRule, device: torch.device) -> dict:
-    """The element format's constexprs for ``mx_round_dequant`` (every attention kernel that rounds)."""
-    return dict(
-        EMAX=elem.emax, MBITS=elem.mbits, MAXN=elem.max_normal, EMIN=1 - elem.bias,
-        RULE=_RULE_ID[rule], HW_CVT=hw_cvt(device), FP8=fp8_dtype(elem),
-    )  # fmt: skip
-
-
-def _parts(dtype: torch.dtype) -> int:
+def bf16_parts(dtype: torch.dtype) -> int:
+    """How many bf16 pieces hold a value of ``dtype`` exactly (``rotate_rows``' PARTS)."""
     return {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 3)
 
 
-def _mask_args(attention_mask, b, hq, sq, sk):
+def mask_args(attention_mask, b, hq, sq, sk):
+    """(mask as uint8/float, its [B, Hq, Sq, Sk] strides with 0 for broadcast axes, whether it is
+    boolean) for the kernels; (None, zeros, False) without a mask."""
     if attention_mask is None:
         return None, (0, 0, 0, 0), False
     m = attention_mask
@@ -83,7 +70,7 @@ def _mask_args(attention_mask, b, hq, sq, sk):
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def _rotate_rows(x, R, offs_d, BLOCK_D: tl.constexpr, PARTS: tl.constexpr, INTERP: tl.constexpr):
+def rotate_rows(x, R, offs_d, BLOCK_D: tl.constexpr, PARTS: tl.constexpr, INTERP: tl.constexpr):
     """x [M, BLOCK_D] (any float dtype, M >= 16) times R [BLOCK_D, BLOCK_D] (±1 and 0, bf16) in fp32.
 
     x is split into PARTS bf16 pieces (1 for bf16, 2 for fp16, 3 for fp32: together exactly x),
@@ -94,14 +81,14 @@ def _rotate_rows(x, R, offs_d, BLOCK_D: tl.constexpr, PARTS: tl.constexpr, INTER
     acc = tl.zeros([x.shape[0], BLOCK_D], tl.float32)
     for _ in tl.static_range(PARTS):
         part = xf.to(tl.bfloat16)
-        acc = _mma(part, r, acc, INTERP)
+        acc = mma(part, r, acc, INTERP)
         xf = xf - part.to(tl.float32)
     return acc
 
 
 @triton.jit
-def _rotate_rows_factored(x, RF, offs_d, BLOCK_D: tl.constexpr, NB: tl.constexpr, PARTS: tl.constexpr, INTERP: tl.constexpr):
-    """``_rotate_rows`` for Hadamard blocks of n = 32·NB >= 32, from a 2 KB operand instead of R.
+def rotate_rows_factored(x, RF, offs_d, BLOCK_D: tl.constexpr, NB: tl.constexpr, PARTS: tl.constexpr, INTERP: tl.constexpr):
+    """``rotate_rows`` for Hadamard blocks of n = 32·NB >= 32, from a 2 KB operand instead of R.
 
     Sylvester's H_n[i, j] = (-1)^popcount(i & j) = H_NB[i // 32, j // 32]·H_32[i % 32, j % 32], so
     x·diag(s)·blockdiag(H_n) is: signs, an MMA of the 32-column pieces against H_32, then per
@@ -117,7 +104,7 @@ def _rotate_rows_factored(x, RF, offs_d, BLOCK_D: tl.constexpr, NB: tl.constexpr
     acc = tl.zeros([M * A, 32], tl.float32)
     for _ in tl.static_range(PARTS):
         part = xf.to(tl.bfloat16)
-        acc = _mma(part, h32, acc, INTERP)
+        acc = mma(part, h32, acc, INTERP)
         xf = xf - part.to(tl.float32)
     y1 = tl.reshape(acc, (M, A, 32))
     offs_a = tl.arange(0, A)
@@ -130,7 +117,7 @@ def _rotate_rows_factored(x, RF, offs_d, BLOCK_D: tl.constexpr, NB: tl.constexpr
 
 
 @triton.jit
-def _rotate_tile(
+def rotate_tile(
     X, R, Y, rb, b, H, S, D, OUT_D, stride_xb, stride_xh, stride_xs,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PARTS: tl.constexpr, ROUND: tl.constexpr,
     EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
@@ -147,7 +134,7 @@ def _rotate_tile(
     src = b * stride_xb + (rows // S).to(tl.int64) * stride_xh + (rows % S).to(tl.int64) * stride_xs
     rok = rows < H * S
     x = tl.load(X + src[:, None] + offs_d[None, :], mask=rok[:, None] & (offs_d < D)[None, :], other=0.0)
-    y = _rotate_rows(x, R, offs_d, BLOCK_D, PARTS, INTERP)
+    y = rotate_rows(x, R, offs_d, BLOCK_D, PARTS, INTERP)
     if ROUND:
         y = mx_round_dequant(tl.reshape(y, (BLOCK_R, BLOCK_D // 32, 32)), EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8)
         y = tl.reshape(y, (BLOCK_R, BLOCK_D))
@@ -162,8 +149,8 @@ def _rotate_kernel(
     EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
     RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
-    """``_rotate_tile`` over the grid (row blocks, B)."""
-    _rotate_tile(
+    """``rotate_tile`` over the grid (row blocks, B)."""
+    rotate_tile(
         X, R, Y, tl.program_id(0), tl.program_id(1).to(tl.int64), H, S, D, OUT_D, stride_xb, stride_xh, stride_xs,
         BLOCK_R, BLOCK_D, PARTS, ROUND, EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8, INTERP,
     )  # fmt: skip
@@ -172,7 +159,8 @@ def _rotate_kernel(
 _ROTATIONS: dict = {}
 
 
-def _rotation_operand(d: int, block_d: int, device: torch.device) -> torch.Tensor:
+def rotation_operand(d: int, block_d: int, device: torch.device) -> torch.Tensor:
+    """R = ``qk_rotation(d)`` as bf16 [block_d, block_d] (zero-padded), kept per device."""
     key = (d, block_d, str(device))
     if key not in _ROTATIONS:
         r = torch.zeros(block_d, block_d, dtype=torch.bfloat16)
@@ -185,7 +173,7 @@ def _rotation_operand(d: int, block_d: int, device: torch.device) -> torch.Tenso
 
 
 def _rotation_factored(d: int, block_d: int, device: torch.device) -> tuple[int, torch.Tensor | None]:
-    """(NB, operand) for ``_rotate_rows_factored``: Hadamard blocks of 32·NB columns; (0, None)
+    """(NB, operand) for ``rotate_rows_factored``: Hadamard blocks of 32·NB columns; (0, None)
     when the blocks are narrower than 32 (head_dim 40, 80: the full R then)."""
     n = hadamard_block(d)
     if n < 32:
@@ -204,11 +192,11 @@ def _rotation_factored(d: int, block_d: int, device: torch.device) -> tuple[int,
     return n // 32, _ROTATIONS[key]
 
 
-def _q_rotation(d: int, block_d: int, device: torch.device) -> tuple[int, torch.Tensor]:
+def q_rotation_operand(d: int, block_d: int, device: torch.device) -> tuple[int, torch.Tensor]:
     """The decode kernels' Q rotation operand (ROT_NB, ROT): the factored 2 KB operand (H_32 and the
     signs; 32 KB for R at D=128) where the Hadamard blocks are >= 32 wide, else (0, R)."""
     nb, rot = _rotation_factored(d, block_d, device)
-    return (nb, rot) if rot is not None else (0, _rotation_operand(d, block_d, device))
+    return (nb, rot) if rot is not None else (0, rotation_operand(d, block_d, device))
 
 
 def rotate_qk_rows(
@@ -222,16 +210,16 @@ def rotate_qk_rows(
     if x.stride(-1) != 1:
         x = x.contiguous()
     b, h, s, d = x.shape
-    bd = block_d or _block_d(d)
+    bd = block_d or padded_head_dim(d)
     out_d = bd if round_to else d
     y = torch.empty((b, h, s, out_d), dtype=torch.bfloat16 if round_to else torch.float32, device=x.device)
     elem, rule = round_to or (E4M3, ScaleRule.RCEIL)
     block_r = 64
     if y.numel():
         call(
-            _rotate_kernel, (_cdiv(h * s, block_r), b),
-            (x, _rotation_operand(d, bd, x.device), y, h, s, d, out_d, x.stride(0), x.stride(1), x.stride(2)),
-            dict(BLOCK_R=block_r, BLOCK_D=bd, PARTS=_parts(x.dtype), ROUND=round_to is not None,
-                 **_fmt(elem, rule, x.device), INTERP=INTERPRET), num_warps=4,
+            _rotate_kernel, (cdiv(h * s, block_r), b),
+            (x, rotation_operand(d, bd, x.device), y, h, s, d, out_d, x.stride(0), x.stride(1), x.stride(2)),
+            dict(BLOCK_R=block_r, BLOCK_D=bd, PARTS=bf16_parts(x.dtype), ROUND=round_to is not None,
+                 **mx_round_consts(elem, rule, x.device), INTERP=INTERPRET), num_warps=4,
         )  # fmt: skip
     return y

@@ -49,7 +49,7 @@ def persistent(make, device: torch.device) -> torch.Tensor | None:
     return result[0]
 
 
-_COUNTERS: dict[int, torch.Tensor] = {}
+COUNTERS: dict[int, torch.Tensor] = {}
 
 
 def split_counters(device: torch.device, n: int) -> torch.Tensor | None:
@@ -60,15 +60,15 @@ def split_counters(device: torch.device, n: int) -> torch.Tensor | None:
     captured graph may still point at it. Launches on two streams at once must not share them
     (one stream per device, as inference runs)."""
     idx = device.index if device.index is not None else torch.cuda.current_device() if device.type == "cuda" else -1
-    buf = _COUNTERS.get(idx)
+    buf = COUNTERS.get(idx)
     if buf is None or buf.numel() < n:
         fresh = persistent(lambda: torch.zeros(max(n, 4096), dtype=torch.int32, device=device), device)
         if fresh is None:
             return None
         if buf is not None:
-            _RETIRED.append(buf)
-        buf = _COUNTERS[idx] = fresh
+            RETIRED.append(buf)
+        buf = COUNTERS[idx] = fresh
     return buf
 
 
-_RETIRED: list[torch.Tensor] = []  # grown-out buffers a captured graph may still point at
+RETIRED: list[torch.Tensor] = []  # grown-out buffers a captured graph may still point at

@@ -1,38 +1,55 @@
-"""What every kernel module shares: device facts and the MX decode steps, each written once.
+"""The kernel core: what the kernel families (GEMM, attention, the quantizers) share, each written once.
 
-- ``INTERPRET``: the Triton CPU interpreter runs the kernels (tests); it computes bf16 dots
-  wrongly and runs no PTX, so kernels take the dot dtype as a constexpr and use fp32 there.
+Device facts
+- ``INTERPRET`` (read once in ``toolchain``): the Triton CPU interpreter runs the kernels (tests);
+  it computes bf16 dots wrongly and runs no PTX, so kernels take the dot dtype as a constexpr and
+  use fp32 there. ``TL_DTYPE``: torch float dtypes -> Triton's.
 - ``capability(device)``, ``sm_count(device)``: cached per device index (no sync after the first call).
-- ``e8m0_to_f32`` (Triton) and ``gl_e8m0_to_f32`` (Gluon): biased E8M0 bytes -> fp32
-  2**(byte - 127), byte 0 -> 2**-127, byte 255 -> NaN, as ``mxq.formats`` decodes them.
-- ``gl_gdc_wait`` (Gluon): wait for the kernel launched ahead under programmatic dependent launch.
+
+The MX format as the kernels see it
+- ``SCALE_BIAS``, ``SCALE_NAN`` (E8M0 bias and NaN byte, as constexprs), ``RULE_ID`` (``ScaleRule``
+  -> the ``RULE`` constexpr: FLOOR 0, RCEIL 1, EVEN 2, MSE 3), ``fp8_dtype(elem)``;
+- ``hw_cvt(device)``: round with the hardware fp32 -> fp8 conversion; ``pdl_ok(device)``:
+  programmatic dependent launch; the A/B switches ``BIT_ROUNDING`` and ``PDL`` turn them off;
+- ``mx_round_consts(elem, rule, device)``: the constexprs of ``mx_round_codes`` /
+  ``mx_round_dequant`` (EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8) for a launch.
+
+Triton helpers (``@triton.jit``; the Gluon kernels call them too)
+- ``e8m0_to_f32``: biased E8M0 bytes -> fp32 2**(byte - 127), byte 0 -> 2**-127, byte 255 -> NaN,
+  as ``mxq.formats`` decodes them;
+- the MX rounding of fp32 blocks [.., NB, 32], bit-identical to ``mxq.formats``: ``pow2_f32``,
+  ``mx_fast_exponent`` (the amax rules' scale exponent from the amax bits), ``mx_scaled`` (x / 2**e,
+  saturated where the rule can clip), ``round_to_elem`` (round to the element grid by fp32
+  arithmetic, no fp8 conversion), ``elem_bits`` (an exact grid value -> its fp8 byte), and the two
+  that kernels call: ``mx_round_codes`` (elements, exponents, non-finite mask) and
+  ``mx_round_dequant`` (the rounded values);
+- ``mma``: acc + a @ b for bf16-exact operands, in fp32 under the interpreter;
+- ``gdc_wait``, ``gdc_launch_dependents``: programmatic dependent launch (griddepcontrol);
+- ``split_k_epilogue``: a decode GEMM's fp32 Yᵀ tile out, split-K partials summed by the split
+  that finishes last (one launch);
 - ``fp8_bits_asm``: PTX that moves two fp8 codes into two bf16 bit patterns (no conversion
   instruction); the caller multiplies by the power of two that the move leaves out.
-- ``TL_DTYPE``: torch float dtypes -> Triton's.
-- the GEMM host side every MX GEMM shares: ``check_gemm_args``, ``operands_and_output``,
-  ``tma_or_pointer`` and split-K (``split_k_sizes``, ``split_k_plan``, ``split_k_finish``: fp32
-  partials [splits, M, N] summed, with the bias and the cast, by one reduction launch).
+
+The GEMM host side every MX GEMM shares: ``check_gemm_args``, ``operands_and_output``,
+``tma_or_pointer`` and split-K (``split_k_sizes``, ``split_k_plan``, ``split_k_finish``: fp32
+partials [splits, M, N] summed, with the bias and the cast, by one reduction launch).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from mxq.kernels import gluon_api, toolchain
+from mxq.formats import E8M0_BIAS, E8M0_NAN, ElemFormat, ScaleRule
 from mxq.kernels.launch import cdiv
+from mxq.kernels.toolchain import INTERPRET, configure_ptxas
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # older triton: pointer loads only
     TensorDescriptor = None
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-if not INTERPRET:
-    toolchain.prefer_fixed_ptxas()  # a ptxas >= 13.3 where installed (kernels/toolchain.py)
 TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 _CAPABILITY: dict[int, tuple[int, int]] = {}
@@ -60,6 +77,54 @@ def sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
+# ---------------------------------------------------------------------------------------------
+# The MX format as the kernels see it
+# ---------------------------------------------------------------------------------------------
+
+SCALE_BIAS = tl.constexpr(E8M0_BIAS)
+SCALE_NAN = tl.constexpr(E8M0_NAN)
+RULE_ID = {ScaleRule.FLOOR: 0, ScaleRule.RCEIL: 1, ScaleRule.EVEN: 2, ScaleRule.MSE: 3}
+
+# A/B switches for tests and tools (not environment variables): round with integer ops only, and
+# launch the quantizers without programmatic dependent launch.
+BIT_ROUNDING = False
+PDL = True
+
+
+def fp8_dtype(elem: ElemFormat):
+    return tl.float8e4nv if elem.mbits == 3 else tl.float8e5
+
+
+def hw_cvt(device: torch.device) -> bool:
+    """Round with the hardware fp32 -> fp8 conversion (cvt.rn.satfinite, sm_89+).
+
+    Not in the interpreter (its fp32 -> fp8 cast is not RNE), nor on older GPUs (emulated), nor
+    with ``BIT_ROUNDING`` (the integer route everywhere, for A/B checks).
+    """
+    if INTERPRET or device.type != "cuda" or BIT_ROUNDING:
+        return False
+    return capability(device) >= (8, 9)
+
+
+def pdl_ok(device: torch.device) -> bool:
+    """Programmatic dependent launch (griddepcontrol): sm_90+, not the interpreter, ``PDL`` on."""
+    if INTERPRET or device.type != "cuda" or not PDL:
+        return False
+    return capability(device) >= (9, 0)
+
+
+def mx_round_consts(elem: ElemFormat, rule: ScaleRule, device: torch.device) -> dict:
+    """The element format's constexprs for ``mx_round_codes`` / ``mx_round_dequant`` (every kernel that rounds)."""
+    return dict(
+        EMAX=elem.emax, MBITS=elem.mbits, MAXN=elem.max_normal, EMIN=1 - elem.bias,
+        RULE=RULE_ID[rule], HW_CVT=hw_cvt(device), FP8=fp8_dtype(elem),
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton helpers: E8M0 decode, MX rounding, the exact MMA, PDL
+# ---------------------------------------------------------------------------------------------
+
 @triton.jit
 def e8m0_to_f32(s):
     """Biased E8M0 bytes (any integer type) -> fp32 2**(s-127); 0 -> 2**-127, 255 -> NaN."""
@@ -67,6 +132,128 @@ def e8m0_to_f32(s):
     f = (si << 23).to(tl.float32, bitcast=True)
     f = tl.where(si == 0, 5.877471754111438e-39, f)  # 2**-127, an fp32 subnormal
     return tl.where(si == 255, float("nan"), f)
+
+
+@triton.jit
+def pow2_f32(e):
+    """2**e as fp32 for integer e in [-126, 127], from bits."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_to_elem(v, e, MAXN: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr):
+    """v / 2**e rounded to the element grid (RNE, saturated), as an exact fp32 value.
+
+    v fp32 [.., nb, bs], e int32 [.., nb]. Rounds by adding and subtracting a constant whose
+    ulp is the grid step of |v|'s binade (fp32 adds round to nearest even), so no fp8
+    conversion instruction is involved: the Triton interpreter's fp32->fp8 cast is not RNE.
+    """
+    a = tl.minimum(tl.abs(v) * pow2_f32(-e)[:, :, None], MAXN)
+    k = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, EMIN)
+    c = (((k - MBITS + 23 + 127) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    r = (a + c) - c
+    # The sign goes back by bits: -0 and values rounding to zero keep it, as in the spec.
+    sign = v.to(tl.int32, bitcast=True) & -2147483648
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def elem_bits(r, MBITS: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr):
+    """Exact fp32 value on the element grid -> its fp8 byte (as int32)."""
+    rb = r.to(tl.int32, bitcast=True)
+    a = tl.abs(r)
+    normal = (((rb >> 23) & 0xFF) - 127 + BIAS) << MBITS | ((rb >> (23 - MBITS)) & ((1 << MBITS) - 1))
+    sub = (a * (2.0 ** (MBITS - EMIN))).to(tl.int32)
+    byte = tl.where(a >= 2.0**EMIN, normal, sub)
+    return byte | ((rb >> 24) & 0x80)
+
+
+@triton.jit
+def mx_fast_exponent(xf, EMAX: tl.constexpr, MBITS: tl.constexpr, RULE: tl.constexpr):
+    """(exponent int32 [.., NB], non-finite mask [.., NB]) for the amax rules (not MSE).
+
+    The block amax is an integer max over |bits| (NaN and Inf sort above every finite value,
+    so one max also finds the non-finite blocks): two integer ops per element instead of the
+    finite mask, select and float max of the quantizer's MSE route (``quantize``).
+    """
+    ab = xf.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    imax = tl.max(ab, axis=2)
+    nonfinite = imax >= 0x7F800000
+    f = (imax >> 23) - 127
+    mant = imax & 0x7FFFFF
+    if RULE == 0:  # FLOOR
+        e = f - EMAX
+    elif RULE == 2:  # EVEN
+        e = f - EMAX + (mant >= (0x800000 - (1 << (22 - MBITS)))).to(tl.int32)
+    else:  # RCEIL
+        e = f - EMAX + (mant > 0x600000).to(tl.int32)
+    e = tl.where(imax > 0, e, -126)
+    e = tl.minimum(tl.maximum(e, -126), 127)
+    return e, nonfinite
+
+
+@triton.jit
+def mx_scaled(xf, e, MAXN: tl.constexpr, RULE: tl.constexpr):
+    """x / 2**e (exact: a power of two), saturated to +-MAXN where the rule can clip."""
+    s = xf * pow2_f32(-e)[:, :, None]
+    if RULE != 1:  # FLOOR and EVEN may put the block max above max_normal; RCEIL never does
+        s = tl.minimum(tl.maximum(s, -MAXN), MAXN)
+    return s
+
+
+@triton.jit
+def mx_round_codes(
+    xf,  # fp32 [BM, NB, BS]
+    EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
+    RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr,
+):  # fmt: skip
+    """xf's MX rounding as (elements r [BM, NB, BS] fp32, exactly on the element grid; scale
+    exponents e [BM, NB] int32; non-finite block mask [BM, NB]): the value is r·2**e. Not for MSE.
+
+    HW_CVT rounds with the hardware fp32 -> fp8 conversion (round to nearest even, sm_89+);
+    otherwise (interpreter) with the add/subtract trick of ``round_to_elem``.
+    """
+    e, nonfinite = mx_fast_exponent(xf, EMAX, MBITS, RULE)
+    if HW_CVT:
+        r = mx_scaled(xf, e, MAXN, RULE).to(FP8, fp_downcast_rounding="rtne").to(tl.float32)
+    else:
+        r = round_to_elem(xf, e, MAXN, MBITS, EMIN)
+    return r, e, nonfinite
+
+
+@triton.jit
+def mx_round_dequant(
+    xf,  # fp32 [BM, NB, BS]
+    EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
+    RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr,
+):  # fmt: skip
+    """The MX-rounded values of xf (fp32, exact; NaN for a non-finite block). Not for MSE."""
+    r, e, nonfinite = mx_round_codes(xf, EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8)
+    d = r * pow2_f32(e)[:, :, None]
+    return tl.where(nonfinite[:, :, None], float("nan"), d)
+
+
+@triton.jit
+def mma(a, b, acc, INTERP: tl.constexpr):
+    """acc + a @ b for bf16-exact operands. The interpreter's bf16 dot is wrong (Triton 3.6) and
+    its fp32 dot defaults to tf32, so there the same exact values go through an ieee fp32 dot."""
+    if INTERP:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def gdc_wait():
+    """Wait for the kernel this one was launched behind (programmatic dependent launch, e.g. the
+    X quantizer) to finish and its writes to be visible; a no-op without PDL."""
+    tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def gdc_launch_dependents():
+    """Let the kernel launched behind this one with programmatic dependent launch start now."""
+    tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def fp8_bits_asm(shift: int, mask: int) -> str:
@@ -84,6 +271,9 @@ def fp8_bits_asm(shift: int, mask: int) -> str:
     }}"""
 
 
+# ---------------------------------------------------------------------------------------------
+# The GEMM host side, split-K
+# ---------------------------------------------------------------------------------------------
 
 def check_gemm_args(x, weight, weight_scale, bias, block_size):
     """(M, K) of an MX GEMM call Y = X·dequant(W)ᵀ; a ValueError/TypeError naming what is wrong."""
@@ -119,6 +309,16 @@ def operands_and_output(x, weight, weight_scale, bias, out_dtype, n):
     return x, weight, weight_scale, y, not (m and n and k)
 
 
+def tma_or_pointer(t: torch.Tensor, block: list[int], wanted: bool):
+    """(used, kernel argument): a host TMA descriptor of ``t`` where asked for and possible
+    (16-byte aligned base and row stride, not the interpreter), else ``t`` for pointer loads."""
+    ok = (
+        wanted and TensorDescriptor is not None and not INTERPRET
+        and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+    )  # fmt: skip
+    return ok, (TensorDescriptor.from_tensor(t, block) if ok else t)
+
+
 @triton.jit
 def _splitk_reduce_kernel(
     p_ptr, b_ptr, y_ptr, MN, N,
@@ -150,20 +350,11 @@ def split_k_plan(y: torch.Tensor, k: int, split_k: int, block_k: int):
     return split, k_split, even_k, target
 
 
-def tma_or_pointer(t: torch.Tensor, block: list[int], wanted: bool):
-    """(used, kernel argument): a host TMA descriptor of ``t`` where asked for and possible
-    (16-byte aligned base and row stride, not the interpreter), else ``t`` for pointer loads."""
-    ok = (
-        wanted and TensorDescriptor is not None and not INTERPRET
-        and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
-    )  # fmt: skip
-    return ok, (TensorDescriptor.from_tensor(t, block) if ok else t)
-
-
 def split_k_finish(target: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, split: int) -> torch.Tensor:
     """Sum the split-K partials (+ bias) into y; nothing to do without a split."""
     if split > 1:
         block, mn = 1024, y.numel()
+        configure_ptxas()
         _splitk_reduce_kernel[(triton.cdiv(mn, block),)](
             target, bias if bias is not None else target, y, mn, y.shape[1],
             SPLIT_K=split, BLOCK=block, HAS_BIAS=bias is not None, num_warps=4,
@@ -171,18 +362,34 @@ def split_k_finish(target: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | N
     return y
 
 
-if gluon_api.PROBLEM is None:
-    from mxq.kernels.gluon_api import gl, gluon
-
-    @gluon.jit
-    def gl_e8m0_to_f32(si):
-        """``e8m0_to_f32`` for Gluon tensors of int32 bytes (0..255)."""
-        f = (si << 23).to(gl.float32, bitcast=True)
-        f = gl.where(si == 0, 5.877471754111438e-39, f)  # 2**-127, an fp32 subnormal
-        return gl.where(si == 255, float("nan"), f)
-
-    @gluon.jit
-    def gl_gdc_wait():
-        """Wait for the kernel this one was launched behind (programmatic dependent launch, e.g.
-        the X quantizer) to finish and its writes to be visible; a no-op without PDL."""
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+@triton.jit
+def split_k_epilogue(
+    acc, zero, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, pid_n, pid_k, offs_n, offs_m, nmask, mmask,
+    SPLIT: tl.constexpr, FUSED: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    """A decode GEMM's fp32 Yᵀ tile ``acc`` [BLOCK_N, BLOCK_M] (rows ``offs_n`` of N, columns
+    ``offs_m`` of M) out: without a split straight to Y (+ bias); else this split's fp32 partial
+    into ``ws_ptr`` [SPLIT, M, N] (stored from the accumulator layout, transposed addresses) and,
+    FUSED, the split that takes the last ticket of ``cnt_ptr[pid_n]`` sums the partials in split
+    order, adds the bias, writes Y and resets the ticket: one launch, no reduction kernel.
+    ``zero``: zeros shaped like acc (in Gluon, in acc's layout). Shared by ``gemm_decode`` and the
+    Gluon ``gemm_decode_ws``."""
+    mask_t = nmask[:, None] & mmask[None, :]
+    y_offs_t = offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
+    if SPLIT == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptr + y_offs_t, acc.to(y_ptr.dtype.element_ty), mask=mask_t)
+    else:
+        tl.store(ws_ptr + pid_k.to(tl.int64) * M * N + y_offs_t, acc, mask=mask_t)
+        if FUSED:
+            tl.debug_barrier()  # every thread's partial is stored before the release below
+            ticket = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if ticket == SPLIT - 1:
+                tot = zero
+                for s in tl.static_range(SPLIT):  # split order: the same sum whoever is last
+                    tot += tl.load(ws_ptr + s * M * N + y_offs_t, mask=mask_t, other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    tot += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[:, None]
+                tl.store(y_ptr + y_offs_t, tot.to(y_ptr.dtype.element_ty), mask=mask_t)
+                tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next call

@@ -25,14 +25,13 @@ has been compiled. The measurements behind the order and the thresholds are in k
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
 
 from mxq.formats import ElemFormat, ScaleRule, as_elem_format, as_scale_rule
 from mxq.kernels.reference import mx_linear_reference
-from mxq.kernels.registry import KernelPath, Registry, check_kernels, default_kernels
+from mxq.kernels.registry import KernelPath, Registry, kernels_spec
 
 try:
     from mxq.kernels import gemm as _gemm
@@ -50,13 +49,14 @@ try:
 except ImportError:  # no triton wheel (macOS, Windows): the reference runs everywhere
     HAS_TRITON = INTERPRET = False
 
-# Largest M whose W8A8 runs on fp8 tensor cores (decode_f8). H200, Llama-3 8B/70B shapes, 2026-11-21:
-# 1.0-1.7x the emulation at M = 4 and 16; M <= 2 stays on the CUDA-core gemv (faster on 6 of 8
-# shapes at M = 1); M > 16 not measured faster.
+# Largest M whose W8A8 the dispatch sends to the fp8 tensor-core decode GEMM (decode_f8; the kernel
+# itself takes up to ``gemm_decode.MAX_M``): faster than the emulation up to here, not above; M <= 2
+# stays on the CUDA-core gemv, faster at M = 1 on most shapes (kernels/NOTES.md, "GEMM: W8A8 decode
+# on fp8 tensor cores").
 DECODE_F8_MAX_M = 16
-# Smallest M for the register-operand prefill GEMM (prefill_ws). H100, 2026-11-21: faster than the
-# emulation on all 12 Llama-3 8B/70B rows at M = 2048 and 8192 (0.73-0.88x cuBLAS bf16 vs
-# 0.68-0.85x); slower at M <= 512 and where its tiles leave SMs idle (the emulation splits K there).
+# Smallest M for the register-operand prefill GEMM (prefill_ws): faster than the emulation from here
+# on; slower at M <= 512 and where its tiles leave SMs idle, where the emulation splits K
+# (kernels/NOTES.md, "GEMM: the register-operand prefill kernel").
 PREFILL_WS_MIN_M = 1024
 
 
@@ -82,7 +82,18 @@ class LinearProblem(NamedTuple):
                    sm_count(device) if cuda else 0, triton, device)  # fmt: skip
 
 
-# --- the paths: supports(p), run(p, x2, weight, weight_scale, bias, out_dtype), config(p) ---
+# --- the paths: supports(p), run(p, x2, weight, weight_scale, bias, out_dtype, x_mx=None), config(p) ---
+#
+# ``x_mx``: X was MX-rounded by its producer (``mx_linear``'s doc). A path that reads the codes
+# (decode_ws) takes them; every other path takes x as given (``_x_as_given``).
+
+
+def _x_as_given(p: LinearProblem, supports) -> LinearProblem:
+    """The problem a path that cannot read producer codes runs when X arrives MX-rounded: W8A16 on
+    the rounded values where the path takes that (the same product, X not rounded a second time),
+    else ``p`` (RCEIL rounding the rounded values again gives them back)."""
+    p16 = p._replace(act_elem=None)
+    return p16 if supports(p16) else p
 
 
 def _dot_scaled_supports(p: LinearProblem) -> bool:
@@ -90,7 +101,9 @@ def _dot_scaled_supports(p: LinearProblem) -> bool:
     return p.triton and p.capability[0] >= 10 and p.block_size == 32 and (p.act_elem is not None or p.x_dtype != torch.float32)
 
 
-def _dot_scaled_run(p, x2, weight, weight_scale, bias, out_dtype):
+def _dot_scaled_run(p, x2, weight, weight_scale, bias, out_dtype, x_mx=None):
+    if x_mx is not None:
+        p = _x_as_given(p, _dot_scaled_supports)
     xq, xs = x2, None
     if p.act_elem is not None:
         xq, xs = _quantize.quantize_mx_rows(x2, p.act_elem, p.act_rule, p.block_size)
@@ -98,7 +111,8 @@ def _dot_scaled_run(p, x2, weight, weight_scale, bias, out_dtype):
 
 
 def _decode_ws_supports(p: LinearProblem) -> bool:
-    # H200, 2026-11-21: 1.0-1.3x decode_f8 at M = 16, 1.0-1.3x the gemv at M = 1 (Llama-3 shapes)
+    # ahead of gemv and decode_f8: faster than both on Hopper (kernels/NOTES.md, "GEMM: the decode
+    # GEMM warp-specialized in Gluon")
     return p.triton and p.act_elem is not None and p.capability[0] == 9 and _decode_ws.takes(p.m, p.k, p.block_size)
 
 
@@ -112,7 +126,9 @@ def _gemv_supports(p: LinearProblem) -> bool:
     return p.triton and p.m <= _gemv.GEMV_MAX_M
 
 
-def _gemv_run(p, x2, weight, weight_scale, bias, out_dtype):
+def _gemv_run(p, x2, weight, weight_scale, bias, out_dtype, x_mx=None):
+    if x_mx is not None:
+        p = _x_as_given(p, _gemv_supports)
     act_elem = p.act_elem
     if act_elem is not None and p.act_rule is ScaleRule.MSE:  # the kernel rounds amax rules only
         x2 = _quantize.fake_quantize_mx_rows(x2, act_elem, p.act_rule, p.block_size, out_dtype=torch.float32)
@@ -129,7 +145,9 @@ def _decode_f8_supports(p: LinearProblem) -> bool:
     )  # fmt: skip
 
 
-def _decode_f8_run(p, x2, weight, weight_scale, bias, out_dtype):
+def _decode_f8_run(p, x2, weight, weight_scale, bias, out_dtype, x_mx=None):
+    if x_mx is not None:
+        p = _x_as_given(p, _decode_f8_supports)
     return _decode.mx_decode_gemm(x2, weight, weight_scale, bias, act_elem=p.act_elem, act_rule=p.act_rule, out_dtype=out_dtype)
 
 
@@ -143,10 +161,16 @@ def _prefill_ws_supports(p: LinearProblem) -> bool:
     )  # fmt: skip
 
 
-def _prefill_ws_run(p, x2, weight, weight_scale, bias, out_dtype):
+def _prefill_ws_run(p, x2, weight, weight_scale, bias, out_dtype, x_mx=None):
+    if x_mx is not None:
+        p = _x_as_given(p, _prefill_ws_supports)
     if p.act_elem is not None:  # X rounded to MX into bf16 (exact), then the bf16 product
         x2 = _quantize.fake_quantize_mx_rows(x2, p.act_elem, p.act_rule, p.block_size, out_dtype=torch.bfloat16)
     return _prefill_ws.mx_prefill_gemm_ws(x2, weight, weight_scale, bias, out_dtype=out_dtype, block_size=p.block_size)
+
+
+def _gemm_supports(p: LinearProblem) -> bool:
+    return p.triton
 
 
 def _gemm_quant_inside(p: LinearProblem) -> bool:
@@ -157,7 +181,9 @@ def _gemm_quant_inside(p: LinearProblem) -> bool:
     )  # fmt: skip
 
 
-def _gemm_run(p, x2, weight, weight_scale, bias, out_dtype):
+def _gemm_run(p, x2, weight, weight_scale, bias, out_dtype, x_mx=None):
+    if x_mx is not None:
+        p = _x_as_given(p, _gemm_supports)
     if _gemm_quant_inside(p):
         return _gemm.mx_gemm(
             x2, weight, weight_scale, bias, out_dtype=out_dtype, block_size=p.block_size,
@@ -168,7 +194,9 @@ def _gemm_run(p, x2, weight, weight_scale, bias, out_dtype):
     return _gemm.mx_gemm(x2, weight, weight_scale, bias, out_dtype=out_dtype, block_size=p.block_size)
 
 
-def _reference_run(p, x2, weight, weight_scale, bias, out_dtype):
+def _reference_run(p, x2, weight, weight_scale, bias, out_dtype, x_mx=None):
+    if x_mx is not None:
+        p = _x_as_given(p, _reference_only)
     y = mx_linear_reference(x2, weight, weight_scale, bias, act_elem=p.act_elem, act_rule=p.act_rule, block_size=p.block_size)
     return y.to(out_dtype)
 
@@ -191,25 +219,21 @@ if HAS_TRITON:
                    lambda p: _decode.pick_decode_f8_config(p.m, p.n, p.k, p.device)),
         KernelPath("prefill_ws", "register-operand prefill, warp-specialized (Gluon, sm_90)", _prefill_ws_supports,
                    _prefill_ws_run, lambda p: _prefill_ws.pick_prefill_rs_config(p.m, p.n, p.k, p.device), gluon="gemm_prefill_ws"),
-        KernelPath("gemm", "exact emulation (bf16 wgmma on dequantized weights)", lambda p: p.triton, _gemm_run,
+        KernelPath("gemm", "exact emulation (bf16 wgmma on dequantized weights)", _gemm_supports, _gemm_run,
                    lambda p: _gemm.pick_config(p.m, p.n, p.k, p.device)),
     ] + _paths  # fmt: skip
 LINEAR = Registry("linear", _paths)
 
-_CHOICE: dict = {}  # (problem, kernels spec) -> path; cleared when a Gluon kernel is turned off
+CHOICES: dict = {}  # (problem, kernels spec) -> path; cleared when a Gluon kernel is turned off
 
 
 def choose(p: LinearProblem, kernels: str | None = None) -> KernelPath:
     """The path ``mx_linear`` runs ``p`` on (memoized; module doc for ``kernels``)."""
     key = (p, kernels)
-    path = _CHOICE.get(key)
+    path = CHOICES.get(key)
     if path is None:
-        path = _CHOICE[key] = LINEAR.choose(p, kernels)
+        path = CHOICES[key] = LINEAR.choose(p, kernels)
     return path
-
-
-def _spec(kernels: str | None) -> str:
-    return check_kernels(kernels) if kernels is not None else default_kernels()
 
 
 def triton_runs(device: torch.device, spec: str) -> bool:
@@ -236,8 +260,8 @@ def mx_linear(
 
     ``x_mx``: X is already MX-rounded (RCEIL, ``act_elem``) by its producer (``producers``): x holds
     the rounded values and ``x_mx`` = (fp8 codes [M, K], scale bytes [M, K/32]). The decode GEMM
-    reads the codes; every other path takes x as it is (W8A16 on rounded values: the same product,
-    without rounding X a second time)."""
+    reads the codes; every other path takes x as it is (W8A16 on rounded values where the path takes
+    that: the same product, without rounding X a second time)."""
     if weight_scale is None:
         raise ValueError("mx_linear needs weight_scale (uint8 [N, K / block_size])")
     if act_elem is not None:
@@ -246,7 +270,7 @@ def mx_linear(
         raise ValueError("mx_linear: x_mx (X rounded by its producer) is for W8A8 with RCEIL activations")
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
-    spec = _spec(kernels)
+    spec = kernels_spec(kernels)
     if not HAS_TRITON or spec == "reference":
         if x_mx is not None:
             act_elem = None  # x holds the MX-rounded values
@@ -257,35 +281,27 @@ def mx_linear(
     if p.capability[0] == 9:
         gluon_api.note_unavailable()
     path = choose(p, spec)
-    if x_mx is not None:
-        if path.name == "decode_ws":
-            y = _run(path, p, spec, x2, weight, weight_scale, bias, x.dtype, x_mx)
-            return y.reshape(*x.shape[:-1], weight.shape[0])
-        p16 = p._replace(act_elem=None)
-        if path.supports(p16):  # the same path on the rounded values, without rounding them again
-            p = p16
-    y = _run(path, p, spec, x2, weight, weight_scale, bias, x.dtype)
+    y = _run(path, p, spec, x2, weight, weight_scale, bias, x.dtype, x_mx)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def _run(path: KernelPath, p, spec, x2, weight, weight_scale, bias, out_dtype, x_mx=None):
-    run = path.run if x_mx is None else functools.partial(path.run, x_mx=x_mx)  # decode_ws takes the codes
     if path.gluon is None:
-        return run(p, x2, weight, weight_scale, bias, out_dtype)
+        return path.run(p, x2, weight, weight_scale, bias, out_dtype, x_mx)
 
     def fall_back():  # the Gluon kernel is off now: choose again (x holds the rounded values)
-        _CHOICE.clear()
+        CHOICES.clear()
         q = p if x_mx is None else p._replace(act_elem=None)
         return _run(choose(q, spec), q, spec, x2, weight, weight_scale, bias, out_dtype)
 
-    return gluon_api.run_or_fall_back(path.gluon, lambda: run(p, x2, weight, weight_scale, bias, out_dtype), fall_back)
+    return gluon_api.run_or_fall_back(path.gluon, lambda: path.run(p, x2, weight, weight_scale, bias, out_dtype, x_mx), fall_back)
 
 
 def linear_path(m: int, n: int, k: int, device: torch.device, *, w8a8: bool = True, x_dtype=torch.bfloat16,
                 block_size: int = 32, kernels: str | None = None) -> KernelPath:  # fmt: skip
     """The path ``mx_linear`` takes for X [m, k] (``x_dtype``) times an [n, k] MX weight on ``device``
     (E4M3 activations rounded with RCEIL when ``w8a8``): what benchmark tables print."""
-    spec = _spec(kernels)
+    spec = kernels_spec(kernels)
     if not HAS_TRITON or spec == "reference":
         return LINEAR["reference"]
     return choose(_problem(m, n, k, device, w8a8, x_dtype, block_size, spec), spec)
@@ -298,7 +314,7 @@ def _problem(m, n, k, device, w8a8, x_dtype, block_size, spec) -> LinearProblem:
 
 def path_name(m: int, n: int, k: int, device: torch.device, w8a8: bool = True, kernels: str | None = None) -> str:
     """``linear_path``'s name and, where the path has a tile rule, its config."""
-    spec = _spec(kernels)
+    spec = kernels_spec(kernels)
     path = linear_path(m, n, k, device, w8a8=w8a8, kernels=spec)
     if path.config is None or not HAS_TRITON:
         return path.name

@@ -33,11 +33,15 @@ import triton
 import triton.language as tl
 
 from mxq.formats import E4M3, ElemFormat, ScaleRule
-from mxq.kernels import toolchain as _toolchain
+from mxq.kernels import toolchain
 from mxq.kernels.common import (
     INTERPRET,
+    RULE_ID,
     check_gemm_args,
     e8m0_to_f32,
+    fp8_dtype,
+    hw_cvt,
+    mx_round_dequant,
     operands_and_output,
     sm_count,
     split_k_finish,
@@ -45,7 +49,6 @@ from mxq.kernels.common import (
     tma_or_pointer,
 )
 from mxq.kernels.launch import call, next_pow2
-from mxq.kernels.quantize import _RULE_ID, fp8_dtype, hw_cvt, mx_round_dequant
 
 # Largest M whose W8A8 may round X inside this kernel (``GemmConfig.quant_x``).
 GEMM_QUANT_MAX_M = 64
@@ -123,7 +126,7 @@ def _mx_gemm_operands(
 
 
 @triton.jit
-def _mx_gemm_kernel(
+def mx_gemm_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
     M, N, K, K_SPLIT, M_BUCKET,
     stride_xm, stride_wn, stride_sn, stride_ym,
@@ -225,16 +228,16 @@ def _mx_gemm_kernel(
 # How the prefill (TMA activation) configs start their accumulator. The old loop (accumulator
 # zeroed before it) makes ptxas serialize every wgmma (C7515), which hides a register hazard: with
 # the wgmmas in flight (zero-tile start or first K step peeled), ptxas < 13.3 lets the next K
-# step's dequant overwrite the registers of a wgmma still reading them (triton-lang/triton#9433;
-# inf/garbage at M = 2048 and at N = 14336, H200, 2026-11-21). With ptxas >= 13.3 the zero-tile
-# start is right on every tested shape and 16-24 % faster at M = 2048 (kernels/NOTES.md, "GEMM: the wgmma register hazard and the pipelined prefill loop"),
-# so it is used when Triton assembles with such a ptxas (kernels/toolchain.py).
+# step's dequant overwrite the registers of a wgmma still reading them (triton-lang/triton#9433:
+# inf/garbage). With ptxas >= 13.3 the zero-tile start is right on every tested shape and faster
+# (kernels/NOTES.md, "GEMM: the wgmma register hazard and the pipelined prefill loop"), so it is
+# used when Triton assembles with such a ptxas (kernels/toolchain.py).
 PREFILL_LOOP = dict(peel=False, zero_dot=False)
 PREFILL_ASYNC = dict(peel=False, zero_dot=True)
 
 
 def _prefill_loop() -> dict:
-    return PREFILL_ASYNC if _toolchain.wgmma_async_ok() else PREFILL_LOOP
+    return PREFILL_ASYNC if toolchain.wgmma_async_ok() else PREFILL_LOOP
 
 
 def pick_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
@@ -244,10 +247,10 @@ def pick_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
         return GemmConfig(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=1, split_k=split)
     sms = sm_count(device)
     if m <= 64:
-        # Weight streaming (H200 sweeps, kernels/NOTES.md, "GEMM: the exact emulation kernel"): weight tiles through
-        # TMA, K split until the N tiles x splits cover the SMs twice. H200, 2026-11-21, M <= 16, W8A8:
-        # N <= 4096 fastest as 128x128 tiles with X rounded inside (8B o 19.1 -> 15.7 µs, down
-        # 42.7 -> 32.4); large N fastest with the quantizer launch first (gate_up 68 -> 53-59).
+        # Weight streaming (kernels/NOTES.md, "GEMM: the exact emulation kernel"): weight tiles through
+        # TMA, K split until the N tiles x splits cover the SMs twice. M <= 16, W8A8: N <= 4096 fastest
+        # as 128x128 tiles with X rounded inside; large N fastest with the quantizer launch first
+        # (every program would round X again).
         block_m = max(16, triton.next_power_of_2(m))
         quant_x, peel = False, False
         if m <= 16 and n <= 4096:
@@ -255,7 +258,7 @@ def pick_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
         elif m <= 16 and n > 8192:
             block_n, block_k, warps, stages, peel = 128, 128, 4, 4, True
         elif m <= 16:
-            block_n, block_k, warps, stages = 64, 128, 4, 6  # qkv: the old loop measured ~3 % faster
+            block_n, block_k, warps, stages = 64, 128, 4, 6  # qkv: faster with the old loop (NOTES)
         else:
             block_n, block_k, warps, stages = 128, 128, 4, 4  # M 17..64: peeling not measured here
         tiles = triton.cdiv(n, block_n)
@@ -265,9 +268,8 @@ def pick_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
         return GemmConfig(block_m, block_n, block_k, warps, stages, split_k=split, tma_w=True, quant_x=quant_x, peel=peel)
     loop = _prefill_loop()
     if 128 < m <= 512 and loop is PREFILL_ASYNC:
-        # Pipelined loop (ptxas >= 13.3), M = 256 sweep (H200, 2026-11-21): 256x128 tiles with K split
-        # until the tiles x splits fill the SMs once: 8B down 110.6 -> 64.0 µs (128x64 -> 256x128
-        # split 4), o 36.4 -> 29.7, qkv 45.9 -> 40.6 (split 2); gate_up (224 tiles) unsplit.
+        # Pipelined loop (ptxas >= 13.3), the M = 256 sweep's best (kernels/NOTES.md, "GEMM: the exact
+        # emulation kernel"): 256x128 tiles with K split until the tiles x splits fill the SMs once.
         tiles = triton.cdiv(m, 256) * triton.cdiv(n, 128)
         split = 1
         while tiles * split * 2 <= sms and k // (split * 2) >= 8 * 64 and split < 8:
@@ -275,15 +277,15 @@ def pick_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
         return GemmConfig(block_m=256, block_n=128, block_k=64, num_warps=8, num_stages=3, split_k=split,
                           tma_x=True, tma_w=True, deq_bf16=True, **loop)  # fmt: skip
     if m <= 512 and n < 16384:
-        # 256x128 tiles leave most SMs idle here (N/128 programs); 128x64 won the M=256 sweep on the
-        # H200, 2026-11-21 (serialized loop). M 65..128 keeps it with either loop (not swept since).
+        # 256x128 tiles leave most SMs idle here (N/128 programs); 128x64 won the M = 256 sweep with the
+        # serialized loop (NOTES). M 65..128 keeps it with either loop (not swept since).
         return GemmConfig(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4, tma_x=True, tma_w=True, deq_bf16=True, **loop)
     if n % 128 == 0 or loop is PREFILL_ASYNC:
         return GemmConfig(block_m=256, block_n=128, block_k=64, num_warps=8, num_stages=3, tma_x=True, tma_w=True, deq_bf16=True, **loop)
     # N not a multiple of 128 with the serialized loop (ptxas < 13.3): the 8-warp tiles give wrong
-    # sums there -- 256 x 128 (H200, triton 3.6 + ptxas 12.8) and 128 x 128 with a bias, bf16 output
-    # and N % 16 != 0 (H100, ptxas 12.8, 2026-11-24: errors ~1e3 at N = 4100, 4097, 1000); both are
-    # right with ptxas 13.5 and the zero-tile start. The 4-warp 128 x 64 tile was right on every shape.
+    # sums there (256 x 128, and 128 x 128 with a bias, bf16 output and N % 16 != 0); both are right
+    # with ptxas >= 13.3 and the zero-tile start. The 4-warp 128 x 64 tile was right on every shape
+    # (kernels/NOTES.md, "GEMM: the exact emulation kernel", wrong-result configurations).
     return GemmConfig(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4, tma_x=True, tma_w=True, deq_bf16=True, **loop)
 
 
@@ -319,9 +321,9 @@ def mx_gemm(
         cfg = GemmConfig(block_m=64, block_n=128, block_k=32, num_warps=4, num_stages=3)
     if config is None and cfg.num_warps == 8 and y.dtype == torch.float32 and not cfg.zero_dot:
         # The 8-warp prefill epilogues (256x128x64 and 128x128x64) give inf/garbage with a float32
-        # output at M=2048 (H200, triton 3.6, tests/test_e2e.py::test_gpu_mx_linear_model_shapes;
-        # like the bias case; kernels/NOTES.md, "GEMM: the exact emulation kernel"); the 4-warp 128x64x64 tile was right on every shape.
-        # The pipelined loop (zero_dot, ptxas >= 13.3) was right with fp32 output there (H200, 2026-11-21).
+        # output and the serialized loop (tests/test_e2e.py::test_gpu_mx_linear_model_shapes; like the
+        # bias case; kernels/NOTES.md, "GEMM: the exact emulation kernel"); the 4-warp 128x64x64 tile was
+        # right on every shape, and so was the pipelined loop (zero_dot, ptxas >= 13.3).
         cfg = GemmConfig(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4, tma_x=cfg.tma_x,
                          tma_w=cfg.tma_w, deq_bf16=cfg.deq_bf16, **_prefill_loop())  # fmt: skip
     if cfg.block_k % block_size:
@@ -341,7 +343,7 @@ def mx_gemm(
     # through launch.call: the prefill path runs this for every projection too narrow for the
     # register-operand kernel, where the JIT's per-call binding made the model's forward host-bound
     call(
-        _mx_gemm_kernel, grid,
+        mx_gemm_kernel, grid,
         (x_arg, w_arg, weight_scale, bias if bias is not None else weight_scale, target,
          m, n, k, k_split, next_pow2(m), x.stride(0), weight.stride(0), weight_scale.stride(0), n),
         dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BS=block_size,
@@ -350,7 +352,7 @@ def mx_gemm(
              TMA_X=tma_x, TMA_W=tma_w, DEQ_BF16=cfg.deq_bf16 and dot == tl.bfloat16, PEEL=cfg.peel,
              ZERO_DOT=cfg.zero_dot and not cfg.peel,
              QUANT=quant, EMAX=ae.emax, MBITS=ae.mbits, MAXN=ae.max_normal, EMIN=1 - ae.bias,
-             RULE=_RULE_ID[act_rule], HW_CVT=hw_cvt(x.device), FP8=fp8_dtype(ae)),
+             RULE=RULE_ID[act_rule], HW_CVT=hw_cvt(x.device), FP8=fp8_dtype(ae)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return split_k_finish(target, y, bias, split)

@@ -1,8 +1,8 @@
 """W8A8 decode GEMM on fp8 tensor cores: Y [M, N] = MX(X) · dequant(W)ᵀ for small M (Hopper).
 
 The emulation in ``gemm.py`` converts every weight element to bf16 in registers before its
-wgmma: at decode sizes that conversion, not the weight stream, bounds the kernel (kernels/NOTES.md, "GEMM: the bounds",
-H200, 2026-11-21). Here no weight element is converted. The MX block is 32 wide along K, and so
+wgmma: at decode sizes that conversion, not the weight stream, bounds the kernel (kernels/NOTES.md,
+"GEMM: the bounds"). Here no weight element is converted. The MX block is 32 wide along K, and so
 is one fp8 wgmma (k32), so each 32-block's product is one MMA of raw fp8 bytes:
 
     Yᵀ[n, m] = Σ_b  2**sw[n, b] · 2**sx[m, b] · Σ_{k in block b} w[n, k] · q[m, k]
@@ -40,28 +40,28 @@ from mxq.formats import E4M3, ElemFormat, ScaleRule
 from mxq.kernels.buffers import split_counters
 from mxq.kernels.common import (
     INTERPRET,
+    RULE_ID,
     check_gemm_args,
     e8m0_to_f32,
+    fp8_dtype,
+    hw_cvt,
+    mx_fast_exponent,
+    mx_scaled,
     operands_and_output,
+    pow2_f32,
+    round_to_elem,
     sm_count,
+    split_k_epilogue,
     split_k_finish,
     split_k_plan,
     tma_or_pointer,
 )
-from mxq.kernels.quantize import (
-    _RULE_ID,
-    _mx_fast_exponent,
-    _mx_scaled,
-    _pow2_f32,
-    _round_to_elem,
-    fp8_dtype,
-    hw_cvt,
-    quantize_mx_rows,
-)
+from mxq.kernels.quantize import quantize_mx_rows
+from mxq.kernels.toolchain import configure_ptxas
 
 
 @triton.jit
-def _mx_decode_f8_kernel(
+def mx_decode_f8_kernel(
     x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
     M, N, K, K_SPLIT,
     stride_xm, stride_xsm4, stride_wn, stride_sn, stride_sn4, stride_ym,
@@ -130,13 +130,13 @@ def _mx_decode_f8_kernel(
             else:
                 # X's block to MX: the exponent from the amax bits, the elements rounded to fp8.
                 xf = tl.reshape(x.to(tl.float32), (BLOCK_M, 1, BS))
-                e, nonfinite = _mx_fast_exponent(xf, EMAX, MBITS, RULE)
+                e, nonfinite = mx_fast_exponent(xf, EMAX, MBITS, RULE)
                 if HW_CVT:
-                    q = _mx_scaled(xf, e, MAXN, RULE).to(FP8, fp_downcast_rounding="rtne")
+                    q = mx_scaled(xf, e, MAXN, RULE).to(FP8, fp_downcast_rounding="rtne")
                 else:  # interpreter: exact grid values by arithmetic, then an exact cast
-                    q = _round_to_elem(xf, e, MAXN, MBITS, EMIN).to(FP8)
+                    q = round_to_elem(xf, e, MAXN, MBITS, EMIN).to(FP8)
                 q = tl.reshape(q, (BLOCK_M, BS))
-                sxs = sxs + (tl.reshape(tl.where(nonfinite, float("nan"), _pow2_f32(e)), (BLOCK_M,)),)
+                sxs = sxs + (tl.reshape(tl.where(nonfinite, float("nan"), pow2_f32(e)), (BLOCK_M,)),)
             ps = ps + (tl.dot(w, tl.trans(q), out_dtype=tl.float32),)  # [BLOCK_N, BLOCK_M], raw fp8 bytes
         for j in tl.static_range(KB):
             if S32:
@@ -146,32 +146,13 @@ def _mx_decode_f8_kernel(
                 sw = e8m0_to_f32(tl.load(s_ptrs + i * KB + j, mask=(k < k_hi) & (offs_n >= 0), other=127))
             acc += (ps[j] * sw[:, None]) * sxs[j][None, :]
 
-    nmask = offs_n < N
-    mask_t = nmask[:, None] & (offs_m < M)[None, :]
-    y_offs_t = offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
-    if SPLIT == 1:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[:, None]
-        tl.store(y_ptr + y_offs_t, acc.to(y_ptr.dtype.element_ty), mask=mask_t)
-    else:
-        # fp32 partial [SPLIT, M, N] (stored from the accumulator layout, transposed addresses).
-        tl.store(ws_ptr + pid_k.to(tl.int64) * M * N + y_offs_t, acc, mask=mask_t)
-        if FUSED:
-            tl.debug_barrier()  # every thread's partial is stored before the release below
-            ticket = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-            if ticket == SPLIT - 1:
-                tot = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-                for s in tl.static_range(SPLIT):  # split order: the same sum whoever is last
-                    tot += tl.load(ws_ptr + s * M * N + y_offs_t, mask=mask_t, other=0.0, cache_modifier=".cg")
-                if HAS_BIAS:
-                    tot += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[:, None]
-                tl.store(y_ptr + y_offs_t, tot.to(y_ptr.dtype.element_ty), mask=mask_t)
-                tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+    split_k_epilogue(acc, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym,
+                     pid_n, pid_k, offs_n, offs_m, offs_n < N, offs_m < M, SPLIT, FUSED, HAS_BIAS)  # fmt: skip
 
 
 @dataclass(frozen=True)
 class DecodeF8Config:
-    """Tiles of ``_mx_decode_f8_kernel``."""
+    """Tiles of ``mx_decode_f8_kernel``."""
 
     block_n: int = 128  # weight rows per program (the MMA's M side: 64 per warpgroup)
     kb: int = 4  # 32-wide K blocks per loop step
@@ -183,13 +164,16 @@ class DecodeF8Config:
     quant_x: bool = False  # X MX-quantized by a quantizer launch first (else rounded in the kernel)
 
 
-# Largest M on this path (W8A8 decode); the MMA's N side is max(16, next_pow2(M)).
-DECODE_F8_MAX_M = 64
+# Largest M the kernel takes: the MMA's N side is max(16, next_pow2(M)), at most 64. Which M the
+# dispatch sends here is its own threshold (``dispatch.DECODE_F8_MAX_M``).
+MAX_M = 64
+
+
 def pick_decode_f8_config(m: int, n: int, k: int, device: torch.device) -> DecodeF8Config:
-    """Tiles from the shape alone (H200 sweeps, kernels/NOTES.md, "GEMM: W8A8 decode on fp8 tensor cores"). X quantized first;
-    K split into the most pieces (<= 16, a power of two) that keep >= 8 steps of 128 per split
-    and <= 4 programs per SM (the best measured split on all 8 Llama-3 8B/70B shapes); 3 stages
-    when that is at most one program per SM (8B o: 17.5 -> 13.1 µs), else 2 (more programs fit)."""
+    """Tiles from the shape alone (the sweeps: kernels/NOTES.md, "GEMM: W8A8 decode on fp8 tensor
+    cores"). X quantized first; K split into the most pieces (<= 16, a power of two) that keep >= 8
+    steps of 128 per split and <= 4 programs per SM (the best split on all 8 Llama-3 8B/70B shapes);
+    3 stages when that is at most one program per SM, else 2 (more programs fit)."""
     if INTERPRET or device.type != "cuda":
         return DecodeF8Config(block_n=64, kb=4, split_k=2 if k >= 256 else 1, tma_w=False, quant_x=True)
     sms = sm_count(device)
@@ -225,8 +209,8 @@ def mx_decode_gemm(
     n = weight.shape[0]
     if block_size != 32:
         raise ValueError(f"mx_decode_gemm needs block_size=32 (one fp8 MMA per block), got {block_size}")
-    if m > DECODE_F8_MAX_M:
-        raise ValueError(f"mx_decode_gemm is for M <= {DECODE_F8_MAX_M}, got M={m}")
+    if m > MAX_M:
+        raise ValueError(f"mx_decode_gemm is for M <= {MAX_M}, got M={m}")
     x, weight, weight_scale, y, done = operands_and_output(x, weight, weight_scale, bias, out_dtype, n)
     if done:
         return y
@@ -245,7 +229,8 @@ def mx_decode_gemm(
         x, xs = quantize_mx_rows(x, act_elem, act_rule, block_size)  # [M, K] fp8 + [M, K/32] scales
     else:
         xs = weight_scale
-    _mx_decode_f8_kernel[(tiles, split)](
+    configure_ptxas()
+    mx_decode_f8_kernel[(tiles, split)](
         x, xs, w_arg, weight_scale, bias if bias is not None else weight_scale, y, ws,
         counters if fused else weight_scale,
         m, n, k, k_split,
@@ -253,7 +238,7 @@ def mx_decode_gemm(
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg.block_n, KB=cfg.kb, BS=block_size, S32=s32, QX=qx,
         SPLIT=split, FUSED=fused, HAS_BIAS=bias is not None, EVEN_K=even_k, TMA_W=tma_w,
         EMAX=act_elem.emax, MBITS=act_elem.mbits, MAXN=act_elem.max_normal, EMIN=1 - act_elem.bias,
-        RULE=_RULE_ID[act_rule], HW_CVT=hw_cvt(x.device), FP8=fp8_dtype(act_elem),
+        RULE=RULE_ID[act_rule], HW_CVT=hw_cvt(x.device), FP8=fp8_dtype(act_elem),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split > 1 and not fused:

@@ -45,37 +45,24 @@ from mxq.formats import E4M3, ElemFormat, ScaleRule, as_elem_format, as_scale_ru
 from mxq.kernels import gluon_api, launch, tune
 from mxq.kernels.buffers import split_counters
 from mxq.kernels.common import (
+    RULE_ID,
     capability,
     check_gemm_args,
+    e8m0_to_f32,
+    gdc_wait,
+    hw_cvt,
+    mx_fast_exponent,
+    mx_scaled,
     operands_and_output,
+    pdl_ok,
     sm_count,
+    split_k_epilogue,
     split_k_finish,
     split_k_sizes,
 )
+from mxq.kernels.gluon_api import HAVE_GLUON, TensorDescriptor, gl, gluon, hopper
 from mxq.kernels.launch import Launch, PlanCache, cdiv, descriptor
-from mxq.kernels.quantize import (
-    _RULE_ID,
-    _mx_fast_exponent,
-    _mx_scaled,
-    hw_cvt,
-    pdl_ok,
-    quantize_grid,
-    quantize_launch,
-)
-
-HAVE_GLUON = gluon_api.PROBLEM is None  # the Gluon API as the kernels spell it (gluon_api)
-if HAVE_GLUON:
-    from mxq.kernels.common import gl_e8m0_to_f32, gl_gdc_wait
-    from mxq.kernels.gluon_api import (
-        TensorDescriptor,
-        fence_async_shared,
-        gl,
-        gluon,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
+from mxq.kernels.quantize import quantize_grid, quantize_launch
 
 BS = 32  # MX block = one fp8 wgmma's K
 KB = 4  # blocks per step: one int32 scale word per row
@@ -84,16 +71,12 @@ KB = 4  # blocks per step: one int32 scale word per row
 WS_MAX_M = 16
 
 
-def _stub(*args, **kwargs):  # pragma: no cover
-    raise RuntimeError("gemm_decode_ws needs Gluon (triton >= 3.5)")
-
-
 if HAVE_GLUON:
 
     @gluon.jit
     def _e8m0(word, j: gl.constexpr):
-        """Byte j of each int32 scale word -> fp32 2**(byte-127) (``common.gl_e8m0_to_f32``)."""
-        return gl_e8m0_to_f32((word >> (8 * j)) & 0xFF)
+        """Byte j of each int32 scale word -> fp32 2**(byte-127) (``common.e8m0_to_f32``)."""
+        return e8m0_to_f32((word >> (8 * j)) & 0xFF)
 
     @gluon.jit
     def _x_step(x_ptr, rows3, cols3, mmask3, k0, K):
@@ -104,14 +87,14 @@ if HAVE_GLUON:
     @gluon.jit
     def _x_quantize(x, dst, sdst, x_l: gl.constexpr, EMAX: gl.constexpr, MBITS: gl.constexpr, MAXN: gl.constexpr,
                     RULE: gl.constexpr):  # fmt: skip
-        """MX-quantize one step of X [BLOCK_M, 4, 32] (``quantize._quantize_rows_kernel``'s
+        """MX-quantize one step of X [BLOCK_M, 4, 32] (``quantize.quantize_rows_kernel``'s
         hardware-rounding path, amax rules): the fp8 elements go to the shared tile ``dst``
         [BLOCK_M, 128] that the step's wgmmas read, the 4 scale bytes as one int32 word per row
         (byte j = block j, 255 for a block with a NaN or Inf) to ``sdst`` [BLOCK_M]."""
         BLOCK_M: gl.constexpr = x.shape[0]
         xf = x.to(gl.float32)
-        e, nonfinite = _mx_fast_exponent(xf, EMAX, MBITS, RULE)
-        q = _mx_scaled(xf, e, MAXN, RULE).to(dst.dtype, fp_downcast_rounding="rtne")
+        e, nonfinite = mx_fast_exponent(xf, EMAX, MBITS, RULE)
+        q = mx_scaled(xf, e, MAXN, RULE).to(dst.dtype, fp_downcast_rounding="rtne")
         dst.store(gl.reshape(q, [BLOCK_M, 128]))
         sb = gl.where(nonfinite, 255, e + 127)
         j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, x_l)))
@@ -139,10 +122,10 @@ if HAVE_GLUON:
     def _issue(w_smem, x_smem, slot, xslot, zero, BOX: gl.constexpr):
         """The KB block products of one step, asynchronous (tokens; wait before reading): W's
         ring stage ``slot`` with X's tile ``xslot`` (the same stage, or with FUSE_X one of two)."""
-        p0 = warpgroup_mma(_block(w_smem, slot, 0, BOX), _block(x_smem, xslot, 0, BOX).permute((1, 0)), zero, use_acc=False, is_async=True)
-        p1 = warpgroup_mma(_block(w_smem, slot, 1, BOX), _block(x_smem, xslot, 1, BOX).permute((1, 0)), zero, use_acc=False, is_async=True)
-        p2 = warpgroup_mma(_block(w_smem, slot, 2, BOX), _block(x_smem, xslot, 2, BOX).permute((1, 0)), zero, use_acc=False, is_async=True)
-        p3 = warpgroup_mma(_block(w_smem, slot, 3, BOX), _block(x_smem, xslot, 3, BOX).permute((1, 0)), zero, use_acc=False, is_async=True)
+        p0 = hopper.warpgroup_mma(_block(w_smem, slot, 0, BOX), _block(x_smem, xslot, 0, BOX).permute((1, 0)), zero, use_acc=False, is_async=True)
+        p1 = hopper.warpgroup_mma(_block(w_smem, slot, 1, BOX), _block(x_smem, xslot, 1, BOX).permute((1, 0)), zero, use_acc=False, is_async=True)
+        p2 = hopper.warpgroup_mma(_block(w_smem, slot, 2, BOX), _block(x_smem, xslot, 2, BOX).permute((1, 0)), zero, use_acc=False, is_async=True)
+        p3 = hopper.warpgroup_mma(_block(w_smem, slot, 3, BOX), _block(x_smem, xslot, 3, BOX).permute((1, 0)), zero, use_acc=False, is_async=True)
         return p0, p1, p2, p3
 
     @gluon.jit
@@ -159,51 +142,25 @@ if HAVE_GLUON:
         # dependent launch this kernel starts while the X quantizer still runs.
         for i in gl.static_range(STAGES):
             if i < n_iter:
-                mbarrier.expect(ready.index(i), nbytes)
+                hopper.mbarrier.expect(ready.index(i), nbytes)
                 for j in gl.static_range(NBOX):
-                    tma.async_copy_global_to_shared(w_desc, [n0, k_lo + i * 128 + j * BOX], ready.index(i), w_smem.index(i * NBOX + j))
+                    hopper.tma.async_copy_global_to_shared(w_desc, [n0, k_lo + i * 128 + j * BOX], ready.index(i), w_smem.index(i * NBOX + j))
         if not FUSE_X:
-            gl_gdc_wait()
+            gdc_wait()
             for i in gl.static_range(STAGES):
                 if i < n_iter:
                     for j in gl.static_range(NBOX):
-                        tma.async_copy_global_to_shared(x_desc, [0, k_lo + i * 128 + j * BOX], ready.index(i), x_smem.index(i * NBOX + j))
+                        hopper.tma.async_copy_global_to_shared(x_desc, [0, k_lo + i * 128 + j * BOX], ready.index(i), x_smem.index(i * NBOX + j))
         for i in range(STAGES, n_iter):
             s = i % STAGES
-            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+            hopper.mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
             bar = ready.index(s)
-            mbarrier.expect(bar, nbytes)
+            hopper.mbarrier.expect(bar, nbytes)
             for j in gl.static_range(NBOX):
                 k = k_lo + i * 128 + j * BOX
-                tma.async_copy_global_to_shared(w_desc, [n0, k], bar, w_smem.index(s * NBOX + j))
+                hopper.tma.async_copy_global_to_shared(w_desc, [n0, k], bar, w_smem.index(s * NBOX + j))
                 if not FUSE_X:
-                    tma.async_copy_global_to_shared(x_desc, [0, k], bar, x_smem.index(s * NBOX + j))
-
-    @gluon.jit
-    def _epilogue(acc, acc_l: gl.constexpr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, pid_n, pid_k, offs_n, offs_m,
-                  nmask, mmask, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SPLIT: gl.constexpr, FUSED: gl.constexpr,
-                  HAS_BIAS: gl.constexpr):  # fmt: skip
-        """Yᵀ tile out: straight to Y (+ bias) without split; else this split's fp32 partial and,
-        FUSED, the last split to take the ticket sums the partials in split order."""
-        mask_t = nmask[:, None] & mmask[None, :]
-        y_offs_t = offs_m.to(gl.int64)[None, :] * stride_ym + offs_n[:, None]
-        if SPLIT == 1:
-            if HAS_BIAS:
-                acc += gl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(gl.float32)[:, None]
-            gl.store(y_ptr + y_offs_t, acc.to(y_ptr.dtype.element_ty), mask=mask_t)
-        else:
-            gl.store(ws_ptr + pid_k.to(gl.int64) * M * N + y_offs_t, acc, mask=mask_t)
-            if FUSED:
-                gl.thread_barrier()  # every thread's partial is stored before the release below
-                ticket = gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-                if ticket == SPLIT - 1:
-                    tot = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_l)
-                    for sp in gl.static_range(SPLIT):  # split order: the same sum whoever is last
-                        tot += gl.load(ws_ptr + sp * M * N + y_offs_t, mask=mask_t, other=0.0, cache_modifier=".cg")
-                    if HAS_BIAS:
-                        tot += gl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(gl.float32)[:, None]
-                    gl.store(y_ptr + y_offs_t, tot.to(y_ptr.dtype.element_ty), mask=mask_t)
-                    gl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+                    hopper.tma.async_copy_global_to_shared(x_desc, [0, k], bar, x_smem.index(s * NBOX + j))
 
     @gluon.jit
     def _math(
@@ -225,28 +182,28 @@ if HAVE_GLUON:
         xs_ptrs = xs_ptr + offs_m * stride_xsm4 + w0
         zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_l)
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_l)
-        gl_gdc_wait()  # the X scales below come from the quantizer
+        gdc_wait()  # the X scales below come from the quantizer
 
-        mbarrier.wait(ready.index(0), 0)
+        hopper.mbarrier.wait(ready.index(0), 0)
         q0, q1, q2, q3 = _issue(w_smem, x_smem, 0, 0, zero, BOX)
         sw = gl.load(s_ptrs, mask=nmask, other=0x7F7F7F7F)
         sx = gl.load(xs_ptrs, mask=mmask, other=0x7F7F7F7F)
-        p0, p1, p2, p3 = warpgroup_mma_wait(num_outstanding=0, deps=(q0, q1, q2, q3))
-        mbarrier.arrive(empty.index(0))
+        p0, p1, p2, p3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(q0, q1, q2, q3))
+        hopper.mbarrier.arrive(empty.index(0))
         for i in range(1, n_iter):
             s = i % STAGES
-            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            hopper.mbarrier.wait(ready.index(s), (i // STAGES) & 1)
             q0, q1, q2, q3 = _issue(w_smem, x_smem, s, s, zero, BOX)
             sw_next = gl.load(s_ptrs + i, mask=nmask, other=0x7F7F7F7F)
             sx_next = gl.load(xs_ptrs + i, mask=mmask, other=0x7F7F7F7F)
             acc = _rescale(acc, p0, p1, p2, p3, sw, sx)  # step i-1, while step i is on the tensor core
-            p0, p1, p2, p3 = warpgroup_mma_wait(num_outstanding=0, deps=(q0, q1, q2, q3))
-            mbarrier.arrive(empty.index(s))
+            p0, p1, p2, p3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(q0, q1, q2, q3))
+            hopper.mbarrier.arrive(empty.index(s))
             sw = sw_next
             sx = sx_next
         acc = _rescale(acc, p0, p1, p2, p3, sw, sx)
-        _epilogue(acc, acc_l, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, pid_n, pid_k, offs_n, offs_m, nmask, mmask,
-                  BLOCK_N, BLOCK_M, SPLIT, FUSED, HAS_BIAS)  # fmt: skip
+        split_k_epilogue(acc, zero, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, pid_n, pid_k, offs_n, offs_m, nmask,
+                         mmask, SPLIT, FUSED, HAS_BIAS)  # fmt: skip
 
     @gluon.jit
     def _math_fuse_x(
@@ -283,21 +240,21 @@ if HAVE_GLUON:
         xr = _x_step(x_ptr, rows3, cols3, mmask3, k_lo, K)
         _x_quantize(xr, x_smem.index(0), xs_smem.index(0), x_l, EMAX, MBITS, MAXN, RULE)
         xr = _x_step(x_ptr, rows3, cols3, mmask3, k_lo + 128, K)
-        fence_async_shared()
+        hopper.fence_async_shared()
         gl.thread_barrier()  # every thread's part of X's tile is in shared memory before the wgmmas
-        mbarrier.wait(ready.index(0), 0)
+        hopper.mbarrier.wait(ready.index(0), 0)
         q0, q1, q2, q3 = _issue(w_smem, x_smem, 0, 0, zero, 128)
         sw = gl.load(s_ptrs, mask=nmask, other=0x7F7F7F7F)
         sx = xs_smem.index(0).load(col_l)
         _x_quantize(xr, x_smem.index(1), xs_smem.index(1), x_l, EMAX, MBITS, MAXN, RULE)
         xr = _x_step(x_ptr, rows3, cols3, mmask3, k_lo + 256, K)
-        p0, p1, p2, p3 = warpgroup_mma_wait(num_outstanding=0, deps=(q0, q1, q2, q3))
-        mbarrier.arrive(empty.index(0))
+        p0, p1, p2, p3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(q0, q1, q2, q3))
+        hopper.mbarrier.arrive(empty.index(0))
         for i in range(1, n_iter):
-            fence_async_shared()
+            hopper.fence_async_shared()
             gl.thread_barrier()  # step i's X tile and scale words are written (one step ago)
             s = i % STAGES
-            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            hopper.mbarrier.wait(ready.index(s), (i // STAGES) & 1)
             q0, q1, q2, q3 = _issue(w_smem, x_smem, s, i % 2, zero, 128)
             sw_next = gl.load(s_ptrs + i, mask=nmask, other=0x7F7F7F7F)
             sx_next = xs_smem.index(i % 2).load(col_l)
@@ -305,16 +262,16 @@ if HAVE_GLUON:
             _x_quantize(xr, x_smem.index((i + 1) % 2), xs_smem.index((i + 1) % 2), x_l, EMAX, MBITS, MAXN, RULE)
             xr = _x_step(x_ptr, rows3, cols3, mmask3, k_lo + (i + 2) * 128, K)
             acc = _rescale(acc, p0, p1, p2, p3, sw, sx)  # step i-1, while step i is on the tensor core
-            p0, p1, p2, p3 = warpgroup_mma_wait(num_outstanding=0, deps=(q0, q1, q2, q3))
-            mbarrier.arrive(empty.index(s))
+            p0, p1, p2, p3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(q0, q1, q2, q3))
+            hopper.mbarrier.arrive(empty.index(s))
             sw = sw_next
             sx = sx_next
         acc = _rescale(acc, p0, p1, p2, p3, sw, sx)
-        _epilogue(acc, acc_l, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, pid_n, pid_k, offs_n, offs_m, nmask, mmask,
-                  BLOCK_N, BLOCK_M, SPLIT, FUSED, HAS_BIAS)  # fmt: skip
+        split_k_epilogue(acc, zero, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, pid_n, pid_k, offs_n, offs_m, nmask,
+                         mmask, SPLIT, FUSED, HAS_BIAS)  # fmt: skip
 
     @gluon.jit
-    def _mx_decode_ws_kernel(
+    def mx_decode_ws_kernel(
         w_desc, x_desc, x_ptr, s_ptr, xs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
         M, N, K, K_SPLIT, stride_xm, stride_sn4, stride_xsm4, stride_ym,
         BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
@@ -335,11 +292,11 @@ if HAVE_GLUON:
             xs_smem = gl.allocate_shared_memory(gl.int32, [2, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         else:
             x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES * (128 // BOX), BLOCK_M, BOX], x_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], hopper.mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], hopper.mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=1)
+            hopper.mbarrier.init(ready.index(s), count=1)
+            hopper.mbarrier.init(empty.index(s), count=1)
         if FUSE_X:
             gl.warp_specialize(
                 [
@@ -363,16 +320,16 @@ if HAVE_GLUON:
                 [LOADER_REGS],
             )  # fmt: skip
         for s in gl.static_range(STAGES):
-            mbarrier.invalidate(ready.index(s))
-            mbarrier.invalidate(empty.index(s))
+            hopper.mbarrier.invalidate(ready.index(s))
+            hopper.mbarrier.invalidate(empty.index(s))
 
 else:  # pragma: no cover
-    _mx_decode_ws_kernel = _stub
+    mx_decode_ws_kernel = gluon_api.unavailable("gemm_decode_ws")
 
 
 @dataclass(frozen=True)
 class DecodeWSConfig:
-    """Tiles of ``_mx_decode_ws_kernel``."""
+    """Tiles of ``mx_decode_ws_kernel``."""
 
     block_n: int = 128  # weight rows per program (the MMA's M side; 4 warps = one warpgroup)
     stages: int = 2  # ring depth in steps of 4 blocks (a step = BLOCK_N x 128 fp8 bytes of W)
@@ -421,11 +378,10 @@ def _split_rule(n: int, k: int, block_n: int, per_sm: int, sms: int) -> int:
 def rule_decode_ws_config(m: int, n: int, k: int, device: torch.device) -> DecodeWSConfig:
     """The built-in rule: 128-row tiles, 2 stages of 128-byte-wide tiles, K split into the most
     pieces that keep the programs within two per SM (what fits: 2 x 256 threads x 128 registers)
-    and >= 4 steps per split. H200 sweep (kernels/NOTES.md, "GEMM: the decode GEMM warp-specialized in Gluon"): the best split on 7 of the
-    8 Llama-3 8B/70B shapes at M = 1, 4 and 16 (8B o: 4 beats 8 by 0.5 µs at M = 16). X is
-    quantized inside the kernel (``fuse_x``) for weights of at most 2**24 elements, where the
-    second launch weighs most (H200, 2026-11-21: 8B o +1-8 %; 8B qkv ties; larger weights lose
-    2-13 %)."""
+    and >= 4 steps per split: the sweep's best split on 7 of the 8 Llama-3 8B/70B shapes at M = 1, 4
+    and 16 (kernels/NOTES.md, "GEMM: the decode GEMM warp-specialized in Gluon"). X is quantized
+    inside the kernel (``fuse_x``) for weights of at most 2**24 elements, where the second launch
+    weighs most; larger weights are slower with it ("GEMM: decode fixed cost")."""
     split = _split_rule(n, k, 128, 2, sm_count(device))
     return DecodeWSConfig(block_n=128, stages=2, split_k=split, box=128, fuse_x=n * k <= 1 << 24)
 
@@ -436,7 +392,7 @@ def pick_decode_ws_config(m: int, n: int, k: int, device: torch.device) -> Decod
     return tune.lookup("decode_ws", device, m, n, k, DecodeWSConfig) or rule_decode_ws_config(m, n, k, device)
 
 
-# Candidates besides the rule (kernels/NOTES.md, "GEMM: decode tiles per shape", H100 sweep): 64-row tiles at 80 / 64
+# Candidates besides the rule (kernels/NOTES.md, "GEMM: decode tiles per shape and `mxq tune`"): 64-row tiles at 80 / 64
 # registers (3 / 4 programs per SM: 65536 registers / (256 threads x maxnreg)), 2 or 3 stages, the
 # K split re-derived for that many programs per SM.
 _TILE_CANDIDATES = ((64, 80, 2), (64, 80, 3), (64, 64, 2), (64, 64, 3))
@@ -495,15 +451,15 @@ def mx_decode_gemm_ws(
         getattr(act_elem, "name", act_elem), act_rule, out_dtype, config, block_size, pdl_ok(dev), hw_cvt(dev),
         x_mx is not None,
     )  # fmt: skip
-    plan = _PLANS.get(key) if launch.FAST else None
+    plan = PLANS.get(key) if launch.FAST else None
     if plan is None:
         plan = _WSPlan(x, weight, weight_scale, bias, act_elem, act_rule, out_dtype, config, block_size, x_mx is not None)
         if launch.FAST:
-            _PLANS.put(key, plan)
+            PLANS.put(key, plan)
     return plan(x, weight, weight_scale, bias, x_mx)
 
 
-_PLANS = PlanCache()
+PLANS = PlanCache()
 
 
 class _WSPlan:
@@ -553,13 +509,13 @@ class _WSPlan:
         if self.fuse_x:
             pdl = False  # one kernel: nothing to overlap with
             consts.update(FUSE_X=True, X_FP8=x_gl, X_LAYOUT=self.x_layout, EMAX=act_elem.emax, MBITS=act_elem.mbits,
-                          MAXN=act_elem.max_normal, RULE=_RULE_ID[act_rule])  # fmt: skip
+                          MAXN=act_elem.max_normal, RULE=RULE_ID[act_rule])  # fmt: skip
         elif not pre:
             self.quantize = quantize_launch(act_elem, act_rule, block_size, write_q=True, write_d=False,
                                             pdl=pdl, device=x.device)  # fmt: skip
             self.qgrid = quantize_grid(m, k, act_rule, block_size)
         opts = dict(num_warps=4, maxnreg=cfg.maxnreg, launch_pdl=pdl)
-        self.gemm = {f: Launch(_mx_decode_ws_kernel, dict(consts, FUSED=f), opts) for f in (False, True)}
+        self.gemm = {f: Launch(mx_decode_ws_kernel, dict(consts, FUSED=f), opts) for f in (False, True)}
         self.has_bias = bias is not None
 
     def __call__(self, x, weight, weight_scale, bias, x_mx=None):

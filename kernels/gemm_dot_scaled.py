@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mxq.kernels.toolchain import configure_ptxas
+
 
 @triton.jit
 def _dot_scaled_kernel(
@@ -81,6 +83,7 @@ def mx_gemm_dot_scaled(
     xs = x_scale.contiguous() if is_mx else weight_scale
     y = torch.empty((m, n), dtype=out_dtype, device=x.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    configure_ptxas()
     _dot_scaled_kernel[grid](
         x, xs, weight, weight_scale, bias if bias is not None else weight_scale, y,
         m, n, k,

@@ -1,6 +1,6 @@
 """MX GEMM for prefill (large M) on Hopper, warp-specialized (Gluon, sm_90).
 
-The same function as ``gemm._mx_gemm_kernel`` (read its module doc first): Y = X · dequant(W)ᵀ
+The same function as ``gemm.mx_gemm_kernel`` (read its module doc first): Y = X · dequant(W)ᵀ
 with X in bf16 (W8A8 callers round X to MX first, exactly, into bf16) and each weight element
 converted to bf16 as fp8 · 2**scale (exact: four significant bits), products summed in fp32 by
 bf16 wgmma. What differs is the schedule, which plain Triton cannot express:
@@ -33,25 +33,10 @@ import triton
 from mxq.kernels import gluon_api
 from mxq.kernels.buffers import persistent
 from mxq.kernels.common import capability, check_gemm_args, fp8_bits_asm, operands_and_output
+from mxq.kernels.gluon_api import HAVE_GLUON, TensorDescriptor, gl, gluon, hopper
 from mxq.kernels.launch import Launch, PlanCache, cdiv, descriptor
 
-HAVE_GLUON = gluon_api.PROBLEM is None  # the Gluon API as the kernels spell it (gluon_api)
-if HAVE_GLUON:
-    from mxq.kernels.gluon_api import (
-        TensorDescriptor,
-        gl,
-        gluon,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-
 BS = 32  # MX block along K
-
-
-def _stub(*args, **kwargs):  # pragma: no cover
-    raise RuntimeError("gemm_prefill_ws needs Gluon (triton >= 3.5)")
 
 
 if HAVE_GLUON:
@@ -129,12 +114,12 @@ if HAVE_GLUON:
             r = base + i
             s = r % STAGES
             # a fresh barrier counts as having completed the phase before 0: the first round passes
-            mbarrier.wait(empty.index(s), ((r // STAGES) & 1) ^ 1)
+            hopper.mbarrier.wait(empty.index(s), ((r // STAGES) & 1) ^ 1)
             bar = ready.index(s)
-            mbarrier.expect(bar, nbytes)
-            tma.async_copy_global_to_shared(x_desc, [off_m, i * BLOCK_K], bar, x_smem.index(s))
-            tma.async_copy_global_to_shared(w_desc, [off_n, i * BLOCK_K], bar, w8_smem.index(s))
-            tma.async_copy_global_to_shared(s_desc, [i * (BLOCK_K // 32), off_n], bar, s_smem.index(s))
+            hopper.mbarrier.expect(bar, nbytes)
+            hopper.tma.async_copy_global_to_shared(x_desc, [off_m, i * BLOCK_K], bar, x_smem.index(s))
+            hopper.tma.async_copy_global_to_shared(w_desc, [off_n, i * BLOCK_K], bar, w8_smem.index(s))
+            hopper.tma.async_copy_global_to_shared(s_desc, [i * (BLOCK_K // 32), off_n], bar, s_smem.index(s))
 
     @gluon.jit
     def _rs_operands(w8_smem, s_smem, r, a_l: gl.constexpr, ROW0: gl.constexpr,
@@ -144,7 +129,7 @@ if HAVE_GLUON:
         BLOCK_W: gl.constexpr = w8_smem.type.shape[1]
         flat_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         s = r % STAGES
-        mbarrier.wait(ready.index(s), (r // STAGES) & 1)
+        hopper.mbarrier.wait(ready.index(s), (r // STAGES) & 1)
         s_flat = s_smem.index(s)._reinterpret(gl.uint8, [2 * BLOCK_W], flat_l)
         w8 = w8_smem.index(s).slice(ROW0, ROWS, dim=0)
         return _rs_block(w8, s_flat, 0, a_l, ROW0), _rs_block(w8, s_flat, 1, a_l, ROW0)
@@ -153,8 +138,8 @@ if HAVE_GLUON:
     def _rs_issue(b0, b1, x_smem, r, acc, use_acc, STAGES: gl.constexpr):
         """Ring step r's wgmmas (two commit groups): acc += b0 · X[:, :32]ᵀ + b1 · X[:, 32:]ᵀ."""
         x = x_smem.index(r % STAGES)
-        acc = warpgroup_mma(b0, x.slice(0, 32, dim=1).permute((1, 0)), acc, use_acc=use_acc, is_async=True)
-        return warpgroup_mma(b1, x.slice(32, 32, dim=1).permute((1, 0)), acc, is_async=True)
+        acc = hopper.warpgroup_mma(b0, x.slice(0, 32, dim=1).permute((1, 0)), acc, use_acc=use_acc, is_async=True)
+        return hopper.warpgroup_mma(b1, x.slice(32, 32, dim=1).permute((1, 0)), acc, is_async=True)
 
     @gluon.jit
     def _rs_tile(x_smem, w8_smem, s_smem, ready, empty, n_k, base, NUM_WARPS: gl.constexpr,
@@ -166,8 +151,8 @@ if HAVE_GLUON:
         Step i+1's register operands are converted while step i's wgmmas run. The operands a
         wgmma reads must stay in their registers until it retires: a loop-carried operand that
         the back edge copies while its wgmma is in flight gets overwritten (ptxas 13.5 does not
-        stop that: sass_dev's hazard check found 43 such writes in the first build (H100, 2026-11-21) and
-        the GPU gave wrong sums). So the loop is unrolled by two with an a and a b operand pair taking turns,
+        stop that: sass_dev's hazard check found such writes in the first build and the GPU gave
+        wrong sums; kernels/NOTES.md, "GEMM: the register-operand prefill kernel"). So the loop is unrolled by two with an a and a b operand pair taking turns,
         step i+1 issued before step i is waited for, so the wgmma queue never runs dry; the pair
         in flight at the back edge is only rewritten after the wait that retires it, so its
         registers stay put (the hazard count checks it)."""
@@ -180,27 +165,27 @@ if HAVE_GLUON:
         a0 = b0
         a1 = b1
         acc = _rs_issue(a0, a1, x_smem, base, acc, False, STAGES)
-        acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))  # no wait: a tensor for the loop
+        acc = hopper.warpgroup_mma_wait(num_outstanding=2, deps=(acc,))  # no wait: a tensor for the loop
         for j in range((n_k - 1) // 2):
             r = base + 2 * j + 1
             b0, b1 = _rs_operands(w8_smem, s_smem, r, a_l, ROW0, ROWS, ready, STAGES)
             acc = _rs_issue(b0, b1, x_smem, r, acc, True, STAGES)
-            acc, a0, a1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc, a0, a1))  # step r-1 retired
-            mbarrier.arrive(empty.index((r - 1) % STAGES))
+            acc, a0, a1 = hopper.warpgroup_mma_wait(num_outstanding=2, deps=(acc, a0, a1))  # step r-1 retired
+            hopper.mbarrier.arrive(empty.index((r - 1) % STAGES))
             a0, a1 = _rs_operands(w8_smem, s_smem, r + 1, a_l, ROW0, ROWS, ready, STAGES)
             acc = _rs_issue(a0, a1, x_smem, r + 1, acc, True, STAGES)
-            acc, b0, b1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc, b0, b1))  # step r retired
-            mbarrier.arrive(empty.index(r % STAGES))
+            acc, b0, b1 = hopper.warpgroup_mma_wait(num_outstanding=2, deps=(acc, b0, b1))  # step r retired
+            hopper.mbarrier.arrive(empty.index(r % STAGES))
         r = base + n_k - 1
         if n_k % 2 == 0:  # the last step on the b pair
             b0, b1 = _rs_operands(w8_smem, s_smem, r, a_l, ROW0, ROWS, ready, STAGES)
             acc = _rs_issue(b0, b1, x_smem, r, acc, True, STAGES)
-            acc, a0, a1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc, a0, a1))
-            mbarrier.arrive(empty.index((r - 1) % STAGES))
-            acc, b0, b1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, b0, b1))
+            acc, a0, a1 = hopper.warpgroup_mma_wait(num_outstanding=2, deps=(acc, a0, a1))
+            hopper.mbarrier.arrive(empty.index((r - 1) % STAGES))
+            acc, b0, b1 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(acc, b0, b1))
         else:
-            acc, a0, a1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a0, a1))
-        mbarrier.arrive(empty.index(r % STAGES))
+            acc, a0, a1 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(acc, a0, a1))
+        hopper.mbarrier.arrive(empty.index(r % STAGES))
         return acc
 
     @gluon.jit
@@ -236,7 +221,7 @@ if HAVE_GLUON:
         _rs_store(acc, b_ptr, y_ptr, M, N, stride_ym, off_m, off_n, HAS_BIAS, ROW0)
 
     @gluon.jit
-    def _mx_prefill_rs_kernel(
+    def mx_prefill_rs_kernel(
         x_desc, w_desc, s_desc, b_ptr, y_ptr, M, N, K, stride_ym,
         STAGES: gl.constexpr, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, LOADER_REGS: gl.constexpr,
         MMA_REGS: gl.constexpr,
@@ -254,11 +239,11 @@ if HAVE_GLUON:
         x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_X, BLOCK_K], x_desc.layout)
         w8_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_W, BLOCK_K], w_desc.layout)
         s_smem = gl.allocate_shared_memory(s_desc.dtype, [STAGES] + s_desc.block_type.shape, s_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], hopper.mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], hopper.mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=2)  # one arrival per MMA warpgroup
+            hopper.mbarrier.init(ready.index(s), count=1)
+            hopper.mbarrier.init(empty.index(s), count=2)  # one arrival per MMA warpgroup
         gl.warp_specialize(
             [
                 (_rs_mma, (x_smem, w8_smem, s_smem, ready, empty, b_ptr, y_ptr, M, N, stride_ym, off_m, off_n, n_k,
@@ -271,21 +256,21 @@ if HAVE_GLUON:
             [MMA_REGS, LOADER_REGS],
         )  # fmt: skip
         for s in gl.static_range(STAGES):
-            mbarrier.invalidate(ready.index(s))
-            mbarrier.invalidate(empty.index(s))
+            hopper.mbarrier.invalidate(ready.index(s))
+            hopper.mbarrier.invalidate(empty.index(s))
 
 else:  # pragma: no cover
-    _mx_prefill_rs_kernel = _stub
+    mx_prefill_rs_kernel = gluon_api.unavailable("gemm_prefill_ws")
 
 
 @dataclass(frozen=True)
 class PrefillRSConfig:
-    """Tiles of ``_mx_prefill_rs_kernel`` (the weight as wgmma's register operand)."""
+    """Tiles of ``mx_prefill_rs_kernel`` (the weight as wgmma's register operand)."""
 
     block_x: int = 256  # X rows per program: the wgmma's N (m64n256k16)
     block_w: int = 128  # weight rows per program: 2 MMA warpgroups x 64
     block_k: int = 64  # K per step (two MX blocks)
-    stages: int = 4  # X + fp8 W + scales ring (40.25 KB a stage; 5 fit; 4 beat 3 and 5, H200, 2026-11-21)
+    stages: int = 4  # X + fp8 W + scales ring (40.25 KB a stage; 5 fit; 4 beat 3, 5 ties: NOTES)
     group: int = 8  # row tiles per L2 group
     maxnreg: int = 168  # registers per thread at launch; the workers give theirs back (setmaxnreg)
     loader_regs: int = 24
@@ -304,8 +289,8 @@ def ws_supported(m: int, k: int, block_size: int, device: torch.device) -> bool:
 
 def pick_prefill_rs_config(m: int, n: int, k: int, device: torch.device) -> PrefillRSConfig:
     """One tile: 128 weight rows x 256 X rows x 64, 4 stages, one step in flight, the two MMA
-    warpgroups as two partitions (H200, 2026-11-21, interleaved A/B: +6-8 % for the step in flight,
-    +1-2 % more for the split warpgroups, 4 stages >= 3 and 5, on all Llama-3 rows at M = 2048)."""
+    warpgroups as two partitions: each faster on the Llama-3 rows at M = 2048 in interleaved A/B runs
+    (kernels/NOTES.md, "GEMM: the register-operand prefill kernel")."""
     del m, n, k, device
     return PrefillRSConfig()
 
@@ -320,22 +305,22 @@ def scales_kn(weight_scale: torch.Tensor) -> torch.Tensor:
     return st
 
 
-_ST_CACHE: dict = {}  # id(weight_scale) -> (weakref to it, its _version, scales_kn of it)
+SCALES_KN_CACHE: dict = {}  # id(weight_scale) -> (weakref to it, its _version, scales_kn of it)
 
 
-def _scales_kn_cached(weight_scale: torch.Tensor) -> torch.Tensor:
+def scales_kn_cached(weight_scale: torch.Tensor) -> torch.Tensor:
     """``scales_kn`` once per weight: a model's scales are fixed, so the transposed copy (a torch
     kernel and ~40 µs of host time per call) is made on the first call and kept while the scales
     tensor lives and is not written in place. Kept copies are made outside any CUDA-graph memory
     pool (``buffers``); under stream capture the copy is made per call, inside the graph."""
-    hit = _ST_CACHE.get(id(weight_scale))
+    hit = SCALES_KN_CACHE.get(id(weight_scale))
     if hit is not None and hit[0]() is weight_scale and hit[1] == weight_scale._version:
         return hit[2]
     st = persistent(lambda: scales_kn(weight_scale), weight_scale.device) if weight_scale.is_cuda else None
     if st is None:
         return scales_kn(weight_scale)
     key = id(weight_scale)
-    _ST_CACHE[key] = (weakref.ref(weight_scale, lambda _r, key=key: _ST_CACHE.pop(key, None)), weight_scale._version, st)
+    SCALES_KN_CACHE[key] = (weakref.ref(weight_scale, lambda _r, key=key: SCALES_KN_CACHE.pop(key, None)), weight_scale._version, st)
     return st
 
 
@@ -359,7 +344,7 @@ class _RSPlan:
         consts = dict(STAGES=cfg.stages, GROUP=cfg.group, HAS_BIAS=has_bias, LOADER_REGS=cfg.loader_regs,
                       MMA_REGS=cfg.mma_regs)  # fmt: skip
         # the default partition is one MMA warpgroup (4 warps); the workers are added by warp_specialize
-        self.launch = Launch(_mx_prefill_rs_kernel, consts, dict(num_warps=4, maxnreg=cfg.maxnreg))
+        self.launch = Launch(mx_prefill_rs_kernel, consts, dict(num_warps=4, maxnreg=cfg.maxnreg))
 
     def __call__(self, x, weight, st, bias, y) -> None:
         m, k = x.shape
@@ -410,7 +395,7 @@ def mx_prefill_gemm_ws(
     plan = _RS_PLANS.get(key)
     if plan is None:
         plan = _RS_PLANS.put(key, _RSPlan(m, n, k, weight.dtype, bias is not None, cfg, x.device))
-    plan(x, weight, _scales_kn_cached(weight_scale), bias, y)
+    plan(x, weight, scales_kn_cached(weight_scale), bias, y)
     return y
 
 

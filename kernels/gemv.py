@@ -19,8 +19,12 @@ import triton.language as tl
 from mxq.formats import E4M3, ElemFormat, ScaleRule
 from mxq.kernels.common import (
     INTERPRET,
+    RULE_ID,
     check_gemm_args,
     e8m0_to_f32,
+    fp8_dtype,
+    hw_cvt,
+    mx_round_dequant,
     operands_and_output,
     sm_count,
     split_k_finish,
@@ -28,7 +32,6 @@ from mxq.kernels.common import (
     tma_or_pointer,
 )
 from mxq.kernels.launch import call, cdiv, next_pow2
-from mxq.kernels.quantize import _RULE_ID, fp8_dtype, hw_cvt, mx_round_dequant
 
 
 @triton.jit
@@ -118,7 +121,7 @@ class GemvConfig:
     tma_w: bool = False
 
 
-# Largest M that takes the CUDA-core decode kernel on a GPU (kernels/NOTES.md, "GEMM: the CUDA-core decode gemv", H200 sweep).
+# Largest M that takes the CUDA-core decode kernel on a GPU (kernels/NOTES.md, "GEMM: the CUDA-core decode gemv").
 GEMV_MAX_M = 2
 
 
@@ -128,7 +131,7 @@ def pick_gemv_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig
         return GemvConfig(block_n=16, block_k=64, num_warps=4, num_stages=1, split_k=2 if k >= 128 else 1)
     sms = sm_count(device)
     cfg = GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=3)
-    # H200 sweep (kernels/NOTES.md, "GEMM: the CUDA-core decode gemv"): best at 512-800 programs (8B o: split 4, gate_up: 1).
+    # the sweep's best: 512-800 programs (kernels/NOTES.md, "GEMM: the CUDA-core decode gemv")
     tiles = cdiv(n, cfg.block_n)
     split = 1
     while tiles * split * 2 <= 6 * sms and k // (split * 2) >= 2 * cfg.block_k and split < 8:
@@ -175,7 +178,7 @@ def mx_gemv(
         dict(M_ROWS=m, BLOCK_M=next_pow2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
              BS=block_size, HAS_BIAS=bias is not None, SPLIT_K=min(split, 2), EVEN_K=even_k, TMA_W=tma_w,
              QUANT=act_elem is not None, EMAX=ae.emax, MBITS=ae.mbits, MAXN=ae.max_normal,
-             EMIN=1 - ae.bias, RULE=_RULE_ID[act_rule], HW_CVT=hw_cvt(x.device), FP8=fp8_dtype(ae)),
+             EMIN=1 - ae.bias, RULE=RULE_ID[act_rule], HW_CVT=hw_cvt(x.device), FP8=fp8_dtype(ae)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return split_k_finish(target, y, bias, split)

@@ -3,11 +3,17 @@
 The warp-specialized kernels (``gemm_decode_ws``, ``gemm_prefill_ws``, ``attention_decode_ws``)
 are written in Gluon (``triton.experimental.gluon``), an experimental API that changes between
 Triton releases: Triton 3.9 removed ``gl.thread_barrier``, ``shared_memory_descriptor._reinterpret``
-and ``tma.async_copy_global_to_shared``, which the kernels use as Triton 3.6 spells them. Two
-guards keep such a Triton from breaking mxq:
+and ``tma.async_copy_global_to_shared``, which the kernels use as Triton 3.6 spells them.
+
+This module is the one place that imports Gluon. The kernel modules take ``gluon`` (the JIT),
+``gl`` (the language), ``hopper`` (its sm_90 part: ``hopper.mbarrier``, ``hopper.tma``,
+``hopper.warpgroup_mma``, ``hopper.warpgroup_mma_wait``, ``hopper.fence_async_shared``) and the
+host ``TensorDescriptor`` from here, define their Gluon kernels only where ``HAVE_GLUON`` and put
+``unavailable(name)`` in their place otherwise. Two guards keep a Triton with another Gluon API
+from breaking mxq:
 
 - at import, ``PROBLEM`` says why the kernels cannot be built with the installed Triton (None
-  when the API they use is there); the kernel modules then define nothing Gluon and dispatch
+  when the API they use is there; ``HAVE_GLUON``); the kernel modules then define nothing Gluon and dispatch
   takes the plain Triton kernels, with one warning on the first Hopper call (``note_unavailable``);
 - at the first launch, a compile error of a Gluon kernel (``run_or_fall_back``) turns that kernel
   off for the process, warns once with the reason, and the same call runs on the next kernel in
@@ -24,18 +30,12 @@ try:
     import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
+    from triton.experimental.gluon.language.nvidia import hopper
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.errors import TritonError
 except ImportError as e:  # no Triton, or one without Gluon (< 3.5)
     PROBLEM = f"Gluon is not importable ({e})"
-    TritonError = None
+    TritonError = gluon = gl = hopper = TensorDescriptor = None
 else:
     # what the kernels call that Gluon releases have renamed or removed
     _NEEDED = (
@@ -43,8 +43,11 @@ else:
         ("gl.warp_specialize", lambda: gl.warp_specialize),
         ("gl.shared_memory_descriptor._reinterpret", lambda: gl.shared_memory_descriptor._reinterpret),
         ("gl.NVMMASharedLayout.get_default_for", lambda: gl.NVMMASharedLayout.get_default_for),
-        ("tma.async_copy_global_to_shared", lambda: tma.async_copy_global_to_shared),
-        ("mbarrier.expect", lambda: mbarrier.expect),
+        ("tma.async_copy_global_to_shared", lambda: hopper.tma.async_copy_global_to_shared),
+        ("mbarrier.expect", lambda: hopper.mbarrier.expect),
+        ("hopper.warpgroup_mma", lambda: hopper.warpgroup_mma),
+        ("hopper.warpgroup_mma_wait", lambda: hopper.warpgroup_mma_wait),
+        ("hopper.fence_async_shared", lambda: hopper.fence_async_shared),
     )
     _missing = []
     for _name, _get in _NEEDED:
@@ -55,9 +58,21 @@ else:
     if _missing:
         PROBLEM = f"Triton {triton.__version__}'s Gluon has no {', '.join(_missing)}"
 
+HAVE_GLUON = PROBLEM is None  # the Gluon API as the kernels spell it: their modules define them
+
 # kernel name -> why it stopped being used in this process (a compile error at its first launch)
 DISABLED: dict[str, str] = {}
-_WARNED: set[str] = set()
+WARNED: set[str] = set()  # what has been warned about once ("import", kernel names)
+
+
+def unavailable(name: str):
+    """What a kernel module puts in place of its Gluon kernel where ``HAVE_GLUON`` is false: a
+    function that raises (dispatch never calls it: ``usable`` is false there)."""
+
+    def stub(*args, **kwargs):  # pragma: no cover
+        raise RuntimeError(f"{name} needs Gluon (triton >= 3.5)")
+
+    return stub
 
 
 def usable(name: str) -> bool:
@@ -67,8 +82,8 @@ def usable(name: str) -> bool:
 
 def note_unavailable() -> None:
     """One warning per process when a Hopper call finds the Gluon kernels unavailable."""
-    if PROBLEM is not None and "import" not in _WARNED:
-        _WARNED.add("import")
+    if PROBLEM is not None and "import" not in WARNED:
+        WARNED.add("import")
         warnings.warn(
             f"mxq: the Hopper kernels are off ({PROBLEM}); the plain Triton kernels run instead (slower). "
             f"Triton 3.6 has the API they are written for.",
@@ -87,8 +102,8 @@ def run_or_fall_back(name: str, run, fall_back):
             raise
         reason = " ".join(str(e).split())[-300:] or type(e).__name__
         DISABLED[name] = f"{type(e).__name__}: {reason}"
-        if name not in _WARNED:
-            _WARNED.add(name)
+        if name not in WARNED:
+            WARNED.add(name)
             warnings.warn(
                 f"mxq: {name} does not compile with Triton {triton.__version__} ({DISABLED[name]}); "
                 f"using the next kernel in dispatch order",
@@ -99,6 +114,6 @@ def run_or_fall_back(name: str, run, fall_back):
 
 
 __all__ = [
-    "DISABLED", "PROBLEM", "TensorDescriptor", "fence_async_shared", "gl", "gluon", "mbarrier", "note_unavailable",
-    "run_or_fall_back", "tma", "usable", "warpgroup_mma", "warpgroup_mma_wait",
+    "DISABLED", "HAVE_GLUON", "PROBLEM", "WARNED", "TensorDescriptor", "gl", "gluon", "hopper", "note_unavailable",
+    "run_or_fall_back", "unavailable", "usable",
 ]  # fmt: skip

@@ -1,9 +1,9 @@
 """Repeat launches of a compiled Triton or Gluon kernel without the JIT's per-call work.
 
 An eager decode step launches a few kernels per layer on tiny grids, so host time, not GPU
-time, sets its speed. On the H100 machine's CPU (2026-11-21, ``kernels/NOTES.md``, "Launch: eager host cost")
-``fn[grid](...)`` costs ~21 µs: argument binding and specialization (~4 µs), cache-key hashing,
-device and stream queries, launch metadata for the hooks, and the launcher itself (~6 µs).
+time, sets its speed. ``fn[grid](...)`` spends most of a call on the host: argument binding and specialization,
+cache-key hashing, device and stream queries, launch metadata for the hooks, and the launcher
+itself (figures: ``kernels/NOTES.md``, "Launch: eager host cost").
 
 ``Launch`` is one call site's launch with everything Triton specializes on held fixed: the
 constexprs and compile options it is built with, and -- the caller's duty -- the dtypes and
@@ -13,13 +13,14 @@ keep the ``Launch``. The first call goes through the JIT (compiling if needed) a
 compiled kernel; later calls hand the arguments straight to its launcher.
 
 ``call(fn, grid, args, consts, **options)`` needs no plan: it finds its ``Launch`` by each
-argument's specialization class (``arg_spec``), the constexprs and the options (~6 µs for 45
-arguments), for launch sites whose shapes vary call to call.
+argument's specialization class (``arg_spec``), the constexprs and the options (``CALLS``), for
+launch sites whose shapes vary call to call.
 
 ``MXQ_LAUNCH_CHECK=1`` makes every direct launch also run Triton's binder and raise if it would
 have chosen another compiled kernel (the GPU tests run with it). ``FAST = False`` (tests, A/B
 timings) sends every call through the JIT. The interpreter (``TRITON_INTERPRET=1``) always takes
-the JIT path.
+the JIT path. A call through the JIT first makes the process's ptxas choice
+(``toolchain.configure_ptxas``), before Triton compiles anything.
 """
 
 from __future__ import annotations
@@ -29,16 +30,17 @@ import os
 
 from torch import Tensor as _Tensor
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from mxq.kernels.toolchain import INTERPRET, configure_ptxas
+
 FAST = not INTERPRET
 CHECK = os.environ.get("MXQ_LAUNCH_CHECK", "0") == "1"
 
 try:
     from triton import knobs as _knobs
-    from triton.runtime import driver as _driver
+    from triton.runtime import driver
     from triton.runtime.jit import compute_cache_key as _cache_key
 except ImportError:  # pragma: no cover - no triton: the dispatch never builds a Launch
-    _knobs = _driver = _cache_key = None
+    _knobs = driver = _cache_key = None
 
 
 def cdiv(a: int, b: int) -> int:
@@ -113,6 +115,7 @@ class Launch:
         k = self.kernel
         full = self._full(args)
         if k is None or not FAST or _hooks_attached():
+            configure_ptxas()
             k = self.fn[grid](*full, **self.options)
             if FAST and not hasattr(k, "result"):
                 self.kernel = k
@@ -121,14 +124,14 @@ class Launch:
             self._check(full)
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
-        dev = _driver.active.get_current_device()
-        k.run(grid[0], g1, g2, _driver.active.get_current_stream(dev), k.function, k.packed_metadata,
+        dev = driver.active.get_current_device()
+        k.run(grid[0], g1, g2, driver.active.get_current_stream(dev), k.function, k.packed_metadata,
               None, None, None, *full)  # fmt: skip
 
     def _check(self, args) -> None:
         """Raise unless Triton's own binder picks the kernel this Launch holds for ``args`` (all
         parameters, in signature order)."""
-        dev = _driver.active.get_current_device()
+        dev = driver.active.get_current_device()
         kernel_cache, key_cache, _, _, binder = self.fn.device_caches[dev]
         kw = dict(self.options)  # as JITFunction.run completes them
         kw["debug"] = kw.get("debug", self.fn.debug) or _knobs.runtime.debug
@@ -166,11 +169,11 @@ def call(fn, grid: tuple[int, ...], args: tuple, consts: dict, **options) -> Non
     if not FAST:
         Launch(fn, consts, options)(grid, *args)
         return
-    key = (fn, _driver.active.get_current_device(), tuple(consts.items()), tuple(options.items()),
+    key = (fn, driver.active.get_current_device(), tuple(consts.items()), tuple(options.items()),
            tuple(map(arg_spec, args)))  # fmt: skip
-    go = _CALLS.get(key)
+    go = CALLS.get(key)
     if go is None:
-        go = _CALLS.put(key, Launch(fn, consts, options))
+        go = CALLS.put(key, Launch(fn, consts, options))
     go(grid, *args)
 
 
@@ -188,4 +191,4 @@ class PlanCache(dict):
         return plan
 
 
-_CALLS = PlanCache()  # call()'s launches
+CALLS = PlanCache()  # call()'s launches

@@ -32,13 +32,22 @@ import torch
 import triton
 import triton.language as tl
 
-from mxq.formats import E8M0_BIAS, E8M0_NAN, ElemFormat
+from mxq.formats import ElemFormat, ScaleRule
+from mxq.kernels.common import (
+    RULE_ID,
+    SCALE_BIAS,
+    SCALE_NAN,
+    elem_bits,
+    fp8_dtype,
+    gdc_launch_dependents,
+    hw_cvt,
+    mx_round_codes,
+    pdl_ok,
+    pow2_f32,
+)
 from mxq.kernels.launch import call, cdiv, next_pow2
-from mxq.kernels.quantize import _elem_bits, _pow2_f32, fp8_dtype, hw_cvt, mx_round_codes, pdl_ok
 
-_RCEIL = tl.constexpr(1)
-_SCALE_BIAS = tl.constexpr(E8M0_BIAS)
-_SCALE_NAN = tl.constexpr(E8M0_NAN)
+_RCEIL = tl.constexpr(RULE_ID[ScaleRule.RCEIL])
 
 
 @triton.jit
@@ -51,12 +60,12 @@ def _store_mx(v, row64, cols, K, y_ptr, q_ptr, s_ptr, stride_y, stride_q, stride
     NB: tl.constexpr = BLOCK // BS
     vf = tl.reshape(v, (1, NB, BS))
     r, e, nonfinite = mx_round_codes(vf, EMAX, MBITS, MAXN, EMIN, _RCEIL, HW_CVT, FP8)
-    d = tl.where(nonfinite[:, :, None], float("nan"), r * _pow2_f32(e)[:, :, None])
-    qb = tl.where(nonfinite[:, :, None], NAN_BYTE, _elem_bits(r, MBITS, EMIN, EBIAS)).to(tl.uint8)
+    d = tl.where(nonfinite[:, :, None], float("nan"), r * pow2_f32(e)[:, :, None])
+    qb = tl.where(nonfinite[:, :, None], NAN_BYTE, elem_bits(r, MBITS, EMIN, EBIAS)).to(tl.uint8)
     cmask = cols < K
     tl.store(y_ptr + row64 * stride_y + cols, tl.reshape(d, (BLOCK,)).to(y_ptr.dtype.element_ty), mask=cmask)
     tl.store(q_ptr + row64 * stride_q + cols, tl.reshape(qb, (BLOCK,)), mask=cmask)
-    sb = tl.where(nonfinite, _SCALE_NAN, e + _SCALE_BIAS).to(tl.uint8)
+    sb = tl.where(nonfinite, SCALE_NAN, e + SCALE_BIAS).to(tl.uint8)
     blks = (tl.program_id(1) * BLOCK) // BS + tl.arange(0, NB)
     tl.store(s_ptr + row64 * stride_s + blks, tl.reshape(sb, (NB,)), mask=blks < K // BS)
 
@@ -70,7 +79,7 @@ def _rmsnorm_mx_kernel(
     PDL: tl.constexpr,
 ):  # fmt: skip
     if PDL:
-        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        gdc_launch_dependents()
     row64 = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     cmask = cols < K
@@ -93,7 +102,7 @@ def _silu_mul_mx_kernel(
     PDL: tl.constexpr,
 ):  # fmt: skip
     if PDL:
-        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        gdc_launch_dependents()
     row64 = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cmask = cols < K

@@ -23,54 +23,23 @@ import torch
 import triton
 import triton.language as tl
 
-from mxq.formats import (
-    E8M0_BIAS,
-    E8M0_NAN,
-    ElemFormat,
-    ScaleRule,
-    as_elem_format,
-    as_scale_rule,
+from mxq.formats import ElemFormat, ScaleRule, as_elem_format, as_scale_rule
+from mxq.kernels.common import (
+    RULE_ID,
+    SCALE_BIAS,
+    SCALE_NAN,
+    elem_bits,
+    fp8_dtype,
+    gdc_launch_dependents,
+    hw_cvt,
+    mx_fast_exponent,
+    mx_round_dequant,  # noqa: F401  (transitional: see the end of the file)
+    mx_scaled,
+    pdl_ok,
+    pow2_f32,
+    round_to_elem,
 )
-from mxq.kernels.common import INTERPRET, capability
 from mxq.kernels.launch import Launch, call, cdiv
-
-_SCALE_BIAS = tl.constexpr(E8M0_BIAS)
-_SCALE_NAN = tl.constexpr(E8M0_NAN)
-_RULE_ID = {ScaleRule.FLOOR: 0, ScaleRule.RCEIL: 1, ScaleRule.EVEN: 2, ScaleRule.MSE: 3}
-
-
-@triton.jit
-def _pow2_f32(e):
-    """2**e as fp32 for integer e in [-126, 127], from bits."""
-    return ((e + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _round_to_elem(v, e, MAXN: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr):
-    """v / 2**e rounded to the element grid (RNE, saturated), as an exact fp32 value.
-
-    v fp32 [.., nb, bs], e int32 [.., nb]. Rounds by adding and subtracting a constant whose
-    ulp is the grid step of |v|'s binade (fp32 adds round to nearest even), so no fp8
-    conversion instruction is involved: the Triton interpreter's fp32->fp8 cast is not RNE.
-    """
-    a = tl.minimum(tl.abs(v) * _pow2_f32(-e)[:, :, None], MAXN)
-    k = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, EMIN)
-    c = (((k - MBITS + 23 + 127) << 23) | 0x400000).to(tl.float32, bitcast=True)
-    r = (a + c) - c
-    # The sign goes back by bits: -0 and values rounding to zero keep it, as in the spec.
-    sign = v.to(tl.int32, bitcast=True) & -2147483648
-    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _elem_bits(r, MBITS: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr):
-    """Exact fp32 value on the element grid -> its fp8 byte (as int32)."""
-    rb = r.to(tl.int32, bitcast=True)
-    a = tl.abs(r)
-    normal = (((rb >> 23) & 0xFF) - 127 + BIAS) << MBITS | ((rb >> (23 - MBITS)) & ((1 << MBITS) - 1))
-    sub = (a * (2.0 ** (MBITS - EMIN))).to(tl.int32)
-    byte = tl.where(a >= 2.0**EMIN, normal, sub)
-    return byte | ((rb >> 24) & 0x80)
 
 
 @triton.jit
@@ -103,87 +72,22 @@ def _mx_block_quantize(
     e = tl.minimum(tl.maximum(e, -126), 127)
     if RULE == 3:  # MSE: RCEIL, RCEIL-1, RCEIL-2; strict improvement wins, RCEIL first
         c64 = clean.to(tl.float64)
-        q = _round_to_elem(clean, e, MAXN, MBITS, EMIN) * _pow2_f32(e)[:, :, None]
+        q = round_to_elem(clean, e, MAXN, MBITS, EMIN) * pow2_f32(e)[:, :, None]
         best_err = tl.sum((q.to(tl.float64) - c64) * (q.to(tl.float64) - c64), axis=2)
         best_e = e
         for off in tl.static_range(1, 3):
             ec = tl.maximum(e - off, -126)
-            q = _round_to_elem(clean, ec, MAXN, MBITS, EMIN) * _pow2_f32(ec)[:, :, None]
+            q = round_to_elem(clean, ec, MAXN, MBITS, EMIN) * pow2_f32(ec)[:, :, None]
             err = tl.sum((q.to(tl.float64) - c64) * (q.to(tl.float64) - c64), axis=2)
             better = err < best_err
             best_e = tl.where(better, ec, best_e)
             best_err = tl.where(better, err, best_err)
         e = best_e
-    return _round_to_elem(clean, e, MAXN, MBITS, EMIN), e, nonfinite
+    return round_to_elem(clean, e, MAXN, MBITS, EMIN), e, nonfinite
 
 
 @triton.jit
-def _mx_fast_exponent(xf, EMAX: tl.constexpr, MBITS: tl.constexpr, RULE: tl.constexpr):
-    """(exponent int32 [.., NB], non-finite mask [.., NB]) for the amax rules (not MSE).
-
-    The block amax is an integer max over |bits| (NaN and Inf sort above every finite value,
-    so one max also finds the non-finite blocks): two integer ops per element instead of the
-    finite mask, select and float max of ``_mx_block_quantize``.
-    """
-    ab = xf.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    imax = tl.max(ab, axis=2)
-    nonfinite = imax >= 0x7F800000
-    f = (imax >> 23) - 127
-    mant = imax & 0x7FFFFF
-    if RULE == 0:  # FLOOR
-        e = f - EMAX
-    elif RULE == 2:  # EVEN
-        e = f - EMAX + (mant >= (0x800000 - (1 << (22 - MBITS)))).to(tl.int32)
-    else:  # RCEIL
-        e = f - EMAX + (mant > 0x600000).to(tl.int32)
-    e = tl.where(imax > 0, e, -126)
-    e = tl.minimum(tl.maximum(e, -126), 127)
-    return e, nonfinite
-
-
-@triton.jit
-def _mx_scaled(xf, e, MAXN: tl.constexpr, RULE: tl.constexpr):
-    """x / 2**e (exact: a power of two), saturated to +-MAXN where the rule can clip."""
-    s = xf * _pow2_f32(-e)[:, :, None]
-    if RULE != 1:  # FLOOR and EVEN may put the block max above max_normal; RCEIL never does
-        s = tl.minimum(tl.maximum(s, -MAXN), MAXN)
-    return s
-
-
-@triton.jit
-def mx_round_codes(
-    xf,  # fp32 [BM, NB, BS]
-    EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
-    RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr,
-):  # fmt: skip
-    """xf's MX rounding as (elements r [BM, NB, BS] fp32, exactly on the element grid; scale
-    exponents e [BM, NB] int32; non-finite block mask [BM, NB]): the value is r·2**e. Not for MSE.
-
-    HW_CVT rounds with the hardware fp32 -> fp8 conversion (round to nearest even, sm_89+);
-    otherwise (interpreter) with the add/subtract trick of ``_round_to_elem``.
-    """
-    e, nonfinite = _mx_fast_exponent(xf, EMAX, MBITS, RULE)
-    if HW_CVT:
-        r = _mx_scaled(xf, e, MAXN, RULE).to(FP8, fp_downcast_rounding="rtne").to(tl.float32)
-    else:
-        r = _round_to_elem(xf, e, MAXN, MBITS, EMIN)
-    return r, e, nonfinite
-
-
-@triton.jit
-def mx_round_dequant(
-    xf,  # fp32 [BM, NB, BS]
-    EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
-    RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr,
-):  # fmt: skip
-    """The MX-rounded values of xf (fp32, exact; NaN for a non-finite block). Not for MSE."""
-    r, e, nonfinite = mx_round_codes(xf, EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8)
-    d = r * _pow2_f32(e)[:, :, None]
-    return tl.where(nonfinite[:, :, None], float("nan"), d)
-
-
-@triton.jit
-def _quantize_rows_kernel(
+def quantize_rows_kernel(
     x_ptr, q_ptr, s_ptr, d_ptr,
     M, K, KP, NBLK,
     stride_xm, stride_qm, stride_sm, stride_dm,
@@ -197,7 +101,7 @@ def _quantize_rows_kernel(
     if PDL:
         # A kernel launched after this one with programmatic dependent launch (gemm_decode_ws)
         # may start now: it streams its weights and waits (griddepcontrol.wait) before reading X.
-        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        gdc_launch_dependents()
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -216,17 +120,17 @@ def _quantize_rows_kernel(
         # Fast path: integer amax, and on the GPU the hardware fp8 conversion does the
         # rounding (a handful of instructions per element instead of ~40: the bit-level
         # route made this kernel ALU bound at half the copy bandwidth).
-        e, nonfinite = _mx_fast_exponent(xf, EMAX, MBITS, RULE)
+        e, nonfinite = mx_fast_exponent(xf, EMAX, MBITS, RULE)
         if HW_CVT:
-            s8 = _mx_scaled(xf, e, MAXN, RULE).to(FP8, fp_downcast_rounding="rtne")
+            s8 = mx_scaled(xf, e, MAXN, RULE).to(FP8, fp_downcast_rounding="rtne")
             q = s8.to(tl.float32)
         else:
-            q = _round_to_elem(xf, e, MAXN, MBITS, EMIN)
+            q = round_to_elem(xf, e, MAXN, MBITS, EMIN)
     if WRITE_Q:
         if HW_CVT and RULE != 3:
             qb = s8.to(tl.uint8, bitcast=True)
         else:
-            qb = _elem_bits(q, MBITS, EMIN, EBIAS).to(tl.uint8)
+            qb = elem_bits(q, MBITS, EMIN, EBIAS).to(tl.uint8)
         qb = tl.where(nonfinite[:, :, None], NAN_BYTE, qb).to(tl.uint8)
         qb = tl.reshape(qb, (BLOCK_M, BLOCK_K))
         tl.store(
@@ -235,14 +139,14 @@ def _quantize_rows_kernel(
             mask=rmask[:, None] & (cols < KP)[None, :],
         )
         blks = pid_k * NB + tl.arange(0, NB)
-        sb = tl.where(nonfinite, _SCALE_NAN, e + _SCALE_BIAS).to(tl.uint8)
+        sb = tl.where(nonfinite, SCALE_NAN, e + SCALE_BIAS).to(tl.uint8)
         tl.store(
             s_ptr + rows64[:, None] * stride_sm + blks[None, :],
             sb,
             mask=rmask[:, None] & (blks < NBLK)[None, :],
         )
     if WRITE_D:
-        d = q * _pow2_f32(e)[:, :, None]
+        d = q * pow2_f32(e)[:, :, None]
         d = tl.where(nonfinite[:, :, None], float("nan"), d)
         d = tl.reshape(d, (BLOCK_M, BLOCK_K))
         tl.store(
@@ -252,36 +156,9 @@ def _quantize_rows_kernel(
         )
 
 
-# A/B switches for tests and tools (not environment variables): round with integer ops only, and
-# launch the quantizer without programmatic dependent launch.
-BIT_ROUNDING = False
-PDL = True
-
-
-def hw_cvt(device: torch.device) -> bool:
-    """Round with the hardware fp32 -> fp8 conversion (cvt.rn.satfinite, sm_89+).
-
-    Not in the interpreter (its fp32 -> fp8 cast is not RNE), nor on older GPUs (emulated), nor
-    with ``BIT_ROUNDING`` (the integer route everywhere, for A/B checks).
-    """
-    if INTERPRET or device.type != "cuda" or BIT_ROUNDING:
-        return False
-    return capability(device) >= (8, 9)
-
-
-def pdl_ok(device: torch.device) -> bool:
-    """Programmatic dependent launch (griddepcontrol): sm_90+, not the interpreter, ``PDL`` on."""
-    if INTERPRET or device.type != "cuda" or not PDL:
-        return False
-    return capability(device) >= (9, 0)
-
-
-def fp8_dtype(elem: ElemFormat):
-    return tl.float8e4nv if elem.mbits == 3 else tl.float8e5
-
-
 def quantize_tile(rule: ScaleRule, block_size: int, tile=None) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_K, warps) of ``_quantize_rows_kernel``; H200 sweep defaults."""
+    """(BLOCK_M, BLOCK_K, warps) of ``quantize_rows_kernel``; defaults from the tile sweep (kernels/NOTES.md,
+    "Activation quantizer")."""
     if block_size & (block_size - 1) or not 16 <= block_size <= 128:
         raise ValueError(f"block_size must be a power of two in [16, 128], got {block_size}")
     block_m, block_k, warps = tile or ((8, 128, 4) if rule is ScaleRule.MSE else (8, 512, 4))
@@ -295,12 +172,12 @@ def quantize_grid(m: int, k: int, rule: ScaleRule, block_size: int, tile=None) -
 
 def _quantize_consts(elem: ElemFormat, rule: ScaleRule, block_size: int, write_q: bool, write_d: bool, pdl: bool,
                      device: torch.device, tile=None) -> tuple[dict, int]:  # fmt: skip
-    """``_quantize_rows_kernel``'s constexprs for these options, and its warp count."""
+    """``quantize_rows_kernel``'s constexprs for these options, and its warp count."""
     block_m, block_k, warps = quantize_tile(rule, block_size, tile)
     consts = dict(
         BLOCK_M=block_m, BLOCK_K=block_k, BS=block_size,
         EMAX=elem.emax, MBITS=elem.mbits, MAXN=elem.max_normal, NAN_BYTE=elem.nan_byte,
-        EMIN=1 - elem.bias, EBIAS=elem.bias, RULE=_RULE_ID[rule],
+        EMIN=1 - elem.bias, EBIAS=elem.bias, RULE=RULE_ID[rule],
         WRITE_Q=write_q, WRITE_D=write_d, HW_CVT=hw_cvt(device), FP8=fp8_dtype(elem), PDL=pdl and pdl_ok(device),
     )  # fmt: skip
     return consts, warps
@@ -310,10 +187,10 @@ def quantize_launch(
     elem: ElemFormat, rule: ScaleRule, block_size: int, *, write_q: bool, write_d: bool, pdl: bool,
     device: torch.device, tile=None,
 ) -> Launch:  # fmt: skip
-    """``_quantize_rows_kernel``'s launch for one plan (``gemm_decode_ws``). Runtime arguments:
+    """``quantize_rows_kernel``'s launch for one plan (``gemm_decode_ws``). Runtime arguments:
     x, q, s, d, M, K, KP (K padded to blocks), NBLK, and the row strides of x, q, s, d."""
     consts, warps = _quantize_consts(elem, rule, block_size, write_q, write_d, pdl, device, tile)
-    return Launch(_quantize_rows_kernel, consts, dict(num_warps=warps))
+    return Launch(quantize_rows_kernel, consts, dict(num_warps=warps))
 
 
 def _launch(x2, elem: ElemFormat, rule: ScaleRule, block_size: int, q, s, d, tile=None, pdl=False):
@@ -322,7 +199,7 @@ def _launch(x2, elem: ElemFormat, rule: ScaleRule, block_size: int, q, s, d, til
     consts, warps = _quantize_consts(elem, rule, block_size, q is not None, d is not None, pdl, x2.device, tile)
     dummy = x2
     call(
-        _quantize_rows_kernel, quantize_grid(m, k, rule, block_size, tile),
+        quantize_rows_kernel, quantize_grid(m, k, rule, block_size, tile),
         (x2, q if q is not None else dummy, s if s is not None else dummy, d if d is not None else dummy,
          m, k, nblk * block_size, nblk,
          x2.stride(0), q.stride(0) if q is not None else 0, s.stride(0) if s is not None else 0,
@@ -395,3 +272,7 @@ def fake_quantize_mx_rows(
 
 
 # Reference: mxq.kernels.reference.quantize_mx_rows / fake_quantize_mx_rows (the format core).
+
+# Transitional: the spellings kernels/moe.py imports from this module. They live in the kernel core
+# (``common``: RULE_ID, fp8_dtype, hw_cvt, mx_round_dequant); delete these once moe.py takes them there.
+_RULE_ID = RULE_ID

@@ -34,7 +34,7 @@ def mx_linear_reference(
     used as given (W8A16). The product is computed in float32 and cast to ``x.dtype``.
     """
     n, k = weight.shape
-    w = MXTensor(weight, weight_scale, torch.Size((n, k)), 1, block_size, _elem_of(weight)).dequantize()
+    w = MXTensor(weight, weight_scale, torch.Size((n, k)), 1, block_size, elem_of(weight)).dequantize()
     xf = x.to(torch.float32)
     if act_elem is not None:
         xf = fake_quantize_mx(xf, -1, act_elem, block_size, act_rule)
@@ -44,7 +44,8 @@ def mx_linear_reference(
     return y.to(x.dtype)
 
 
-def _elem_of(weight: torch.Tensor) -> ElemFormat:
+def elem_of(weight: torch.Tensor) -> ElemFormat:
+    """The element format of an MX weight, from its fp8 dtype."""
     from mxq.formats import E4M3, E5M2
 
     if weight.dtype == torch.float8_e4m3fn:

@@ -50,7 +50,8 @@ class KernelPath:
 
 
 class Registry:
-    """An ordered list of paths whose last entry is the reference (it supports every problem)."""
+    """An ordered list of paths whose last entry is the reference (it supports every problem).
+    Every path's ``run`` takes the same arguments: the problem, then the call's operands."""
 
     def __init__(self, what: str, paths: list[KernelPath]):
         names = [p.name for p in paths]
@@ -73,7 +74,7 @@ class Registry:
 
     def allowed(self, kernels: str | None) -> tuple[KernelPath, ...]:
         """The paths ``kernels`` admits, in registry order (module doc); raises on an unknown name."""
-        spec = check_kernels(kernels) if kernels is not None else default_kernels()
+        spec = kernels_spec(kernels)
         hit = self._allowed.get(spec)
         if hit is None:
             hit = self._allowed[spec] = self._parse(spec)
@@ -96,6 +97,12 @@ class Registry:
             if path.name == "reference" or path.supports(problem):
                 return path
         raise AssertionError("unreachable: the reference supports every problem")
+
+
+def kernels_spec(kernels: str | None) -> str:
+    """The normalised spec of a ``kernels`` argument: ``check_kernels(kernels)``, or for None the
+    default (``default_kernels``)."""
+    return check_kernels(kernels) if kernels is not None else default_kernels()
 
 
 def default_kernels() -> str:

@@ -9,12 +9,20 @@ after the matching ``wgmma.wait_group``). ``python tools/sass_dev.py --kernel ge
 it in the machine code on a CPU machine (``wgmma_register_hazards``).
 
 So the GEMM dispatch uses the pipelined (async-wgmma) prefill loop only when the ptxas Triton
-uses is 13.3 or newer, and otherwise the loop whose wgmmas ptxas serializes (about 20 % slower at
-M = 2048, kernels/NOTES.md, "GEMM: the wgmma register hazard and the pipelined prefill loop"). ``prefer_fixed_ptxas`` (called when ``kernels/common.py``
-is imported) points Triton at a ptxas >= 13.3 from the ``nvidia-cuda-nvcc`` wheel (``pip install
-mxq[cuda]``) or ``$CUDA_HOME`` when the user has not chosen one through ``TRITON_PTXAS_PATH``
-(set it to Triton's bundled ptxas to keep that one). This affects every Triton kernel the process
-compiles afterwards, as setting ``TRITON_PTXAS_PATH`` by hand would.
+uses is 13.3 or newer, and otherwise the loop whose wgmmas ptxas serializes (slower; kernels/NOTES.md,
+"GEMM: the wgmma register hazard and the pipelined prefill loop").
+
+The ptxas choice is configuration, made once per process by ``configure_ptxas``: it points Triton
+at a ptxas >= 13.3 from the ``nvidia-cuda-nvcc`` wheel (``pip install mxq[cuda]``) or ``$CUDA_HOME``
+when the user has not chosen one through ``TRITON_PTXAS_PATH`` (set it to Triton's bundled ptxas to
+keep that one), as setting ``TRITON_PTXAS_PATH`` by hand would. Importing mxq changes nothing; the
+kernel modules call ``configure_ptxas`` before their first launch (``launch.Launch`` and the direct
+launch sites) and ``wgmma_async_ok`` calls it before reading Triton's choice, so every kernel the
+process compiles, and the dispatch's choice of loop, see the same ptxas. Code that compiles mxq's
+kernels by other means (``tools/sass_dev.py``) calls it first.
+
+``INTERPRET``: Triton runs the kernels through its CPU interpreter (``TRITON_INTERPRET=1``, the CPU
+tests), read once here for every kernel module; no ptxas is involved then.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import re
 import subprocess
 
 MIN_SAFE_PTXAS = (13, 3)
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @functools.cache
@@ -66,6 +75,19 @@ def prefer_fixed_ptxas() -> str | None:
     return None
 
 
+_CONFIGURED = False
+
+
+def configure_ptxas() -> None:
+    """Make this process's ptxas choice (module doc): ``prefer_fixed_ptxas`` on the first call,
+    nothing under the interpreter or on later calls (cheap: the launch paths call it)."""
+    global _CONFIGURED
+    if not _CONFIGURED:
+        _CONFIGURED = True
+        if not INTERPRET:
+            prefer_fixed_ptxas()
+
+
 def triton_ptxas() -> str | None:
     """The ptxas Triton will use for sm_90 (its knob: TRITON_PTXAS_PATH, else the bundled one)."""
     try:
@@ -83,5 +105,7 @@ def _async_ok(path: str | None) -> bool:
 
 
 def wgmma_async_ok() -> bool:
-    """Whether register-operand wgmmas may stay in flight across K steps (ptxas >= 13.3)."""
+    """Whether register-operand wgmmas may stay in flight across K steps (ptxas >= 13.3), for the
+    ptxas this process compiles with (``configure_ptxas`` first)."""
+    configure_ptxas()
     return _async_ok(triton_ptxas())

@@ -1,8 +1,8 @@
 """Per-shape autotuning, cached on disk per device (``mxq tune``).
 
 The kernels pick their tiles by rules measured on the Llama-3 shapes (``pick_*_config``).
-A rule is right on most shapes and a few % off on others (kernels/NOTES.md, "GEMM: decode tiles per shape": 64-row decode
-tiles at 3 programs per SM are up to 9 % faster on 8B o at M = 16, slower on gate_up). The tuner
+A rule is right on most shapes and a few % off on others (kernels/NOTES.md, "GEMM: decode tiles per
+shape and `mxq tune`": 64-row decode tiles at 3 programs per SM win on some rows, lose on others). The tuner
 times a small set of candidate configs per (kernel, shape, M bucket) on the GPU at hand, keeps the
 fastest -- the rule's own config unless another is at least ``MIN_GAIN`` faster, so noise does not
 move it -- and writes it to a JSON cache that the dispatch reads when it builds a launch plan:
@@ -11,10 +11,11 @@ move it -- and writes it to a JSON cache that the dispatch reads when it builds 
         "config": {...}, "us": 16.2, "default_us": 17.1, "m": 16, "date": "...", ...}}}}}
 
 - where: ``$MXQ_TUNE_CACHE``, else ``$XDG_CACHE_HOME/mxq/tune.json`` (``~/.cache/mxq/tune.json``);
-- shipped entries (``kernels/tuned.json``: the Llama-3 8B/70B shapes tuned on an H100 80GB HBM3 and an
-  H200 on 2026-11-21; re-tuned on 2026-11-22 with the corrected timing) answer where the user's cache has
-  no entry for the device, shape and bucket;
-- ``MXQ_TUNE_CACHE=off``: neither is read (the rules alone);
+- shipped entries (``kernels/tuned.json``: the Llama-3 8B/70B shapes, tuned on the GPUs named in it;
+  each entry records its date and versions) answer where the user's cache has no entry for the
+  device, shape and bucket;
+- ``MXQ_TUNE_CACHE=off``: neither is read (the rules alone); the variable is read when a config is
+  looked up (``enabled``), so setting it in a running process (``mxq tune --cache``) takes effect;
 - entries are keyed by the device's name, so one file serves several GPU models;
 - a cache that cannot be read or parsed is reported once (a warning naming the file) and ignored;
   an entry whose config does not fit the kernel's config class is ignored the same way;
@@ -25,11 +26,11 @@ Timing (``time_interleaved``): every candidate's CUDA graph runs its kernel over
 the weight (more bytes than three L2s, so weights stream from HBM as they do in a model), cycled to
 at least ``MIN_GRAPH_CALLS`` calls with a small ``separator`` kernel after each (as a model's norms
 and adds sit between its GEMMs; a graph of separators alone is timed too and subtracted); all graphs
-are built first, then replayed in rotated rounds; a candidate's figure is the median of its replays (the interleaved A/B of 2026-11-21 on the H200: one-shot timings
-moved ±8 % between calls). Replays are timed behind a spin kernel (``time_replays``), so the graph
-launch latency is not counted: before the timing fix of 2026-11-22 each replay was timed right after a synchronize,
-which added ~19 µs (H200; ~13 on an H100) divided by the calls in the graph to every figure,
-baselines included.
+are built first, then replayed in rotated rounds; a candidate's figure is the median of its replays
+(one-shot timings move by several % between calls). Replays are timed behind a spin kernel
+(``time_replays``), so the graph launch latency is not counted: a replay timed right after a
+synchronize adds that latency divided by the calls in the graph to every figure, baselines included
+(kernels/NOTES.md, "Measurement: timing method").
 """
 
 from __future__ import annotations
@@ -47,7 +48,11 @@ VERSION = 1
 # timings repeat to ~1-2 %; a smaller "win" is as likely noise as not).
 MIN_GAIN = 0.02
 OFF = ("off", "none", "0")  # MXQ_TUNE_CACHE values that turn tuned configs off
-ENABLED = os.environ.get("MXQ_TUNE_CACHE", "").strip().lower() not in OFF
+
+
+def enabled() -> bool:
+    """Whether tuned configs are read: ``MXQ_TUNE_CACHE`` is not one of ``OFF`` (read at each call)."""
+    return os.environ.get("MXQ_TUNE_CACHE", "").strip().lower() not in OFF
 
 
 def cache_path() -> Path:
@@ -179,7 +184,7 @@ def device_name(device) -> str:
 def lookup(kernel: str, device, m: int, n: int, k: int, cls):
     """The tuned config of ``kernel`` for this shape on ``device`` (an instance of ``cls``): the user's
     cache's, else the shipped one's; None if neither has it, with ``MXQ_TUNE_CACHE=off``, or off CUDA."""
-    if not ENABLED or getattr(device, "type", None) != "cuda":
+    if not enabled() or getattr(device, "type", None) != "cuda":
         return None
     name, key = device_name(device), shape_key(m, n, k)
     return cache().config(kernel, name, key, cls) or SHIPPED.config(kernel, name, key, cls)
@@ -229,8 +234,8 @@ def capture_graph(calls):
 def time_replays(g, replays: int = 2) -> float:
     """GPU µs of ``replays`` back-to-back replays of graph ``g``, between two events queued behind
     a spin kernel: the GPU is still busy with the spin while the host enqueues the start event and
-    the replays, so the graph's launch latency (~19 µs a replay on an H200, kernels/NOTES.md
-    "Measurement: timing method") is not in the figure, as it is not in a model whose whole step is one
+    the replays, so the graph's launch latency (kernels/NOTES.md, "Measurement: timing method") is
+    not in the figure, as it is not in a model whose whole step is one
     graph. Timing one replay right after a synchronize counted it in full."""
     import torch
 

@@ -213,5 +213,5 @@ def tune_decode_ws(shapes, ms=(1, 8, 16), device=None, *, log=print, progress=No
                 progress(len(rows), total)
         cache().put("decode_ws", name, records)  # after every shape: an interrupted run keeps what it measured
         del packs
-    WS._PLANS.clear()  # plans built before hold the old choice
+    WS.PLANS.clear()  # plans built before hold the old choice
     return rows

@@ -176,7 +176,7 @@ def decode_e8m0(scales: torch.Tensor) -> torch.Tensor:
     return torch.where(b == E8M0_NAN, torch.full_like(out, float("nan")), out)
 
 
-def _exp2_f32(e: torch.Tensor) -> torch.Tensor:
+def exp2_f32(e: torch.Tensor) -> torch.Tensor:
     """2**e as float32 for integer e in [-126, 127], built from bits (exact on every backend)."""
     return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
 
@@ -210,9 +210,9 @@ def _rule_exponent(amax: torch.Tensor, elem: ElemFormat, rule: ScaleRule) -> tor
     raise AssertionError(rule)
 
 
-def _cast_elements(blocks: torch.Tensor, e: torch.Tensor, elem: ElemFormat) -> torch.Tensor:
+def cast_elements(blocks: torch.Tensor, e: torch.Tensor, elem: ElemFormat) -> torch.Tensor:
     """blocks: float32 [..., nb, bs]; e: int [..., nb] in the clamped range -> fp8 [..., nb, bs]."""
-    scaled = blocks * _exp2_f32(-e).unsqueeze(-1)  # exact: a power of two within fp32 range
+    scaled = blocks * exp2_f32(-e).unsqueeze(-1)  # exact: a power of two within fp32 range
     scaled = scaled.clamp(-elem.max_normal, elem.max_normal)
     return scaled.to(elem.torch_dtype)  # round to nearest even
 
@@ -257,7 +257,7 @@ def _mse_search(blocks: torch.Tensor, e_rceil: torch.Tensor, elem: ElemFormat) -
     for off in MSE_OFFSETS:
         e = (e_rceil + off).clamp(E8M0_MIN_EXP, E8M0_MAX_EXP)
         # float64: a block near the float32 maximum dequantizes past it (2**128) and must not become inf.
-        q = _cast_elements(clean, e, elem).to(torch.float64) * _exp2_f64(e).unsqueeze(-1)
+        q = cast_elements(clean, e, elem).to(torch.float64) * _exp2_f64(e).unsqueeze(-1)
         err = (q - clean.to(torch.float64)).square().sum(dim=-1)
         if best_err is None:
             best_err = err
@@ -275,7 +275,7 @@ def _quantize_blocks(blocks: torch.Tensor, elem: ElemFormat, rule: ScaleRule):
         blocks = torch.nan_to_num(blocks, nan=0.0, posinf=0.0, neginf=0.0)
     else:
         nonfinite = None
-    return _cast_elements(blocks, e, elem), e, nonfinite
+    return cast_elements(blocks, e, elem), e, nonfinite
 
 
 def _check_input(x: torch.Tensor, block_size: int) -> None:
@@ -346,7 +346,7 @@ def fake_quantize_mx(
     this is what the reference linear layer runs on every activation.
     """
     _, axis, data, e, nonfinite = _quantize_along(x, axis, elem, block_size, scale_rule)
-    vals = data.to(torch.float32) * _exp2_f32(e).unsqueeze(-1)
+    vals = data.to(torch.float32) * exp2_f32(e).unsqueeze(-1)
     if nonfinite is not None:
         vals = vals.masked_fill(nonfinite.unsqueeze(-1), float("nan"))
     vals = vals.reshape(*vals.shape[:-2], -1)[..., : x.shape[axis]].movedim(-1, axis)

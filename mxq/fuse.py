@@ -38,7 +38,8 @@ from torch import nn
 
 from mxq.formats import ScaleRule, as_elem_format
 from mxq.kernels import reference
-from mxq.kernels.dispatch import HAS_TRITON, _spec
+from mxq.kernels.dispatch import HAS_TRITON
+from mxq.kernels.registry import kernels_spec
 from mxq.linear import FusedMXLinear, MXLinear, fuse_projections, unfuse_projections
 
 # Module classes whose forward is the arithmetic the producer kernels compute (by class name, as
@@ -133,7 +134,7 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
 def _producer(name: str, t: torch.Tensor, kernels: str, *args):
     """``kernels.producers.<name>`` on a CUDA tensor (unless ``kernels`` is "reference"), else its
     torch reference ``kernels.reference.<name>_reference``."""
-    if HAS_TRITON and t.device.type == "cuda" and _spec(kernels or None) != "reference":
+    if HAS_TRITON and t.device.type == "cuda" and kernels_spec(kernels or None) != "reference":
         from mxq.kernels import producers
 
         return getattr(producers, name)(t, *args)

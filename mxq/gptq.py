@@ -40,8 +40,8 @@ from mxq.formats import (
     E8M0_MIN_EXP,
     ElemFormat,
     ScaleRule,
-    _cast_elements,
-    _exp2_f32,
+    cast_elements,
+    exp2_f32,
     fake_quantize_mx,
     shared_exponents,
 )
@@ -61,7 +61,7 @@ class GPTQError(ValueError):
 def _round_column(w: torch.Tensor, e: torch.Tensor, elem: ElemFormat) -> torch.Tensor:
     """w[N] rounded to ``elem`` under the per-row scale 2**e[N]: the element cast of ``quantize_mx``
     (saturating, nearest even) on blocks of one element."""
-    return _cast_elements(w.view(-1, 1, 1), e.view(-1, 1), elem).float().view(-1) * _exp2_f32(e)
+    return cast_elements(w.view(-1, 1, 1), e.view(-1, 1), elem).float().view(-1) * exp2_f32(e)
 
 
 def hessian(x: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 
 from mxq.kernels import dispatch, gluon_api  # noqa: E402
 from mxq.kernels.common import INTERPRET  # noqa: E402
+from mxq.kernels.registry import kernels_spec  # noqa: E402
 from mxq.kernels.toolchain import wgmma_async_ok  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -49,7 +50,7 @@ def path_acc(name: str) -> float | None:
 
 def chosen(x, w, act_elem=None, act_rule=ScaleRule.RCEIL, kernels=None, block_size=32):
     """The path ``dispatch.mx_linear`` takes for this call (the same problem it builds)."""
-    spec = dispatch._spec(kernels)
+    spec = kernels_spec(kernels)
     if spec == "reference" or not dispatch.HAS_TRITON:
         return dispatch.LINEAR["reference"]
     k = x.shape[-1]

@@ -177,9 +177,9 @@ def test_prefill_kernel_equals_reference(case):
     got = mx_attention_prefill(q, k, v, causal=causal, qk_rotation=True)
     assert _rel(got, _independent(q, k, v, causal=causal, rotate=True)) < 3e-5
     # K and Vᵀ tiles by TMA descriptors (default) or by pointer loads: the same values
-    from mxq.kernels.attention_prefill import _kv_descriptors, _round_k, _round_vt
+    from mxq.kernels.attention_prefill import kv_descriptors, round_k, round_vt
 
-    assert _kv_descriptors(_round_k(k, E4M3, ScaleRule.RCEIL, 64), _round_vt(v, E4M3, ScaleRule.RCEIL, 64), 32)
+    assert kv_descriptors(round_k(k, E4M3, ScaleRule.RCEIL, 64), round_vt(v, E4M3, ScaleRule.RCEIL, 64), 32)
     assert torch.equal(mx_attention_prefill(q, k, v, causal=causal, qk_rotation=True, tma=False), got)
 
 
@@ -187,11 +187,11 @@ def test_prefill_kernel_equals_reference(case):
 @pytest.mark.parametrize("s,d,bd", [(45, 40, 64), (64, 64, 64), (100, 80, 128), (1, 128, 128)])
 def test_round_vt_kernel_equals_format_core(dtype, s, d, bd):
     """Vᵀ rounded along the keys in one pass: the format core's 32x1 rounding, transposed, padded."""
-    from mxq.kernels.attention_prefill import _round_vt
+    from mxq.kernels.attention_prefill import round_vt
 
     v = (torch.randn(2, s, 3, d) * torch.logspace(-3, 3, d)).to(dtype).transpose(1, 2)  # HF layout
     v[:, :, ::9] *= 40
-    got = _round_vt(v, E4M3, ScaleRule.RCEIL, bd)
+    got = round_vt(v, E4M3, ScaleRule.RCEIL, bd)
     assert got.dtype == torch.bfloat16 and got.shape == (2, 3, bd, s)
     want = dequantize_mx(quantize_mx(v.float(), -2)).transpose(-1, -2)
     assert torch.equal(got[:, :, :d].float(), want)
@@ -203,13 +203,13 @@ def test_round_vt_kernel_equals_format_core(dtype, s, d, bd):
 def test_prep_kv_one_launch_equals_separate_kernels(dtype, s, d, bd):
     """The prefill's fused K/V pre-pass: bit-equal to the K rotate+round and the Vᵀ rounding run
     apart (each checked against the format core above / in test_rotate_kernel_equals_float64)."""
-    from mxq.kernels.attention_prefill import _prep_kv, _round_vt
+    from mxq.kernels.attention_prefill import prep_kv, round_vt
     from mxq.kernels.attention_rotate import rotate_qk_rows
 
     k, v = ((torch.randn(2, s, 3, d) * torch.logspace(-2, 2, d)).to(dtype).transpose(1, 2) for _ in range(2))
-    k_mx, vt = _prep_kv(k, v, E5M2, ScaleRule.FLOOR, bd)
+    k_mx, vt = prep_kv(k, v, E5M2, ScaleRule.FLOOR, bd)
     assert torch.equal(k_mx, rotate_qk_rows(k, round_to=(E5M2, ScaleRule.FLOOR), block_d=bd))
-    want = _round_vt(v, E5M2, ScaleRule.FLOOR, bd)
+    want = round_vt(v, E5M2, ScaleRule.FLOOR, bd)
     assert vt.shape == want.shape == (2, 3, bd, s) and torch.equal(vt, want)
 
 
@@ -516,7 +516,7 @@ def test_decode_gluon_compile_error_falls_back(monkeypatch):
     from triton.runtime.errors import TritonError
 
     from mxq.kernels import attention_decode as AD
-    from mxq.kernels import gluon_api
+    from mxq.kernels import attention_decode_ws, gluon_api
 
     if not gluon_api.usable("attention_decode_ws"):
         pytest.skip(f"Hopper kernels off: {gluon_api.PROBLEM or gluon_api.DISABLED}")
@@ -528,12 +528,12 @@ def test_decode_gluon_compile_error_falls_back(monkeypatch):
     real = AD.decode_problem
     monkeypatch.setattr(AD, "decode_problem", lambda *a, **kw: _dc_replace(real(*a, **kw), capturing=True, capability=(9, 0)))
     monkeypatch.setattr(gluon_api, "DISABLED", {})
-    monkeypatch.setattr(gluon_api, "_WARNED", set())
+    monkeypatch.setattr(gluon_api, "WARNED", set())
 
     def fails(*a, **kw):
         raise TritonError("no such instruction")
 
-    monkeypatch.setattr(AD._ws, "mx_attention_decode_ws", fails)
+    monkeypatch.setattr(attention_decode_ws, "mx_attention_decode_ws", fails)
     assert AD.decode_path(*args[:5]) is AD.DECODE["attn_decode_ws"]
     with pytest.warns(RuntimeWarning, match="attention_decode_ws does not compile"):
         got = mx_attention_decode(*args, qk_rotation=layer.rotated)

@@ -11,15 +11,15 @@ from mxq.kernels import buffers
 
 
 def test_split_counters_are_kept_zeroed_and_grow(monkeypatch):
-    monkeypatch.setattr(buffers, "_COUNTERS", {})
-    monkeypatch.setattr(buffers, "_RETIRED", [])
+    monkeypatch.setattr(buffers, "COUNTERS", {})
+    monkeypatch.setattr(buffers, "RETIRED", [])
     cpu = torch.device("cpu")
     a = buffers.split_counters(cpu, 10)
     assert a.dtype == torch.int32 and a.numel() == 4096 and not a.any()
     assert buffers.split_counters(cpu, 4096) is a  # kept while big enough
     b = buffers.split_counters(cpu, 5000)
     assert b is not a and b.numel() == 5000 and not b.any()
-    assert buffers._RETIRED == [a] and buffers.split_counters(cpu, 1) is b
+    assert buffers.RETIRED == [a] and buffers.split_counters(cpu, 1) is b
 
 
 def test_persistent_makes_off_cuda_and_raises_the_makers_error():
@@ -54,13 +54,13 @@ def test_gpu_kept_buffers_live_outside_graph_pools():
     with torch.cuda.stream(side), torch.cuda.graph(g, pool=pool):
         y = x * 2
     ws = torch.randint(100, 140, (96, 8), dtype=torch.uint8, device=dev)
-    need = max(t.numel() for t in buffers._COUNTERS.values()) + 1 if buffers._COUNTERS else 8192
+    need = max(t.numel() for t in buffers.COUNTERS.values()) + 1 if buffers.COUNTERS else 8192
     with _use_cuda_memory_pool_manager(dev.index, pool, side):
         control = torch.empty(1000, device=dev)
         counters = buffers.split_counters(dev, need)
-        st = gemm_prefill_ws._scales_kn_cached(ws)
+        st = gemm_prefill_ws.scales_kn_cached(ws)
     live = {y.untyped_storage().data_ptr(), control.untyped_storage().data_ptr()}
     assert torch._C._cuda_checkPoolLiveAllocations(dev.index, pool, live)
     assert not torch._C._cuda_checkPoolLiveAllocations(dev.index, pool, {y.untyped_storage().data_ptr()})
     assert counters.numel() >= need and not counters.any()
-    assert torch.equal(st[:, :96].cpu(), ws.t().cpu()) and gemm_prefill_ws._scales_kn_cached(ws) is st
+    assert torch.equal(st[:, :96].cpu(), ws.t().cpu()) and gemm_prefill_ws.scales_kn_cached(ws) is st

@@ -195,6 +195,23 @@ def test_choice_on_sm90():
     assert ch(sim(4096, 4096, 4096, act=None, x_dtype=FP16)) is L["gemm"]  # W8A16 takes bf16 X only
 
 
+def test_one_run_signature_and_one_decode_f8_threshold():
+    """Every LINEAR path's ``run`` takes the same arguments, producer codes (``x_mx``) included, so
+    ``mx_linear`` calls any path the same way; the dispatch's decode_f8 threshold is the one in
+    dispatch and stays within what the kernel takes."""
+    import inspect
+
+    from mxq.kernels import gemm_decode
+
+    sigs = {p.name: tuple(inspect.signature(p.run).parameters) for p in L}
+    assert len(set(sigs.values())) == 1, sigs
+    assert sigs["reference"] == ("p", "x2", "weight", "weight_scale", "bias", "out_dtype", "x_mx")
+    assert all(inspect.signature(p.run).parameters["x_mx"].default is None for p in L)
+    assert dispatch.DECODE_F8_MAX_M <= gemm_decode.MAX_M and not hasattr(gemm_decode, "DECODE_F8_MAX_M")
+    assert dispatch.choose(sim(dispatch.DECODE_F8_MAX_M, 4096, 96)) is L["decode_f8"]
+    assert dispatch.choose(sim(dispatch.DECODE_F8_MAX_M + 1, 4096, 96)) is L["gemm"]
+
+
 def test_choice_prefill_ws_rule():
     """M >= PREFILL_WS_MIN_M, block 32, at least one [256, 128] tile per SM: the register-operand
     kernel; fewer tiles (8B o_proj at M = 1024 on 132 SMs), smaller M, other blocks, other devices,
@@ -312,9 +329,9 @@ def as_sm90(monkeypatch, sms=132):
     """``mx_linear`` as on an sm_90 GPU with ``sms`` SMs, with fresh Gluon state and no remembered
     choices: CPU tensors run the Triton paths in the interpreter (on a GPU, on it)."""
     monkeypatch.setattr(gluon_api, "DISABLED", {})
-    monkeypatch.setattr(gluon_api, "_WARNED", set())
+    monkeypatch.setattr(gluon_api, "WARNED", set())
     monkeypatch.setattr(gluon_api, "PROBLEM", None)  # as if the API probe had passed
-    monkeypatch.setattr(dispatch, "_CHOICE", {})
+    monkeypatch.setattr(dispatch, "CHOICES", {})
     of = dispatch.LinearProblem.of
     monkeypatch.setattr(dispatch.LinearProblem, "of", classmethod(
         lambda cls, *a, **kw: of(*a, **kw)._replace(capability=(9, 0), sms=sms, triton=True)))  # fmt: skip

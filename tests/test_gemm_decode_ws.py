@@ -60,7 +60,7 @@ def test_decode_ws_candidates(monkeypatch, n, k, sms):
 
 def test_pick_decode_ws_config_reads_the_tuning_cache(monkeypatch, tmp_path):
     """With a cache entry for this device, shape and M bucket, the dispatch's config is the entry's;
-    other M buckets, shapes and devices, and ``tune.ENABLED`` off (MXQ_TUNE_CACHE=off), get the rule."""
+    other M buckets, shapes and devices, and MXQ_TUNE_CACHE=off (read at each lookup), get the rule."""
     from mxq.kernels import tune
 
     monkeypatch.setattr(WS, "sm_count", lambda device: 132)
@@ -80,7 +80,7 @@ def test_pick_decode_ws_config_reads_the_tuning_cache(monkeypatch, tmp_path):
         monkeypatch.setattr(tune, "device_name", lambda device: "Fake H200")
         assert WS.pick_decode_ws_config(16, 4096, 4096, gpu) == rule
         monkeypatch.setattr(tune, "device_name", lambda device: "Fake H100")
-        monkeypatch.setattr(tune, "ENABLED", False)
+        monkeypatch.setenv("MXQ_TUNE_CACHE", "off")
         assert WS.pick_decode_ws_config(16, 4096, 4096, gpu) == rule
     finally:
         tune.reset()
@@ -119,7 +119,7 @@ def test_decode_ws_plan_arguments(monkeypatch, m, n, k, split):
     fp32 in the same buffer, and a second call reuses the plan (``launch.FAST``)."""
     monkeypatch.setattr(WS, "ws_supported", lambda *a: True)
     monkeypatch.setattr(WS, "pdl_ok", lambda d: False)
-    monkeypatch.setattr(WS, "_PLANS", WS.PlanCache())
+    monkeypatch.setattr(WS, "PLANS", WS.PlanCache())
     monkeypatch.setattr(launch, "FAST", True)
     calls = []
 
@@ -138,7 +138,7 @@ def test_decode_ws_plan_arguments(monkeypatch, m, n, k, split):
     cfg = WS.DecodeWSConfig(split_k=split)
     for _ in range(2):
         y = WS.mx_decode_gemm_ws(x, w, ws, None, act_elem=E4M3, config=cfg, out_dtype=torch.float32)
-    assert len(WS._PLANS) == 1 and len(calls) == 2 and y.shape == (m, n) and y.dtype == torch.float32
+    assert len(WS.PLANS) == 1 and len(calls) == 2 and y.shape == (m, n) and y.dtype == torch.float32
     grid, args, consts = calls[-1]
     w_desc, x_desc, x_arg, s32, xs32, _, y_arg, ws_arg, _ = args[:9]
     assert grid == (-(-n // 128), split) and consts["SPLIT"] == split and consts["FUSED"] == (split > 1)
@@ -160,7 +160,7 @@ def test_decode_ws_plan_fuses_x(monkeypatch, rule, fused):
     monkeypatch.setattr(WS, "ws_supported", lambda *a: True)
     monkeypatch.setattr(WS, "pdl_ok", lambda d: False)
     monkeypatch.setattr(WS, "hw_cvt", lambda d: True)
-    monkeypatch.setattr(WS, "_PLANS", WS.PlanCache())
+    monkeypatch.setattr(WS, "PLANS", WS.PlanCache())
     calls = []
 
     class Recorder:
@@ -179,11 +179,11 @@ def test_decode_ws_plan_fuses_x(monkeypatch, rule, fused):
     x = wide[:, 8 : 8 + k]
     WS.mx_decode_gemm_ws(x, w.cpu(), ws.cpu(), None, act_elem=E5M2, act_rule=rule, config=WS.DecodeWSConfig(split_k=2, fuse_x=True))
     if not fused:
-        assert [c[0] for c in calls] == ["quantize", WS._mx_decode_ws_kernel] and "FUSE_X" not in calls[-1][3]
+        assert [c[0] for c in calls] == ["quantize", WS.mx_decode_ws_kernel] and "FUSE_X" not in calls[-1][3]
         return
     assert len(calls) == 1
     fn, grid, args, consts = calls[0]
-    assert fn is WS._mx_decode_ws_kernel and grid == (3, 2)
+    assert fn is WS.mx_decode_ws_kernel and grid == (3, 2)
     assert consts["FUSE_X"] and consts["RULE"] == {ScaleRule.RCEIL: 1, ScaleRule.EVEN: 2}[rule]
     assert (consts["EMAX"], consts["MBITS"], consts["MAXN"]) == (E5M2.emax, E5M2.mbits, E5M2.max_normal)
     assert args[1] is args[0] and args[2] is x and args[7].shape == (2, m, n) and args[13] == k + 40

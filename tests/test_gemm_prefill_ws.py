@@ -105,11 +105,11 @@ def test_gpu_prefill_rs_scales_kept_per_weight():
     w, ws, _ = mx_weight(n, k, E4M3, gen)
     x = activations(m, k, torch.bfloat16, gen, special=False, decades=(-2, 1))
     cfg = PWS.PrefillRSConfig()
-    st = PWS._scales_kn_cached(ws)
-    assert PWS._scales_kn_cached(ws) is st and torch.equal(st[:, :n], ws.t())
+    st = PWS.scales_kn_cached(ws)
+    assert PWS.scales_kn_cached(ws) is st and torch.equal(st[:, :n], ws.t())
     y0 = PWS.mx_prefill_gemm_ws(x, w, ws, None, out_dtype=torch.float32, config=cfg)
     ws[:, 0] += 1  # every row's first block scaled by 2
-    st2 = PWS._scales_kn_cached(ws)
+    st2 = PWS.scales_kn_cached(ws)
     assert st2 is not st and torch.equal(st2[:, :n], ws.t())
     y1 = PWS.mx_prefill_gemm_ws(x, w, ws, None, out_dtype=torch.float32, config=cfg)
     w64 = dequantize_mx(MXTensor(w.cpu(), ws.cpu(), torch.Size((n, k)), -1, 32, E4M3), torch.float64).to(DEV)
@@ -118,13 +118,13 @@ def test_gpu_prefill_rs_scales_kept_per_weight():
     key = id(ws)
     del ws, st, st2
     gc.collect()
-    assert key not in PWS._ST_CACHE
+    assert key not in PWS.SCALES_KN_CACHE
     ws2 = torch.randint(100, 140, (n, k // 32), dtype=torch.uint8, device=DEV)
     g = torch.cuda.CUDAGraph()
     PWS.mx_prefill_gemm_ws(x, w, ws2.clone(), None, config=cfg)  # compile outside the capture
     with torch.cuda.graph(g):
         PWS.mx_prefill_gemm_ws(x, w, ws2, None, config=cfg)
-    assert id(ws2) not in PWS._ST_CACHE
+    assert id(ws2) not in PWS.SCALES_KN_CACHE
 
 
 @hopper

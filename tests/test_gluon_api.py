@@ -25,8 +25,8 @@ from mxq.kernels.reference import mx_linear_reference  # noqa: E402
 def fresh_state(monkeypatch):
     """Fresh Gluon state, no remembered dispatch choices, and every problem seen as on sm_90."""
     monkeypatch.setattr(gluon_api, "DISABLED", {})
-    monkeypatch.setattr(gluon_api, "_WARNED", set())
-    monkeypatch.setattr(dispatch, "_CHOICE", {})
+    monkeypatch.setattr(gluon_api, "WARNED", set())
+    monkeypatch.setattr(dispatch, "CHOICES", {})
     of = dispatch.LinearProblem.of
     monkeypatch.setattr(dispatch.LinearProblem, "of", classmethod(
         lambda cls, *a, **kw: of(*a, **kw)._replace(capability=(9, 0), sms=132, triton=True)))  # fmt: skip

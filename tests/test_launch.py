@@ -39,7 +39,7 @@ def fast(monkeypatch):
     monkeypatch.setattr(L, "FAST", True)
     monkeypatch.setattr(L, "CHECK", False)
     drv = SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda dev: 1234)
-    monkeypatch.setattr(L, "_driver", SimpleNamespace(active=drv))
+    monkeypatch.setattr(L, "driver", SimpleNamespace(active=drv))
 
 
 def test_launch_goes_direct_after_the_first_call(fast):
@@ -83,7 +83,7 @@ def test_launch_runtime_parameters_among_constexprs(fast):
 def test_call_keys_on_what_triton_specializes(fast, monkeypatch):
     """``call`` reuses a Launch while dtypes, 16-byte alignment, integer classes, constexprs and
     options stay the same, and takes a new one when any of them changes."""
-    monkeypatch.setattr(L, "_CALLS", L.PlanCache())
+    monkeypatch.setattr(L, "CALLS", L.PlanCache())
     fn = FakeJIT(["p", "n", "s", "B"])
     t = torch.zeros(64)
     L.call(fn, (1,), (t, 32, 0.5), {"B": 8}, num_warps=4)
@@ -99,7 +99,7 @@ def test_call_keys_on_what_triton_specializes(fast, monkeypatch):
         ((t, 2**33, 0.5), {"B": 8}, {"num_warps": 4}),  # 64-bit integer
     ]:
         L.call(fn, (1,), args, consts, **opts)
-    assert len(fn.jit_calls) == 8 and len(L._CALLS) == 8
+    assert len(fn.jit_calls) == 8 and len(L.CALLS) == 8
     assert L.arg_spec(None) is None and L.arg_spec(True) is True and L.arg_spec(2.0) is float
     with pytest.raises(TypeError, match="no specialization rule"):
         L.arg_spec("text")

@@ -8,6 +8,7 @@ import torch
 from kernel_helpers import CUDA, DEV, activations, gpu
 
 from mxq.formats import E4M3, E5M2, ScaleRule, fake_quantize_mx, quantize_mx
+from mxq.kernels import common
 from mxq.kernels import quantize as Q
 from mxq.kernels.quantize import fake_quantize_mx_rows, quantize_mx_rows
 
@@ -39,22 +40,22 @@ def test_fake_quantize_rows_values(dtype, rule):
 
 def test_quantize_rows_pdl_flag_keeps_the_bytes(monkeypatch):
     """``pdl=True`` (release a dependent kernel early) changes nothing in the output; it is on only
-    on sm_90+ GPUs outside the interpreter, and ``quantize.PDL = False`` turns it off; likewise
-    ``quantize.BIT_ROUNDING = True`` turns the hardware fp8 rounding off."""
+    on sm_90+ GPUs outside the interpreter, and ``common.PDL = False`` turns it off; likewise
+    ``common.BIT_ROUNDING = True`` turns the hardware fp8 rounding off."""
     gen = torch.Generator().manual_seed(9)
     x = activations(7, 200, torch.bfloat16, gen, special=True)
     q0, s0 = Q.quantize_mx_rows(x, E4M3, ScaleRule.RCEIL)
     q1, s1 = Q.quantize_mx_rows(x, E4M3, ScaleRule.RCEIL, pdl=True)
     assert torch.equal(q0.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s0, s1)
-    assert not Q.pdl_ok(torch.device("cpu")) and not Q.hw_cvt(torch.device("cpu"))
-    if CUDA and not Q.INTERPRET:
+    assert not common.pdl_ok(torch.device("cpu")) and not common.hw_cvt(torch.device("cpu"))
+    if CUDA and not common.INTERPRET:
         dev = torch.device(DEV)
-        assert Q.pdl_ok(dev) == (torch.cuda.get_device_capability() >= (9, 0))
-        assert Q.hw_cvt(dev) == (torch.cuda.get_device_capability() >= (8, 9))
-        monkeypatch.setattr(Q, "PDL", False)
-        assert not Q.pdl_ok(dev)
-        monkeypatch.setattr(Q, "BIT_ROUNDING", True)
-        assert not Q.hw_cvt(dev)
+        assert common.pdl_ok(dev) == (torch.cuda.get_device_capability() >= (9, 0))
+        assert common.hw_cvt(dev) == (torch.cuda.get_device_capability() >= (8, 9))
+        monkeypatch.setattr(common, "PDL", False)
+        assert not common.pdl_ok(dev)
+        monkeypatch.setattr(common, "BIT_ROUNDING", True)
+        assert not common.hw_cvt(dev)
         q2, s2 = Q.quantize_mx_rows(x, E4M3, ScaleRule.RCEIL)  # the integer route: the same bytes
         assert torch.equal(q0.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s0, s2)
 

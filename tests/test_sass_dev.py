@@ -138,6 +138,29 @@ def test_prefer_fixed_ptxas_respects_the_user(monkeypatch, tmp_path):
     assert toolchain.ptxas_version(str(fake)) == (13, 4)
 
 
+def test_ptxas_choice_is_made_at_configuration_not_import(tmp_path):
+    """Importing the kernels leaves TRITON_PTXAS_PATH alone; ``configure_ptxas`` (the first launch
+    calls it) makes the choice once, as ``prefer_fixed_ptxas`` would; a later call changes nothing."""
+    fake = tmp_path / "ptxas"
+    fake.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 13.4, V13.4.1'\n")
+    fake.chmod(0o755)
+    code = (
+        "import os\n"
+        "import mxq.kernels, mxq.kernels.gemm, mxq.kernels.attention\n"
+        "from mxq.kernels import toolchain\n"
+        "assert 'TRITON_PTXAS_PATH' not in os.environ, os.environ.get('TRITON_PTXAS_PATH')\n"
+        f"toolchain.candidate_ptxas = lambda: [{str(fake)!r}]\n"
+        "toolchain.configure_ptxas()\n"
+        f"assert os.environ['TRITON_PTXAS_PATH'] == {str(fake)!r}\n"
+        "os.environ['TRITON_PTXAS_PATH'] = 'chosen later'\n"
+        "toolchain.configure_ptxas()\n"
+        "assert os.environ['TRITON_PTXAS_PATH'] == 'chosen later'\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_PTXAS_PATH")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 @needs_gluon
 def test_decode_ws_compiles_warp_specialized(tmp_path):
     """The warp-specialized decode GEMM (kernels/gemm_decode_ws.py, Gluon) compiled for sm_90:
@@ -198,12 +221,12 @@ def test_decode_ws_waits_for_the_quantizer(tmp_path):
 
     from mxq.kernels import quantize
 
-    assert "griddepcontrol.launch_dependents" in inspect.getsource(quantize._quantize_rows_kernel.fn)
+    assert "griddepcontrol.launch_dependents" in inspect.getsource(quantize.quantize_rows_kernel.fn)
 
 
 @needs_gluon
 def test_prefill_rs_compiles_register_operand(tmp_path):
-    """The register-operand prefill GEMM (gemm_prefill_ws._mx_prefill_rs_kernel) compiled for
+    """The register-operand prefill GEMM (gemm_prefill_ws.mx_prefill_rs_kernel) compiled for
     sm_90: bf16 wgmmas m64n256k16 whose left operand comes from registers (4 a step, per MMA
     partition of the two: the first step + two a loop iteration + an even tail, one step left in
     flight by waits down to 2 groups), no write to a register an in-flight wgmma reads (the hazard

@@ -218,7 +218,7 @@ def test_lookup_prefers_the_users_cache_then_the_shipped_one(monkeypatch, tmp_pa
         mine = WS.DecodeWSConfig(split_k=8)
         tune.cache().put("decode_ws", "NVIDIA H200", {"m1_n10240_k8192": tune.record(mine, 1.0, 1.0, 1, 1)})
         assert WS.pick_decode_ws_config(1, 10240, 8192, gpu) == mine
-        monkeypatch.setattr(tune, "ENABLED", False)
+        monkeypatch.setenv("MXQ_TUNE_CACHE", "off")
         assert WS.pick_decode_ws_config(1, 10240, 8192, gpu) == WS.rule_decode_ws_config(1, 10240, 8192, gpu)
     finally:
         tune.reset()

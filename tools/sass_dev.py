@@ -12,16 +12,16 @@
 Compiles a kernel for sm_90 on the CPU machine — Triton's compiler, ptxas and ``cuobjdump`` need
 no GPU — and prints the registers per thread and, for the main loop (the first backward branch),
 the SASS instruction count per warp per iteration with its opcode histogram. ``decode``: the
-attention decode kernel (``attention_decode._decode_gqa_kernel``, B=4 Hq=32 Hkv=8 D=128 bf16, E4M3, Q/K
-rotation on). ``gemm``: ``gemm._mx_gemm_kernel`` with TMA tiles as the prefill dispatch runs it,
+attention decode kernel (``attention_decode.decode_gqa_kernel``, B=4 Hq=32 Hkv=8 D=128 bf16, E4M3, Q/K
+rotation on). ``gemm``: ``gemm.mx_gemm_kernel`` with TMA tiles as the prefill dispatch runs it,
 and also the wgmma register hazards in its loop (``wgmma_register_hazards``): registers of a
 wgmma's left operand written while that wgmma may still be in flight; ``prefill_rs`` likewise for
 the register-operand prefill GEMM (``gemm_prefill_ws``). ``decode_f8``: the fp8
-tensor-core decode GEMM (``gemm_decode._mx_decode_f8_kernel``; tile = BLOCK_M x BLOCK_N x blocks per step). ``decode_ws``: its
+tensor-core decode GEMM (``gemm_decode.mx_decode_f8_kernel``; tile = BLOCK_M x BLOCK_N x blocks per step). ``decode_ws``: its
 warp-specialized Gluon version (``gemm_decode_ws``). ``attn_ws``: the warp-specialized attention
 decode kernel (``attention_decode_ws``, E4M3 cache, 4 query heads per kv head). ``attn_prefill``:
-the exact prefill kernel (``attention_prefill._prefill_kernel``, K/Vᵀ by TMA, or by pointers with --pointer-x). ``--ptxas`` makes Triton use that ptxas
-(default: Triton's choice, which mxq points at a ptxas >= 13.3 where one is installed). Integer arguments are marked
+the exact prefill kernel (``attention_prefill.prefill_kernel``, K/Vᵀ by TMA, or by pointers with --pointer-x). ``--ptxas`` makes Triton use that ptxas
+(default: the one mxq's launches choose, ``toolchain.configure_ptxas``: a ptxas >= 13.3 where one is installed). Integer arguments are marked
 divisible by 16 the way the launcher specializes them at the benchmark shapes (without it the
 compiler cannot prove 16-byte alignment and the code differs from what runs). DIR gets the
 TTGIR, PTX and SASS for reading.
@@ -42,8 +42,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from mxq.formats import E4M3, ScaleRule
-from mxq.kernels import attention_decode, attention_prefill
-from mxq.kernels.quantize import _RULE_ID
+from mxq.kernels import attention_decode, attention_prefill, toolchain
+from mxq.kernels.common import RULE_ID
 
 _PTRS = {
     "Q": "*bf16", "KD": "*fp8e4nv", "KS": "*u8", "VD": "*fp8e4nv", "VS": "*u8",
@@ -54,12 +54,12 @@ _NOT_DIV16 = {"Hkv", "stride_ksn", "stride_mb", "stride_mh", "stride_mn"}
 
 
 def compile_decode(block_n=64, warps=2, stages=3, maxnreg=None, gp=4, block_d=128, fuse_merge=True):
-    fn = attention_decode._decode_gqa_kernel
+    fn = attention_decode.decode_gqa_kernel
     names = fn.arg_names
     cons = dict(
         GROUP_C=4, GP=gp, BLOCK_N=block_n, BLOCK_D=block_d, MASK_D=False, HAS_MASK=False, MASK_BOOL=False,
         EMAX=E4M3.emax, MBITS=E4M3.mbits, MAXN=E4M3.max_normal, EMIN=1 - E4M3.bias,
-        RULE=_RULE_ID[ScaleRule.RCEIL], HW_CVT=True, FP8=tl.float8e4nv, INTERP=False,
+        RULE=RULE_ID[ScaleRule.RCEIL], HW_CVT=True, FP8=tl.float8e4nv, INTERP=False,
         QPARTS=1, QM=16, ROT_NB=block_d // 32, stride_qd=1, FUSE_MERGE=fuse_merge, MERGE_CHUNK=16,
     )  # fmt: skip
     sig = {n: "constexpr" if n in cons else _PTRS.get(n, "fp32" if n == "qk_scale" else "i32") for n in names}
@@ -90,10 +90,10 @@ def _compile_sm90(fn, cons: dict, ptrs: dict, warps: int, stages: int, not_div16
 
 
 def compile_gemm(block_m=256, block_n=128, block_k=64, warps=8, stages=3, loop="zero_dot", deq="bf16", tma_x=True, tma_w=True, split_k=1):
-    """``_mx_gemm_kernel`` for sm_90 as the dispatch launches it (bf16 X, E4M3 W, no bias)."""
+    """``mx_gemm_kernel`` for sm_90 as the dispatch launches it (bf16 X, E4M3 W, no bias)."""
     from mxq.kernels import gemm as G
 
-    fn = G._mx_gemm_kernel
+    fn = G.mx_gemm_kernel
     cons = dict(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BS=32, GROUP=8, DOT=tl.bfloat16, PRECISION="tf32",
         HAS_BIAS=False, SPLIT_K=split_k, EVEN_K=True, TMA_X=tma_x, TMA_W=tma_w, DEQ_BF16=deq == "bf16",
@@ -108,14 +108,14 @@ def compile_gemm(block_m=256, block_n=128, block_k=64, warps=8, stages=3, loop="
 
 
 def compile_decode_f8(block_m=16, block_n=128, kb=4, warps=4, stages=4, split=4, tma_w=True, fused=True, qx=False):
-    """``gemm_decode._mx_decode_f8_kernel`` for sm_90 as mx_decode_gemm launches it (bf16 X, E4M3 W and X)."""
+    """``gemm_decode.mx_decode_f8_kernel`` for sm_90 as mx_decode_gemm launches it (bf16 X, E4M3 W and X)."""
     from mxq.kernels import gemm_decode as G
 
-    fn = G._mx_decode_f8_kernel
+    fn = G.mx_decode_f8_kernel
     cons = dict(
         BLOCK_M=block_m, BLOCK_N=block_n, KB=kb, BS=32, S32=kb == 4, QX=qx, SPLIT=split, FUSED=fused, HAS_BIAS=False, EVEN_K=True,
         TMA_W=tma_w, EMAX=E4M3.emax, MBITS=E4M3.mbits, MAXN=E4M3.max_normal, EMIN=1 - E4M3.bias,
-        RULE=_RULE_ID[ScaleRule.RCEIL], HW_CVT=True, FP8=tl.float8e4nv,
+        RULE=RULE_ID[ScaleRule.RCEIL], HW_CVT=True, FP8=tl.float8e4nv,
     )  # fmt: skip
     ptrs = {
         "x_ptr": "*fp8e4nv" if qx else "*bf16", "xs_ptr": "*u8", "w_ptr": f"tensordesc<fp8e4nv[{block_n}, 32]>" if tma_w else "*fp8e4nv",
@@ -125,7 +125,7 @@ def compile_decode_f8(block_m=16, block_n=128, kb=4, warps=4, stages=4, split=4,
 
 
 def compile_decode_ws(block_m=16, stages=2, split=4, box=128, maxnreg=128, loader_regs=24, fuse_x=False, block_n=128):
-    """``gemm_decode_ws._mx_decode_ws_kernel`` (Gluon) for sm_90 as mx_decode_gemm_ws launches it
+    """``gemm_decode_ws.mx_decode_ws_kernel`` (Gluon) for sm_90 as mx_decode_gemm_ws launches it
     (E4M3 W and X, bf16 out, no bias); ``fuse_x``: bf16 X quantized in the kernel (RCEIL)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -144,12 +144,12 @@ def compile_decode_ws(block_m=16, stages=2, split=4, box=128, maxnreg=128, loade
         "cnt_ptr": "*i32",
     }  # fmt: skip
     # stages live in the kernel's own ring (STAGES); num_stages is unused by Gluon
-    return _compile_sm90(W._mx_decode_ws_kernel, cons, ptrs, 4, 1, not_div16={"M", "stride_xsm4"},
+    return _compile_sm90(W.mx_decode_ws_kernel, cons, ptrs, 4, 1, not_div16={"M", "stride_xsm4"},
                          source=GluonASTSource, **({"maxnreg": maxnreg} if maxnreg else {}))  # fmt: skip
 
 
 def compile_prefill_rs(stages=4, maxnreg=168, loader_regs=24, block_x=256, block_w=128, block_k=64, bias=False, out="bf16"):
-    """``gemm_prefill_ws._mx_prefill_rs_kernel`` (Gluon; the weight as the register operand) for
+    """``gemm_prefill_ws.mx_prefill_rs_kernel`` (Gluon; the weight as the register operand) for
     sm_90 as mx_prefill_gemm_ws launches it with a ``PrefillRSConfig`` (bf16 X, E4M3 W)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -164,12 +164,12 @@ def compile_prefill_rs(stages=4, maxnreg=168, loader_regs=24, block_x=256, block
         "x_desc": f"tensordesc<bf16[{block_x}, {block_k}],{lx!r}>", "w_desc": f"tensordesc<fp8e4nv[{block_w}, {block_k}],{lw!r}>",
         "s_desc": f"tensordesc<u8[{block_k // 32}, {block_w}],{ls!r}>", "b_ptr": "*bf16", "y_ptr": f"*{out}",
     }  # fmt: skip
-    return _compile_sm90(P._mx_prefill_rs_kernel, cons, ptrs, 4, 1, not_div16={"M"},
+    return _compile_sm90(P.mx_prefill_rs_kernel, cons, ptrs, 4, 1, not_div16={"M"},
                          source=GluonASTSource, **({"maxnreg": maxnreg} if maxnreg else {}))  # fmt: skip
 
 
 def compile_decode_attn_ws(stages=4, d=128, group=4, maxnreg=128, loader_regs=24, fused=True, wide_v=True, qk_fp8=False):
-    """``attention_decode_ws._decode_ws_kernel`` (Gluon) for sm_90 as mx_attention_decode_ws launches it
+    """``attention_decode_ws.decode_ws_kernel`` (Gluon) for sm_90 as mx_attention_decode_ws launches it
     (E4M3 cache, bf16 out; ``qk_fp8``: the query as fp8 codes)."""
     import torch
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -177,13 +177,13 @@ def compile_decode_attn_ws(stages=4, d=128, group=4, maxnreg=128, loader_regs=24
     from mxq.kernels import attention_decode_ws as W
 
     block_n = W.BLOCK_N
-    boxes, lays = W._boxes(block_n, d, torch.float8_e4m3fn, wide_v, torch.float8_e4m3fn if qk_fp8 else torch.float16)
+    boxes, lays = W.tma_boxes(block_n, d, torch.float8_e4m3fn, wide_v, torch.float8_e4m3fn if qk_fp8 else torch.float16)
     types = ("fp8e4nv", "u8", "fp8e4nv", "u8", "fp8e4nv" if qk_fp8 else "fp16")
     names = ("k_desc", "ks_desc", "v_desc", "vs_desc", "q_desc")
     ptrs = {n: f"tensordesc<{t}[{box[0]}, {box[1]}],{lay!r}>" for n, t, box, lay in zip(names, types, boxes, lays)}
     ptrs.update(cq_ptr="*fp32", ml_ptr="*fp32", acc_ptr="*fp32", out_ptr="*bf16", cnt_ptr="*i32", qk_scale="fp32")
     cons = dict(STAGES=stages, BLOCK_N=block_n, GROUP_C=group, LOADER_REGS=loader_regs, FUSED=fused)
-    return _compile_sm90(W._decode_ws_kernel, cons, ptrs, 4, 1, not_div16={"Hkv", "L", "NSPLIT", "stride_oh"},
+    return _compile_sm90(W.decode_ws_kernel, cons, ptrs, 4, 1, not_div16={"Hkv", "L", "NSPLIT", "stride_oh"},
                          source=GluonASTSource, **({"maxnreg": maxnreg} if maxnreg else {}))  # fmt: skip
 
 
@@ -261,13 +261,13 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 def compile_prefill_attn(block_m=64, block_n=64, warps=4, stages=3, d=128, tma=True, exact=True, causal=False):
-    """``attention_prefill._prefill_kernel`` for sm_90 as ``mx_attention_prefill`` launches it (bf16 Q,
+    """``attention_prefill.prefill_kernel`` for sm_90 as ``mx_attention_prefill`` launches it (bf16 Q,
     E4M3 RCEIL, Q/K rotation on, no mask): K and Vᵀ by TMA descriptors or pointer loads."""
-    fn = attention_prefill._prefill_kernel
+    fn = attention_prefill.prefill_kernel
     cons = dict(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=d, CAUSAL=causal, HAS_MASK=False, MASK_BOOL=False,
         PV_SPLIT=exact, EMAX=E4M3.emax, MBITS=E4M3.mbits, MAXN=E4M3.max_normal, EMIN=1 - E4M3.bias,
-        RULE=_RULE_ID[ScaleRule.RCEIL], HW_CVT=True, FP8=tl.float8e4nv, INTERP=False, QPARTS=1, TMA=tma,
+        RULE=RULE_ID[ScaleRule.RCEIL], HW_CVT=True, FP8=tl.float8e4nv, INTERP=False, QPARTS=1, TMA=tma,
         stride_qd=1,
     )  # fmt: skip
     ptrs = {
@@ -307,6 +307,8 @@ def main():
     args = ap.parse_args()
     if args.ptxas:  # before Triton compiles anything: the PTX version it emits follows its ptxas
         os.environ["TRITON_PTXAS_PATH"] = args.ptxas
+    else:  # the ptxas mxq's own launches would choose
+        toolchain.configure_ptxas()
     out = args.out or tempfile.mkdtemp(prefix="mxq_sass_")
     os.makedirs(out, exist_ok=True)
     if args.kernel == "decode":

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from mxq.eval.bench_gemm import _bench, _bench_graph, _copies
+from mxq.eval.bench_gemm import graph_us, median_us, weight_copies
 from mxq.formats import E4M3, E5M2, ScaleRule, dequantize_mx, quantize_mx
 
 RES: dict = {}
@@ -32,12 +32,13 @@ def log(*a):
 
 def _try_graph(fns):
     try:
-        return _bench_graph(fns)
+        return graph_us(fns)
     except Exception as e:  # noqa: BLE001
         return f"error: {type(e).__name__}: {str(e)[:200]}"
 
 
 def part_q():
+    from mxq.kernels import common
     from mxq.kernels import quantize as Q
 
     out = {"exact": [], "bw": []}
@@ -60,19 +61,19 @@ def part_q():
     for m, k in ((8192, 8192), (16384, 8192)):
         xx = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         y = torch.empty_like(xx)
-        t_copy = _bench(lambda: y.copy_(xx))
+        t_copy = median_us(lambda: y.copy_(xx))
         copy_gbs = 4 * m * k / t_copy / 1e3
         for rule in (ScaleRule.RCEIL, ScaleRule.FLOOR):
             for bits in ("0", "1"):
-                Q.BIT_ROUNDING = bits == "1"
+                common.BIT_ROUNDING = bits == "1"
                 for tile in ((32, 128, 4), (16, 256, 4), (32, 256, 8), (8, 512, 4)):
-                    tq = _bench(lambda: Q.quantize_mx_rows(xx, E4M3, rule, tile=tile))
-                    td = _bench(lambda: Q.fake_quantize_mx_rows(xx, E4M3, rule, out_dtype=torch.bfloat16, tile=tile))
+                    tq = median_us(lambda: Q.quantize_mx_rows(xx, E4M3, rule, tile=tile))
+                    td = median_us(lambda: Q.fake_quantize_mx_rows(xx, E4M3, rule, out_dtype=torch.bfloat16, tile=tile))
                     r = dict(m=m, k=k, rule=rule.value, bit_route=bits == "1", tile=tile, copy_gbs=copy_gbs,
                              mx_frac=(3 + 1 / 32) * m * k / tq / 1e3 / copy_gbs, bf16_frac=4 * m * k / td / 1e3 / copy_gbs)
                     out["bw"].append(r)
                     log("q", m, k, rule.value, "bits" if bits == "1" else "hw", tile, f"mx {r['mx_frac']:.2f} bf16 {r['bf16_frac']:.2f}")
-            Q.BIT_ROUNDING = False
+            common.BIT_ROUNDING = False
     RES["q"] = out
 
 
@@ -97,9 +98,9 @@ def part_gemv(ms=(1, 16), extra_ms=(2, 4, 8)):
     rows = []
     best_by_shape = {}
     for model, layer, n, k in DEC_SHAPES:
-        copies = _copies(n * k)
+        copies = weight_copies(n * k)
         ws, w64 = _weights(n, k, copies)
-        wb = [w64.to(torch.bfloat16) for _ in range(_copies(2 * n * k))]
+        wb = [w64.to(torch.bfloat16) for _ in range(weight_copies(2 * n * k))]
         for m in ms + extra_ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = fake_quantize_mx_rows(x, E4M3, out_dtype=torch.float32).double() @ w64.t()
@@ -155,9 +156,9 @@ def part_m256():
              C(64, 128, 64, 4, 4, split_k=2, **kw), C(128, 128, 128, 8, 3, **kw)]
     rows = []
     for model, layer, n, k in DEC_SHAPES:
-        copies = _copies(n * k)
+        copies = weight_copies(n * k)
         ws, w64 = _weights(n, k, copies)
-        wb = [w64.to(torch.bfloat16) for _ in range(_copies(2 * n * k))]
+        wb = [w64.to(torch.bfloat16) for _ in range(weight_copies(2 * n * k))]
         for m in (256, 128):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             xr = fake_quantize_mx_rows(x, E4M3, out_dtype=torch.bfloat16)
@@ -228,7 +229,7 @@ def part_tma2():
 
 
 def part_peel(ms=(1, 4, 16), pre_m=2048):
-    """H200, 2026-11-21: peeled first K step (wgmma pipelined, no C7515 serialization) and W8A8 with X
+    """Peeled first K step (wgmma pipelined, no C7515 serialization) and W8A8 with X
     rounded inside the MMA kernel; decode tiles at M <= 16, prefill tiles at M = 2048 (8B shapes)."""
     import dataclasses
 
@@ -241,9 +242,9 @@ def part_peel(ms=(1, 4, 16), pre_m=2048):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for layer, (n, k) in LLAMA_SHAPES["8b"].items():
-        ws, w64 = _weights(n, k, _copies(n * k))
+        ws, w64 = _weights(n, k, weight_copies(n * k))
         wd = w64.float()
-        wb = [wd.to(torch.bfloat16) for _ in range(_copies(2 * n * k))]
+        wb = [wd.to(torch.bfloat16) for _ in range(weight_copies(2 * n * k))]
         for m in ms + (pre_m,):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = fake_quantize_mx_rows(x, E4M3, out_dtype=torch.float32) @ wd.t()
@@ -301,7 +302,7 @@ def part_peel(ms=(1, 4, 16), pre_m=2048):
 
 
 def part_init():
-    """H200, 2026-11-21: prefill/M=256 accumulator start (old loop, peeled, zero-tile wgmma): 3 checks
+    """Prefill/M=256 accumulator start (old loop, peeled, zero-tile wgmma): 3 checks
     on fresh inputs each (a moving error is a race), then timing (quantizer + GEMM)."""
     import dataclasses
 
@@ -312,7 +313,7 @@ def part_init():
     kw = dict(tma_x=True, tma_w=True, deq_bf16=True)
     rows = []
     for layer, (n, k) in LLAMA_SHAPES["8b"].items():
-        ws, w64 = _weights(n, k, _copies(n * k))
+        ws, w64 = _weights(n, k, weight_copies(n * k))
         wd = w64.float()
         for m in (256, 2048):
             base = G.pick_config(m, n, k, torch.device("cuda"))
@@ -336,7 +337,7 @@ def part_init():
 
 
 def part_dec2(ms=(4, 16)):
-    """H200, 2026-11-21: decode MMA tiles with the bf16 scale multiply (fewer ALU ops per weight) and 8
+    """Decode MMA tiles with the bf16 scale multiply (fewer ALU ops per weight) and 8
     warps, X rounded inside (q) or by the quantizer launch first (2l); 8B shapes."""
     import dataclasses
 
@@ -346,7 +347,7 @@ def part_dec2(ms=(4, 16)):
 
     rows = []
     for layer, (n, k) in LLAMA_SHAPES["8b"].items():
-        ws, w64 = _weights(n, k, _copies(n * k))
+        ws, w64 = _weights(n, k, weight_copies(n * k))
         wd = w64.float()
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -381,7 +382,7 @@ def part_dec2(ms=(4, 16)):
 
 
 def _deq_variants(m, base):
-    """H200, 2026-11-21 A/B: each tile with the serialized / zero-tile-start / peeled loop."""
+    """A/B: each tile with the serialized / zero-tile-start / peeled loop."""
     from mxq.kernels.gemm import GemmConfig as C
 
     if m >= 2048:
@@ -420,33 +421,35 @@ def _m256_variants(m, base):
 
 
 def part_tiles():
-    """H200, 2026-11-21, with ptxas >= 13.3 (the pipelined loop): prefill tiles at M = 2048 and 8192."""
+    """With ptxas >= 13.3 (the pipelined loop): prefill tiles at M = 2048 and 8192."""
     part_deq(ms=(2048, 8192), layers=("o", "gate_up"), variants_of=_tile_variants)
 
 
 def part_m256b():
-    """H200, 2026-11-21, with ptxas >= 13.3: M = 256 tiles and K splits with the pipelined loop."""
+    """With ptxas >= 13.3: M = 256 tiles and K splits with the pipelined loop."""
     part_deq(ms=(256,), variants_of=_m256_variants, key="m256b")
 
 
 def part_deq(ms=(16, 256, 2048), layers=None, variants_of=_deq_variants, key="deq"):
-    """H200, 2026-11-21: the serialized-wgmma loop against the zero-tile start and the peeled first
+    """The serialized-wgmma loop against the zero-tile start and the peeled first
     step (zero_dot / peel), on the 8B shapes. Each variant is checked on 3 fresh
     inputs (a moving error is a race), then timed (quantizer + GEMM, CUDA graphs over weight
     copies). Run once per ptxas (TRITON_PTXAS_PATH): ptxas < 13.3 lets the next K step's
     dequant overwrite the registers of a wgmma still in flight (triton-lang/triton#9433)."""
     from mxq.eval.bench_gemm import LLAMA_SHAPES
     from mxq.kernels import gemm as G
+    from mxq.kernels import toolchain
     from mxq.kernels.quantize import fake_quantize_mx_rows
 
     rows = []
+    toolchain.configure_ptxas()  # what the launches below will use
     RES["ptxas"] = os.environ.get("TRITON_PTXAS_PATH", "bundled")
     for layer, (n, k) in LLAMA_SHAPES["8b"].items():
         if layers and layer not in layers:
             continue
-        ws, w64 = _weights(n, k, _copies(n * k))
+        ws, w64 = _weights(n, k, weight_copies(n * k))
         wd = w64.float()
-        wb = [wd.to(torch.bfloat16) for _ in range(_copies(2 * n * k))]
+        wb = [wd.to(torch.bfloat16) for _ in range(weight_copies(2 * n * k))]
         for m in ms:
             variants = variants_of(m, G.pick_config(m, n, k, torch.device("cuda")))
             r = dict(layer=layer, n=n, k=k, m=m)
