@@ -315,8 +315,8 @@ def main(argv=None) -> int:
     import triton
 
     from mxq.kernels import toolchain
-    from mxq.kernels.moe import HAS_TRITON  # noqa: F401  (points Triton at a ptxas >= 13.3 if installed)
 
+    toolchain.configure_ptxas()  # the ptxas the kernels will be compiled with, for the record below
     ptxas = toolchain.triton_ptxas()
     res = {
         "env": dict(

@@ -48,15 +48,17 @@ try:
     import triton
     import triton.language as tl
 
-    from mxq.kernels.common import INTERPRET, e8m0_to_f32, tma_or_pointer
-    from mxq.kernels.launch import call, cdiv, next_pow2
-    from mxq.kernels.quantize import (
-        _RULE_ID,
-        fake_quantize_mx_rows,
+    from mxq.kernels.common import (
+        INTERPRET,
+        RULE_ID,
+        e8m0_to_f32,
         fp8_dtype,
         hw_cvt,
         mx_round_dequant,
+        tma_or_pointer,
     )
+    from mxq.kernels.launch import call, cdiv, next_pow2
+    from mxq.kernels.quantize import fake_quantize_mx_rows
     from mxq.kernels.toolchain import wgmma_async_ok
 
     HAS_TRITON = True
@@ -452,7 +454,7 @@ def mx_grouped_decode(
          y.stride(0)),
         dict(BM=bm, BN=cfg.block_n, BK=cfg.block_k, BS=block_size, EP2=max(16, next_pow2(e)),
              HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, QUANT=act_elem is not None,
-             EMAX=ae.emax, MBITS=ae.mbits, MAXN=ae.max_normal, EMIN=1 - ae.bias, RULE=_RULE_ID[act_rule],
+             EMAX=ae.emax, MBITS=ae.mbits, MAXN=ae.max_normal, EMIN=1 - ae.bias, RULE=RULE_ID[act_rule],
              HW_CVT=hw_cvt(x.device), FP8=fp8_dtype(ae)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -492,7 +494,7 @@ def gather_mx_rows(
             _gather_rows_kernel, (cdiv(r, 8), cdiv(k, bk)),
             (x, index.contiguous(), y, r, k, x.stride(0), y.stride(0)),
             dict(BR=8, BK=bk, BS=block_size, QUANT=act_elem is not None, EMAX=ae.emax, MBITS=ae.mbits, MAXN=ae.max_normal,
-                 EMIN=1 - ae.bias, RULE=_RULE_ID[act_rule], HW_CVT=hw_cvt(x.device), FP8=fp8_dtype(ae)),
+                 EMIN=1 - ae.bias, RULE=RULE_ID[act_rule], HW_CVT=hw_cvt(x.device), FP8=fp8_dtype(ae)),
             num_warps=4,
         )  # fmt: skip
     return y
