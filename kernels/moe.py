@@ -324,7 +324,7 @@ def pick_grouped_gemm_config(s: int, e: int, n: int, k: int, x_dtype: torch.dtyp
                              out_dtype: torch.dtype | None = None) -> GroupedGemmConfig:  # fmt: skip
     """Tiles from host facts. A tile holds one expert's rows, and the weight dequant, not the MMA,
     bounds this kernel at these sizes: 256-row tiles (one per expert at ~128 rows, half padding)
-    beat 128-row ones (1.5 per expert) by 14-17 % (kernels/NOTES.md, "MoE: the grouped GEMM")."""
+    beat 128-row ones (1.5 per expert) (kernels/NOTES.md, "MoE: the grouped GEMM")."""
     if INTERPRET or device.type != "cuda":
         return GroupedGemmConfig(16, 32, 64, num_warps=4, num_stages=1, tma=False)
     if x_dtype != torch.bfloat16:  # fp32 operands: twice the shared memory per tile
@@ -341,8 +341,8 @@ def pick_grouped_gemm_config(s: int, e: int, n: int, k: int, x_dtype: torch.dtyp
 def pick_grouped_decode_config(s: int, e: int, n: int, k: int, device: torch.device, w8a8: bool = False) -> GroupedDecodeConfig:
     """Rows per tile from the rows per active expert (at least s / min(s, e)). One row per tile:
     16 x 256 weight tiles (W8A16); 64 x 256 with 8 warps when X is rounded inside (W8A8), which
-    spreads each thread's rounding work over more weight rows (H100 sweep, kernels/NOTES.md,
-    "MoE: the grouped decode kernel")."""
+    spreads each thread's rounding work over more weight rows (the H100 sweep in kernels/NOTES.md,
+    "MoE: the grouped GEMM")."""
     bm = min(8, next_pow2(max(1, -(-s // max(1, min(s, e))))))
     if INTERPRET or device.type != "cuda":
         return GroupedDecodeConfig(block_m=bm, block_n=16, block_k=64, num_warps=4, num_stages=1)
