@@ -183,10 +183,10 @@ class MXExperts(nn.Module):
         """A projection as the layer computes with it: float32 [E, N, K]."""
         return self.mx_weight(proj).dequantize(torch.float32)
 
-    def grouped(self, proj: str, x: torch.Tensor, group_end: torch.Tensor) -> torch.Tensor:
+    def grouped(self, proj: str, x: torch.Tensor, group_end: torch.Tensor, rounded: bool = False) -> torch.Tensor:
         """One projection over rows sorted by expert (``mx_grouped_linear``; under ``torch.compile``
         the custom op ``mxq::mx_grouped_linear``, opaque to the compiler)."""
-        a = self.act
+        a = None if rounded else self.act
         args = (x, group_end, getattr(self, proj), getattr(self, proj + SCALE_SUFFIX), getattr(self, proj + "_bias", None))
         if torch.compiler.is_compiling():
             return mx_grouped_linear_op(*args, a.elem.name if a is not None else "", a.scale_rule.value if a is not None else "rceil",
@@ -198,10 +198,11 @@ class MXExperts(nn.Module):
             block_size=self.block_size, kernels=self.kernels,
         )  # fmt: skip
 
-    def experts(self, x: torch.Tensor, group_end: torch.Tensor) -> torch.Tensor:
-        """Both projections and the gate between them for rows sorted by expert: [S, H] -> [S, H]."""
+    def experts(self, x: torch.Tensor, group_end: torch.Tensor, rounded: bool = False) -> torch.Tensor:
+        """Both projections and the gate between them for rows sorted by expert: [S, H] -> [S, H]
+        (``rounded``: x already holds its MX-rounded values, W8A8's first product takes it as is)."""
         up, down = self.projections
-        h = self.grouped(up, x, group_end)
+        h = self.grouped(up, x, group_end, rounded)
         h = self._gate(h) if up == "gate_up_proj" else self.act_fn(h)
         return self.grouped(down, h.to(x.dtype), group_end)
 
@@ -218,11 +219,25 @@ class MXExperts(nn.Module):
         counts = torch.zeros(self.num_experts + 1, dtype=torch.int32, device=ids.device)
         counts.scatter_add_(0, ids.clamp(0, self.num_experts).to(torch.int64), torch.ones_like(ids, dtype=torch.int32))
         group_end = torch.cumsum(counts[: self.num_experts], 0, dtype=torch.int32)  # ids >= E (sentinels) fall past the end
-        y = self.experts(hidden_states[token_of_row], group_end)
+        xs, rounded = self._gather(hidden_states, token_of_row)
+        y = self.experts(xs, group_end, rounded)
         w = top_k_weights.reshape(-1)[order].to(torch.float32)
         out = torch.zeros(tokens, y.shape[-1], dtype=torch.float32, device=y.device)
         out.index_add_(0, token_of_row, y.to(torch.float32) * w[:, None])
         return out.to(hidden_states.dtype)
+
+    def _gather(self, x: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """The token rows in expert order; for a W8A8 prefill on the GPU already MX-rounded, in the
+        same pass (``gather_mx_rows``: the rounding then costs nothing over the gather; kernels/NOTES.md,
+        "MoE"). Decode-sized calls round inside the grouped kernel instead, and a compiled graph
+        keeps the plain gather (the grouped op rounds)."""
+        from mxq.kernels.moe import GROUPED_DECODE_MAX_S, gather_mx_rows
+
+        a = self.act
+        if a is None or x.device.type != "cuda" or rows.shape[0] <= GROUPED_DECODE_MAX_S or torch.compiler.is_compiling() \
+                or self.kernels == "reference":  # fmt: skip
+            return x[rows], False
+        return gather_mx_rows(x, rows, a.elem, a.scale_rule, self.block_size), True
 
     def extra_repr(self) -> str:
         a = f"{self.act.elem.name}/{self.act.scale_rule.value}" if self.act else "bf16"
