@@ -345,12 +345,8 @@ if HAVE_GLUON:
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [8, D], q_desc.layout)
         p_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, BLOCK_N], gl.float16)
         p_smem = gl.allocate_shared_memory(gl.float16, [2, 8, BLOCK_N], p_l)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], hopper.mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], hopper.mbarrier.MBarrierLayout())
+        ready, empty = gluon_api.ring_barriers(STAGES)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], hopper.mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
-            hopper.mbarrier.init(ready.index(s), count=1)
-            hopper.mbarrier.init(empty.index(s), count=1)
         hopper.mbarrier.init(q_bar, count=1)
         # one argument list for both partitions (Gluon's workers share a signature); inline, so
         # the constexprs stay constexprs
@@ -368,9 +364,7 @@ if HAVE_GLUON:
             [1],
             [LOADER_REGS],
         )  # fmt: skip
-        for s in gl.static_range(STAGES):
-            hopper.mbarrier.invalidate(ready.index(s))
-            hopper.mbarrier.invalidate(empty.index(s))
+        gluon_api.invalidate_ring(ready, empty, STAGES)
         hopper.mbarrier.invalidate(q_bar)
 
 else:  # pragma: no cover

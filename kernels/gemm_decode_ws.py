@@ -292,11 +292,7 @@ if HAVE_GLUON:
             xs_smem = gl.allocate_shared_memory(gl.int32, [2, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         else:
             x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES * (128 // BOX), BLOCK_M, BOX], x_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], hopper.mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], hopper.mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
-            hopper.mbarrier.init(ready.index(s), count=1)
-            hopper.mbarrier.init(empty.index(s), count=1)
+        ready, empty = gluon_api.ring_barriers(STAGES)
         if FUSE_X:
             gl.warp_specialize(
                 [
@@ -319,9 +315,7 @@ if HAVE_GLUON:
                 [1],
                 [LOADER_REGS],
             )  # fmt: skip
-        for s in gl.static_range(STAGES):
-            hopper.mbarrier.invalidate(ready.index(s))
-            hopper.mbarrier.invalidate(empty.index(s))
+        gluon_api.invalidate_ring(ready, empty, STAGES)
 
 else:  # pragma: no cover
     mx_decode_ws_kernel = gluon_api.unavailable("gemm_decode_ws")

@@ -239,11 +239,7 @@ if HAVE_GLUON:
         x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_X, BLOCK_K], x_desc.layout)
         w8_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_W, BLOCK_K], w_desc.layout)
         s_smem = gl.allocate_shared_memory(s_desc.dtype, [STAGES] + s_desc.block_type.shape, s_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], hopper.mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], hopper.mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
-            hopper.mbarrier.init(ready.index(s), count=1)
-            hopper.mbarrier.init(empty.index(s), count=2)  # one arrival per MMA warpgroup
+        ready, empty = gluon_api.ring_barriers(STAGES, 2)  # empty: one arrival per MMA warpgroup
         gl.warp_specialize(
             [
                 (_rs_mma, (x_smem, w8_smem, s_smem, ready, empty, b_ptr, y_ptr, M, N, stride_ym, off_m, off_n, n_k,
@@ -255,9 +251,7 @@ if HAVE_GLUON:
             [4, 1],
             [MMA_REGS, LOADER_REGS],
         )  # fmt: skip
-        for s in gl.static_range(STAGES):
-            hopper.mbarrier.invalidate(ready.index(s))
-            hopper.mbarrier.invalidate(empty.index(s))
+        gluon_api.invalidate_ring(ready, empty, STAGES)
 
 else:  # pragma: no cover
     mx_prefill_rs_kernel = gluon_api.unavailable("gemm_prefill_ws")

@@ -9,7 +9,8 @@ This module is the one place that imports Gluon. The kernel modules take ``gluon
 ``gl`` (the language), ``hopper`` (its sm_90 part: ``hopper.mbarrier``, ``hopper.tma``,
 ``hopper.warpgroup_mma``, ``hopper.warpgroup_mma_wait``, ``hopper.fence_async_shared``) and the
 host ``TensorDescriptor`` from here, define their Gluon kernels only where ``HAVE_GLUON`` and put
-``unavailable(name)`` in their place otherwise. Two guards keep a Triton with another Gluon API
+``unavailable(name)`` in their place otherwise; ``ring_barriers`` / ``invalidate_ring`` are the
+mbarriers of their TMA rings. Two guards keep a Triton with another Gluon API
 from breaking mxq:
 
 - at import, ``PROBLEM`` says why the kernels cannot be built with the installed Triton (None
@@ -65,6 +66,28 @@ DISABLED: dict[str, str] = {}
 WARNED: set[str] = set()  # what has been warned about once ("import", kernel names)
 
 
+if HAVE_GLUON:
+
+    @gluon.jit
+    def ring_barriers(STAGES: gl.constexpr, EMPTY_COUNT: gl.constexpr = 1):
+        """The mbarriers of a STAGES-deep TMA ring, allocated and initialized: ``ready`` (a stage's
+        TMA bytes have landed; one arrival, the loader's ``expect``) and ``empty`` (EMPTY_COUNT
+        consumers have released the stage)."""
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], hopper.mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], hopper.mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            hopper.mbarrier.init(ready.index(s), count=1)
+            hopper.mbarrier.init(empty.index(s), count=EMPTY_COUNT)
+        return ready, empty
+
+    @gluon.jit
+    def invalidate_ring(ready, empty, STAGES: gl.constexpr):
+        """``ring_barriers``' mbarriers invalidated, at the end of the kernel."""
+        for s in gl.static_range(STAGES):
+            hopper.mbarrier.invalidate(ready.index(s))
+            hopper.mbarrier.invalidate(empty.index(s))
+
+
 def unavailable(name: str):
     """What a kernel module puts in place of its Gluon kernel where ``HAVE_GLUON`` is false: a
     function that raises (dispatch never calls it: ``usable`` is false there)."""
@@ -114,6 +137,6 @@ def run_or_fall_back(name: str, run, fall_back):
 
 
 __all__ = [
-    "DISABLED", "HAVE_GLUON", "PROBLEM", "WARNED", "TensorDescriptor", "gl", "gluon", "hopper", "note_unavailable",
-    "run_or_fall_back", "unavailable", "usable",
+    "DISABLED", "HAVE_GLUON", "PROBLEM", "WARNED", "TensorDescriptor", "gl", "gluon", "hopper", "invalidate_ring",
+    "note_unavailable", "ring_barriers", "run_or_fall_back", "unavailable", "usable",
 ]  # fmt: skip
