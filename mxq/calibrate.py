@@ -40,7 +40,7 @@ from mxq.recipe import Recipe, RecipeError, TensorSpec, parse_recipe
 from mxq.reorder import Geometry, Permutations, ReorderError, permute_model
 
 __all__ = [
-    "LinearStats", "Calibration", "LayerPlan", "Plan", "PlanError",
+    "LinearStats", "Calibration", "LayerPlan", "ExpertsPlan", "Plan", "PlanError",
     "calibration_batches", "collect_statistics", "calibrate", "make_plan", "layer_sensitivity",
     "apply_plan", "load_plan", "save_plan", "block_spread",
 ]
@@ -235,6 +235,7 @@ class Calibration:
     sens_batches: list[torch.Tensor]
     provenance: dict
     batches: list[torch.Tensor] = field(default_factory=list)  # the calibration token ids (GPTQ reruns them)
+    experts: list[str] = field(default_factory=list)  # experts modules the recipe quantizes (no statistics: GPTQ only)
 
 
 def calibrate(
@@ -262,7 +263,8 @@ def calibrate(
     selected, kept = select_layers(model, recipe)
     from mxq.experts import experts_layers
 
-    moe = experts_layers(model)  # routed experts: cast directly by the converter, not planned per layer
+    moe = experts_layers(model)  # routed experts: no per-layer statistics or sensitivity; GPTQ rounds them
+    experts = [n for n in selected if n in moe]
     selected = [n for n in selected if n not in moe]
     n_s = min(sensitivity_samples, samples)
     sens_ids = torch.cat(batches)[:n_s, :sensitivity_seq_len]
@@ -275,7 +277,8 @@ def calibrate(
         "sensitivity_metric": "mean KL(bf16 || only this layer quantized, direct cast) of final logits, nats/token",
         "seconds": round(time.perf_counter() - t0, 1), "mxq_version": mxq.__version__, "torch_version": torch.__version__,
     }
-    return Calibration(recipe, Geometry.from_config(model.config), stats, selected, kept, sens, sens_batches, prov, batches)
+    return Calibration(recipe, Geometry.from_config(model.config), stats, selected, kept, sens, sens_batches, prov, batches,
+                       experts)
 
 
 # --- sensitivity -------------------------------------------------------------------------------
@@ -433,6 +436,30 @@ class LayerPlan:
         }
 
 
+EXPERTS_ROUNDINGS = ("gptq", "nearest")
+
+
+@dataclass
+class ExpertsPlan:
+    """One experts module: the recipe's specs for all its experts and, after GPTQ
+    (``mxq.gptq.round_plan``), how each expert's projections were rounded ("gptq", or "nearest"
+    for an expert that saw too few calibration tokens) and the tokens the router sent to each."""
+
+    weights: TensorSpec
+    activations: TensorSpec | None
+    rounding: dict[str, list[str]] = field(default_factory=dict)  # projection -> per expert
+    tokens: list[int] = field(default_factory=list)  # calibration tokens routed to each expert
+    sqnr_db: dict = field(default_factory=dict)  # projection -> {"weights_nearest"|"weights_gptq": per expert}
+
+    def to_dict(self) -> dict:
+        return {
+            "weights": self.weights.to_dict(),
+            "activations": self.activations.to_dict() | {"dynamic": True} if self.activations else None,
+            "rounding": self.rounding, "tokens": self.tokens,
+            "sqnr_db": {p: {k: [_jf(v) for v in vs] for k, vs in d.items()} for p, d in self.sqnr_db.items()},
+        }
+
+
 @dataclass
 class Plan:
     recipe: Recipe
@@ -446,12 +473,40 @@ class Plan:
     # the safetensors file written beside the plan's JSON.
     rounded: dict | None = None
     rounded_file: Path | None = None
+    experts: dict[str, ExpertsPlan] = field(default_factory=dict)  # experts modules the plan quantizes
+    # GPTQ-rounded experts: module -> projection -> (fp8 codes [E, N, K], E8M0 bytes [E, N, K/32])
+    rounded_experts: dict | None = None
+
+    def _read(self) -> None:
+        if self.rounded is None and self.rounded_file is not None:
+            self.rounded, self.rounded_experts = _read_rounded(self.rounded_file, self)
 
     def rounded_weight(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The stored codes and scales of a GPTQ-rounded layer, or None (direct cast)."""
-        if self.rounded is None and self.rounded_file is not None:
-            self.rounded = _read_rounded(self.rounded_file)
+        self._read()
         return (self.rounded or {}).get(name)
+
+    def rounded_expert_weight(self, module: str, projection: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The stored codes [E, N, K] and scales [E, N, K/32] of one projection of a GPTQ-rounded
+        experts module, or None (direct cast)."""
+        self._read()
+        return (self.rounded_experts or {}).get(module, {}).get(projection)
+
+    @property
+    def quantized_experts(self) -> dict[str, tuple[TensorSpec, TensorSpec | None]]:
+        return {n: (ep.weights, ep.activations) for n, ep in self.experts.items()}
+
+    def experts_summary(self) -> dict | None:
+        """How many experts' projections got GPTQ and how many were cast directly (None without experts)."""
+        if not self.experts:
+            return None
+        out = {"modules": len(self.experts), "experts": sum(len(ep.tokens) for ep in self.experts.values()),
+               "gptq": {}, "nearest": {}}  # fmt: skip
+        for ep in self.experts.values():
+            for proj, r in ep.rounding.items():
+                for k in EXPERTS_ROUNDINGS:
+                    out[k][proj] = out[k].get(proj, 0) + r.count(k)
+        return out
 
     @property
     def kept(self) -> dict[str, str]:
@@ -467,7 +522,7 @@ class Plan:
             "provenance": self.calibration, "choices": self.choices,
             "permutations_folded": self.permutations.summary(),
             "kept_bf16": sorted(self.kept),
-        }
+        } | ({"experts_rounding": self.experts_summary()} if self.experts else {})
 
     def to_dict(self) -> dict:
         rec = self.recipe.to_dict()
@@ -476,7 +531,9 @@ class Plan:
             "choices": self.choices, "calibration": self.calibration,
             "layers": {n: lp.to_dict() for n, lp in sorted(self.layers.items())},
             "permutations": self.permutations.to_dict(), "statistics": self.statistics,
-        } | ({"rounded_weights": {"file": None, "layers": len(self.rounded or {})}} if self.rounded or self.rounded_file else {})
+        } | ({"experts": {n: ep.to_dict() for n, ep in sorted(self.experts.items())}} if self.experts else {}) \
+          | ({"rounded_weights": {"file": None, "layers": len(self.rounded or {}), "experts": len(self.rounded_experts or {})}}
+             if self.rounded or self.rounded_experts or self.rounded_file else {})  # fmt: skip
 
 
 def _jf(v):
@@ -486,6 +543,7 @@ def _jf(v):
 def save_plan(plan: Plan, path: str | os.PathLike) -> Path:
     """Write the plan as JSON; GPTQ codes, if any, go to ``<stem>.safetensors`` beside it."""
     path = Path(path)
+    plan._read()  # codes read from an earlier file are written again under the new name
     d = plan.to_dict()
     if "rounded_weights" in d:
         from safetensors.torch import save_file
@@ -497,6 +555,9 @@ def save_plan(plan: Plan, path: str | os.PathLike) -> Path:
         for name in sorted(plan.rounded or {}):
             data, scales = plan.rounded_weight(name)
             tensors[name + ".weight"], tensors[name + ".weight_scale"] = data.contiguous(), scales.contiguous()
+        for name, projs in sorted((plan.rounded_experts or {}).items()):
+            for proj, (data, scales) in projs.items():  # as a fused checkpoint names them: <module>.<proj>[_scale]
+                tensors[f"{name}.{proj}"], tensors[f"{name}.{proj}_scale"] = data.contiguous(), scales.contiguous()
         wtmp = wfile.with_name(wfile.name + ".tmp")
         save_file(tensors, str(wtmp), metadata={"format": "pt", "mxq_plan": path.name})
         os.replace(wtmp, wfile)
@@ -507,22 +568,40 @@ def save_plan(plan: Plan, path: str | os.PathLike) -> Path:
     return path
 
 
-def _read_rounded(path: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def _read_rounded(path: Path, plan: Plan | None = None) -> tuple[dict, dict]:
+    """The GPTQ codes beside a plan: Linear layers (``<layer>.weight`` with ``<layer>.weight_scale``)
+    and experts (``<module>.<proj>`` fp8 [E, N, K] with ``<module>.<proj>_scale`` uint8 [E, N, K/32]
+    for a module of ``plan.experts``)."""
     from mxq.checkpoint import CheckpointError, read_header, read_tensor
+    from mxq.experts import GATED, UNGATED
 
     try:
         infos, _ = read_header(path)
     except (CheckpointError, OSError) as e:
         raise PlanError(f"{path}: GPTQ codes of the plan: {e}") from None
-    out = {}
+    out, experts = {}, {}
     for key, info in infos.items():
-        if key.endswith(".weight_scale"):
+        if key.endswith("_scale"):
+            if key[: -len("_scale")] not in infos:
+                raise PlanError(f"{path}: {key}: a scale without its codes ({key[: -len('_scale')]})")
+            continue
+        module, _, proj = key.rpartition(".")
+        if proj in GATED + UNGATED and plan is not None and module in plan.experts:
+            if key + "_scale" not in infos:
+                raise PlanError(f"{path}: {key}: expected the experts' codes with their {key}_scale")
+            data, scales = read_tensor(info), read_tensor(infos[key + "_scale"])
+            e, n, k = data.shape if data.dim() == 3 else (0, 0, 0)
+            want = plan.experts[module].weights.elem.torch_dtype
+            if data.dim() != 3 or data.dtype != want or scales.dtype != torch.uint8 or tuple(scales.shape) != (e, n, k // 32) or k % 32:
+                raise PlanError(f"{path}: {key}: expected {want} codes [E, N, K] with uint8 scales [E, N, K/32], got "
+                                f"{data.dtype}{list(data.shape)} / {scales.dtype}{list(scales.shape)}")  # fmt: skip
+            experts.setdefault(module, {})[proj] = (data, scales)
             continue
         if not key.endswith(".weight") or key[: -len(".weight")] + ".weight_scale" not in infos:
             raise PlanError(f"{path}: {key}: expected <layer>.weight with its <layer>.weight_scale")
         name = key[: -len(".weight")]
         out[name] = (read_tensor(info), read_tensor(infos[name + ".weight_scale"]))
-    return out
+    return out, experts
 
 
 def load_plan(path: str | os.PathLike) -> Plan:
@@ -596,7 +675,27 @@ def parse_plan(data, where: str = "<plan>") -> Plan:
         raise PlanError(str(e)) from None
     except ValueError as e:
         raise PlanError(f"{where}: permutations: layer keys must be integers ({e})") from None
-    return Plan(recipe, geom, layers, perms, data.get("statistics", {}), data.get("calibration", {}), data.get("choices", {}))
+    experts = {name: _parse_experts(d, f"experts[{name!r}].", where) for name, d in data.get("experts", {}).items()}
+    return Plan(recipe, geom, layers, perms, data.get("statistics", {}), data.get("calibration", {}), data.get("choices", {}),
+                experts=experts)
+
+
+def _parse_experts(d, at: str, where: str) -> ExpertsPlan:
+    if not isinstance(d, dict) or not isinstance(d.get("weights"), dict):
+        raise PlanError(f"{where}: {at}weights: expected an object")
+    try:
+        w = TensorSpec.from_dict(d["weights"])
+        a = TensorSpec.from_dict(d["activations"]) if d.get("activations") is not None else None
+    except (KeyError, ValueError, TypeError) as e:
+        raise PlanError(f"{where}: {at}weights/activations: {str(e).strip(chr(39))}") from None
+    rounding, tokens = d.get("rounding", {}), d.get("tokens", [])
+    if not isinstance(tokens, list) or not all(type(t) is int and t >= 0 for t in tokens):
+        raise PlanError(f"{where}: {at}tokens: expected a list of token counts, one per expert")
+    if not isinstance(rounding, dict) or not all(
+        isinstance(r, list) and len(r) == len(tokens) and all(v in EXPERTS_ROUNDINGS for v in r) for r in rounding.values()
+    ):
+        raise PlanError(f"{where}: {at}rounding: expected per projection one of {EXPERTS_ROUNDINGS} per expert ({len(tokens)})")
+    return ExpertsPlan(w, a, rounding, tokens, dict(d.get("sqnr_db", {})))
 
 
 # --- choosing ------------------------------------------------------------------------------------
@@ -653,7 +752,11 @@ def make_plan(
     notes: dict = {}
     candidate_sqnr: dict[str, dict] = {}  # every order tried, kept or not: what reordering could buy
 
-    if reorder and residual:
+    from mxq.experts import experts_layers, structure
+
+    if reorder and residual and experts_layers(model):
+        notes["residual_skipped"] = "routers and experts read the residual stream; mxq.reorder folds no permutation into them"
+    elif reorder and residual:
         readers = [n for n in sel if n.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")]
         if readers:
             score = torch.zeros(geom.hidden_size, dtype=torch.float64)
@@ -673,7 +776,11 @@ def make_plan(
     if reorder:
         for n in sel:
             leaf, i = n.rsplit(".", 1)[-1], _layer_index(n)
-            if leaf not in ("down_proj", "o_proj"):
+            # only where mxq.reorder folds the permutation into the producer: a dense MLP's gate/up
+            # (not a shared expert's) and v_proj (not an MLA attention's kv projection)
+            if leaf not in ("down_proj", "o_proj") or n != f"model.layers.{i}.{'mlp' if leaf == 'down_proj' else 'self_attn'}.{leaf}":
+                continue
+            if leaf == "o_proj" and f"model.layers.{i}.self_attn.v_proj" not in lins:
                 continue
             st, w = cal.stats[n], lins[n].weight
             if leaf == "down_proj":
@@ -722,8 +829,10 @@ def make_plan(
     for rank, n in enumerate(ranking[:n_keep]):
         layers[n].keep_bf16 = True
         layers[n].reason = f"sensitivity rank {rank + 1} (KL {cal.sensitivity[n]:.3g})"
+    plain = {lay.name for lay in structure(model) if lay.role == "linear"}
     for n, why in cal.kept_by_recipe.items():
-        layers.setdefault(n, LayerPlan(rec.weights, act, True, why))
+        if n in plain:  # routers and shared-expert gates are kept by every recipe; the plan lists Linear layers
+            layers.setdefault(n, LayerPlan(rec.weights, act, True, why))
 
     stats = {n: s.summary() for n, s in cal.stats.items()}
     for n in sel:
@@ -736,7 +845,8 @@ def make_plan(
         "sqnr_basis": "output SQNR on the sampled calibration rows, weights and activations quantized",
         **notes,
     }
-    return Plan(rec, geom, layers, perms, stats, dict(cal.provenance), choices)
+    experts = {n: ExpertsPlan(rec.weights, rec.activations) for n in cal.experts}
+    return Plan(rec, geom, layers, perms, stats, dict(cal.provenance), choices, experts=experts)
 
 
 def _keep_for_bytes(model: nn.Module, ranking: list[str], percent: float) -> tuple[int, int, int]:
@@ -788,8 +898,11 @@ def _keep_for_budget(model, settings, perms, ranking, batches, max_dppl, at_leas
 # --- applying a plan in memory -----------------------------------------------------------------
 
 def apply_plan(model: nn.Module, plan: Plan) -> nn.Module:
-    """Fold the plan's permutations into a bf16 model and swap its layers for MXLinear (in place)."""
-    from mxq.config import native_config
+    """Fold the plan's permutations into a bf16 model and swap its layers for MXLinear and its
+    experts modules for MXExperts (in place; direct cast, so a model rounded by
+    ``mxq.gptq.round_plan`` gets the plan's GPTQ codes)."""
+    from mxq.config import experts_entry, native_config
+    from mxq.experts import experts_layers, quantize_experts
     from mxq.hf import MXQConfig
     from mxq.linear import MXLinear
 
@@ -800,11 +913,19 @@ def apply_plan(model: nn.Module, plan: Plan) -> nn.Module:
     for n in plan.layers:
         if n not in lins:
             raise PlanError(f"plan: layers[{n!r}]: the model has no Linear layer of this name")
+    moe = experts_layers(model)
+    for n in plan.experts:
+        if n not in moe:
+            raise PlanError(f"plan: experts[{n!r}]: the model has no experts module of this name")
     permute_model(model, plan.permutations)
     for n, (w, a) in plan.quantized.items():
         parent_name, _, child = n.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, MXLinear.from_linear(getattr(parent, child), w, a))
-    cfg = native_config(plan.recipe, plan.quantized, sorted(set(lins) - set(plan.quantized)), calibration=plan.config_section())
+    for n, (w, a) in plan.quantized_experts.items():
+        quantize_experts(model, [n], w, a, plan.recipe.block_size)
+    experts = {n: experts_entry(moe[n], w, a) for n, (w, a) in plan.quantized_experts.items()}
+    cfg = native_config(plan.recipe, plan.quantized, sorted(set(lins) - set(plan.quantized)), calibration=plan.config_section(),
+                        experts=experts or None)  # fmt: skip
     model.config.quantization_config = MXQConfig.from_dict(cfg)
     return model

@@ -62,6 +62,9 @@ SensSeqLen = Annotated[int, typer.Option("--sensitivity-seq-len", help="Tokens o
 DATASET_HELP = "Calibration text: wikitext2, pydoc, or a .txt/.jsonl/.parquet file."
 Rounding = Annotated[str, typer.Option(
     "--rounding", help="Weight codes: gptq (chosen jointly against the calibration inputs, layer by layer) or nearest (direct cast).")]
+ExpertsAllTokens = Annotated[bool, typer.Option(
+    "--experts-all-tokens", help="With --rounding gptq: build every routed expert's Hessians from every calibration token, "
+    "not only those its router sends it (the layer outputs still follow the router), so that no expert is cast directly for want of tokens.")]
 
 
 def _version(value: bool) -> None:
@@ -203,6 +206,7 @@ def quantize_cmd(
     sensitivity_samples: SensSamples = 2,
     sensitivity_seq_len: SensSeqLen = 256,
     rounding: Rounding = "gptq",
+    experts_all_tokens: ExpertsAllTokens = False,
 ) -> None:
     """Quantize a model to MXFP8 and write a safetensors checkpoint."""
     from mxq.convert import quantize_checkpoint
@@ -214,9 +218,9 @@ def quantize_cmd(
         raise typer.BadParameter(f"--scale-dtype must be u8 or e8m0, got {scale_dtype!r}")
     if calibrate and plan is not None:
         raise typer.BadParameter("pass --calibrate or --plan, not both")
-    if not calibrate and (dataset or keep_bf16 or max_dppl is not None or keep_bytes is not None or plan_out):
+    if not calibrate and (dataset or keep_bf16 or max_dppl is not None or keep_bytes is not None or plan_out or experts_all_tokens):
         raise typer.BadParameter(
-            "--dataset, --keep-bf16, --max-dppl, --keep-bytes and --plan-out go with --calibrate"
+            "--dataset, --keep-bf16, --max-dppl, --keep-bytes, --plan-out and --experts-all-tokens go with --calibrate"
         )
     cplan = None
     if plan is not None:
@@ -233,7 +237,8 @@ def quantize_cmd(
     if calibrate:
         if not dataset:
             raise typer.BadParameter("--calibrate needs --dataset")
-        cplan = _run_calibration(model, rec, dataset, samples, seq_len, keep_bf16, max_dppl, reorder, scale_search, device, sensitivity_samples, sensitivity_seq_len, rounding, keep_bytes)
+        cplan = _run_calibration(model, rec, dataset, samples, seq_len, keep_bf16, max_dppl, reorder, scale_search, device, sensitivity_samples, sensitivity_seq_len, rounding, keep_bytes,
+                                 experts_all_tokens)
         if plan_out:
             from mxq.calibrate import save_plan
 
@@ -274,6 +279,7 @@ def _run_calibration(
     sensitivity_seq_len: int = 256,
     rounding: str = "gptq",
     keep_bytes: float | None = None,
+    experts_all_tokens: bool = False,
 ):
     import torch
 
@@ -290,6 +296,8 @@ def _run_calibration(
         raise typer.BadParameter(f"--rounding {rounding!r}: expected one of {', '.join(ROUNDINGS)}")
     if rounding == "gptq" and rec.weights.scale_rule.value not in ("rceil", "mse"):
         raise typer.BadParameter(f"--rounding gptq: recipe {rec.name!r} uses scale_rule {rec.weights.scale_rule.value!r}; gptq takes rceil or mse (or pass --rounding nearest)")
+    if experts_all_tokens and rounding != "gptq":
+        raise typer.BadParameter("--experts-all-tokens goes with --rounding gptq")
     texts = load_texts(dataset, max_chars=chars_for_tokens(samples * seq_len))  # a text file: only what the windows need
     m, tok = load_model(model, device=resolve_device(device), dtype=torch.bfloat16)
     cal = calibrate(
@@ -310,7 +318,7 @@ def _run_calibration(
     if rounding == "gptq":
         from mxq.gptq import round_plan
 
-        round_plan(m, p, cal.batches)
+        round_plan(m, p, cal.batches, experts_all_tokens=experts_all_tokens)
     else:
         p.choices["rounding"] = "nearest"
     _print_plan(p)
@@ -345,6 +353,10 @@ def _print_plan(p) -> None:
             v = [lp.sqnr_db[key] for lp in q if key in lp.sqnr_db]
             if v:  # weights_* only after GPTQ
                 t.add_row(f"mean output SQNR dB, {key}", f"{sum(v) / len(v):.3f}")
+    ex = p.experts_summary()
+    if ex and ex["gptq"]:
+        for proj in ex["gptq"]:
+            t.add_row(f"experts {proj}: GPTQ / direct cast (too few tokens)", f"{ex['gptq'][proj]} / {ex['nearest'][proj]}")
     console.print(t)
     kept = sorted(
         ((n, lp) for n, lp in p.layers.items() if lp.keep_bf16 and lp.sensitivity_kl is not None),
@@ -380,6 +392,7 @@ def calibrate_cmd(
         "cpu", "--device", help="Where to run the model: cpu, cuda or auto."
     ),
     rounding: Rounding = "gptq",
+    experts_all_tokens: ExpertsAllTokens = False,
 ) -> None:
     """Run calibration text through the bf16 model and write a plan for `mxq quantize --plan`."""
     from mxq.calibrate import save_plan
@@ -400,6 +413,7 @@ def calibrate_cmd(
         sensitivity_seq_len,
         rounding,
         keep_bytes,
+        experts_all_tokens,
     )
     save_plan(p, out)
     console.print(f"plan written to {out}")

@@ -522,8 +522,9 @@ def quantize_checkpoint(
             if et is not None:
                 from mxq.experts import canonical
 
-                data, scales, sqnr = _quantize_weight(name, canonical(tensor, et.transposed) if tensor.dim() == 3 else tensor,
-                                                      et.spec, recipe.block_size, device)  # fmt: skip
+                w = canonical(tensor, et.transposed) if tensor.dim() == 3 else tensor
+                got = _rounded_expert_weight(name, w, et, cplan, recipe.block_size) if cplan is not None else None
+                data, scales, sqnr = got if got is not None else _quantize_weight(name, w, et.spec, recipe.block_size, device)
                 writer.write(name, data)
                 writer.write(et.scale_name, scales)
                 after = data.numel() + scales.numel()
@@ -623,6 +624,51 @@ def _rounded_weight(name: str, w: torch.Tensor, rounded, spec: TensorSpec, block
             f"do not fit the source tensor {list(w.shape)} ({spec.elem.name}); a plan for another model?"
         )
     deq = MXTensor(data, scales, data.shape, 1, block_size, spec.elem).dequantize()
+    return data, scales, sqnr_db(w.float(), deq)
+
+
+_PER_EXPERT = re.compile(r"\.(\d+)\.([^.]+)\.weight$")
+# a per-expert tensor's rows in its module's codes: gate_up rows [:I] are gate_proj/w1, [I:] up_proj/w3
+_PER_EXPERT_ROWS = {"gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+                    "w3": ("gate_up_proj", 1), "down_proj": ("down_proj", None), "w2": ("down_proj", None)}  # fmt: skip
+
+
+def _rounded_expert_weight(name: str, w: torch.Tensor, et: _ExpertTensor, cplan, block_size: int):
+    """The plan's GPTQ codes for the expert tensor ``name`` (``w``: its source values, [E, N, K] for
+    a fused tensor, [N, K] for one expert's), or None where the plan has none (direct cast): a
+    fused tensor takes its projection's codes whole, a per-expert one the rows of its expert."""
+    from mxq.formats import MXTensor
+
+    m = _PER_EXPERT.search(name)
+    if w.dim() == 3:
+        proj, e, half = name.rpartition(".")[2], None, None
+    elif m is not None and m.group(2) in _PER_EXPERT_ROWS:
+        (proj, half), e = _PER_EXPERT_ROWS[m.group(2)], int(m.group(1))
+    elif any(cplan.rounded_expert_weight(et.module, p) is not None for p in ("gate_up_proj", "up_proj", "down_proj")):
+        raise ConversionError(f"plan: GPTQ codes of {et.module}: no rule maps the expert tensor {name} to them")
+    else:
+        return None
+    rounded = cplan.rounded_expert_weight(et.module, proj)
+    if rounded is None and proj == "gate_up_proj":  # experts without a gate: up_proj is the whole first projection
+        rounded, half = cplan.rounded_expert_weight(et.module, "up_proj"), None
+    if rounded is None:
+        return None
+    data, scales = rounded
+    if e is not None:
+        if e >= data.shape[0]:
+            raise ConversionError(f"plan: GPTQ codes of {et.module}.{proj} hold {data.shape[0]} experts; {name} is expert {e}")
+        data, scales = data[e], scales[e]
+        if half is not None:
+            rows = data.shape[0] // 2
+            data, scales = data[half * rows : (half + 1) * rows], scales[half * rows : (half + 1) * rows]
+    if data.dtype != et.spec.elem.torch_dtype or data.shape != w.shape or scales.dtype != torch.uint8 \
+            or tuple(scales.shape) != (*w.shape[:-1], w.shape[-1] // block_size):
+        raise ConversionError(
+            f"plan: GPTQ codes of {name}: {data.dtype}{list(data.shape)} / {scales.dtype}{list(scales.shape)} "
+            f"do not fit the source tensor {list(w.shape)} ({et.spec.elem.name}); a plan for another model?"
+        )
+    data, scales = data.contiguous(), scales.contiguous()
+    deq = MXTensor(data, scales, data.shape, data.dim() - 1, block_size, et.spec.elem).dequantize()
     return data, scales, sqnr_db(w.float(), deq)
 
 
