@@ -33,7 +33,6 @@ from mxq.kernels.common import (
     gdc_launch_dependents,
     hw_cvt,
     mx_fast_exponent,
-    mx_round_dequant,  # noqa: F401  (transitional: see the end of the file)
     mx_scaled,
     pdl_ok,
     pow2_f32,
@@ -272,7 +271,3 @@ def fake_quantize_mx_rows(
 
 
 # Reference: mxq.kernels.reference.quantize_mx_rows / fake_quantize_mx_rows (the format core).
-
-# Transitional: the spellings kernels/moe.py imports from this module. They live in the kernel core
-# (``common``: RULE_ID, fp8_dtype, hw_cvt, mx_round_dequant); delete these once moe.py takes them there.
-_RULE_ID = RULE_ID
