@@ -409,7 +409,7 @@ def _round_expert_projection(w: torch.Tensor, rows_of, n_of, spec: TensorSpec, a
     h_shared = None
     for e in range(w.shape[0]):
         we = w[e]
-        if n_of(e) < min_tokens * k:
+        if n_of(e) == 0 or n_of(e) < min_tokens * k:
             we.copy_(fake_quantize_mx(we.float(), -1, spec.elem, 32, spec.scale_rule).to(we.dtype))
             out["rounding"].append("nearest")
             out["gptq_err"].append(None)

@@ -22,15 +22,15 @@ import torch
 from cli_helpers import run_cli
 from moe_models import moe_model
 from safetensors import safe_open
-from test_calibrate import TEXT
+from test_calibrate import TEXT, _CharTokenizer
 
 import mxq
-from mxq.calibrate import PlanError, load_plan, save_plan
+from mxq.calibrate import PlanError, apply_plan, calibrate, load_plan, make_plan, save_plan
 from mxq.checkpoint import checkpoint_files
 from mxq.convert import ConversionError, quantize_checkpoint
 from mxq.experts import MXExperts, experts_layers, quantize_experts, select_model_layers
 from mxq.formats import E4M3, ScaleRule, fake_quantize_mx
-from mxq.gptq import EXPERT_MIN_TOKENS, gptq_model, gptq_mx, hessian
+from mxq.gptq import EXPERT_MIN_TOKENS, gptq_model, gptq_mx, hessian, round_plan
 from mxq.recipe import TensorSpec, load_recipe
 
 W = TensorSpec(E4M3, ScaleRule.RCEIL)
@@ -261,6 +261,31 @@ def test_quantize_calibrate_writes_the_plans_expert_codes(tmp_path, family, toke
                            model.get_submodule(name).gate_up_proj.view(torch.uint8))  # fmt: skip
     ids = torch.randint(0, 256, (1, 9))
     assert torch.isfinite(model(ids).logits).all()
+
+
+def test_round_plan_then_converter_and_apply_plan_agree(tmp_path):
+    """The Python API: ``round_plan`` on a Mixtral (experts stored per expert on disk), the plan saved
+    and loaded, the converter's checkpoint and ``apply_plan`` on the rounded model hold the same
+    expert codes and compute the same logits."""
+    model = moe_model("mixtral")
+    model.save_pretrained(tmp_path / "src")
+    cal = calibrate(model, _CharTokenizer(256), TEXT, load_recipe("mxfp8"), samples=8, seq_len=64, sample_rows=64,
+                    sensitivity_samples=1, sensitivity_seq_len=16, progress=False)  # fmt: skip
+    plan = make_plan(model, cal, keep_bytes=0, progress=False)
+    rounded = copy.deepcopy(model)
+    round_plan(rounded, plan, _batches(2, 16), progress=False)
+    save_plan(plan, tmp_path / "plan.json")
+    quantize_checkpoint(tmp_path / "src", tmp_path / "mx", plan=tmp_path / "plan.json", progress=False)
+    loaded = mxq.load(tmp_path / "mx", dtype=torch.float32)
+    mem = apply_plan(rounded, load_plan(tmp_path / "plan.json"))
+    for name in plan.experts:
+        for proj in ("gate_up_proj", "down_proj"):
+            codes = plan.rounded_expert_weight(name, proj)[0].view(torch.uint8)
+            assert torch.equal(getattr(loaded.get_submodule(name), proj).view(torch.uint8), codes)
+            assert torch.equal(getattr(mem.get_submodule(name), proj).view(torch.uint8), codes)
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.allclose(loaded(ids).logits, mem(ids).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_plan_expert_codes_are_validated(tmp_path, tokenizer_dir):
