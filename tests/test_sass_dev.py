@@ -219,9 +219,10 @@ def test_decode_ws_waits_for_the_quantizer(tmp_path):
     assert "ACQBULK" in (tmp_path / "k.sass").read_text()
     import inspect
 
-    from mxq.kernels import quantize
+    from mxq.kernels import common, quantize
 
-    assert "griddepcontrol.launch_dependents" in inspect.getsource(quantize.quantize_rows_kernel.fn)
+    assert "gdc_launch_dependents()" in inspect.getsource(quantize.quantize_rows_kernel.fn)
+    assert "griddepcontrol.launch_dependents" in inspect.getsource(common.gdc_launch_dependents.fn)
 
 
 @needs_gluon
