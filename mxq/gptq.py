@@ -473,18 +473,41 @@ def _round_experts(name: str, mod: nn.Module, inputs: _ExpertsInputs, spec: tupl
     return stats
 
 
+def _expert_codes(w: torch.Tensor, spec: TensorSpec, codes: torch.Tensor | None = None,
+                  scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Direct cast of [E, N, K] one expert at a time (into ``codes``/``scales`` where given): casting
+    the whole tensor at once holds float32 temporaries of it (several GiB for one Qwen3-30B-A3B layer)."""
+    from mxq.experts import quantize_experts_weight
+
+    if codes is None:
+        codes = torch.empty(w.shape, dtype=spec.elem.torch_dtype, device=w.device)
+        scales = torch.empty((*w.shape[:-1], w.shape[-1] // 32), dtype=torch.uint8, device=w.device)
+    for e in range(w.shape[0]):
+        c, s = quantize_experts_weight(w[e], spec)
+        codes[e].copy_(c)
+        scales[e].copy_(s)
+    return codes, scales
+
+
 def _swap_in_mx_experts(model: nn.Module, experts: list[tuple[str, nn.Module]], specs: dict) -> list:
     """Replace rounded experts modules by ``MXExperts`` over their codes (direct cast of the rounded
     values reproduces them), so that the layer's output is what inference computes; returns what
     to put back."""
-    from mxq.experts import MXExperts
+    from mxq.experts import SCALE_SUFFIX, MXExperts, canonical, experts_layer
 
     swapped = []
     for name, mod in experts:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         wspec, act = specs[name]
-        setattr(parent, child, MXExperts.from_experts(mod, wspec, act))
+        info = experts_layer(name, mod)
+        mx = MXExperts(mod, elem=wspec.elem, act=act, dtype=mod._parameters[info.projections[0]].dtype)
+        for p in info.projections:
+            _expert_codes(canonical(mod._parameters[p].data, info.transposed), wspec, getattr(mx, p), getattr(mx, p + SCALE_SUFFIX))
+            b = mod._parameters.get(p + "_bias")
+            if b is not None:
+                getattr(mx, p + "_bias").copy_(b.detach())
+        setattr(parent, child, mx)
         swapped.append((parent, child, mod))
     return swapped
 
@@ -669,7 +692,7 @@ def round_plan(model: nn.Module, plan, batches: list[torch.Tensor], *, damp: flo
     writes them instead of direct-cast codes. ``experts_all_tokens``, ``expert_min_tokens``: as in
     ``gptq_model``.
     """
-    from mxq.experts import canonical, experts_layer, quantize_experts_weight
+    from mxq.experts import canonical, experts_layer
     from mxq.formats import quantize_mx
     from mxq.reorder import permute_model
 
@@ -695,7 +718,7 @@ def round_plan(model: nn.Module, plan, batches: list[torch.Tensor], *, damp: flo
         info = experts_layer(name, mods[name])
         rounded_experts[name] = {}
         for proj in info.projections:
-            codes, scales = quantize_experts_weight(canonical(mods[name]._parameters[proj].detach(), info.transposed), wspec)
+            codes, scales = _expert_codes(canonical(mods[name]._parameters[proj].detach(), info.transposed), wspec)
             rounded_experts[name][proj] = (codes.cpu(), scales.cpu())
         st = res.experts[name]
         ep = plan.experts[name]

@@ -377,3 +377,25 @@ def test_calibrated_moe_is_closer_to_bf16_on_held_out_tokens(family):
                            - want).norm() / want.norm()) for k in ("direct", "gptq")}  # fmt: skip
         print(family, n, "held-out relative output error", e)
         assert e["gptq"] < 0.9 * e["direct"], (n, e)
+
+
+def test_one_expert_hessian_at_a_time(monkeypatch):
+    """Per-expert Hessians are built and consumed one at a time: when one is built, none other is alive."""
+    import weakref
+
+    import mxq.gptq as gptq
+
+    alive, most = [], [0]
+    make = gptq.hessian
+
+    def tracked(x):
+        most[0] = max(most[0], sum(r() is not None for r in alive))
+        h = make(x)
+        alive.append(weakref.ref(h))
+        return h
+
+    monkeypatch.setattr(gptq, "hessian", tracked)
+    model = moe_model("qwen3_moe")
+    res = gptq_model(model, _batches(0), {n: SPEC for n in experts_layers(model)}, progress=False)
+    assert len(alive) == 2 * 2 * 4 - sum(v for v in res.experts_summary()["nearest"].values())
+    assert most[0] == 0
