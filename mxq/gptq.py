@@ -359,7 +359,7 @@ class _ExpertsInputs:
         return torch.cat(parts)
 
 
-def _capture_experts(name: str, mod: nn.Module, inputs: _ExpertsInputs, router: nn.Module | None) -> list:
+def _capture_experts(mod: nn.Module, inputs: _ExpertsInputs, router: nn.Module | None) -> list:
     """Hooks that fill ``inputs`` from the experts module's calls (both calling conventions)."""
     def on_call(m, args, kwargs):
         x = args[0] if args else kwargs["hidden_states"]
@@ -614,7 +614,7 @@ def gptq_model(
                 seen: dict[str, _ExpertsInputs] = {}
                 for name, mod in experts:
                     seen[name] = _ExpertsInputs(int(mod._parameters["down_proj"].shape[0]), experts_all_tokens)
-                    hooks += _capture_experts(name, mod, seen[name], _router_of(model, name))
+                    hooks += _capture_experts(mod, seen[name], _router_of(model, name))
                 for group in groups:
                     name, lin = group[0]
                     act = specs[name][1] if quantized_inputs else None
