@@ -341,10 +341,12 @@ def test_gpu_experts_fast_path_against_the_reference(recipe, tokens):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     for family in ("qwen3_moe", "gpt_oss"):
-        model = mxq.quantize_model(moe_model(family, dtype=torch.bfloat16).cuda(), recipe)
+        # float32 activations: the two paths then differ only in accumulation order, and no MX
+        # rounding of an activation sits on a boundary that a bf16 output rounding could move
+        model = mxq.quantize_model(moe_model(family).cuda(), recipe)
         ids = torch.randint(0, 256, (1, tokens), device="cuda")
         with torch.no_grad():
             fast = model(ids).logits.float()
             mxq.set_kernels(model, "reference")
             ref = model(ids).logits.float()
-        assert ((fast - ref).norm() / ref.norm()) < 1e-2, family
+        assert ((fast - ref).norm() / ref.norm()) < 2e-3, family
