@@ -166,10 +166,12 @@ class MXExperts(nn.Module):
         dtype = source._parameters[info.projections[0]].dtype
         m = cls(source, elem=weights.elem, act=act, block_size=block_size, dtype=dtype, kernels=kernels)
         with torch.no_grad():
-            for p in info.projections:
-                codes, scales = quantize_experts_weight(canonical(source._parameters[p].detach(), info.transposed), weights, block_size)
-                getattr(m, p).copy_(codes)
-                getattr(m, p + SCALE_SUFFIX).copy_(scales)
+            for p in info.projections:  # one expert at a time: no float32 copy of the whole module
+                w = canonical(source._parameters[p].detach(), info.transposed)
+                for e in range(info.num_experts):
+                    codes, scales = quantize_experts_weight(w[e], weights, block_size)
+                    getattr(m, p)[e].copy_(codes)
+                    getattr(m, p + SCALE_SUFFIX)[e].copy_(scales)
                 b = source._parameters.get(p + "_bias")
                 if b is not None:
                     getattr(m, p + "_bias").copy_(b.detach())
