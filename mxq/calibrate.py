@@ -48,7 +48,6 @@ __all__ = [
 PLAN_FORMAT = "mxq-plan"
 PLAN_VERSION = 1
 HIST_LO, HIST_HI = -40, 40  # log2 block-amax histogram range; the ends collect everything beyond
-PERM_CANDIDATES = ("absmax", "rms", "absmax_x_weight")
 
 
 class PlanError(ValueError):
@@ -608,11 +607,15 @@ def load_plan(path: str | os.PathLike) -> Plan:
     """Read and validate a plan file; errors are one line naming the file and the key."""
     where = str(path)
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise PlanError(f"{where}: plan file not found") from None
-    except json.JSONDecodeError as e:
-        raise PlanError(f"{where}: not valid JSON ({e})") from None
+    except IsADirectoryError:
+        raise PlanError(f"{where}: a directory, not a plan file (the JSON `mxq calibrate` writes)") from None
+    except UnicodeDecodeError:
+        raise PlanError(f"{where}: not a plan (binary, not UTF-8 JSON text; `mxq calibrate` writes plans as JSON)") from None
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise PlanError(f"{where}: not valid JSON ({str(e)[:120] or type(e).__name__})") from None
     plan = parse_plan(data, where)
     rw = data.get("rounded_weights")
     if rw is not None:

@@ -55,7 +55,7 @@ class TensorInfo:
         return DTYPES[self.dtype]
 
 
-def _itemsize(dtype: str) -> int:
+def itemsize(dtype: str) -> int:
     return torch.empty((), dtype=DTYPES[dtype]).element_size()
 
 
@@ -96,7 +96,7 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict]:
             raise CheckpointError(f"{path}: tensor {name}: unsupported dtype {dtype}")
         if not all(type(d) is int and 0 <= d < 2**63 for d in shape):
             raise CheckpointError(f"{path}: tensor {name}: bad shape {list(shape)[:8]}"[:300])
-        want = math.prod(shape) * _itemsize(dtype)
+        want = math.prod(shape) * itemsize(dtype)
         if not (type(b) is int and type(end) is int and 0 <= b <= end) or end - b != want:
             raise CheckpointError(f"{path}: tensor {name}: data offsets {[b, end]} do not fit {dtype}{list(shape)}")
         if end > data_len:
@@ -207,7 +207,7 @@ class PlannedTensor:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * _itemsize(self.dtype)
+        return math.prod(self.shape) * itemsize(self.dtype)
 
 
 class ShardWriter:

@@ -36,7 +36,6 @@ app.command("bench")(bench_cmd)
 from mxq.cli_tune import tune_cmd  # noqa: E402
 
 app.command("tune")(tune_cmd)
-_state = {"debug": False}
 
 # Options that `mxq calibrate` and `mxq quantize --calibrate` share: one definition each.
 ModelArg = Annotated[str, typer.Argument(
@@ -78,9 +77,9 @@ def _root(
     version: bool = typer.Option(
         False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
     ),
-    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors."),
+    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors (main() reads the flag)."),
 ) -> None:
-    _state["debug"] = debug
+    del debug  # declared here for --help; main() looks for it in argv before typer runs
 
 
 @app.command("formats")

@@ -567,9 +567,9 @@ def quantize_checkpoint(
 
 
 def _progress(src: _Source, enabled: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    from mxq.checkpoint import _itemsize
+    from mxq.checkpoint import itemsize
 
-    total = sum(torch.Size(s).numel() * _itemsize(d) for _, d, s in src.tensors)
+    total = sum(torch.Size(s).numel() * itemsize(d) for _, d, s in src.tensors)
     label = "quantize {task.fields[n]}/{task.fields[of]} tensors"
     with progress_bar(label, enabled=enabled, transfer=True) as bar:
         task = bar.add_task("quantize", total=total, n=0, of=len(src.tensors))

@@ -141,7 +141,7 @@ class MXExperts(nn.Module):
         self.family = type(source).__name__
         gate = getattr(type(source), "_apply_gate", None)
         if info.projections == GATED:  # the family's gate, bound to this module (reads act_fn, alpha, limit)
-            self._gate = types.MethodType(gate, self) if gate is not None else types.MethodType(_silu_gate, self)
+            self._gate = types.MethodType(gate, self) if gate is not None else types.MethodType(silu_gate, self)
         for k, v in vars(source).items():  # plain attributes the gate reads (not parameters or modules)
             if not k.startswith("_") and isinstance(v, _PLAIN_ATTRS) and not hasattr(self, k):
                 setattr(self, k, v)
@@ -247,7 +247,7 @@ class MXExperts(nn.Module):
         return f"{self.family}: {shapes}, weight={self.elem.name}, act={a}, bias={self.has_bias}"
 
 
-def _silu_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+def silu_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
     """act(gate)·up on [gate | up] columns: transformers' default gate (and Llama 4's)."""
     gate, up = gate_up.chunk(2, dim=-1)
     return self.act_fn(gate) * up

@@ -389,11 +389,11 @@ def _router_of(model: nn.Module, name: str) -> nn.Module | None:
 def _gate_of(mod: nn.Module, projections: tuple[str, ...]):
     """The function between the expert's two projections: the family's own gate (gpt-oss's clamped
     GLU on interleaved columns, ...) or act(gate)·up, or the activation alone without a gate."""
-    from mxq.experts import GATED, _silu_gate
+    from mxq.experts import GATED, silu_gate
 
     if projections != GATED:
         return mod.act_fn
-    gate = getattr(type(mod), "_apply_gate", None) or _silu_gate
+    gate = getattr(type(mod), "_apply_gate", None) or silu_gate
     return lambda h: gate(mod, h)
 
 

@@ -84,3 +84,12 @@ def test_nonfinite_high_precision_tensor_stops_the_run(tiny, tmp_path, where):
     assert rc == 0 and out.exists()
     rc, err = run_cli(["inspect", str(out)])
     assert rc != 0 and where in err
+
+
+def test_a_binary_plan_is_named(tiny, tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_bytes(b"\x80\x04\x95" + bytes(range(256)))  # a pickle's opening bytes
+    out = tmp_path / "out"
+    rc, err = run_cli(["quantize", str(tiny), str(out), "--plan", str(plan)])
+    _one_line(rc, err, plan)
+    assert "binary" in err and not out.exists()
