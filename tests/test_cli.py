@@ -199,5 +199,5 @@ def test_max_shard_size_must_be_positive(tmp_path, size):
     model = tmp_path / "model"
     _tiny_model(model)
     res = CliRunner().invoke(app, ["quantize", str(model), str(tmp_path / "out"), "--max-shard-size", size])
-    assert res.exit_code != 0 and "--max-shard-size must be a positive size" in res.output
+    assert res.exit_code != 0 and "--max-shard-size must be a finite positive size" in res.output
     assert not (tmp_path / "out").exists()

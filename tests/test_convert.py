@@ -612,7 +612,7 @@ def _first(header):
         (lambda h, d: (dict(h, __metadata__={"format": 1}), d), r"__metadata__ must map strings to strings"),
         (lambda h, d: (dict(h, __metadata__=["pt"]), d), r"__metadata__ must map strings to strings"),
         (lambda h, d: ({**h, _first(h): dict(h[_first(h)], shape=[2**64, 0])}, d), r"bad shape"),
-        (lambda h, d: ({**h, _first(h): dict(h[_first(h)], shape=[True, 1])}, d), r"bad shape"),
+        (lambda h, d: ({**h, _first(h): dict(h[_first(h)], shape=[True, 1])}, d), r"shape must be a list of integers"),
     ],
 )
 def test_malformed_headers_refused_alike_by_inspect_and_loader(tmp_path, llama_dir, edit, match):
