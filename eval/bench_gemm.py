@@ -245,30 +245,43 @@ def main(argv=None) -> int:
     p.add_argument("--no-quantize", action="store_true", help="skip the quantization bandwidth table")
     p.add_argument("--sweep-ms", default="1,16,64,2048", help="M values to sweep configs at")
     a = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_gemm needs a CUDA device", file=sys.stderr)
+    env = environment("bench_gemm")
+    if env is None:
         return 2
+    res = {"env": env}
+    if not a.no_quantize:
+        res["quantize"] = bench_quantize()
+    res["gemm"], res["sweep"] = bench_gemm(a.models.split(","), [int(v) for v in a.ms.split(",")], a.sweep, [int(v) for v in a.sweep_ms.split(",")])
+    return save_results(res, a.out, print_tables)
+
+
+def environment(bench: str) -> dict | None:
+    """A benchmark record's ``env``: device, versions and the ptxas the kernels will be compiled
+    with (chosen here, before any kernel compiles), printed as one JSON line; None, after saying
+    so, without a CUDA device."""
+    if not torch.cuda.is_available():
+        print(f"{bench} needs a CUDA device", file=sys.stderr)
+        return None
     import triton
 
     from mxq.kernels import toolchain
 
-    toolchain.configure_ptxas()  # the ptxas the kernels will be compiled with, for the record below
-
+    toolchain.configure_ptxas()
     ptxas = toolchain.triton_ptxas()
-    res = {
-        "env": dict(
-            device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
-            torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
-            python=platform.python_version(), date=datetime.date.today().isoformat(),
-            ptxas=f"{ptxas} {toolchain.ptxas_version(ptxas) if ptxas else None}",
-            pipelined_prefill=toolchain.wgmma_async_ok(),
-        ),
-    }  # fmt: skip
-    print(json.dumps(res["env"]), flush=True)
-    if not a.no_quantize:
-        res["quantize"] = bench_quantize()
-    res["gemm"], res["sweep"] = bench_gemm(a.models.split(","), [int(v) for v in a.ms.split(",")], a.sweep, [int(v) for v in a.sweep_ms.split(",")])
-    with open(a.out, "w") as f:
+    env = dict(
+        device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
+        torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
+        python=platform.python_version(), date=datetime.date.today().isoformat(),
+        ptxas=f"{ptxas} {toolchain.ptxas_version(ptxas) if ptxas else None}",
+        pipelined_prefill=toolchain.wgmma_async_ok(),
+    )  # fmt: skip
+    print(json.dumps(env), flush=True)
+    return env
+
+
+def save_results(res: dict, path: str, print_tables) -> int:
+    """Write the record as JSON, print its tables; the exit status."""
+    with open(path, "w") as f:
         json.dump(res, f, indent=1)
     print_tables(res)
     return 0

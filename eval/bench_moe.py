@@ -25,13 +25,11 @@ strongest baseline's time / mxq's, > 1 = mxq faster) and writes JSON with device
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
-import sys
 
 import torch
 
+from mxq.eval.bench_gemm import environment, save_results
 from mxq.formats import E4M3, ScaleRule
 from mxq.kernels.moe import GroupedDecodeConfig as D
 from mxq.kernels.moe import GroupedGemmConfig as G
@@ -70,22 +68,12 @@ def _try(fn, rep: int = 60):
         return f"error: {type(e).__name__}: {str(e)[:160]}"
 
 
-def _graph(calls):
-    """One CUDA graph replaying ``calls`` in order (each run once first: compiles outside capture)."""
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    return g
-
-
 def _graph_us(calls):
     """Median µs per call of ``calls`` timed as replays of one graph (no launch gaps)."""
+    from mxq.kernels.tune import capture_graph
+
     try:
-        g = _graph(calls)
+        g = capture_graph(calls)
         return _bench(g.replay, rep=40) / len(calls)
     except Exception as e:
         return f"error: {type(e).__name__}: {str(e)[:160]}"
@@ -309,35 +297,16 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default=",".join(map(str, BATCHES)), help="decode batch sizes (x top-8 rows)")
     p.add_argument("--sweep", action="store_true", help="also time every candidate tile")
     a = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_moe needs a CUDA device", file=sys.stderr)
+    env = environment("bench_moe")
+    if env is None:
         return 2
-    import triton
-
-    from mxq.kernels import toolchain
-
-    toolchain.configure_ptxas()  # the ptxas the kernels will be compiled with, for the record below
-    ptxas = toolchain.triton_ptxas()
-    res = {
-        "env": dict(
-            device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
-            torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
-            python=platform.python_version(), date=datetime.date.today().isoformat(),
-            ptxas=f"{ptxas} {toolchain.ptxas_version(ptxas) if ptxas else None}",
-            pipelined_prefill=toolchain.wgmma_async_ok(),
-        ),
-    }  # fmt: skip
-    print(json.dumps(res["env"]), flush=True)
-    res["copy_gbs"] = copy_bandwidth()
+    res = {"env": env, "copy_gbs": copy_bandwidth()}
     print(f"copy {res['copy_gbs']:.0f} GB/s", flush=True)
     if a.batches:
         res["decode"] = bench_decode([int(v) for v in a.batches.split(",")], res["copy_gbs"], a.sweep)
     if a.tokens:
         res["prefill"] = bench_prefill([int(v) for v in a.tokens.split(",")], a.sweep)
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=1)
-    print_tables(res)
-    return 0
+    return save_results(res, a.out, print_tables)
 
 
 if __name__ == "__main__":

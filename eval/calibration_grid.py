@@ -18,23 +18,34 @@ import copy
 import json
 import platform
 import time
+from typing import NamedTuple
 
 import torch
 
+
+class Variant(NamedTuple):
+    """One calibration choice: the recipe, the weights' rounding, layers kept in bf16 and whether
+    the GPTQ Hessians come from the MX-rounded inputs."""
+
+    recipe: str
+    rounding: str
+    keep_bf16: int = 0
+    quantized_inputs: bool = False
+
+
 VARIANTS = {
-    # name: (recipe, rounding, keep_bf16, Hessian from MX-rounded inputs)
-    "direct": ("mxfp8", "nearest", 0, False),
-    "gptq": ("mxfp8", "gptq", 0, False),
-    "gptq-actorder": ("mxfp8", "gptq-actorder", 0, False),
-    "gptq-qin": ("mxfp8", "gptq", 0, True),
-    "nearest+keep8": ("mxfp8", "nearest", 8, False),
-    "gptq+keep8": ("mxfp8", "gptq", 8, False),
-    "gptq+keep12": ("mxfp8", "gptq", 12, False),
-    "gptq+keep16": ("mxfp8", "gptq", 16, False),
-    "w8a16 direct": ("mxfp8-w8a16", "nearest", 0, False),
-    "w8a16 gptq": ("mxfp8-w8a16", "gptq", 0, False),
-    "attn direct": ("mxfp8-attn", "nearest", 0, False),
-    "attn gptq": ("mxfp8-attn", "gptq", 0, False),
+    "direct": Variant("mxfp8", "nearest"),
+    "gptq": Variant("mxfp8", "gptq"),
+    "gptq-actorder": Variant("mxfp8", "gptq-actorder"),
+    "gptq-qin": Variant("mxfp8", "gptq", quantized_inputs=True),
+    "nearest+keep8": Variant("mxfp8", "nearest", keep_bf16=8),
+    "gptq+keep8": Variant("mxfp8", "gptq", keep_bf16=8),
+    "gptq+keep12": Variant("mxfp8", "gptq", keep_bf16=12),
+    "gptq+keep16": Variant("mxfp8", "gptq", keep_bf16=16),
+    "w8a16 direct": Variant("mxfp8-w8a16", "nearest"),
+    "w8a16 gptq": Variant("mxfp8-w8a16", "gptq"),
+    "attn direct": Variant("mxfp8-attn", "nearest"),
+    "attn gptq": Variant("mxfp8-attn", "gptq"),
 }
 
 

@@ -327,19 +327,21 @@ def run_path(
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
-    *,
-    act_elem: ElemFormat | None = None,
-    act_rule: ScaleRule = ScaleRule.RCEIL,
-    block_size: int = 32,
+    **options,
 ) -> torch.Tensor:
     """The registered path ``name`` run on this call directly, whatever dispatch would choose
-    (tests run every path against the reference; benchmarks time one). No Gluon fall-back."""
+    (tests run every path against the reference; benchmarks time one). No Gluon fall-back.
+    ``options``: ``mx_linear_reference``'s keywords (``act_elem``, ``act_rule``, ``block_size``)."""
     path = LINEAR[name]
-    if act_elem is not None:
-        act_elem, act_rule = as_elem_format(act_elem), as_scale_rule(act_rule)
-    k = x.shape[-1]
-    x2 = x.reshape(-1, k)
-    p = LinearProblem.of(x2.shape[0], weight.shape[0], k, x2.dtype, act_elem, act_rule, block_size, x2.device,
-                         triton_runs(x2.device, name))
+    x2, p = _call_problem(x, weight, name, **options)
     y = path.run(p, x2, weight, weight_scale, bias, x.dtype)
     return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _call_problem(x, weight, spec: str, act_elem=None, act_rule=ScaleRule.RCEIL, block_size: int = 32):
+    """X as rows [M, K] and the ``LinearProblem`` of a call with these activation options."""
+    if act_elem is not None:
+        act_elem, act_rule = as_elem_format(act_elem), as_scale_rule(act_rule)
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2, LinearProblem.of(x2.shape[0], weight.shape[0], x2.shape[1], x2.dtype, act_elem, act_rule, block_size,
+                                x2.device, triton_runs(x2.device, spec))  # fmt: skip

@@ -8,6 +8,7 @@ import torch
 
 from mxq.formats import (
     E4M3,
+    E5M2,
     ElemFormat,
     MXTensor,
     ScaleRule,
@@ -46,8 +47,6 @@ def mx_linear_reference(
 
 def elem_of(weight: torch.Tensor) -> ElemFormat:
     """The element format of an MX weight, from its fp8 dtype."""
-    from mxq.formats import E4M3, E5M2
-
     if weight.dtype == torch.float8_e4m3fn:
         return E4M3
     if weight.dtype == torch.float8_e5m2:
