@@ -240,31 +240,13 @@ def _experts_on_disk(info, weights: dict) -> tuple[str, list[str]] | None:
 
 
 def _plan(src: _Source, recipe: Recipe, warn: Callable[[str], None], cplan=None) -> _Plan:
-    from mxq.config import ROLE_EXPERTS, experts_entry
-
-    layers_, moe, heads, emb = _skeleton(src.config)
+    """Every output tensor of the conversion: the layers from the model's structure (built on the
+    meta device) matched to the source's tensors, selected by the recipe, adjusted by the
+    calibration plan, then the input embedding and the routed experts; the layout in source order."""
+    structure, moe, heads, emb = _skeleton(src.config)
     weights = {name: (dtype, shape) for name, dtype, shape in src.tensors}
-    layers, on_disk = [], {}
-    for lay in layers_:
-        if lay.role == ROLE_EXPERTS:
-            where = _experts_on_disk(moe[lay.name], weights)
-            if where is None:
-                layers.append(LinearLayer(lay.name, lay.shape, role="custom_linear"))
-                kept_reason = "experts stored in a layout mxq does not read (neither fused 3-D nor numbered per-expert tensors)"
-                warn(f"keeping {lay.name} in its original dtype: {kept_reason}")
-                on_disk[lay.name] = kept_reason
-                continue
-            on_disk[lay.name] = where
-            dtype = weights[where[1][0]][0]
-            layers.append(LinearLayer(lay.name, lay.shape, dtype, role=ROLE_EXPERTS, ks=lay.ks))
-        elif lay.role != "linear" or lay.tied:
-            layers.append(lay)
-        elif lay.name + ".weight" in weights:
-            dtype, shape = weights[lay.name + ".weight"]
-            layers.append(LinearLayer(lay.name, tuple(shape), dtype))
-        else:
-            layers.append(LinearLayer(lay.name, tied="tied to another tensor (not in the checkpoint)"))
-    if not any(lay.role in ("linear", ROLE_EXPERTS) and lay.name not in heads for lay in layers):
+    layers, on_disk = _layers_on_disk(structure, moe, weights, warn)
+    if not any(lay.role in ("linear", "experts") and lay.name not in heads for lay in layers):
         raise ConversionError(
             f"architecture {getattr(src.config, 'model_type', '?')!r} has no torch.nn.Linear layers or experts "
             "besides its output head: nothing to quantize"
@@ -273,60 +255,107 @@ def _plan(src: _Source, recipe: Recipe, warn: Callable[[str], None], cplan=None)
         selected, kept = select_layers(layers, recipe, warn)
     except LayerSelectionError as e:
         raise ConversionError(str(e)) from None
-    for name, why in on_disk.items():
-        if isinstance(why, str):
-            kept[name] = why
+    kept.update({name: why for name, why in on_disk.items() if isinstance(why, str)})
     chosen_experts = [n for n in selected if n in moe]
     chosen = set(selected) - set(chosen_experts)
     if not chosen and not chosen_experts:
         raise ConversionError("no Linear layer or experts module is selected for quantization (check the recipe's include/exclude)")
     specs = {m: (recipe.weights, recipe.activations) for m in chosen}
     if cplan is not None:
-        linears = {lay.name for lay in layers_ if lay.role == "linear"}
-        for m in sorted(chosen):
-            lp = cplan.layers.get(m)
-            if lp is None:
-                raise ConversionError(f"plan: layers: no entry for {m!r}, which the recipe quantizes (a plan for another model?)")
-            if lp.keep_bf16:
-                chosen.discard(m)
-                kept[m] = f"kept in bf16 by the calibration plan: {lp.reason}"
-            else:
-                specs[m] = (lp.weights, lp.activations)
-        for m in cplan.layers:
-            if m not in linears:
-                raise ConversionError(f"plan: layers[{m!r}]: the model has no Linear layer of this name")
-    emb_choice = _plan_embedding(src, emb, recipe, warn, weights, chosen, kept, specs)
+        _apply_calibration(cplan, {lay.name for lay in structure if lay.role == "linear"}, chosen, kept, specs)
+    emb_choice = _plan_embedding(emb, recipe, warn, weights)
+    if emb_choice is not None:
+        if emb_choice.kept:
+            kept[emb.name] = emb_choice.kept
+        chosen.update(emb_choice.layers())
+        specs.update(emb_choice.layers())
+        for head in emb_choice.tied():  # a tied head shares the embedding's tensors: one copy, not kept
+            kept.pop(head, None)
+            src.tensors = [t for t in src.tensors if t[0] != head + ".weight"]
     plan = _Plan(chosen, kept, [], {m: specs[m] for m in chosen}, emb_choice)
-    for m, where in on_disk.items():
-        if not isinstance(where, str):
-            plan.experts_disk[m] = where[1]
+    plan.experts_disk = {m: where[1] for m, where in on_disk.items() if not isinstance(where, str)}
     for m in chosen_experts:
-        layout_kind, names = on_disk[m]
-        info = moe[m]
-        if layout_kind == "fused":
-            for n in names:
-                plan.expert_tensors[n] = _ExpertTensor(m, recipe.weights, info.transposed, n + "_scale")
-            stored = None
+        _plan_experts(plan, moe[m], on_disk[m], recipe)
+    plan.layout = _layout(src, plan, recipe)
+    _warn_uncovered(src, plan, structure, moe, heads, emb, warn)
+    return plan
+
+
+def _layers_on_disk(structure, moe, weights: dict, warn) -> tuple[list[LinearLayer], dict]:
+    """The model's layers as selection sees them, with the source's shapes and dtypes, and where
+    each experts module's tensors are on disk (``_experts_on_disk``; a reason string where mxq
+    cannot read them, and the module then stays as it is)."""
+    from mxq.config import ROLE_EXPERTS
+
+    layers, on_disk = [], {}
+    for lay in structure:
+        if lay.role == ROLE_EXPERTS:
+            where = _experts_on_disk(moe[lay.name], weights)
+            if where is None:
+                why = "experts stored in a layout mxq does not read (neither fused 3-D nor numbered per-expert tensors)"
+                warn(f"keeping {lay.name} in its original dtype: {why}")
+                on_disk[lay.name] = why
+                layers.append(LinearLayer(lay.name, lay.shape, role="custom_linear"))
+            else:
+                on_disk[lay.name] = where
+                layers.append(LinearLayer(lay.name, lay.shape, weights[where[1][0]][0], role=ROLE_EXPERTS, ks=lay.ks))
+        elif lay.role != "linear" or lay.tied:
+            layers.append(lay)
+        elif lay.name + ".weight" in weights:
+            dtype, shape = weights[lay.name + ".weight"]
+            layers.append(LinearLayer(lay.name, tuple(shape), dtype))
         else:
-            for n in names:
-                plan.expert_tensors[n] = _ExpertTensor(m, recipe.weights, False, n + "_scale")
-            stored = sorted({re.sub(r"\.(\d+)\.([^.]+)\.weight$", r".{e}.\2", n) for n in names})
-        plan.experts[m] = experts_entry(info, recipe.weights, recipe.activations, stored)
+            layers.append(LinearLayer(lay.name, tied="tied to another tensor (not in the checkpoint)"))
+    return layers, on_disk
+
+
+def _apply_calibration(cplan, linears: set[str], chosen: set, kept: dict, specs: dict) -> None:
+    """The calibration plan's per-layer choices: its specs replace the recipe's, its kept layers
+    leave ``chosen`` for ``kept``; a plan that names a layer the model lacks is refused."""
+    for m in sorted(chosen):
+        lp = cplan.layers.get(m)
+        if lp is None:
+            raise ConversionError(f"plan: layers: no entry for {m!r}, which the recipe quantizes (a plan for another model?)")
+        if lp.keep_bf16:
+            chosen.discard(m)
+            kept[m] = f"kept in bf16 by the calibration plan: {lp.reason}"
+        else:
+            specs[m] = (lp.weights, lp.activations)
+    for m in cplan.layers:
+        if m not in linears:
+            raise ConversionError(f"plan: layers[{m!r}]: the model has no Linear layer of this name")
+
+
+def _plan_experts(plan: _Plan, info, where: tuple[str, list[str]], recipe: Recipe) -> None:
+    """One quantized experts module: each of its source tensors and the config entry."""
+    from mxq.config import experts_entry
+
+    layout_kind, names = where
+    transposed = info.transposed and layout_kind == "fused"  # per-expert tensors are [N, K] already
+    for n in names:
+        plan.expert_tensors[n] = _ExpertTensor(info.name, recipe.weights, transposed, n + "_scale")
+    stored = None if layout_kind == "fused" else sorted({re.sub(r"\.(\d+)\.([^.]+)\.weight$", r".{e}.\2", n) for n in names})
+    plan.experts[info.name] = experts_entry(info, recipe.weights, recipe.activations, stored)
+
+
+def _layout(src: _Source, plan: _Plan, recipe: Recipe) -> list[PlannedTensor]:
+    """The output tensors in source order: a quantized weight becomes fp8 codes plus its scales
+    (a fused experts tensor [E, N, K], K last), everything else keeps its dtype and shape."""
+    layout = []
     for name, dtype, shape in src.tensors:
         mod = name[: -len(".weight")] if name.endswith(".weight") else None
         et = plan.expert_tensors.get(name)
-        if mod in chosen:
+        if mod in plan.chosen:
             n, k = shape
-            plan.layout.append(PlannedTensor(name, DTYPE_NAMES[specs[mod][0].elem.torch_dtype], (n, k)))
-            plan.layout.append(PlannedTensor(mod + ".weight_scale", "U8", (n, k // recipe.block_size)))
+            layout.append(PlannedTensor(name, DTYPE_NAMES[plan.specs[mod][0].elem.torch_dtype], (n, k)))
+            layout.append(PlannedTensor(mod + ".weight_scale", "U8", (n, k // recipe.block_size)))
         elif et is not None:
             shape = (shape[0], shape[2], shape[1]) if et.transposed else tuple(shape)
-            plan.layout.append(PlannedTensor(name, DTYPE_NAMES[et.spec.elem.torch_dtype], shape))
-            plan.layout.append(PlannedTensor(et.scale_name, "U8", (*shape[:-1], shape[-1] // recipe.block_size)))
+            layout.append(PlannedTensor(name, DTYPE_NAMES[et.spec.elem.torch_dtype], shape))
+            layout.append(PlannedTensor(et.scale_name, "U8", (*shape[:-1], shape[-1] // recipe.block_size)))
         else:
-            plan.layout.append(PlannedTensor(name, dtype, tuple(shape)))
-    _warn_uncovered(src, plan, layers_, moe, heads, emb, warn)
-    return plan
+            layout.append(PlannedTensor(name, dtype, tuple(shape)))
+    return layout
 
 
 _PROJECTION = re.compile(r"proj|^w\d+$|^fc\d*$|dense|linear")
@@ -350,27 +379,19 @@ def _warn_uncovered(src: _Source, plan: _Plan, layers, moe, heads, emb, warn) ->
         warn(f"keeping {name} {list(shape)} in {dtype}: {why}")
 
 
-def _plan_embedding(src: _Source, emb, recipe: Recipe, warn, weights: dict, chosen: set, kept: dict, specs: dict):
-    """The input embedding's part of the plan (``mxq.embedding.select_embedding``, returned; None
-    without one): when quantized it joins ``chosen`` and ``specs`` (no activations) and a tied head
-    leaves ``kept`` (it shares the embedding's tensors); a stored copy of the tied head's weight is dropped."""
+def _plan_embedding(emb, recipe: Recipe, warn, weights: dict):
+    """The input embedding's choice (``mxq.embedding.select_embedding``; None without one in the
+    source): whether it is quantized (its ``layers()``, no activations), why not (``kept``), and the
+    heads tied to it (``tied()``: they share its tensors). ``_plan`` applies it."""
     from mxq.embedding import EmbeddingLayer, select_embedding
 
     if emb is None or emb.name + ".weight" not in weights:
         return None
     dtype, shape = weights[emb.name + ".weight"]
     try:
-        choice = select_embedding(EmbeddingLayer(emb.name, tuple(shape), dtype, emb.head), recipe, warn)
+        return select_embedding(EmbeddingLayer(emb.name, tuple(shape), dtype, emb.head), recipe, warn)
     except LayerSelectionError as e:
         raise ConversionError(str(e)) from None
-    if choice.kept:
-        kept[emb.name] = choice.kept
-    chosen.update(choice.layers())
-    specs.update(choice.layers())
-    for head in choice.tied():
-        kept.pop(head, None)
-        src.tensors = [t for t in src.tensors if t[0] != head + ".weight"]  # one copy: the embedding's
-    return choice
 
 
 def _shares(src: _Source, plan: _Plan) -> dict:
@@ -450,17 +471,82 @@ def quantize_checkpoint(
     is used (``recipe`` must then be None or the same name), its permutations are folded into the
     tensors as they stream, its per-layer specs replace the recipe's, and its kept layers stay bf16.
     """
-    from mxq.calibrate import Plan, PlanError, load_plan
-    from mxq.reorder import Geometry, ReorderError, permute_tensor
-
     t0 = time.perf_counter()
     warn = warn or (lambda m: None)
+    _check_options(fmt, scale_dtype, device)
+    recipe, cplan = _recipe_and_plan(recipe, plan)
+    out = Path(out).expanduser().absolute()
+    if out.exists() and not force:
+        raise ConversionError(f"{out}: already exists (pass --force to replace it)")
+    if fmt == "compressed-tensors":
+        compressed_tensors_config(recipe, [])  # reject what the format cannot hold before any work
+
+    msrc, src = _open_source(source)
+    _check_out(out, msrc, force)
+    job = _Job(src, recipe, device, allow_nonfinite, warn, cplan, _geometry(src, cplan))
+    job.plan = _plan(src, recipe, warn, cplan)
+    report = ConversionReport(msrc.display, str(out), recipe.name, fmt, device, kept=dict(sorted(job.plan.kept.items())))
+    layout = _scales_stored_as(job.plan.layout, scale_dtype)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale(out)
+    tmp = out.parent / f".{out.name}.mxq-tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    writer = ShardWriter(tmp, layout, max_shard_bytes, {"mxq_version": mxq.__version__, "recipe": recipe.name})
+    try:
+        for name, tensor in _progress(src, progress):
+            _convert_tensor(job, name, tensor, writer, report)
+        writer.close()
+        p = job.plan
+        _write_configs(tmp, src, recipe, p.specs, p.kept, fmt, msrc, cplan, scale_dtype, embedding=p.embedding, experts=p.experts)
+        report.shares = _shares(src, p)
+        report.seconds = time.perf_counter() - t0
+        (tmp / "quantization_report.json").write_text(json.dumps(report.to_dict(), indent=1) + "\n")
+        _replace(tmp, out, force)
+    except OSError as e:
+        writer.abort()
+        shutil.rmtree(tmp, ignore_errors=True)
+        if e.errno == errno.ENOSPC:
+            raise ConversionError(f"{out}: no space left on device while writing; nothing was written") from None
+        raise ConversionError(f"{out}: {e.strerror or e}; nothing was written") from None
+    except BaseException:
+        writer.abort()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return report
+
+
+@dataclass
+class _Job:
+    """One conversion's settings and its plan, as every tensor sees them."""
+
+    src: _Source
+    recipe: Recipe
+    device: str
+    allow_nonfinite: bool
+    warn: Callable[[str], None]
+    cplan: object = None  # the calibration plan (mxq.calibrate.Plan), or None
+    geometry: object = None  # mxq.reorder.Geometry of the source, with a calibration plan
+    plan: _Plan | None = None
+
+
+def _check_options(fmt: str, scale_dtype: str, device: str) -> None:
     if fmt not in FORMATS:
         raise ConversionError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
     if scale_dtype not in SCALE_DTYPES:
         raise ConversionError(f"--scale-dtype {scale_dtype!r}: expected one of {', '.join(SCALE_DTYPES)}")
     if scale_dtype != "u8" and fmt == "compressed-tensors":
         raise ConversionError(f"--scale-dtype {scale_dtype}: the compressed-tensors layout stores uint8 scales; use --format mxq")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConversionError(f"--device {device}: CUDA is not available on this machine")
+
+
+def _recipe_and_plan(recipe: Recipe | str | None, plan) -> tuple[Recipe, object]:
+    """The recipe to apply and the calibration plan (loaded from its file if a path): a plan brings
+    its own recipe; a GPTQ recipe needs a plan with rounded codes."""
+    from mxq.plan import Plan, PlanError, load_plan
+
     if plan is not None and not isinstance(plan, Plan):
         try:
             plan = load_plan(plan)
@@ -477,93 +563,72 @@ def quantize_checkpoint(
             f"recipe {recipe.name!r}: weights.rounding gptq needs calibration text: "
             "pass --calibrate --dataset D (or --plan with a plan made by `mxq calibrate --rounding gptq`)"
         )
-    out = Path(out).expanduser().absolute()
-    if out.exists() and not force:
-        raise ConversionError(f"{out}: already exists (pass --force to replace it)")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConversionError(f"--device {device}: CUDA is not available on this machine")
-    if fmt == "compressed-tensors":
-        compressed_tensors_config(recipe, [])  # reject what the format cannot hold before any work
+    return recipe, plan
 
-    msrc, src = _open_source(source)
-    _check_out(out, msrc, force)
-    cplan = plan
-    geom = None
-    if cplan is not None:
-        geom = Geometry.from_config(src.config)
-        if geom != cplan.geometry:
-            raise ConversionError(f"plan: model: made for {cplan.geometry.to_dict()}, the source is {geom.to_dict()}")
-    plan_ = _plan(src, recipe, warn, cplan)
-    chosen, kept, layout, specs, emb_choice = plan_.chosen, plan_.kept, plan_.layout, plan_.specs, plan_.embedding
-    if scale_dtype != "u8":  # the writer stores the uint8 scale bytes as this dtype
-        layout = [
-            PlannedTensor(t.name, SCALE_DTYPES[scale_dtype], t.shape) if t.name.endswith(("_scale", ".weight_scale")) and t.dtype == "U8" else t
-            for t in layout
-        ]
-    report = ConversionReport(msrc.display, str(out), recipe.name, fmt, device, kept=dict(sorted(kept.items())))
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale(out)
-    tmp = out.parent / f".{out.name}.mxq-tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    writer = ShardWriter(tmp, layout, max_shard_bytes, {"mxq_version": mxq.__version__, "recipe": recipe.name})
-    try:
-        for name, tensor in _progress(src, progress):
-            mod = name[: -len(".weight")] if name.endswith(".weight") else None
-            report.bytes_before += tensor.numel() * tensor.element_size()
-            if cplan is not None:
-                try:
-                    tensor = permute_tensor(name, tensor, cplan.permutations, geom)
-                except ReorderError as e:
-                    raise ConversionError(f"plan: permutations: {e}") from None
-            et = plan_.expert_tensors.get(name)
-            rounded = cplan.rounded_weight(mod) if cplan is not None and mod in chosen else None
-            if et is not None:
-                from mxq.experts import canonical
+def _geometry(src: _Source, cplan):
+    """The source's geometry, checked against the plan's (its permutations fold into these shapes)."""
+    if cplan is None:
+        return None
+    from mxq.reorder import Geometry
 
-                w = canonical(tensor, et.transposed) if tensor.dim() == 3 else tensor
-                got = _rounded_expert_weight(name, w, et, cplan, recipe.block_size) if cplan is not None else None
-                data, scales, sqnr = got if got is not None else _quantize_weight(name, w, et.spec, recipe.block_size, device)
-                writer.write(name, data)
-                writer.write(et.scale_name, scales)
-                after = data.numel() + scales.numel()
-                report.quantized.append(LayerResult(name, tuple(data.shape), sqnr, tensor.numel() * tensor.element_size(), after))
-                report.bytes_after += after
-                report.n_tensors += 1
-                continue
-            if rounded is not None:
-                data, scales, sqnr = _rounded_weight(name, tensor, rounded, specs[mod][0], recipe.block_size)
-            elif mod in chosen:
-                data, scales, sqnr = _quantize_weight(name, tensor, specs[mod][0], recipe.block_size, device)
-            if mod in chosen:
-                writer.write(name, data)
-                writer.write(mod + ".weight_scale", scales)
-                after = data.numel() + scales.numel()
-                report.quantized.append(LayerResult(mod, tuple(tensor.shape), sqnr, tensor.numel() * tensor.element_size(), after))
-                report.bytes_after += after
-            else:
-                _check_finite(name, tensor, allow_nonfinite, warn)
-                writer.write(name, tensor)
-                report.bytes_after += tensor.numel() * tensor.element_size()
-            report.n_tensors += 1
-        writer.close()
-        _write_configs(tmp, src, recipe, specs, kept, fmt, msrc, cplan, scale_dtype, embedding=emb_choice, experts=plan_.experts)
-        report.shares = _shares(src, plan_)
-        report.seconds = time.perf_counter() - t0
-        (tmp / "quantization_report.json").write_text(json.dumps(report.to_dict(), indent=1) + "\n")
-        _replace(tmp, out, force)
-    except OSError as e:
-        writer.abort()
-        shutil.rmtree(tmp, ignore_errors=True)
-        if e.errno == errno.ENOSPC:
-            raise ConversionError(f"{out}: no space left on device while writing; nothing was written") from None
-        raise ConversionError(f"{out}: {e.strerror or e}; nothing was written") from None
-    except BaseException:
-        writer.abort()
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return report
+    geom = Geometry.from_config(src.config)
+    if geom != cplan.geometry:
+        raise ConversionError(f"plan: model: made for {cplan.geometry.to_dict()}, the source is {geom.to_dict()}")
+    return geom
+
+
+def _scales_stored_as(layout: list[PlannedTensor], scale_dtype: str) -> list[PlannedTensor]:
+    """The writer stores the uint8 scale bytes as ``scale_dtype`` (the same bits)."""
+    if scale_dtype == "u8":
+        return layout
+    return [
+        PlannedTensor(t.name, SCALE_DTYPES[scale_dtype], t.shape) if t.name.endswith("_scale") and t.dtype == "U8" else t
+        for t in layout
+    ]
+
+
+def _convert_tensor(job: _Job, name: str, tensor: torch.Tensor, writer: ShardWriter, report: ConversionReport) -> None:
+    """One source tensor to its output: permuted by the plan, then quantized (a selected Linear
+    weight or an expert tensor, with its scales) or copied (checked finite)."""
+    p, bs = job.plan, job.recipe.block_size
+    mod = name[: -len(".weight")] if name.endswith(".weight") else None
+    nbytes = tensor.numel() * tensor.element_size()
+    report.bytes_before += nbytes
+    report.n_tensors += 1
+    if job.cplan is not None:
+        from mxq.reorder import ReorderError, permute_tensor
+
+        try:
+            tensor = permute_tensor(name, tensor, job.cplan.permutations, job.geometry)
+        except ReorderError as e:
+            raise ConversionError(f"plan: permutations: {e}") from None
+    et = p.expert_tensors.get(name)
+    if et is not None:
+        from mxq.experts import canonical
+
+        w = canonical(tensor, et.transposed) if tensor.dim() == 3 else tensor
+        got = _rounded_expert_weight(name, w, et, job.cplan, bs) if job.cplan is not None else None
+        data, scales, sqnr = got if got is not None else _quantize_weight(name, w, et.spec, bs, job.device)
+        layer, scale_name = name, et.scale_name
+    elif mod in p.chosen:
+        rounded = job.cplan.rounded_weight(mod) if job.cplan is not None else None
+        spec = p.specs[mod][0]
+        if rounded is not None:
+            data, scales, sqnr = _rounded_weight(name, tensor, rounded, spec, bs)
+        else:
+            data, scales, sqnr = _quantize_weight(name, tensor, spec, bs, job.device)
+        layer, scale_name = mod, mod + ".weight_scale"
+    else:
+        _check_finite(name, tensor, job.allow_nonfinite, job.warn)
+        writer.write(name, tensor)
+        report.bytes_after += nbytes
+        return
+    writer.write(name, data)
+    writer.write(scale_name, scales)
+    after = data.numel() + scales.numel()
+    report.quantized.append(LayerResult(layer, tuple(data.shape), sqnr, nbytes, after))
+    report.bytes_after += after
 
 
 def _progress(src: _Source, enabled: bool) -> Iterator[tuple[str, torch.Tensor]]:
