@@ -213,6 +213,48 @@ def read_config(path: str | os.PathLike) -> dict:
     return config
 
 
+# --- compressed-tensors mxfp8-quantized: one description for the writer and the reader ------------
+
+CT_METHOD, CT_FORMAT = "compressed-tensors", "mxfp8-quantized"
+CT_BLOCK = 32  # the layout's group_size: MX blocks of 32 along K, uint8 E8M0 scales, E4M3 codes
+
+
+def ct_args(dynamic: bool) -> dict:
+    """A config group's weight or input-activation arguments in this layout."""
+    return {
+        "num_bits": 8, "type": "float", "symmetric": True, "group_size": CT_BLOCK, "strategy": "group",
+        "dynamic": dynamic, "scale_dtype": "torch.uint8",
+    }
+
+
+def ct_config(recipe: Recipe, ignore: list[str], embeddings: bool = False) -> dict:
+    """The compressed-tensors ``quantization_config`` that vLLM serves for ``recipe``: one config
+    group targeting Linear layers (and the input embedding, "Embedding", when ``embeddings``), the
+    kept layers under ``ignore``. ValueError where the layout cannot hold the recipe (E5M2, MX
+    attention). ``foreign_to_native`` and ``compressed_tensors_layers`` read it back."""
+    if recipe.weights.elem.name != "e4m3" or (recipe.activations and recipe.activations.elem.name != "e4m3"):
+        raise ValueError(f"recipe {recipe.name!r} uses E5M2; the {CT_FORMAT} format is E4M3 only")
+    if recipe.attention:
+        raise ValueError(f"recipe {recipe.name!r} uses attention {recipe.attention!r}, a runtime-only mxq feature")
+    return {
+        "quant_method": CT_METHOD,
+        "format": CT_FORMAT,
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear", "Embedding"] if embeddings else ["Linear"],
+                "weights": ct_args(False),
+                "input_activations": ct_args(True) if recipe.activations else None,
+                "output_activations": None,
+                "format": CT_FORMAT,
+            }
+        },
+        "ignore": sorted(ignore),
+        "kv_cache_scheme": None,
+        "global_compression_ratio": None,
+    }
+
+
 def checkpoint_format(config: dict) -> str:
     """'mxq', 'compressed-tensors', 'mxfp8' (transformers' ``mxfp8``, and its ``fp8`` with 1x32 blocks
     and E8M0 scales: the same tensors) or 'none'."""
@@ -226,15 +268,15 @@ def checkpoint_format(config: dict) -> str:
         raise ValueError("quantization_config quant_method: missing (a quantization_config without a method)")
     if method == QUANT_METHOD:
         return "mxq"
-    if method == "compressed-tensors":
+    if method == CT_METHOD:
         fmt = qc.get("format")
         groups = qc.get("config_groups") or {}
         if not isinstance(groups, dict) or not all(isinstance(g, dict) for g in groups.values()):
             raise ValueError("quantization_config config_groups: expected a mapping of group names to groups")
         fmts = {fmt} | {g.get("format") for g in groups.values()} - {None}
-        if fmts == {"mxfp8-quantized"}:
+        if fmts == {CT_FORMAT}:
             return "compressed-tensors"
-        raise ValueError(f"compressed-tensors checkpoint in format {sorted(fmts)}; mxq reads only 'mxfp8-quantized'")
+        raise ValueError(f"compressed-tensors checkpoint in format {sorted(fmts)}; mxq reads only {CT_FORMAT!r}")
     if method == "mxfp8":
         return "mxfp8"
     if method == "fp8":  # transformers' FineGrainedFP8Config: MXFP8 when its blocks are 1x32 with E8M0 scales

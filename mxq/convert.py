@@ -410,36 +410,15 @@ def _shares(src: _Source, plan: _Plan) -> dict:
 # --- configs -------------------------------------------------------------------------------------
 
 def compressed_tensors_config(recipe: Recipe, ignore: list[str], embeddings: bool = False) -> dict:
-    """The compressed-tensors ``mxfp8-quantized`` layout that vLLM serves (``embeddings``: the
-    input embedding is quantized too, targeted by its class name "Embedding")."""
-    if recipe.weights.elem.name != "e4m3" or (recipe.activations and recipe.activations.elem.name != "e4m3"):
-        raise ConversionError(f"--format compressed-tensors: recipe {recipe.name!r} uses E5M2; the mxfp8-quantized format is E4M3 only")
-    if recipe.attention:
-        raise ConversionError(f"--format compressed-tensors: recipe {recipe.name!r} uses attention {recipe.attention!r}, a runtime-only mxq feature")
+    """The compressed-tensors ``quantization_config`` for ``recipe`` (``mxq.config.ct_config``: one
+    description of the layout for the writer here and the reader), as a ConversionError naming
+    --format where the layout cannot hold the recipe."""
+    from mxq.config import ct_config
 
-    def args(dynamic: bool) -> dict:
-        return {
-            "num_bits": 8, "type": "float", "symmetric": True, "group_size": 32, "strategy": "group",
-            "dynamic": dynamic, "scale_dtype": "torch.uint8",
-        }
-
-    return {
-        "quant_method": "compressed-tensors",
-        "format": "mxfp8-quantized",
-        "quantization_status": "compressed",
-        "config_groups": {
-            "group_0": {
-                "targets": ["Linear", "Embedding"] if embeddings else ["Linear"],
-                "weights": args(False),
-                "input_activations": args(True) if recipe.activations else None,
-                "output_activations": None,
-                "format": "mxfp8-quantized",
-            }
-        },
-        "ignore": sorted(ignore),
-        "kv_cache_scheme": None,
-        "global_compression_ratio": None,
-    }
+    try:
+        return ct_config(recipe, ignore, embeddings)
+    except ValueError as e:
+        raise ConversionError(f"--format compressed-tensors: {e}") from None
 
 
 # --- the conversion ------------------------------------------------------------------------------
