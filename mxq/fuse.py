@@ -17,7 +17,7 @@ it computes, and never its ``state_dict``:
    and ``self.self_attn(...)``. Only modules whose arithmetic is known are changed (the
    ``NORMS`` and ``MLPS`` classes, SiLU, W8A8 with RCEIL activations: RCEIL rounding is
    idempotent, so a path that rounds X again computes the same function); others keep their
-   forward. ``unfuse`` (or ``mxq.linear.unfuse_projections``) removes these forwards.
+   forward. ``unfuse`` (``unfuse_producers``, then ``mxq.linear.unfuse_projections``) removes them.
 3. **Attention without repeated K/V** (``GROUPED_SDPA``): transformers' SDPA attention repeats K
    and V to every query head whenever it passes a mask (always with a static cache), a copy of the
    whole cache per layer and step. This attention function folds each KV head's query heads into
@@ -40,14 +40,21 @@ from mxq.formats import ScaleRule, as_elem_format
 from mxq.kernels import reference
 from mxq.kernels.dispatch import HAS_TRITON
 from mxq.kernels.registry import kernels_spec
-from mxq.linear import FusedMXLinear, MXLinear, fuse_projections, unfuse_projections
+from mxq.linear import (
+    SIBLINGS,
+    FusedMXLinear,
+    MXLinear,
+    fuse_projections,
+    fused_name,
+    unfuse_projections,
+)
 
 # Module classes whose forward is the arithmetic the producer kernels compute (by class name, as
 # transformers defines them; a subclass or another family keeps its own forward).
 NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")
 SILUS = ("SiLU", "SiLUActivation")  # torch.nn.SiLU, transformers.activations.SiLUActivation
-QKV, GATE_UP = "mxq_fused_q_proj_k_proj_v_proj", "mxq_fused_gate_proj_up_proj"
+QKV, GATE_UP = (fused_name(names) for names in SIBLINGS)
 
 GROUPED_SDPA = "mxq_sdpa"
 GROUPED_MAX_ROWS = 64
@@ -65,6 +72,7 @@ def fuse(model: nn.Module) -> list[str]:
 def unfuse(model: nn.Module) -> None:
     """Undo ``fuse``: the model as transformers builds it (separate projections, its modules' own
     forwards, transformers' SDPA)."""
+    unfuse_producers(model)
     unfuse_projections(model)
     cfg = getattr(model, "config", None)
     if getattr(cfg, "_attn_implementation", None) == GROUPED_SDPA:
@@ -72,6 +80,14 @@ def unfuse(model: nn.Module) -> None:
 
 
 # --- producers ----------------------------------------------------------------------------------
+
+
+def unfuse_producers(model: nn.Module) -> None:
+    """Every producer its module's own forward again (the instance-level forwards ``fuse_producers`` set)."""
+    for m in model.modules():
+        if "_mxq_feeds" in m.__dict__:
+            del m.__dict__["forward"], m.__dict__["_mxq_feeds"]
+
 
 
 def _w8a8_rceil(m: nn.Module | None) -> bool:

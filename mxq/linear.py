@@ -310,7 +310,7 @@ class ProjectionSlice(nn.Module):
 
 def _split_state(module: FusedMXLinear, state_dict: dict, prefix: str, local_metadata) -> None:
     """state_dict hook: the fused tensors back as the siblings' own (separate copies, no shared storage)."""
-    parent = prefix[: -len(_attr(module.names)) - 1]
+    parent = prefix[: -len(fused_name(module.names)) - 1]
     for key in ("weight", "weight_scale", "bias"):
         t = state_dict.pop(prefix + key, None)
         if t is None:
@@ -322,7 +322,7 @@ def _split_state(module: FusedMXLinear, state_dict: dict, prefix: str, local_met
 
 def _join_state(module: FusedMXLinear, state_dict: dict, parent: str, *args) -> None:
     """load_state_dict pre-hook of the parent: the siblings' tensors gathered into the fused ones."""
-    prefix = parent + _attr(module.names) + "."
+    prefix = parent + fused_name(module.names) + "."
     for key in ("weight", "weight_scale", "bias"):
         parts = [state_dict.pop(f"{parent}{name}.{key}", None) for name in module.names]
         if all(p is None for p in parts):
@@ -334,7 +334,8 @@ def _join_state(module: FusedMXLinear, state_dict: dict, parent: str, *args) -> 
         state_dict[prefix + key] = torch.cat(parts)
 
 
-def _attr(names: tuple[str, ...]) -> str:
+def fused_name(names: tuple[str, ...]) -> str:
+    """The attribute a fused sibling group is registered under on its parent (``mxq_fused_<names>``)."""
     return "mxq_fused_" + "_".join(names)
 
 
@@ -366,7 +367,7 @@ def fuse_projections(model: nn.Module) -> list[str]:
             if any(m is None for m in layers) or not _fusable(layers):
                 continue
             fused = FusedMXLinear(names, layers)
-            parent.add_module(_attr(names), fused)
+            parent.add_module(fused_name(names), fused)
             fused._join_hook = parent._register_load_state_dict_pre_hook(functools.partial(_join_state, fused))
             for i, n in enumerate(names):
                 setattr(parent, n, ProjectionSlice(fused, i))
@@ -375,14 +376,11 @@ def fuse_projections(model: nn.Module) -> list[str]:
 
 
 def unfuse_projections(model: nn.Module) -> None:
-    """Undo ``fuse_projections`` (and ``mxq.fuse.fuse_producers``, which needs it): every sibling
-    an ``MXLinear`` with its own weight again, every producer its module's own forward."""
-    for m in model.modules():
-        if "_mxq_feeds" in m.__dict__:  # an instance-level forward installed by mxq.fuse
-            del m.__dict__["forward"], m.__dict__["_mxq_feeds"]
+    """Undo ``fuse_projections``: every sibling an ``MXLinear`` with its own weight again. The
+    producers ``mxq.fuse`` installs read the fused modules: ``mxq.fuse.unfuse`` removes them first."""
     for parent in list(model.modules()):
         for names in SIBLINGS:
-            fused = getattr(parent, _attr(names), None)
+            fused = getattr(parent, fused_name(names), None)
             if not isinstance(fused, FusedMXLinear):
                 continue
             for i, (name, w, s) in enumerate(zip(names, torch.split(fused.weight.data, fused.sizes),
@@ -396,4 +394,4 @@ def unfuse_projections(model: nn.Module) -> None:
                     m.bias.data = torch.split(fused.bias.data, fused.sizes)[i].clone()
                 setattr(parent, name, m)
             fused._join_hook.remove()
-            delattr(parent, _attr(names))
+            delattr(parent, fused_name(names))
