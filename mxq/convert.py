@@ -76,6 +76,7 @@ class ConversionReport:
     seconds: float = 0.0
     n_tensors: int = 0
     shares: dict = field(default_factory=dict)  # parameters quantized: all, routed experts (``_shares``)
+    tp_unshardable: dict = field(default_factory=dict)  # TP degree -> weights that would not shard (``mxq.tp``)
 
     @property
     def ratio(self) -> float:
@@ -394,6 +395,23 @@ def _plan_embedding(emb, recipe: Recipe, warn, weights: dict):
         raise ConversionError(str(e)) from None
 
 
+def _warn_unshardable(src: _Source, layout: list[PlannedTensor], warn) -> dict[int, list[str]]:
+    """Tensor parallelism of degree 2, 4 or 8 that some quantized weight would not survive (a
+    row-parallel K whose per-rank slice breaks a 32-element block, ``mxq.tp``): one warning per
+    degree naming the weights; the same lists for the report."""
+    from mxq.tp import failures
+
+    text = src.config.get_text_config() if hasattr(src.config, "get_text_config") else src.config
+    plan = getattr(text, "base_model_tp_plan", None)
+    weights = {t.name: t.shape for t in layout if t.dtype in ("F8_E4M3", "F8_E5M2")}
+    out = {}
+    for tp, bad in failures(weights, plan).items():
+        names = ", ".join(f"{b.name} ({b.why})" for b in bad[:3]) + (f", ... ({len(bad)} in all)" if len(bad) > 3 else "")
+        warn(f"tensor parallelism {tp} would not shard {len(bad)} quantized weight(s) in serving engines: {names}")
+        out[tp] = [b.name for b in bad]
+    return out
+
+
 def _shares(src: _Source, plan: _Plan) -> dict:
     """The share of the model's parameters written in MX, of all and of the routed experts'."""
     sizes = {name: torch.Size(shape).numel() for name, _d, shape in src.tensors}
@@ -480,6 +498,7 @@ def quantize_checkpoint(
         p = job.plan
         _write_configs(tmp, src, recipe, p.specs, p.kept, fmt, msrc, cplan, scale_dtype, embedding=p.embedding, experts=p.experts)
         report.shares = _shares(src, p)
+        report.tp_unshardable = _warn_unshardable(src, layout, warn)
         report.seconds = time.perf_counter() - t0
         (tmp / "quantization_report.json").write_text(json.dumps(report.to_dict(), indent=1) + "\n")
         _replace(tmp, out, force)

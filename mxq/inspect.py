@@ -21,11 +21,13 @@ class InspectReport:
     bytes_by_dtype: dict[str, int] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     mx_share: float = 0.0  # parameters stored as fp8 MX codes, of all parameters (scales not counted)
+    shards: list = field(default_factory=list)  # with a TP degree: mxq.tp.Shard per quantized weight
 
 
-def inspect_checkpoint(path: str | os.PathLike) -> InspectReport:
+def inspect_checkpoint(path: str | os.PathLike, tp: int | None = None) -> InspectReport:
     """Describe the checkpoint at ``path``; its problems are the ones ``mxq.load`` refuses
-    (``mxq.validate.check_checkpoint``, the same validator)."""
+    (``mxq.validate.check_checkpoint``, the same validator). ``tp``: also judge every quantized
+    weight against tensor parallelism of that degree (``mxq.tp``: ``shards``)."""
     v = check_checkpoint(Path(path), scan_float=True)
     qc = v.config.get("quantization_config")
     recipe = qc.get("recipe") if isinstance(qc, dict) else None
@@ -47,7 +49,25 @@ def inspect_checkpoint(path: str | os.PathLike) -> InspectReport:
     params = [i for i in rep.tensors if not i.name.endswith(scales)]
     total = sum(_numel(i.shape) for i in params)
     rep.mx_share = sum(_numel(i.shape) for i in params if i.dtype in ("F8_E4M3", "F8_E5M2")) / max(total, 1)
+    if tp is not None:
+        from mxq.tp import shard_report
+
+        weights = {i.name: tuple(i.shape) for i in rep.tensors if i.dtype in ("F8_E4M3", "F8_E5M2")}
+        rep.shards = shard_report(weights, _tp_plan(v.config), tp)
     return rep
+
+
+def _tp_plan(config: dict) -> dict | None:
+    """The family's tensor-parallel plan (transformers' ``base_model_tp_plan`` for its model_type),
+    None where transformers does not know the family (the rule then goes by projection names)."""
+    try:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.for_model(config.get("model_type", ""))
+        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        return getattr(text, "base_model_tp_plan", None)
+    except (ValueError, KeyError, TypeError, AttributeError, ImportError):
+        return None
 
 
 def _numel(shape) -> int:
