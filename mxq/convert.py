@@ -246,6 +246,9 @@ def _plan(src: _Source, recipe: Recipe, warn: Callable[[str], None], cplan=None)
     calibration plan, then the input embedding and the routed experts; the layout in source order."""
     structure, moe, heads, emb = _skeleton(src.config)
     weights = {name: (dtype, shape) for name, dtype, shape in src.tensors}
+    fp8 = next((n for n, (d, _s) in weights.items() if d.startswith("F8_")), None)
+    if fp8 is not None:  # an fp8 tensor would be copied without scales, a router among them
+        raise ConversionError(f"tensor {fp8}: already stored as {weights[fp8][0]}; mxq quantize needs a bf16/fp16/fp32 model")
     layers, on_disk = _layers_on_disk(structure, moe, weights, warn)
     if not any(lay.role in ("linear", "experts") and lay.name not in heads for lay in layers):
         raise ConversionError(

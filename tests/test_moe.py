@@ -279,7 +279,7 @@ def _edit(path, edit):
     save_file(tensors, f, metadata={"format": "pt"})
 
 
-@pytest.mark.parametrize("case", ["missing_expert", "unequal_expert", "fused_count"])
+@pytest.mark.parametrize("case", ["missing_expert", "unequal_expert", "fused_count", "fp8_router"])
 def test_quantize_refuses_broken_experts(tmp_path, case):
     family = "gpt_oss" if case == "fused_count" else "qwen3_moe"
     src = _source(tmp_path, family)
@@ -287,6 +287,7 @@ def test_quantize_refuses_broken_experts(tmp_path, case):
         "missing_expert": "model.layers.1.mlp.experts.3.up_proj.weight",
         "unequal_expert": "model.layers.0.mlp.experts.2.down_proj.weight",
         "fused_count": "model.layers.0.mlp.experts.down_proj",
+        "fp8_router": "model.layers.1.mlp.gate.weight",
     }[case]
 
     def edit(t):
@@ -294,6 +295,8 @@ def test_quantize_refuses_broken_experts(tmp_path, case):
             del t[named]
         elif case == "unequal_expert":
             t[named] = t[named][:, :32].contiguous()
+        elif case == "fp8_router":
+            t[named] = t[named].to(torch.float8_e4m3fn)
         else:
             t[named] = t[named][:3].contiguous()
 
