@@ -17,17 +17,15 @@
    (``keep_bf16`` layers, or a perplexity increase ``max_dppl`` in percent on that same
    calibration text) the most sensitive layers stay in bf16.
 
-The result is a :class:`Plan`, saved as JSON and validated on load with errors naming the key.
+The result is a :class:`mxq.plan.Plan` (its file format and validation live in :mod:`mxq.plan`).
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -35,23 +33,17 @@ from torch import nn
 import mxq
 from mxq.formats import ScaleRule, fake_quantize_mx, sqnr_db
 from mxq.linear import linear_layers
+from mxq.plan import ExpertsPlan, LayerPlan, Plan, PlanError
 from mxq.progress import progress_bar
-from mxq.recipe import Recipe, RecipeError, TensorSpec, parse_recipe
-from mxq.reorder import Geometry, Permutations, ReorderError, permute_model
+from mxq.recipe import Recipe, TensorSpec
+from mxq.reorder import Geometry, Permutations, permute_model
 
 __all__ = [
-    "LinearStats", "Calibration", "LayerPlan", "ExpertsPlan", "Plan", "PlanError",
-    "calibration_batches", "collect_statistics", "calibrate", "make_plan", "layer_sensitivity",
-    "apply_plan", "load_plan", "save_plan", "block_spread",
+    "LinearStats", "Calibration", "CalibrationOptions", "calibration_batches", "collect_statistics", "calibrate",
+    "make_plan", "layer_sensitivity", "apply_plan", "block_spread",
 ]
 
-PLAN_FORMAT = "mxq-plan"
-PLAN_VERSION = 1
 HIST_LO, HIST_HI = -40, 40  # log2 block-amax histogram range; the ends collect everything beyond
-
-
-class PlanError(ValueError):
-    """A plan file that cannot be used; the message names the file and the key."""
 
 
 # --- statistics --------------------------------------------------------------------------------
@@ -162,7 +154,8 @@ def calibration_batches(tokenizer, texts, samples: int, seq_len: int, batch_size
 
 @torch.inference_mode()
 def collect_statistics(
-    model: nn.Module, batches: list[torch.Tensor], sample_rows: int = 256, progress: bool = True, seed: int = 0
+    model: nn.Module, batches: list[torch.Tensor], sample_rows: int = 256, progress: bool = True, seed: int = 0,
+    block_size: int = 32,
 ) -> dict[str, LinearStats]:
     """Run the batches through ``model`` and return the input statistics of every Linear layer."""
     stats: dict[str, LinearStats] = {}
@@ -170,7 +163,7 @@ def collect_statistics(
     per_batch = math.ceil(sample_rows / max(len(batches), 1))
     hooks = []
     for name, lin in linear_layers(model).items():
-        stats[name] = LinearStats(lin.in_features, sample_rows)
+        stats[name] = LinearStats(lin.in_features, sample_rows, block_size)
 
         def hook(mod, args, kwargs, name=name):
             x = args[0] if args else kwargs["input"]
@@ -193,33 +186,56 @@ def collect_statistics(
 
 # --- quantized layer outputs on the sampled rows ----------------------------------------------
 
-def _fq_weight(w: torch.Tensor, spec: TensorSpec, perm: torch.Tensor | None) -> torch.Tensor:
+def _fq_weight(w: torch.Tensor, spec: TensorSpec, perm: torch.Tensor | None, block_size: int) -> torch.Tensor:
     w = w.detach().float()
     if perm is not None:
         w = w[:, perm]
-    return fake_quantize_mx(w, -1, spec.elem, 32, spec.scale_rule)
+    return fake_quantize_mx(w, -1, spec.elem, block_size, spec.scale_rule)
 
 
-def _q_out(x: torch.Tensor, wq: torch.Tensor, bias, act: TensorSpec | None, perm: torch.Tensor | None) -> torch.Tensor:
+def _q_out(x: torch.Tensor, wq: torch.Tensor, bias, act: TensorSpec | None, perm: torch.Tensor | None,
+           block_size: int) -> torch.Tensor:  # fmt: skip
     """What MXLinear's reference computes (float32), with K permuted: fq(x[:, p]) @ fq(W[:, p])ᵀ + b."""
     xf = x.float()
     if perm is not None:
         xf = xf[..., perm]
     if act is not None:
-        xf = fake_quantize_mx(xf, -1, act.elem, 32, act.scale_rule)
+        xf = fake_quantize_mx(xf, -1, act.elem, block_size, act.scale_rule)
     y = xf @ wq.t()
     if bias is not None:
         y = y + bias.float()
     return y
 
 
-def _output_sqnr(lin: nn.Linear, x: torch.Tensor, w: TensorSpec, a: TensorSpec | None, perm=None) -> float:
+def _output_sqnr(lin: nn.Linear, x: torch.Tensor, w: TensorSpec, a: TensorSpec | None, perm=None,
+                 block_size: int = 32) -> float:  # fmt: skip
     x = x.to(lin.weight.device)  # the sampled rows are kept on the host; the model may be on a GPU
     ref = x.float() @ lin.weight.detach().float().t()
-    return sqnr_db(ref, _q_out(x, _fq_weight(lin.weight, w, perm), None, a, perm))
+    return sqnr_db(ref, _q_out(x, _fq_weight(lin.weight, w, perm, block_size), None, a, perm, block_size))
 
 
 # --- the calibration -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CalibrationOptions:
+    """What ``mxq calibrate`` and ``mxq quantize --calibrate`` are asked for: the text
+    (``calibrate``), the plan's choices (``make_plan``), how the weights are rounded ("gptq":
+    ``mxq.gptq.round_plan``; "nearest": direct cast) and where the model runs."""
+
+    dataset: str | None = None
+    samples: int = 64
+    seq_len: int = 512
+    sensitivity_samples: int = 2
+    sensitivity_seq_len: int = 256
+    reorder: bool = True
+    scale_search: bool = True
+    keep_bf16: int = 0
+    max_dppl: float | None = None
+    keep_bytes: float | None = None  # percent
+    rounding: str = "gptq"
+    experts_all_tokens: bool = False
+    device: str = "cpu"
+
 
 @dataclass
 class Calibration:
@@ -258,7 +274,7 @@ def calibrate(
     t0 = time.perf_counter()
     model.eval()
     batches = calibration_batches(tokenizer, texts, samples, seq_len, batch_size)
-    stats = collect_statistics(model, batches, sample_rows, progress)
+    stats = collect_statistics(model, batches, sample_rows, progress, block_size=recipe.block_size)
     selected, kept = select_layers(model, recipe)
     from mxq.experts import experts_layers
 
@@ -269,7 +285,7 @@ def calibrate(
     sens_ids = torch.cat(batches)[:n_s, :sensitivity_seq_len]
     sens_batches = [sens_ids[i : i + 1] for i in range(n_s)]
     direct = {n: (recipe.weights, recipe.activations) for n in selected}
-    sens = layer_sensitivity(model, direct, sens_batches, progress=progress)
+    sens = layer_sensitivity(model, direct, sens_batches, progress=progress, block_size=recipe.block_size)
     prov = {
         "dataset": dataset, "samples": samples, "seq_len": seq_len, "tokens": samples * seq_len,
         "sample_rows": sample_rows, "sensitivity_samples": n_s, "sensitivity_seq_len": int(sens_ids.shape[1]),
@@ -285,17 +301,19 @@ def calibrate(
 class _Quantizer:
     """Forward hooks that replace chosen Linear outputs by their MX fake-quant outputs."""
 
-    def __init__(self, model: nn.Module, settings: dict[str, tuple], perms: dict[str, torch.Tensor] | None = None):
+    def __init__(self, model: nn.Module, settings: dict[str, tuple], perms: dict[str, torch.Tensor] | None,
+                 block_size: int):  # fmt: skip
         self.model = model
         self.lin = linear_layers(model)
         self.settings = settings  # name -> (weights spec, activations spec)
         self.perms = perms or {}
+        self.block_size = block_size
         self._wq: dict[str, torch.Tensor] = {}
         self._hooks: list = []
 
     def wq(self, name: str) -> torch.Tensor:
         if name not in self._wq:
-            self._wq[name] = _fq_weight(self.lin[name].weight, self.settings[name][0], self.perms.get(name))
+            self._wq[name] = _fq_weight(self.lin[name].weight, self.settings[name][0], self.perms.get(name), self.block_size)
         return self._wq[name]
 
     def enable(self, names) -> None:
@@ -305,7 +323,7 @@ class _Quantizer:
 
             def hook(mod, args, out, n=n, act=act, perm=perm):
                 x = args[0]
-                return _q_out(x, self.wq(n), mod.bias, act, perm).to(x.dtype)
+                return _q_out(x, self.wq(n), mod.bias, act, perm, self.block_size).to(x.dtype)
 
             self._hooks.append(lin.register_forward_hook(hook))
 
@@ -373,11 +391,11 @@ def _kl(ref_logp: torch.Tensor, logits: torch.Tensor) -> float:
 @torch.inference_mode()
 def layer_sensitivity(
     model: nn.Module, settings: dict[str, tuple], batches: list[torch.Tensor], progress: bool = True,
-    perms: dict[str, torch.Tensor] | None = None,
+    perms: dict[str, torch.Tensor] | None = None, block_size: int = 32,
 ) -> dict[str, float]:
     """Per layer: mean KL(bf16 logits || logits with only this layer quantized), nats per token."""
     device = next(model.parameters()).device
-    q = _Quantizer(model, settings, perms)
+    q = _Quantizer(model, settings, perms, block_size)
     runs = [_Resumable(model, b.to(device)) for b in batches]
     refs = [torch.log_softmax(r.full, -1) for r in runs]
     out: dict[str, float] = {}
@@ -397,10 +415,9 @@ def layer_sensitivity(
 
 
 @torch.inference_mode()
-def _quantized_ppl(model, settings, perms, names, batches) -> float:
-    """Perplexity on ``batches`` with ``names`` quantized (fake-quant hooks, permutations as given)."""
+def _quantized_ppl(model: nn.Module, q: _Quantizer, names: list[str], batches: list[torch.Tensor]) -> float:
+    """Perplexity on ``batches`` with ``names`` quantized by ``q``'s fake-quant hooks."""
     device = next(model.parameters()).device
-    q = _Quantizer(model, settings, perms)
     q.enable(names)
     try:
         nll, n = 0.0, 0
@@ -412,293 +429,6 @@ def _quantized_ppl(model, settings, perms, names, batches) -> float:
     finally:
         q.disable()
     return math.exp(nll / n)
-
-
-# --- the plan ----------------------------------------------------------------------------------
-
-@dataclass
-class LayerPlan:
-    weights: TensorSpec
-    activations: TensorSpec | None
-    keep_bf16: bool = False
-    reason: str = ""
-    sensitivity_kl: float | None = None
-    reorder: str = "none"  # which order its K axis takes: none, residual, mlp:<key>, v:<key>
-    sqnr_db: dict = field(default_factory=dict)  # output SQNR on the sampled rows: direct, reorder, scale, chosen
-
-    def to_dict(self) -> dict:
-        return {
-            "weights": self.weights.to_dict(),
-            "activations": self.activations.to_dict() | {"dynamic": True} if self.activations else None,
-            "keep_bf16": self.keep_bf16, "reason": self.reason, "sensitivity_kl": self.sensitivity_kl,
-            "reorder": self.reorder, "sqnr_db": {k: _jf(v) for k, v in self.sqnr_db.items()},
-        }
-
-
-EXPERTS_ROUNDINGS = ("gptq", "nearest")
-
-
-@dataclass
-class ExpertsPlan:
-    """One experts module: the recipe's specs for all its experts and, after GPTQ
-    (``mxq.gptq.round_plan``), how each expert's projections were rounded ("gptq", or "nearest"
-    for an expert that saw too few calibration tokens) and the tokens the router sent to each."""
-
-    weights: TensorSpec
-    activations: TensorSpec | None
-    rounding: dict[str, list[str]] = field(default_factory=dict)  # projection -> per expert
-    tokens: list[int] = field(default_factory=list)  # calibration tokens routed to each expert
-    sqnr_db: dict = field(default_factory=dict)  # projection -> {"weights_nearest"|"weights_gptq": per expert}
-
-    def to_dict(self) -> dict:
-        return {
-            "weights": self.weights.to_dict(),
-            "activations": self.activations.to_dict() | {"dynamic": True} if self.activations else None,
-            "rounding": self.rounding, "tokens": self.tokens,
-            "sqnr_db": {p: {k: [_jf(v) for v in vs] for k, vs in d.items()} for p, d in self.sqnr_db.items()},
-        }
-
-
-@dataclass
-class Plan:
-    recipe: Recipe
-    geometry: Geometry
-    layers: dict[str, LayerPlan]
-    permutations: Permutations
-    statistics: dict = field(default_factory=dict)
-    calibration: dict = field(default_factory=dict)
-    choices: dict = field(default_factory=dict)
-    # GPTQ-rounded layers (mxq.gptq.round_plan): name -> (fp8 codes, E8M0 bytes), in memory or in
-    # the safetensors file written beside the plan's JSON.
-    rounded: dict | None = None
-    rounded_file: Path | None = None
-    experts: dict[str, ExpertsPlan] = field(default_factory=dict)  # experts modules the plan quantizes
-    # GPTQ-rounded experts: module -> projection -> (fp8 codes [E, N, K], E8M0 bytes [E, N, K/32])
-    rounded_experts: dict | None = None
-
-    def _read(self) -> None:
-        if self.rounded is None and self.rounded_file is not None:
-            self.rounded, self.rounded_experts = _read_rounded(self.rounded_file, self)
-
-    def rounded_weight(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The stored codes and scales of a GPTQ-rounded layer, or None (direct cast)."""
-        self._read()
-        return (self.rounded or {}).get(name)
-
-    def rounded_expert_weight(self, module: str, projection: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The stored codes [E, N, K] and scales [E, N, K/32] of one projection of a GPTQ-rounded
-        experts module, or None (direct cast)."""
-        self._read()
-        return (self.rounded_experts or {}).get(module, {}).get(projection)
-
-    @property
-    def quantized_experts(self) -> dict[str, tuple[TensorSpec, TensorSpec | None]]:
-        return {n: (ep.weights, ep.activations) for n, ep in self.experts.items()}
-
-    def experts_summary(self) -> dict | None:
-        """How many experts' projections got GPTQ and how many were cast directly (None without experts)."""
-        if not self.experts:
-            return None
-        out = {"modules": len(self.experts), "experts": sum(len(ep.tokens) for ep in self.experts.values()),
-               "gptq": {}, "nearest": {}}  # fmt: skip
-        for ep in self.experts.values():
-            for proj, r in ep.rounding.items():
-                for k in EXPERTS_ROUNDINGS:
-                    out[k][proj] = out[k].get(proj, 0) + r.count(k)
-        return out
-
-    @property
-    def kept(self) -> dict[str, str]:
-        return {n: lp.reason for n, lp in self.layers.items() if lp.keep_bf16}
-
-    @property
-    def quantized(self) -> dict[str, tuple[TensorSpec, TensorSpec | None]]:
-        return {n: (lp.weights, lp.activations) for n, lp in self.layers.items() if not lp.keep_bf16}
-
-    def config_section(self) -> dict:
-        """The ``calibration`` key of the written quantization_config."""
-        return {
-            "provenance": self.calibration, "choices": self.choices,
-            "permutations_folded": self.permutations.summary(),
-            "kept_bf16": sorted(self.kept),
-        } | ({"experts_rounding": self.experts_summary()} if self.experts else {})
-
-    def to_dict(self) -> dict:
-        rec = self.recipe.to_dict()
-        return {
-            "format": PLAN_FORMAT, "version": PLAN_VERSION, "recipe": rec, "model": self.geometry.to_dict(),
-            "choices": self.choices, "calibration": self.calibration,
-            "layers": {n: lp.to_dict() for n, lp in sorted(self.layers.items())},
-            "permutations": self.permutations.to_dict(), "statistics": self.statistics,
-        } | ({"experts": {n: ep.to_dict() for n, ep in sorted(self.experts.items())}} if self.experts else {}) \
-          | ({"rounded_weights": {"file": None, "layers": len(self.rounded or {}), "experts": len(self.rounded_experts or {})}}
-             if self.rounded or self.rounded_experts or self.rounded_file else {})  # fmt: skip
-
-
-def _jf(v):
-    return v if v is None or math.isfinite(v) else str(v)
-
-
-def save_plan(plan: Plan, path: str | os.PathLike) -> Path:
-    """Write the plan as JSON; GPTQ codes, if any, go to ``<stem>.safetensors`` beside it."""
-    path = Path(path)
-    plan._read()  # codes read from an earlier file are written again under the new name
-    d = plan.to_dict()
-    if "rounded_weights" in d:
-        from safetensors.torch import save_file
-
-        wfile = path.with_name(path.stem + ".safetensors")
-        if wfile == path:
-            raise PlanError(f"{path}: a plan with GPTQ codes needs a .json name (its codes go to {wfile.name})")
-        tensors = {}
-        for name in sorted(plan.rounded or {}):
-            data, scales = plan.rounded_weight(name)
-            tensors[name + ".weight"], tensors[name + ".weight_scale"] = data.contiguous(), scales.contiguous()
-        for name, projs in sorted((plan.rounded_experts or {}).items()):
-            for proj, (data, scales) in projs.items():  # as a fused checkpoint names them: <module>.<proj>[_scale]
-                tensors[f"{name}.{proj}"], tensors[f"{name}.{proj}_scale"] = data.contiguous(), scales.contiguous()
-        wtmp = wfile.with_name(wfile.name + ".tmp")
-        save_file(tensors, str(wtmp), metadata={"format": "pt", "mxq_plan": path.name})
-        os.replace(wtmp, wfile)
-        d["rounded_weights"]["file"] = wfile.name
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(d, indent=1) + "\n")
-    os.replace(tmp, path)
-    return path
-
-
-def _read_rounded(path: Path, plan: Plan | None = None) -> tuple[dict, dict]:
-    """The GPTQ codes beside a plan: Linear layers (``<layer>.weight`` with ``<layer>.weight_scale``)
-    and experts (``<module>.<proj>`` fp8 [E, N, K] with ``<module>.<proj>_scale`` uint8 [E, N, K/32]
-    for a module of ``plan.experts``)."""
-    from mxq.checkpoint import CheckpointError, read_header, read_tensor
-    from mxq.experts import GATED, UNGATED
-
-    try:
-        infos, _ = read_header(path)
-    except (CheckpointError, OSError) as e:
-        raise PlanError(f"{path}: GPTQ codes of the plan: {e}") from None
-    out, experts = {}, {}
-    for key, info in infos.items():
-        if key.endswith("_scale"):
-            if key[: -len("_scale")] not in infos:
-                raise PlanError(f"{path}: {key}: a scale without its codes ({key[: -len('_scale')]})")
-            continue
-        module, _, proj = key.rpartition(".")
-        if proj in GATED + UNGATED and plan is not None and module in plan.experts:
-            if key + "_scale" not in infos:
-                raise PlanError(f"{path}: {key}: expected the experts' codes with their {key}_scale")
-            data, scales = read_tensor(info), read_tensor(infos[key + "_scale"])
-            e, n, k = data.shape if data.dim() == 3 else (0, 0, 0)
-            want = plan.experts[module].weights.elem.torch_dtype
-            if data.dim() != 3 or data.dtype != want or scales.dtype != torch.uint8 or tuple(scales.shape) != (e, n, k // 32) or k % 32:
-                raise PlanError(f"{path}: {key}: expected {want} codes [E, N, K] with uint8 scales [E, N, K/32], got "
-                                f"{data.dtype}{list(data.shape)} / {scales.dtype}{list(scales.shape)}")  # fmt: skip
-            experts.setdefault(module, {})[proj] = (data, scales)
-            continue
-        if not key.endswith(".weight") or key[: -len(".weight")] + ".weight_scale" not in infos:
-            raise PlanError(f"{path}: {key}: expected <layer>.weight with its <layer>.weight_scale")
-        name = key[: -len(".weight")]
-        out[name] = (read_tensor(info), read_tensor(infos[name + ".weight_scale"]))
-    return out, experts
-
-
-def load_plan(path: str | os.PathLike) -> Plan:
-    """Read and validate a plan file; errors are one line naming the file and the key."""
-    where = str(path)
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise PlanError(f"{where}: plan file not found") from None
-    except IsADirectoryError:
-        raise PlanError(f"{where}: a directory, not a plan file (the JSON `mxq calibrate` writes)") from None
-    except UnicodeDecodeError:
-        raise PlanError(f"{where}: not a plan (binary, not UTF-8 JSON text; `mxq calibrate` writes plans as JSON)") from None
-    except (json.JSONDecodeError, RecursionError) as e:
-        raise PlanError(f"{where}: not valid JSON ({str(e)[:120] or type(e).__name__})") from None
-    plan = parse_plan(data, where)
-    rw = data.get("rounded_weights")
-    if rw is not None:
-        fname = rw.get("file") if isinstance(rw, dict) else None
-        if not isinstance(fname, str) or Path(fname).name != fname or fname in (".", "..") or not fname.endswith(".safetensors"):
-            raise PlanError(f"{where}: rounded_weights.file: expected a .safetensors file name beside the plan, got {fname!r}"[:300])
-        wfile = Path(path).parent / fname
-        if wfile.is_symlink() or (wfile.exists() and wfile.resolve().parent != Path(path).resolve().parent):
-            raise PlanError(f"{where}: rounded_weights.file: {fname} must be a regular file beside the plan")
-        if not wfile.is_file():
-            raise PlanError(f"{where}: rounded_weights.file: {wfile} not found (the plan's GPTQ codes are written beside it)")
-        plan.rounded_file = wfile
-    return plan
-
-
-def parse_plan(data, where: str = "<plan>") -> Plan:
-    def need(d, key, typ, at):
-        if not isinstance(d, dict) or key not in d:
-            raise PlanError(f"{where}: missing key {at}{key!r}")
-        if not isinstance(d[key], typ):
-            raise PlanError(f"{where}: {at}{key}: expected {getattr(typ, '__name__', typ)}, got {type(d[key]).__name__}")
-        return d[key]
-
-    if not isinstance(data, dict):
-        raise PlanError(f"{where}: a plan is a JSON object, got {type(data).__name__}")
-    if data.get("format") != PLAN_FORMAT:
-        raise PlanError(f"{where}: format: expected {PLAN_FORMAT!r}, got {data.get('format')!r} (not an mxq plan)")
-    if need(data, "version", int, "") > PLAN_VERSION:
-        raise PlanError(f"{where}: version: {data['version']} is newer than this mxq reads ({PLAN_VERSION})")
-    try:
-        recipe = parse_recipe(need(data, "recipe", dict, ""), f"{where}: recipe")
-    except RecipeError as e:
-        raise PlanError(str(e)) from None
-    m = need(data, "model", dict, "")
-    try:
-        geom = Geometry(**{k: int(need(m, k, int, "model.")) for k in Geometry.__dataclass_fields__})
-    except TypeError as e:
-        raise PlanError(f"{where}: model: {e}") from None
-    layers = {}
-    for name, d in need(data, "layers", dict, "").items():
-        at = f"layers[{name!r}]."
-        try:
-            w = TensorSpec.from_dict(need(d, "weights", dict, at))
-            a = d.get("activations")
-            a = TensorSpec.from_dict(a) if a is not None else None
-        except (KeyError, ValueError, TypeError) as e:
-            raise PlanError(f"{where}: {at}weights/activations: {str(e).strip(chr(39))}") from None
-        keep = need(d, "keep_bf16", bool, at)
-        layers[name] = LayerPlan(w, a, keep, str(d.get("reason", "")), d.get("sensitivity_kl"),
-                                 str(d.get("reorder", "none")), dict(d.get("sqnr_db", {})))
-    p = need(data, "permutations", dict, "")
-    try:
-        perms = Permutations(
-            mlp={int(k): v for k, v in need(p, "mlp", dict, "permutations.").items()},
-            v={int(k): v for k, v in need(p, "v", dict, "permutations.").items()},
-            residual=p.get("residual"),
-        )
-        perms.validate(geom, f"{where}: permutations")
-    except ReorderError as e:
-        raise PlanError(str(e)) from None
-    except ValueError as e:
-        raise PlanError(f"{where}: permutations: layer keys must be integers ({e})") from None
-    experts = {name: _parse_experts(d, f"experts[{name!r}].", where) for name, d in data.get("experts", {}).items()}
-    return Plan(recipe, geom, layers, perms, data.get("statistics", {}), data.get("calibration", {}), data.get("choices", {}),
-                experts=experts)
-
-
-def _parse_experts(d, at: str, where: str) -> ExpertsPlan:
-    if not isinstance(d, dict) or not isinstance(d.get("weights"), dict):
-        raise PlanError(f"{where}: {at}weights: expected an object")
-    try:
-        w = TensorSpec.from_dict(d["weights"])
-        a = TensorSpec.from_dict(d["activations"]) if d.get("activations") is not None else None
-    except (KeyError, ValueError, TypeError) as e:
-        raise PlanError(f"{where}: {at}weights/activations: {str(e).strip(chr(39))}") from None
-    rounding, tokens = d.get("rounding", {}), d.get("tokens", [])
-    if not isinstance(tokens, list) or not all(type(t) is int and t >= 0 for t in tokens):
-        raise PlanError(f"{where}: {at}tokens: expected a list of token counts, one per expert")
-    if not isinstance(rounding, dict) or not all(
-        isinstance(r, list) and len(r) == len(tokens) and all(v in EXPERTS_ROUNDINGS for v in r) for r in rounding.values()
-    ):
-        raise PlanError(f"{where}: {at}rounding: expected per projection one of {EXPERTS_ROUNDINGS} per expert ({len(tokens)})")
-    return ExpertsPlan(w, a, rounding, tokens, dict(d.get("sqnr_db", {})))
 
 
 # --- choosing ------------------------------------------------------------------------------------
@@ -743,116 +473,188 @@ def make_plan(
     perplexity budget; or, with ``keep_bytes`` (percent), the most sensitive in rank order while the
     checkpoint grows by at most that much over direct cast.
     """
-    rec, geom = cal.recipe, cal.geometry
-    lins = linear_layers(model)
-    act = rec.activations
-    sel = list(cal.selected)
-    x = {n: cal.stats[n].samples for n in sel}
-    direct = {n: _output_sqnr(lins[n], x[n], rec.weights, act) for n in sel}
-    perm_of: dict[str, torch.Tensor] = {}  # name -> permutation of its K axis
-    how: dict[str, str] = {n: "none" for n in sel}
-    perms = Permutations()
-    notes: dict = {}
-    candidate_sqnr: dict[str, dict] = {}  # every order tried, kept or not: what reordering could buy
-
-    from mxq.experts import experts_layers, structure
-
-    if reorder and residual and experts_layers(model):
-        notes["residual_skipped"] = "routers and experts read the residual stream; mxq.reorder folds no permutation into them"
-    elif reorder and residual:
-        readers = [n for n in sel if n.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")]
-        if readers:
-            score = torch.zeros(geom.hidden_size, dtype=torch.float64)
-            for n in readers:
-                a = cal.stats[n].absmax.double().clamp_min(1e-30)
-                score += torch.log2(a / a.median())
-            r = torch.argsort(score, descending=True, stable=True)
-            after = {n: _output_sqnr(lins[n], x[n], rec.weights, act, r) for n in readers}
-            gain = sum(after[n] - direct[n] for n in readers) / len(readers)
-            notes["residual_mean_gain_db"] = gain
-            candidate_sqnr.update({n: {"residual": after[n]} for n in readers})
-            if gain >= min_gain_db:
-                perms.residual = r.tolist()
-                for n in readers:
-                    perm_of[n], how[n] = r, "residual"
-
+    rec = cal.recipe
+    sampled = _SampledOutputs(linear_layers(model), {n: cal.stats[n].samples for n in cal.selected}, rec)
+    direct = {n: sampled.sqnr(n) for n in cal.selected}
+    orders = _Orders(how={n: "none" for n in cal.selected})
+    residual_notes = {}
+    if reorder and residual:
+        residual_notes = _choose_residual_order(model, cal, sampled, direct, orders, min_gain_db)
     if reorder:
-        for n in sel:
-            leaf, i = n.rsplit(".", 1)[-1], _layer_index(n)
-            # only where mxq.reorder folds the permutation into the producer: a dense MLP's gate/up
-            # (not a shared expert's) and v_proj (not an MLA attention's kv projection)
-            if leaf not in ("down_proj", "o_proj") or n != f"model.layers.{i}.{'mlp' if leaf == 'down_proj' else 'self_attn'}.{leaf}":
-                continue
-            if leaf == "o_proj" and f"model.layers.{i}.self_attn.v_proj" not in lins:
-                continue
-            st, w = cal.stats[n], lins[n].weight
-            if leaf == "down_proj":
-                cands = _candidates(st, w)
-            else:
-                vc = _v_candidates(st, geom, w)
-                cands = {k: Permutations(v={i: p}).o_cols(i, geom) for k, p in vc.items()}
-            scores = {k: _output_sqnr(lins[n], x[n], rec.weights, act, p) for k, p in cands.items()}
-            candidate_sqnr[n] = scores
-            best = max(scores, key=scores.get)
-            if scores[best] - direct[n] >= min_gain_db:
-                perm_of[n] = cands[best]
-                if leaf == "down_proj":
-                    perms.mlp[i] = cands[best].tolist()
-                    how[n] = f"mlp:{best}"
-                else:
-                    perms.v[i] = vc[best]
-                    how[n] = f"v:{best}"
-
-    layers: dict[str, LayerPlan] = {}
-    for n in sel:
-        p = perm_of.get(n)
-        reordered = _output_sqnr(lins[n], x[n], rec.weights, act, p) if p is not None else direct[n]
-        w_spec, chosen = rec.weights, reordered
-        sq = {"direct": direct[n], "reorder": reordered}
-        if n in candidate_sqnr:
-            sq["reorder_best_candidate"] = max(candidate_sqnr[n].values())
-        if scale_search and rec.weights.scale_rule is not ScaleRule.MSE:
-            alt = TensorSpec(rec.weights.elem, ScaleRule.MSE)
-            s_alt = _output_sqnr(lins[n], x[n], alt, act, p)
-            sq["scale_search"] = s_alt
-            if s_alt > chosen:
-                w_spec, chosen = alt, s_alt
-        sq["chosen"] = chosen
-        layers[n] = LayerPlan(w_spec, act, sensitivity_kl=cal.sensitivity.get(n), reorder=how[n], sqnr_db=sq)
-
-    ranking = sorted(sel, key=lambda n: -cal.sensitivity.get(n, 0.0))
-    n_keep = min(max(keep_bf16, 0), len(ranking))
-    if max_dppl is not None:
-        settings = {n: (lp.weights, lp.activations) for n, lp in layers.items()}
-        n_keep, curve = _keep_for_budget(model, settings, perm_of, ranking, cal.sens_batches, max_dppl, n_keep)
-        notes["max_dppl_search"] = curve
-    elif keep_bytes is not None and n_keep == 0:
-        n_keep, extra, total = _keep_for_bytes(model, ranking, keep_bytes)
-        notes["keep_bytes_search"] = {"direct_cast_bytes": total, "extra_bytes": extra}
-    for rank, n in enumerate(ranking[:n_keep]):
-        layers[n].keep_bf16 = True
-        layers[n].reason = f"sensitivity rank {rank + 1} (KL {cal.sensitivity[n]:.3g})"
-    plain = {lay.name for lay in structure(model) if lay.role == "linear"}
-    for n, why in cal.kept_by_recipe.items():
-        if n in plain:  # routers and shared-expert gates are kept by every recipe; the plan lists Linear layers
-            layers.setdefault(n, LayerPlan(rec.weights, act, True, why))
-
-    stats = {n: s.summary() for n, s in cal.stats.items()}
-    for n in sel:
-        p = perm_of.get(n)
-        stats[n]["block_spread_log2"] = {"before": block_spread(cal.stats[n].absmax), "after": block_spread(cal.stats[n].absmax, p)}
+        _choose_producer_orders(cal, sampled, direct, orders, min_gain_db)
+    layers = {n: _layer_plan(n, cal, sampled, direct[n], orders, scale_search) for n in cal.selected}
+    n_keep, keep_notes = _keep_most_sensitive(model, cal, layers, orders.perm_of, keep_bf16, max_dppl, keep_bytes)
+    _add_kept_by_recipe(model, cal, layers)
     choices = {
         "reorder": reorder, "residual_permutation": residual, "scale_search": scale_search, "keep_bf16": keep_bf16,
         "max_dppl_percent": max_dppl, "keep_bytes_percent": keep_bytes, "min_gain_db": min_gain_db,
         "kept_by_sensitivity": n_keep,
         "sqnr_basis": "output SQNR on the sampled calibration rows, weights and activations quantized",
-        **notes,
+        **residual_notes, **keep_notes,
     }
     experts = {n: ExpertsPlan(rec.weights, rec.activations) for n in cal.experts}
-    return Plan(rec, geom, layers, perms, stats, dict(cal.provenance), choices, experts=experts)
+    return Plan(rec, cal.geometry, layers, orders.perms, _plan_statistics(cal, orders.perm_of), dict(cal.provenance),
+                choices, experts=experts)  # fmt: skip
 
 
-def _keep_for_bytes(model: nn.Module, ranking: list[str], percent: float) -> tuple[int, int, int]:
+@dataclass
+class _SampledOutputs:
+    """Output SQNR of the selected Linear layers on their sampled calibration rows, quantized as the
+    recipe says (weights as given), with K permuted as given."""
+
+    lins: dict[str, nn.Linear]
+    rows: dict[str, torch.Tensor]
+    recipe: Recipe
+
+    def sqnr(self, name: str, perm: torch.Tensor | None = None, weights: TensorSpec | None = None) -> float:
+        w = self.recipe.weights if weights is None else weights
+        return _output_sqnr(self.lins[name], self.rows[name], w, self.recipe.activations, perm, self.recipe.block_size)
+
+
+@dataclass
+class _Orders:
+    """The channel orders chosen so far: per layer its K permutation and how it was chosen, the
+    permutations the plan folds, and the SQNR of every order tried, kept or not (what reordering
+    could buy)."""
+
+    how: dict[str, str]  # none, residual, mlp:<key>, v:<key>
+    perm_of: dict[str, torch.Tensor] = field(default_factory=dict)
+    perms: Permutations = field(default_factory=Permutations)
+    candidate_sqnr: dict[str, dict] = field(default_factory=dict)
+
+
+RESIDUAL_READERS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+
+
+def _choose_residual_order(model: nn.Module, cal: Calibration, sampled: _SampledOutputs, direct: dict[str, float],
+                           orders: _Orders, min_gain_db: float) -> dict:  # fmt: skip
+    """One permutation of the residual stream for every layer reading it, kept if it raises their mean
+    SQNR by ``min_gain_db``; returns the notes for the plan's choices."""
+    from mxq.experts import experts_layers
+
+    if experts_layers(model):
+        return {"residual_skipped": "routers and experts read the residual stream; mxq.reorder folds no permutation into them"}
+    readers = [n for n in cal.selected if n.rsplit(".", 1)[-1] in RESIDUAL_READERS]
+    if not readers:
+        return {}
+    score = torch.zeros(cal.geometry.hidden_size, dtype=torch.float64)
+    for n in readers:
+        a = cal.stats[n].absmax.double().clamp_min(1e-30)
+        score += torch.log2(a / a.median())
+    r = torch.argsort(score, descending=True, stable=True)
+    after = {n: sampled.sqnr(n, r) for n in readers}
+    gain = sum(after[n] - direct[n] for n in readers) / len(readers)
+    orders.candidate_sqnr.update({n: {"residual": after[n]} for n in readers})
+    if gain >= min_gain_db:
+        orders.perms.residual = r.tolist()
+        for n in readers:
+            orders.perm_of[n], orders.how[n] = r, "residual"
+    return {"residual_mean_gain_db": gain}
+
+
+def _folds_into_producer(name: str, lins: dict[str, nn.Linear]) -> bool:
+    """Whether ``mxq.reorder`` folds a permutation of this layer's K axis into the layer producing its
+    input: a dense MLP's down_proj (into gate/up; not a shared expert's) and o_proj (into v_proj;
+    not an MLA attention's kv projection)."""
+    leaf, i = name.rsplit(".", 1)[-1], _layer_index(name)
+    if leaf not in ("down_proj", "o_proj") or name != f"model.layers.{i}.{'mlp' if leaf == 'down_proj' else 'self_attn'}.{leaf}":
+        return False
+    return leaf == "down_proj" or f"model.layers.{i}.self_attn.v_proj" in lins
+
+
+def _choose_producer_orders(cal: Calibration, sampled: _SampledOutputs, direct: dict[str, float], orders: _Orders,
+                            min_gain_db: float) -> None:  # fmt: skip
+    """Per down_proj / o_proj, the best candidate order of its K axis, kept if it raises the layer's
+    SQNR by ``min_gain_db``."""
+    for n in cal.selected:
+        if not _folds_into_producer(n, sampled.lins):
+            continue
+        leaf, i = n.rsplit(".", 1)[-1], _layer_index(n)
+        st, w = cal.stats[n], sampled.lins[n].weight
+        if leaf == "down_proj":
+            cands = _candidates(st, w)
+        else:
+            vc = _v_candidates(st, cal.geometry, w)
+            cands = {k: Permutations(v={i: p}).o_cols(i, cal.geometry) for k, p in vc.items()}
+        scores = {k: sampled.sqnr(n, p) for k, p in cands.items()}
+        orders.candidate_sqnr[n] = scores
+        best = max(scores, key=scores.get)
+        if scores[best] - direct[n] < min_gain_db:
+            continue
+        orders.perm_of[n] = cands[best]
+        if leaf == "down_proj":
+            orders.perms.mlp[i] = cands[best].tolist()
+            orders.how[n] = f"mlp:{best}"
+        else:
+            orders.perms.v[i] = vc[best]
+            orders.how[n] = f"v:{best}"
+
+
+def _layer_plan(name: str, cal: Calibration, sampled: _SampledOutputs, direct: float, orders: _Orders,
+                scale_search: bool) -> LayerPlan:  # fmt: skip
+    """The layer's weight scale rule (the recipe's, or MSE where that gives the higher SQNR) and the
+    SQNRs behind its choices."""
+    rec = cal.recipe
+    p = orders.perm_of.get(name)
+    reordered = sampled.sqnr(name, p) if p is not None else direct
+    w_spec, chosen = rec.weights, reordered
+    sq = {"direct": direct, "reorder": reordered}
+    if name in orders.candidate_sqnr:
+        sq["reorder_best_candidate"] = max(orders.candidate_sqnr[name].values())
+    if scale_search and rec.weights.scale_rule is not ScaleRule.MSE:
+        alt = TensorSpec(rec.weights.elem, ScaleRule.MSE)
+        s_alt = sampled.sqnr(name, p, alt)
+        sq["scale_search"] = s_alt
+        if s_alt > chosen:
+            w_spec, chosen = alt, s_alt
+    sq["chosen"] = chosen
+    return LayerPlan(w_spec, rec.activations, sensitivity_kl=cal.sensitivity.get(name), reorder=orders.how[name], sqnr_db=sq)
+
+
+def _keep_most_sensitive(model: nn.Module, cal: Calibration, layers: dict[str, LayerPlan], perm_of: dict[str, torch.Tensor],
+                         keep_bf16: int, max_dppl: float | None, keep_bytes: float | None) -> tuple[int, dict]:  # fmt: skip
+    """Mark the most sensitive layers kept in bf16 under the budget (``make_plan``'s doc); returns
+    how many and the notes of the search for the plan's choices."""
+    ranking = sorted(cal.selected, key=lambda n: -cal.sensitivity.get(n, 0.0))
+    n_keep = min(max(keep_bf16, 0), len(ranking))
+    notes: dict = {}
+    if max_dppl is not None:
+        settings = {n: (lp.weights, lp.activations) for n, lp in layers.items()}
+
+        def ppl(names: list[str]) -> float:
+            return _quantized_ppl(model, _Quantizer(model, settings, perm_of, cal.recipe.block_size), names, cal.sens_batches)
+
+        n_keep, notes["max_dppl_search"] = _keep_for_budget(ppl, ranking, max_dppl, n_keep)
+    elif keep_bytes is not None and n_keep == 0:
+        n_keep, extra, total = _keep_for_bytes(model, ranking, keep_bytes, cal.recipe.block_size)
+        notes["keep_bytes_search"] = {"direct_cast_bytes": total, "extra_bytes": extra}
+    for rank, n in enumerate(ranking[:n_keep]):
+        layers[n].keep_bf16 = True
+        layers[n].reason = f"sensitivity rank {rank + 1} (KL {cal.sensitivity[n]:.3g})"
+    return n_keep, notes
+
+
+def _add_kept_by_recipe(model: nn.Module, cal: Calibration, layers: dict[str, LayerPlan]) -> None:
+    from mxq.experts import structure
+
+    plain = {lay.name for lay in structure(model) if lay.role == "linear"}
+    for n, why in cal.kept_by_recipe.items():
+        if n in plain:  # routers and shared-expert gates are kept by every recipe; the plan lists Linear layers
+            layers.setdefault(n, LayerPlan(cal.recipe.weights, cal.recipe.activations, True, why))
+
+
+def _plan_statistics(cal: Calibration, perm_of: dict[str, torch.Tensor]) -> dict:
+    """Every layer's statistics summary; for the selected ones also the block spread before and
+    after its chosen order."""
+    bs = cal.recipe.block_size
+    stats = {n: s.summary() for n, s in cal.stats.items()}
+    for n in cal.selected:
+        a = cal.stats[n].absmax
+        stats[n]["block_spread_log2"] = {"before": block_spread(a, block_size=bs), "after": block_spread(a, perm_of.get(n), bs)}
+    return stats
+
+
+def _keep_for_bytes(model: nn.Module, ranking: list[str], percent: float, block_size: int) -> tuple[int, int, int]:
     """Most sensitive layers, in rank order, whose bf16 weights add at most ``percent`` to the
     direct-cast checkpoint's bytes (every ranked layer fp8 + E8M0 scales, the rest as stored; a
     tied tensor once): (how many, the bytes they add, the direct-cast bytes)."""
@@ -860,27 +662,29 @@ def _keep_for_bytes(model: nn.Module, ranking: list[str], percent: float) -> tup
     ranked = {id(mods[n].weight): n for n in ranking}
     total = 0
     for p in model.parameters():  # tied parameters come once
-        total += p.numel() + p.numel() // 32 if id(p) in ranked else p.numel() * p.element_size()
+        total += p.numel() + p.numel() // block_size if id(p) in ranked else p.numel() * p.element_size()
     budget = percent / 100 * total
     n, extra = 0, 0
     for name in ranking:
         w = mods[name].weight
-        add = w.numel() * w.element_size() - (w.numel() + w.numel() // 32)
+        add = w.numel() * w.element_size() - (w.numel() + w.numel() // block_size)
         if extra + add > budget:
             break
         n, extra = n + 1, extra + add
     return n, extra, total
 
 
-def _keep_for_budget(model, settings, perms, ranking, batches, max_dppl, at_least):
+def _keep_for_budget(ppl: Callable[[list[str]], float], ranking: list[str], max_dppl: float,
+                     at_least: int) -> tuple[int, dict]:  # fmt: skip
     """Smallest number of most-sensitive layers to keep so that the calibration-text perplexity
-    rises by at most ``max_dppl`` percent over bf16 (exponential then binary search)."""
-    base = _quantized_ppl(model, settings, perms, [], batches)
+    (``ppl(names quantized)``) rises by at most ``max_dppl`` percent over bf16 (exponential then
+    binary search)."""
+    base = ppl([])
     curve: dict[int, float] = {}
 
     def ok(k: int) -> bool:
         if k not in curve:
-            curve[k] = _quantized_ppl(model, settings, perms, ranking[k:], batches)
+            curve[k] = ppl(ranking[k:])
         return (curve[k] / base - 1) * 100 <= max_dppl
 
     lo, hi = at_least, at_least
@@ -924,7 +728,7 @@ def apply_plan(model: nn.Module, plan: Plan) -> nn.Module:
     for n, (w, a) in plan.quantized.items():
         parent_name, _, child = n.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, MXLinear.from_linear(getattr(parent, child), w, a))
+        setattr(parent, child, MXLinear.from_linear(getattr(parent, child), w, a, plan.recipe.block_size))
     for n, (w, a) in plan.quantized_experts.items():
         quantize_experts(model, [n], w, a, plan.recipe.block_size)
     experts = {n: experts_entry(moe[n], w, a) for n, (w, a) in plan.quantized_experts.items()}

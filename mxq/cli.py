@@ -6,7 +6,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import click
 import typer
@@ -15,6 +15,11 @@ from rich.table import Table
 
 import mxq
 from mxq import formats as F
+
+if TYPE_CHECKING:
+    from mxq.calibrate import CalibrationOptions
+    from mxq.plan import Plan
+    from mxq.recipe import Recipe
 
 app = typer.Typer(
     name="mxq",
@@ -209,40 +214,14 @@ def quantize_cmd(
 ) -> None:
     """Quantize a model to MXFP8 and write a safetensors checkpoint."""
     from mxq.convert import quantize_checkpoint
-    from mxq.recipe import load_recipe
 
+    opts = _calibration_options(locals())
     if not (math.isfinite(max_shard_size) and max_shard_size > 0 and max_shard_size * 1024**3 >= 1):
         raise typer.BadParameter(f"--max-shard-size must be a finite positive size in GiB, got {max_shard_size}")
     if scale_dtype not in ("u8", "e8m0"):
         raise typer.BadParameter(f"--scale-dtype must be u8 or e8m0, got {scale_dtype!r}")
-    if calibrate and plan is not None:
-        raise typer.BadParameter("pass --calibrate or --plan, not both")
-    if not calibrate and (dataset or keep_bf16 or max_dppl is not None or keep_bytes is not None or plan_out or experts_all_tokens):
-        raise typer.BadParameter(
-            "--dataset, --keep-bf16, --max-dppl, --keep-bytes, --plan-out and --experts-all-tokens go with --calibrate"
-        )
-    cplan = None
-    if plan is not None:
-        from mxq.calibrate import load_plan
-
-        cplan = load_plan(plan)
-        rec = cplan.recipe
-        if recipe not in ("mxfp8", rec.name):
-            raise typer.BadParameter(
-                f"--recipe {recipe!r}: the plan was made for recipe {rec.name!r}"
-            )
-    else:
-        rec = load_recipe(recipe)
-    if calibrate:
-        if not dataset:
-            raise typer.BadParameter("--calibrate needs --dataset")
-        cplan = _run_calibration(model, rec, dataset, samples, seq_len, keep_bf16, max_dppl, reorder, scale_search, device, sensitivity_samples, sensitivity_seq_len, rounding, keep_bytes,
-                                 experts_all_tokens)
-        if plan_out:
-            from mxq.calibrate import save_plan
-
-            save_plan(cplan, plan_out)
-            console.print(f"plan written to {plan_out}")
+    _check_plan_source(calibrate, plan, plan_out, opts)
+    rec, cplan = _quantize_plan(model, recipe, plan, opts if calibrate else None, plan_out)
     if out is None:
         stem = Path(model).stem if model else "smollm2-135m-instruct"
         out = Path("out") / f"{stem}-{rec.name}"
@@ -263,65 +242,110 @@ def quantize_cmd(
     _print_report(report)
 
 
-def _run_calibration(
-    model,
-    rec,
-    dataset,
-    samples,
-    seq_len,
-    keep_bf16,
-    max_dppl,
-    reorder,
-    scale_search,
-    device,
-    sensitivity_samples: int = 2,
-    sensitivity_seq_len: int = 256,
-    rounding: str = "gptq",
-    keep_bytes: float | None = None,
-    experts_all_tokens: bool = False,
-):
+def _calibration_options(params: dict) -> CalibrationOptions:
+    """The calibration options of a command (``locals()`` at its start): its parameters of the
+    same names as ``CalibrationOptions``' fields, so that both commands build them one way."""
+    import dataclasses
+
+    from mxq.calibrate import CalibrationOptions
+
+    return CalibrationOptions(**{f.name: params[f.name] for f in dataclasses.fields(CalibrationOptions)})
+
+
+def _check_plan_source(calibrate: bool, plan: Path | None, plan_out: Path | None, opts: CalibrationOptions) -> None:
+    """`mxq quantize` takes --calibrate or --plan, and the calibration options only with --calibrate."""
+    if calibrate and plan is not None:
+        raise typer.BadParameter("pass --calibrate or --plan, not both")
+    if not calibrate and (opts.dataset or opts.keep_bf16 or opts.max_dppl is not None or opts.keep_bytes is not None or plan_out
+                          or opts.experts_all_tokens):  # fmt: skip
+        raise typer.BadParameter(
+            "--dataset, --keep-bf16, --max-dppl, --keep-bytes, --plan-out and --experts-all-tokens go with --calibrate"
+        )
+
+
+def _quantize_plan(model: str | None, recipe: str, plan: Path | None, opts: CalibrationOptions | None,
+                   plan_out: Path | None) -> tuple[Recipe, Plan | None]:  # fmt: skip
+    """The recipe and calibration plan `mxq quantize` converts with: the --plan file's, or --recipe
+    with a plan calibrated here (``opts``: --calibrate, the plan also saved to ``plan_out``), or
+    --recipe alone."""
+    from mxq.recipe import load_recipe
+
+    if plan is not None:
+        from mxq.plan import load_plan
+
+        cplan = load_plan(plan)
+        if recipe not in ("mxfp8", cplan.recipe.name):
+            raise typer.BadParameter(f"--recipe {recipe!r}: the plan was made for recipe {cplan.recipe.name!r}")
+        return cplan.recipe, cplan
+    rec = load_recipe(recipe)
+    if opts is None:
+        return rec, None
+    if not opts.dataset:
+        raise typer.BadParameter("--calibrate needs --dataset")
+    cplan = _run_calibration(model, rec, opts)
+    if plan_out:
+        from mxq.plan import save_plan
+
+        save_plan(cplan, plan_out)
+        console.print(f"plan written to {plan_out}")
+    return rec, cplan
+
+
+def _run_calibration(model: str | None, rec: Recipe, opts: CalibrationOptions) -> Plan:
+    """Calibrate ``model`` on ``opts.dataset``, make the plan and round its weights as
+    ``opts.rounding`` says; the plan is printed and returned."""
     import torch
 
     from mxq.calibrate import calibrate, make_plan
     from mxq.eval.data import chars_for_tokens, load_texts
     from mxq.models import load_model, resolve_device
-    from mxq.recipe import ROUNDINGS
 
-    if keep_bf16 < 0 or (max_dppl is not None and max_dppl < 0) or (keep_bytes is not None and not keep_bytes >= 0):
-        raise typer.BadParameter("--keep-bf16, --max-dppl and --keep-bytes must not be negative")
-    if keep_bytes is None and not keep_bf16 and max_dppl is None:
-        keep_bytes = KEEP_BYTES_DEFAULT
-    if rounding not in ROUNDINGS:
-        raise typer.BadParameter(f"--rounding {rounding!r}: expected one of {', '.join(ROUNDINGS)}")
-    if rounding == "gptq" and rec.weights.scale_rule.value not in ("rceil", "mse"):
-        raise typer.BadParameter(f"--rounding gptq: recipe {rec.name!r} uses scale_rule {rec.weights.scale_rule.value!r}; gptq takes rceil or mse (or pass --rounding nearest)")
-    if experts_all_tokens and rounding != "gptq":
-        raise typer.BadParameter("--experts-all-tokens goes with --rounding gptq")
-    texts = load_texts(dataset, max_chars=chars_for_tokens(samples * seq_len))  # a text file: only what the windows need
-    m, tok = load_model(model, device=resolve_device(device), dtype=torch.bfloat16)
+    opts = _checked_calibration(opts, rec)
+    texts = load_texts(opts.dataset, max_chars=chars_for_tokens(opts.samples * opts.seq_len))  # a text file: only what the windows need
+    m, tok = load_model(model, device=resolve_device(opts.device), dtype=torch.bfloat16)
     cal = calibrate(
         m,
         tok,
         texts,
         rec,
-        samples=samples,
-        seq_len=seq_len,
-        dataset=str(dataset),
-        sensitivity_samples=sensitivity_samples,
-        sensitivity_seq_len=sensitivity_seq_len,
+        samples=opts.samples,
+        seq_len=opts.seq_len,
+        dataset=str(opts.dataset),
+        sensitivity_samples=opts.sensitivity_samples,
+        sensitivity_seq_len=opts.sensitivity_seq_len,
     )
     p = make_plan(
-        m, cal, reorder=reorder, scale_search=scale_search, keep_bf16=keep_bf16, max_dppl=max_dppl,
-        keep_bytes=keep_bytes or None,
+        m, cal, reorder=opts.reorder, scale_search=opts.scale_search, keep_bf16=opts.keep_bf16, max_dppl=opts.max_dppl,
+        keep_bytes=opts.keep_bytes or None,
     )
-    if rounding == "gptq":
+    if opts.rounding == "gptq":
         from mxq.gptq import round_plan
 
-        round_plan(m, p, cal.batches, experts_all_tokens=experts_all_tokens)
+        round_plan(m, p, cal.batches, experts_all_tokens=opts.experts_all_tokens)
     else:
         p.choices["rounding"] = "nearest"
     _print_plan(p)
     return p
+
+
+def _checked_calibration(opts: CalibrationOptions, rec: Recipe) -> CalibrationOptions:
+    """``opts`` with the --keep-bytes default where no other budget is given; bad combinations are
+    refused before the model loads."""
+    import dataclasses
+
+    from mxq.recipe import ROUNDINGS
+
+    if opts.keep_bf16 < 0 or (opts.max_dppl is not None and opts.max_dppl < 0) or (opts.keep_bytes is not None and not opts.keep_bytes >= 0):
+        raise typer.BadParameter("--keep-bf16, --max-dppl and --keep-bytes must not be negative")
+    if opts.rounding not in ROUNDINGS:
+        raise typer.BadParameter(f"--rounding {opts.rounding!r}: expected one of {', '.join(ROUNDINGS)}")
+    if opts.rounding == "gptq" and rec.weights.scale_rule.value not in ("rceil", "mse"):
+        raise typer.BadParameter(f"--rounding gptq: recipe {rec.name!r} uses scale_rule {rec.weights.scale_rule.value!r}; gptq takes rceil or mse (or pass --rounding nearest)")
+    if opts.experts_all_tokens and opts.rounding != "gptq":
+        raise typer.BadParameter("--experts-all-tokens goes with --rounding gptq")
+    if opts.keep_bytes is None and not opts.keep_bf16 and opts.max_dppl is None:
+        return dataclasses.replace(opts, keep_bytes=KEEP_BYTES_DEFAULT)
+    return opts
 
 
 def _print_plan(p) -> None:
@@ -394,26 +418,10 @@ def calibrate_cmd(
     experts_all_tokens: ExpertsAllTokens = False,
 ) -> None:
     """Run calibration text through the bf16 model and write a plan for `mxq quantize --plan`."""
-    from mxq.calibrate import save_plan
+    from mxq.plan import save_plan
     from mxq.recipe import load_recipe
 
-    p = _run_calibration(
-        model,
-        load_recipe(recipe),
-        dataset,
-        samples,
-        seq_len,
-        keep_bf16,
-        max_dppl,
-        reorder,
-        scale_search,
-        device,
-        sensitivity_samples,
-        sensitivity_seq_len,
-        rounding,
-        keep_bytes,
-        experts_all_tokens,
-    )
+    p = _run_calibration(model, load_recipe(recipe), _calibration_options(locals()))
     save_plan(p, out)
     console.print(f"plan written to {out}")
 

@@ -225,6 +225,19 @@ class _Stop(Exception):
     pass
 
 
+@dataclass(frozen=True)
+class _Rounding:
+    """How ``gptq_model`` rounds (its arguments of that name; ``expert_min_tokens`` and
+    ``experts_all_tokens`` for the experts)."""
+
+    damp: float
+    act_order: bool
+    quantized_inputs: bool
+    expert_min_tokens: float
+    experts_all_tokens: bool
+    block_size: int
+
+
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None)
@@ -255,15 +268,16 @@ def _groups(layer: nn.Module, prefix: str, specs: dict) -> list[list[tuple[str, 
     return groups
 
 
-def _quantize_input_hook(act: TensorSpec):
+def _quantize_input_hook(act: TensorSpec, block_size: int):
     def hook(mod, args):
         x = args[0]
-        return (fake_quantize_mx(x, -1, act.elem, 32, act.scale_rule), *args[1:])
+        return (fake_quantize_mx(x, -1, act.elem, block_size, act.scale_rule), *args[1:])
 
     return hook
 
 
-def _errors(w: torch.Tensor, wq: torch.Tensor, h: torch.Tensor, spec: TensorSpec, rows: int = 2048) -> tuple[float, float]:
+def _errors(w: torch.Tensor, wq: torch.Tensor, h: torch.Tensor, spec: TensorSpec, block_size: int,
+            rows: int = 2048) -> tuple[float, float]:  # fmt: skip
     """‖(W − Ŵ)Xᵀ‖² / ‖WXᵀ‖² from H = XᵀX, for GPTQ's Ŵ and for round-to-nearest, a few rows at a
     time in float32 (MX rounding is per row, so the chunks change no value; memory stays bounded)."""
     def err(wi: torch.Tensor, q: torch.Tensor) -> float:
@@ -275,18 +289,17 @@ def _errors(w: torch.Tensor, wq: torch.Tensor, h: torch.Tensor, spec: TensorSpec
         wi = w[i : i + rows].float()
         den += float(((wi @ h) * wi).sum())
         g += err(wi, wq[i : i + rows])
-        r += err(wi, fake_quantize_mx(wi, -1, spec.elem, 32, spec.scale_rule))
+        r += err(wi, fake_quantize_mx(wi, -1, spec.elem, block_size, spec.scale_rule))
     return (g / den, r / den) if den > 0 else (0.0, 0.0)
 
 
-def _round_group(group: list[tuple[str, nn.Linear]], h: torch.Tensor, spec: TensorSpec, damp: float,
-                 act_order: bool) -> dict[str, dict]:  # fmt: skip
+def _round_group(group: list[tuple[str, nn.Linear]], h: torch.Tensor, spec: TensorSpec, how: _Rounding) -> dict[str, dict]:
     """GPTQ over Linear layers that read one input (their rows stacked), in place; per layer: the
     group's output errors, GPTQ and nearest, and its share of the time."""
     t0 = time.perf_counter()
     w = torch.cat([lin.weight.detach() for _, lin in group])  # in the model's dtype
-    wq = gptq_mx(w, h, spec, damp=damp, act_order=act_order)
-    g_err, r_err = _errors(w, wq, h, spec)
+    wq = gptq_mx(w, h, spec, block_size=how.block_size, damp=how.damp, act_order=how.act_order)
+    g_err, r_err = _errors(w, wq, h, spec, how.block_size)
     del w
     row = 0
     for _, lin in group:
@@ -397,20 +410,19 @@ def _gate_of(mod: nn.Module, projections: tuple[str, ...]):
     return lambda h: gate(mod, h)
 
 
-def _round_expert_projection(w: torch.Tensor, rows_of, n_of, spec: TensorSpec, act: TensorSpec | None,
-                             quantized_inputs: bool, min_tokens: float, damp: float, act_order: bool,
+def _round_expert_projection(w: torch.Tensor, rows_of, n_of, spec: TensorSpec, act: TensorSpec | None, how: _Rounding,
                              shared: bool = False) -> dict:  # fmt: skip
     """One projection of every expert, ``w`` [E, N, K] (a view of the module's parameter, written in
-    place): GPTQ on each expert's rows (``rows_of(e)``) where it has at least ``min_tokens``·K of
-    them (``n_of(e)``), else direct cast. One K×K Hessian at a time (``shared``: the same rows for
-    every expert, so one Hessian for all)."""
+    place): GPTQ on each expert's rows (``rows_of(e)``) where it has at least
+    ``how.expert_min_tokens``·K of them (``n_of(e)``), else direct cast. One K×K Hessian at a time
+    (``shared``: the same rows for every expert, so one Hessian for all)."""
     k = w.shape[-1]
     out = {"rounding": [], "gptq_err": [], "rtn_err": []}
     h_shared = None
     for e in range(w.shape[0]):
         we = w[e]
-        if n_of(e) == 0 or n_of(e) < min_tokens * k:
-            we.copy_(fake_quantize_mx(we.float(), -1, spec.elem, 32, spec.scale_rule).to(we.dtype))
+        if n_of(e) == 0 or n_of(e) < how.expert_min_tokens * k:
+            we.copy_(fake_quantize_mx(we.float(), -1, spec.elem, how.block_size, spec.scale_rule).to(we.dtype))
             out["rounding"].append("nearest")
             out["gptq_err"].append(None)
             out["rtn_err"].append(None)
@@ -419,13 +431,13 @@ def _round_expert_projection(w: torch.Tensor, rows_of, n_of, spec: TensorSpec, a
             h = h_shared
         else:
             x = rows_of(e)
-            if quantized_inputs and act is not None:
-                x = fake_quantize_mx(x, -1, act.elem, 32, act.scale_rule)
+            if how.quantized_inputs and act is not None:
+                x = fake_quantize_mx(x, -1, act.elem, how.block_size, act.scale_rule)
             h = hessian(x)
             del x
             h_shared = h if shared else None
-        wq = gptq_mx(we, h, spec, damp=damp, act_order=act_order)
-        g_err, r_err = _errors(we, wq, h, spec)
+        wq = gptq_mx(we, h, spec, block_size=how.block_size, damp=how.damp, act_order=how.act_order)
+        g_err, r_err = _errors(we, wq, h, spec, how.block_size)
         we.copy_(wq.to(we.dtype))
         del wq, h
         out["rounding"].append("gptq")
@@ -434,8 +446,8 @@ def _round_expert_projection(w: torch.Tensor, rows_of, n_of, spec: TensorSpec, a
     return out
 
 
-def _round_experts(name: str, mod: nn.Module, inputs: _ExpertsInputs, spec: tuple[TensorSpec, TensorSpec | None], *,
-                   damp: float, act_order: bool, quantized_inputs: bool, min_tokens: float) -> dict:  # fmt: skip
+def _round_experts(name: str, mod: nn.Module, inputs: _ExpertsInputs, spec: tuple[TensorSpec, TensorSpec | None],
+                   how: _Rounding) -> dict:  # fmt: skip
     """GPTQ for every expert of one experts module, in place: ``gate_up``/``up`` first, then
     ``down`` on the gated intermediate of each expert's rounded ``gate_up`` (module doc)."""
     from mxq.experts import canonical, experts_layer, quantize_experts_weight
@@ -449,8 +461,7 @@ def _round_experts(name: str, mod: nn.Module, inputs: _ExpertsInputs, spec: tupl
     n_of = counts.__getitem__
     stats = {"tokens": inputs.routed.tolist(), "hessian_tokens": counts, "projections": {}}
     w_up = canonical(mod._parameters[up].data, info.transposed)
-    stats["projections"][up] = _round_expert_projection(
-        w_up, inputs.rows, n_of, wspec, act, quantized_inputs, min_tokens, damp, act_order, shared=inputs.shared)
+    stats["projections"][up] = _round_expert_projection(w_up, inputs.rows, n_of, wspec, act, how, shared=inputs.shared)
 
     gate = _gate_of(mod, info.projections)
     bias = mod._parameters.get(up + "_bias")
@@ -459,21 +470,20 @@ def _round_experts(name: str, mod: nn.Module, inputs: _ExpertsInputs, spec: tupl
         """Expert e's input to ``down`` as inference computes it: its rows through the MX codes of its
         rounded ``gate_up`` (W8A8: the rows MX-rounded), then the gate."""
         x = inputs.rows(e)
-        codes, scales = quantize_experts_weight(w_up[e : e + 1], wspec)
+        codes, scales = quantize_experts_weight(w_up[e : e + 1], wspec, how.block_size)
         ends = torch.tensor([x.shape[0]], dtype=torch.int32, device=x.device)
         h = mx_grouped_linear(x, ends, codes, scales, bias[e : e + 1] if bias is not None else None,
                               act_elem=act.elem if act is not None else None,
-                              act_rule=act.scale_rule if act is not None else ScaleRule.RCEIL)  # fmt: skip
+                              act_rule=act.scale_rule if act is not None else ScaleRule.RCEIL, block_size=how.block_size)  # fmt: skip
         return gate(h).to(x.dtype)
 
     w_down = canonical(mod._parameters[down].data, info.transposed)
-    stats["projections"][down] = _round_expert_projection(
-        w_down, intermediate, n_of, wspec, act, quantized_inputs, min_tokens, damp, act_order)
+    stats["projections"][down] = _round_expert_projection(w_down, intermediate, n_of, wspec, act, how)
     stats["seconds"] = round(time.perf_counter() - t0, 3)
     return stats
 
 
-def _expert_codes(w: torch.Tensor, spec: TensorSpec, codes: torch.Tensor | None = None,
+def _expert_codes(w: torch.Tensor, spec: TensorSpec, block_size: int, codes: torch.Tensor | None = None,
                   scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Direct cast of [E, N, K] one expert at a time (into ``codes``/``scales`` where given): casting
     the whole tensor at once holds float32 temporaries of it (several GiB for one Qwen3-30B-A3B layer)."""
@@ -481,15 +491,15 @@ def _expert_codes(w: torch.Tensor, spec: TensorSpec, codes: torch.Tensor | None 
 
     if codes is None:
         codes = torch.empty(w.shape, dtype=spec.elem.torch_dtype, device=w.device)
-        scales = torch.empty((*w.shape[:-1], w.shape[-1] // 32), dtype=torch.uint8, device=w.device)
+        scales = torch.empty((*w.shape[:-1], w.shape[-1] // block_size), dtype=torch.uint8, device=w.device)
     for e in range(w.shape[0]):
-        c, s = quantize_experts_weight(w[e], spec)
+        c, s = quantize_experts_weight(w[e], spec, block_size)
         codes[e].copy_(c)
         scales[e].copy_(s)
     return codes, scales
 
 
-def _swap_in_mx_experts(model: nn.Module, experts: list[tuple[str, nn.Module]], specs: dict) -> list:
+def _swap_in_mx_experts(model: nn.Module, experts: list[tuple[str, nn.Module]], specs: dict, block_size: int) -> list:
     """Replace rounded experts modules by ``MXExperts`` over their codes (direct cast of the rounded
     values reproduces them), so that the layer's output is what inference computes; returns what
     to put back."""
@@ -501,9 +511,10 @@ def _swap_in_mx_experts(model: nn.Module, experts: list[tuple[str, nn.Module]], 
         parent = model.get_submodule(parent_name)
         wspec, act = specs[name]
         info = experts_layer(name, mod)
-        mx = MXExperts(mod, elem=wspec.elem, act=act, dtype=mod._parameters[info.projections[0]].dtype)
+        mx = MXExperts(mod, elem=wspec.elem, act=act, block_size=block_size, dtype=mod._parameters[info.projections[0]].dtype)
         for p in info.projections:
-            _expert_codes(canonical(mod._parameters[p].data, info.transposed), wspec, getattr(mx, p), getattr(mx, p + SCALE_SUFFIX))
+            w = canonical(mod._parameters[p].data, info.transposed)
+            _expert_codes(w, wspec, block_size, getattr(mx, p), getattr(mx, p + SCALE_SUFFIX))
             b = mod._parameters.get(p + "_bias")
             if b is not None:
                 getattr(mx, p + "_bias").copy_(b.detach())
@@ -533,6 +544,7 @@ def gptq_model(
     act_order: bool = False,
     experts_all_tokens: bool = False,
     expert_min_tokens: float = EXPERT_MIN_TOKENS,
+    block_size: int = 32,
 ) -> GPTQResult:
     """Round the weights of the Linear layers and experts modules in ``specs`` (name -> (weights,
     activations)) with GPTQ, in place: afterwards ``model`` holds the rounded values in its own
@@ -547,7 +559,7 @@ def gptq_model(
     in ``specs`` is rounded last, on the final normed hidden states. With ``offload`` the decoder
     layers are left on the host. ``quantized_inputs``: build each Hessian from the MX-rounded
     inputs the W8A8 layer will see (its activations spec) instead of the exact ones. ``act_order``:
-    as in ``gptq_mx``.
+    as in ``gptq_mx``. ``block_size``: the MX block (the recipe's).
 
     Experts modules (module doc): every expert's projection with at least ``expert_min_tokens``·K
     calibration tokens gets GPTQ, the others direct cast (``GPTQResult.experts`` says which);
@@ -564,117 +576,177 @@ def gptq_model(
     layers = _decoder_layers(model)
     device = torch.device(device) if device is not None else next(layers[0].parameters()).device
     names = {id(m): n for n, m in model.named_modules()}
-    unknown = sorted(set(specs) - {n for n, m in model.named_modules() if isinstance(m, nn.Linear) or _is_experts(m)})
-    if unknown:
-        raise GPTQError(f"GPTQ: {unknown[0]!r} is not a Linear layer or experts module of {type(model).__name__}")
-    if offload:
-        for child in model.children():
-            if child is not model.model:
-                child.to(device)
-        for child in model.model.children():
-            if child is not layers:
-                child.to(device)
-        layers.to("cpu")
-    else:
-        model.to(device)
-
-    # Inputs of decoder layer 0 for every batch (the rest of the forward is cut off).
-    inputs: list[tuple[tuple, dict]] = []
-
-    def grab(mod, args, kwargs):
-        inputs.append((args, kwargs))
-        raise _Stop
-
-    hk = layers[0].register_forward_pre_hook(grab, with_kwargs=True)
-    try:
-        for b in batches:
-            try:
-                model(input_ids=b.to(device), use_cache=False)
-            except _Stop:
-                pass
-    finally:
-        hk.remove()
-    hidden = [a[0] if a else k["hidden_states"] for a, k in inputs]
-    extra = [(a[1:], {kk: v for kk, v in k.items() if kk != "hidden_states"}) for a, k in inputs]
-
+    _check_specs(model, specs)
+    _place(model, layers, device, offload)
+    inputs = _LayerInputs.capture(model, layers[0], batches, device)
+    how = _Rounding(damp, act_order, quantized_inputs, expert_min_tokens, experts_all_tokens, block_size)
     result = GPTQResult(tokens=sum(b.numel() for b in batches), expert_min_tokens=expert_min_tokens,
                         experts_all_tokens=experts_all_tokens)
-    total = len(specs)
     with progress_bar("gptq {task.fields[layer]}", enabled=progress) as bar:
-        task = bar.add_task("gptq", total=total, layer="")
+        task = bar.add_task("gptq", total=len(specs), layer="")
+        run = _Pass(model, specs, how, inputs, result, lambda n, layer: bar.update(task, advance=n, layer=layer))
         for i, layer in enumerate(layers):
             if offload:
                 layer.to(device)
-            prefix = names[id(layer)]
-            groups = _groups(layer, prefix, specs)
-            experts = [(f"{prefix}.{n}", m) for n, m in layer.named_modules() if f"{prefix}.{n}" in specs and _is_experts(m)]
-            hooks = []
-            if groups or experts:
-                hs: dict[str, torch.Tensor] = {}
-                seen: dict[str, _ExpertsInputs] = {}
-                for name, mod in experts:
-                    seen[name] = _ExpertsInputs(int(mod._parameters["down_proj"].shape[0]), experts_all_tokens)
-                    hooks += _capture_experts(mod, seen[name], _router_of(model, name))
-                for group in groups:
-                    name, lin = group[0]
-                    act = specs[name][1] if quantized_inputs else None
-
-                    def acc(mod, args, name=name, hs=hs, act=act):
-                        x = args[0] if act is None else fake_quantize_mx(args[0], -1, act.elem, 32, act.scale_rule)
-                        h = hessian(x)
-                        hs[name] = hs[name] + h if name in hs else h
-
-                    hooks.append(lin.register_forward_pre_hook(acc))
-                try:
-                    for h_, (a, k) in zip(hidden, extra):
-                        layer(h_, *a, **k)
-                finally:
-                    for hk in hooks:
-                        hk.remove()
-                for group in groups:
-                    result.layers.update(_round_group(group, hs.pop(group[0][0]), specs[group[0][0]][0], damp, act_order))
-                    bar.update(task, advance=len(group), layer=group[-1][0])
-                del hs
-                for name, mod in experts:
-                    result.experts[name] = _round_experts(name, mod, seen.pop(name), specs[name], damp=damp, act_order=act_order,
-                                                          quantized_inputs=quantized_inputs, min_tokens=expert_min_tokens)  # fmt: skip
-                    bar.update(task, advance=1, layer=name)
-            # This layer's outputs, as the rounded model computes them, feed the next layer.
-            act_hooks = [
-                lin.register_forward_pre_hook(_quantize_input_hook(specs[f"{prefix}.{n}"][1]))
-                for n, lin in layer.named_modules()
-                if isinstance(lin, nn.Linear) and f"{prefix}.{n}" in specs and specs[f"{prefix}.{n}"][1] is not None
-            ]
-            swapped = _swap_in_mx_experts(model, experts, specs)
-            try:
-                for j, (h_, (a, k)) in enumerate(zip(hidden, extra)):
-                    out = layer(h_, *a, **k)
-                    hidden[j] = out[0] if isinstance(out, tuple) else out
-            finally:
-                for hk in act_hooks:
-                    hk.remove()
-                for parent, child, mod in swapped:
-                    setattr(parent, child, mod)
+            run.decoder_layer(layer, names[id(layer)])
             if offload:
                 layer.to("cpu")
             if on_layer is not None:
                 on_layer(i)
-
-        head = model.get_output_embeddings()
-        head_name = names.get(id(head))
-        if head_name in specs:
-            emb = model.get_input_embeddings()
-            if emb is not None and emb.weight is head.weight:
-                raise GPTQError(f"{head_name}: tied to the input embedding; round it with the embedding or keep it in bf16")
-            norm = getattr(model.model, "norm", None)
-            h = None
-            for x in hidden:
-                x = norm(x) if norm is not None else x
-                h = hessian(x) if h is None else h + hessian(x)
-            result.layers.update(_round_group([(head_name, head)], h, specs[head_name][0], damp, act_order))
-            bar.update(task, advance=1, layer=head_name)
+        run.head(names.get(id(model.get_output_embeddings())))
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _check_specs(model: nn.Module, specs: dict) -> None:
+    unknown = sorted(set(specs) - {n for n, m in model.named_modules() if isinstance(m, nn.Linear) or _is_experts(m)})
+    if unknown:
+        raise GPTQError(f"GPTQ: {unknown[0]!r} is not a Linear layer or experts module of {type(model).__name__}")
+
+
+def _place(model: nn.Module, layers: nn.ModuleList, device: torch.device, offload: bool) -> None:
+    """The whole model on ``device``; with ``offload`` all but the decoder layers, which wait on the
+    host for their turn."""
+    if not offload:
+        model.to(device)
+        return
+    for child in model.children():
+        if child is not model.model:
+            child.to(device)
+    for child in model.model.children():
+        if child is not layers:
+            child.to(device)
+    layers.to("cpu")
+
+
+class _LayerInputs:
+    """The current decoder layer's inputs for every batch: the hidden states, replaced by each
+    layer's outputs as the rounded model computes them, and the other arguments (mask, positions),
+    which every decoder layer takes alike."""
+
+    def __init__(self, captured: list[tuple[tuple, dict]]):
+        self.hidden = [a[0] if a else k["hidden_states"] for a, k in captured]
+        self.extra = [(a[1:], {kk: v for kk, v in k.items() if kk != "hidden_states"}) for a, k in captured]
+
+    @classmethod
+    def capture(cls, model: nn.Module, first: nn.Module, batches: list[torch.Tensor], device: torch.device) -> _LayerInputs:
+        """The inputs of decoder layer ``first`` for every batch (the rest of the forward is cut off)."""
+        captured: list[tuple[tuple, dict]] = []
+
+        def grab(mod, args, kwargs):
+            captured.append((args, kwargs))
+            raise _Stop
+
+        hk = first.register_forward_pre_hook(grab, with_kwargs=True)
+        try:
+            for b in batches:
+                try:
+                    model(input_ids=b.to(device), use_cache=False)
+                except _Stop:
+                    pass
+        finally:
+            hk.remove()
+        return cls(captured)
+
+    def run(self, layer: nn.Module) -> None:
+        """Every batch through ``layer``, for the hooks on it; the outputs are dropped."""
+        for h, (a, k) in zip(self.hidden, self.extra):
+            layer(h, *a, **k)
+
+    def advance(self, layer: nn.Module) -> None:
+        """``layer``'s outputs become the next layer's inputs."""
+        for j, (h, (a, k)) in enumerate(zip(self.hidden, self.extra)):
+            out = layer(h, *a, **k)
+            self.hidden[j] = out[0] if isinstance(out, tuple) else out
+
+
+def _accumulate_hessian(lin: nn.Linear, name: str, hs: dict[str, torch.Tensor], act: TensorSpec | None, block_size: int):
+    """A hook adding XᵀX of ``lin``'s input (MX-rounded first under ``act``) to ``hs[name]``."""
+    def acc(mod, args):
+        x = args[0] if act is None else fake_quantize_mx(args[0], -1, act.elem, block_size, act.scale_rule)
+        h = hessian(x)
+        hs[name] = hs[name] + h if name in hs else h
+
+    return lin.register_forward_pre_hook(acc)
+
+
+@dataclass
+class _Pass:
+    """``gptq_model``'s pass over the decoder layers: what rounding one layer reads and writes."""
+
+    model: nn.Module
+    specs: dict[str, tuple[TensorSpec, TensorSpec | None]]
+    how: _Rounding
+    inputs: _LayerInputs
+    result: GPTQResult
+    advance: Callable[[int, str], None]  # the progress bar: how many layers done, the last one's name
+
+    def decoder_layer(self, layer: nn.Module, prefix: str) -> None:
+        """Round the layer's Linear layers and experts modules, then compute its outputs as rounded."""
+        groups = _groups(layer, prefix, self.specs)
+        experts = [(f"{prefix}.{n}", m) for n, m in layer.named_modules() if f"{prefix}.{n}" in self.specs and _is_experts(m)]
+        if groups or experts:
+            self._round(layer, groups, experts)
+        self._forward_rounded(layer, prefix, experts)
+
+    def _round(self, layer: nn.Module, groups: list[list[tuple[str, nn.Linear]]], experts: list[tuple[str, nn.Module]]) -> None:
+        """One run of the layer's inputs fills every Hessian (dense) and every expert's rows; then
+        each group, then each experts module, is rounded."""
+        hs: dict[str, torch.Tensor] = {}
+        seen: dict[str, _ExpertsInputs] = {}
+        hooks = []
+        for name, mod in experts:
+            seen[name] = _ExpertsInputs(int(mod._parameters["down_proj"].shape[0]), self.how.experts_all_tokens)
+            hooks += _capture_experts(mod, seen[name], _router_of(self.model, name))
+        for group in groups:
+            name, lin = group[0]
+            act = self.specs[name][1] if self.how.quantized_inputs else None
+            hooks.append(_accumulate_hessian(lin, name, hs, act, self.how.block_size))
+        try:
+            self.inputs.run(layer)
+        finally:
+            for hk in hooks:
+                hk.remove()
+        for group in groups:
+            name = group[0][0]
+            self.result.layers.update(_round_group(group, hs.pop(name), self.specs[name][0], self.how))
+            self.advance(len(group), group[-1][0])
+        for name, mod in experts:
+            self.result.experts[name] = _round_experts(name, mod, seen.pop(name), self.specs[name], self.how)
+            self.advance(1, name)
+
+    def _forward_rounded(self, layer: nn.Module, prefix: str, experts: list[tuple[str, nn.Module]]) -> None:
+        """This layer's outputs, as the rounded model computes them, feed the next layer."""
+        specs, bs = self.specs, self.how.block_size
+        act_hooks = [
+            lin.register_forward_pre_hook(_quantize_input_hook(specs[f"{prefix}.{n}"][1], bs))
+            for n, lin in layer.named_modules()
+            if isinstance(lin, nn.Linear) and f"{prefix}.{n}" in specs and specs[f"{prefix}.{n}"][1] is not None
+        ]
+        swapped = _swap_in_mx_experts(self.model, experts, specs, bs)
+        try:
+            self.inputs.advance(layer)
+        finally:
+            for hk in act_hooks:
+                hk.remove()
+            for parent, child, mod in swapped:
+                setattr(parent, child, mod)
+
+    def head(self, head_name: str | None) -> None:
+        """An ``lm_head`` in ``specs``, rounded last on the final normed hidden states."""
+        if head_name not in self.specs:
+            return
+        head = self.model.get_output_embeddings()
+        emb = self.model.get_input_embeddings()
+        if emb is not None and emb.weight is head.weight:
+            raise GPTQError(f"{head_name}: tied to the input embedding; round it with the embedding or keep it in bf16")
+        norm = getattr(self.model.model, "norm", None)
+        h = None
+        for x in self.inputs.hidden:
+            x = norm(x) if norm is not None else x
+            h = hessian(x) if h is None else h + hessian(x)
+        self.result.layers.update(_round_group([(head_name, head)], h, self.specs[head_name][0], self.how))
+        self.advance(1, head_name)
 
 
 def round_plan(model: nn.Module, plan, batches: list[torch.Tensor], *, damp: float = 0.01,
@@ -692,34 +764,53 @@ def round_plan(model: nn.Module, plan, batches: list[torch.Tensor], *, damp: flo
     writes them instead of direct-cast codes. ``experts_all_tokens``, ``expert_min_tokens``: as in
     ``gptq_model``.
     """
-    from mxq.experts import canonical, experts_layer
-    from mxq.formats import quantize_mx
     from mxq.reorder import permute_model
 
     permute_model(model, plan.permutations)
-    specs = dict(plan.quantized)
-    experts = plan.quantized_experts
-    specs.update(experts)
+    specs = {**plan.quantized, **plan.quantized_experts}
+    bs = plan.recipe.block_size
     res = gptq_model(model, batches, specs, damp=damp, offload=offload, progress=progress,
-                     quantized_inputs=quantized_inputs, act_order=act_order,
-                     experts_all_tokens=experts_all_tokens, expert_min_tokens=expert_min_tokens)  # fmt: skip
+                     quantized_inputs=quantized_inputs, act_order=act_order, experts_all_tokens=experts_all_tokens,
+                     expert_min_tokens=expert_min_tokens, block_size=bs)  # fmt: skip
     mods = dict(model.named_modules())
+    plan.rounded = _layer_codes(plan, mods, res, bs)
+    plan.rounded_experts = _experts_codes(plan, mods, res, bs)
+    plan.choices["rounding"] = "gptq"
+    plan.choices["gptq"] = {"damp": damp, "lazy_block": LAZY_BLOCK, "quantized_inputs": quantized_inputs, "act_order": act_order,
+                            **res.summary(),
+                            "error_basis": "weights only, on the calibration inputs of each layer (as rounded before it)"}
+    return plan
+
+
+def _layer_codes(plan, mods: dict[str, nn.Module], res: GPTQResult, block_size: int) -> dict:
+    """The plan's rounded Linear layers as codes and scales on the host (direct cast of the rounded
+    values gives GPTQ's codes); each layer's weight SQNR, GPTQ and nearest, goes to its plan entry."""
+    from mxq.formats import quantize_mx
+
     rounded = {}
     for name, (wspec, _act) in plan.quantized.items():
-        q = quantize_mx(mods[name].weight.detach(), -1, wspec.elem, 32, wspec.scale_rule)
+        q = quantize_mx(mods[name].weight.detach(), -1, wspec.elem, block_size, wspec.scale_rule)
         rounded[name] = (q.data.cpu(), q.scales.cpu())
         st = res.layers.get(name)
         if st is not None and name in plan.layers:
             lp = plan.layers[name]
             lp.sqnr_db["weights_nearest"] = _db(st["rtn_err"])
             lp.sqnr_db["weights_gptq"] = _db(st["gptq_err"])
-    rounded_experts = {}
-    for name, (wspec, _act) in experts.items():
+    return rounded
+
+
+def _experts_codes(plan, mods: dict[str, nn.Module], res: GPTQResult, block_size: int) -> dict:
+    """The plan's rounded experts modules: per projection the codes [E, N, K] and scales on the
+    host; the tokens each expert got, how it was rounded and its SQNRs go to the plan's entry."""
+    from mxq.experts import canonical, experts_layer
+
+    rounded = {}
+    for name, (wspec, _act) in plan.quantized_experts.items():
         info = experts_layer(name, mods[name])
-        rounded_experts[name] = {}
+        rounded[name] = {}
         for proj in info.projections:
-            codes, scales = _expert_codes(canonical(mods[name]._parameters[proj].detach(), info.transposed), wspec)
-            rounded_experts[name][proj] = (codes.cpu(), scales.cpu())
+            codes, scales = _expert_codes(canonical(mods[name]._parameters[proj].detach(), info.transposed), wspec, block_size)
+            rounded[name][proj] = (codes.cpu(), scales.cpu())
         st = res.experts[name]
         ep = plan.experts[name]
         ep.tokens = list(st["tokens"])
@@ -727,13 +818,7 @@ def round_plan(model: nn.Module, plan, batches: list[torch.Tensor], *, damp: flo
         ep.sqnr_db = {proj: {"weights_nearest": [_db(v) if v is not None else None for v in d["rtn_err"]],
                              "weights_gptq": [_db(v) if v is not None else None for v in d["gptq_err"]]}
                       for proj, d in st["projections"].items()}  # fmt: skip
-    plan.rounded = rounded
-    plan.rounded_experts = rounded_experts
-    plan.choices["rounding"] = "gptq"
-    plan.choices["gptq"] = {"damp": damp, "lazy_block": LAZY_BLOCK, "quantized_inputs": quantized_inputs, "act_order": act_order,
-                            **res.summary(),
-                            "error_basis": "weights only, on the calibration inputs of each layer (as rounded before it)"}
-    return plan
+    return rounded
 
 
 def _db(rel_err: float) -> float:

@@ -26,23 +26,19 @@ from transformers import (
 
 import mxq
 from mxq.calibrate import (
-    LayerPlan,
     LinearStats,
-    Plan,
-    PlanError,
     _candidates,
     _output_sqnr,
     block_spread,
     calibrate,
     collect_statistics,
     layer_sensitivity,
-    load_plan,
     make_plan,
-    save_plan,
 )
 from mxq.convert import quantize_checkpoint
 from mxq.formats import E4M3, E5M2, ScaleRule
 from mxq.linear import linear_layers
+from mxq.plan import LayerPlan, Plan, PlanError, load_plan, save_plan
 from mxq.recipe import TensorSpec, load_recipe, parse_recipe
 from mxq.reorder import Geometry, Permutations, permute_model
 

@@ -20,10 +20,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from mxq.calibrate import calibration_batches, load_plan, make_plan, save_plan
+from mxq.calibrate import calibration_batches, make_plan
 from mxq.convert import ConversionError, quantize_checkpoint
 from mxq.formats import E4M3, E5M2, ScaleRule, fake_quantize_mx, shared_exponents
 from mxq.gptq import GPTQError, gptq_model, gptq_mx, hessian, round_plan
+from mxq.plan import load_plan, save_plan
 from mxq.recipe import RecipeError, TensorSpec, parse_recipe
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -249,7 +250,7 @@ def test_gptq_recipe_without_calibration_is_one_line(tmp_path):
 
 
 def test_plan_codes_file_must_sit_beside_the_plan(tmp_path):
-    from mxq.calibrate import PlanError
+    from mxq.plan import PlanError
 
     model = _llama()
     rec, cal = _tiny_plan_inputs(model)

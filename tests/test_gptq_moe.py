@@ -25,12 +25,13 @@ from safetensors import safe_open
 from test_calibrate import TEXT, _CharTokenizer
 
 import mxq
-from mxq.calibrate import PlanError, apply_plan, calibrate, load_plan, make_plan, save_plan
+from mxq.calibrate import apply_plan, calibrate, make_plan
 from mxq.checkpoint import checkpoint_files
 from mxq.convert import ConversionError, quantize_checkpoint
 from mxq.experts import MXExperts, experts_layers, quantize_experts, select_model_layers
 from mxq.formats import E4M3, ScaleRule, fake_quantize_mx
 from mxq.gptq import EXPERT_MIN_TOKENS, gptq_model, gptq_mx, hessian, round_plan
+from mxq.plan import PlanError, load_plan, save_plan
 from mxq.recipe import TensorSpec, load_recipe
 
 W = TensorSpec(E4M3, ScaleRule.RCEIL)

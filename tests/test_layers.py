@@ -4,7 +4,7 @@ Also ``kernels/*.py`` (``mxq.kernels``): its modules form no circle and reach no
 ``mxq.formats``; no kernel file grows past ``MAX_KERNEL_LINES``. And ``eval/*.py`` (``mxq.eval``)
 sits beside ``calibrate``/``convert``: it imports neither the CLI nor upward.
 
-``cli → {calibrate, convert, hf, eval} → {linear, attention, checkpoint, recipe, config} →
+``cli → {calibrate, convert, hf, eval} → {linear, attention, checkpoint, recipe, config, plan} →
 {formats, kernels}``; no two modules import each other, not even lazily inside a function; the
 on-disk config schema (``mxq.config``) and ``mxq.formats`` need no transformers. The graph is read
 with ``ast`` from the source (imports inside functions included), so a lazy import that closes a
@@ -28,7 +28,8 @@ OUTSIDE = ("kernels", "eval")  # subpackages mapped into mxq (package-dir), one 
 LAYERS = {
     0: {"cli", "cli_bench", "cli_eval", "cli_tune"},
     1: {PACKAGE, "calibrate", "gptq", "convert", "hf", "eval", "inspect", "models", "quantize"},
-    2: {"experts", "fuse", "linear", "embedding", "attention", "checkpoint", "validate", "recipe", "config", "reorder", "progress", "decode"},
+    2: {"experts", "tp", "fuse", "linear", "embedding", "attention", "checkpoint", "validate", "recipe", "config", "plan", "reorder",
+        "progress", "decode"},
     3: {"formats", "kernels"},
 }
 LAYER = {m: rank for rank, mods in LAYERS.items() for m in mods}
