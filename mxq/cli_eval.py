@@ -105,14 +105,8 @@ def ppl_cmd(
 ) -> None:
     """Perplexity of MODEL (and of --baseline on the same windows), as a markdown table."""
     from mxq.eval.data import chars_for_tokens, load_texts
-    from mxq.eval.perplexity import check_same_tokenizer, make_windows, perplexity
-    from mxq.eval.report import (
-        plot_nll_diff,
-        ppl_markdown,
-        ppl_report,
-        require_matplotlib,
-        write_json,
-    )
+    from mxq.eval.perplexity import make_windows
+    from mxq.eval.report import require_matplotlib
 
     # Everything that can fail fast does, before minutes of model loading and evaluation.
     if plot is not None:
@@ -124,6 +118,26 @@ def ppl_cmd(
     dev = resolve_device(device)
     torch_dtype = _dtype(dtype)
     kernels = _kernels(kernels)
+    _check_windows(seq_len, stride, max_windows, batch_size)
+    labels = {"model": _label(model)}
+    if baseline is not None:
+        labels["baseline"] = _label(baseline)
+    # a text file: with --max-windows only the text those windows need, else all of it (streamed)
+    need = None if max_windows is None else seq_len + (max_windows - 1) * (stride or seq_len)
+    texts = load_texts(dataset, max_chars=None if need is None else chars_for_tokens(need))
+
+    sources = {"baseline": baseline, "model": model} if baseline is not None else {"model": model}
+    results = _perplexities(
+        sources,
+        lambda source: _load(source, dev, torch_dtype, kernels),
+        lambda tok: make_windows(tok, texts, seq_len, stride, max_windows),
+        batch_size,
+        dev,
+    )
+    _report_perplexities(results, labels, dataset, DTYPES[dtype.lower()], out, plot)
+
+
+def _check_windows(seq_len: int, stride: int | None, max_windows: int | None, batch_size: int) -> None:
     if seq_len < 2:
         raise typer.BadParameter(f"--seq-len must be at least 2, got {seq_len}")
     if stride is not None and not 1 <= stride <= seq_len:
@@ -134,20 +148,20 @@ def ppl_cmd(
         raise typer.BadParameter(f"--max-windows must be at least 1, got {max_windows}")
     if batch_size < 1:
         raise typer.BadParameter(f"--batch-size must be at least 1, got {batch_size}")
-    labels = {"model": _label(model)}
-    if baseline is not None:
-        labels["baseline"] = _label(baseline)
-    # a text file: with --max-windows only the text those windows need, else all of it (streamed)
-    need = None if max_windows is None else seq_len + (max_windows - 1) * (stride or seq_len)
-    texts = load_texts(dataset, max_chars=None if need is None else chars_for_tokens(need))
+
+
+def _perplexities(sources: dict[str, str], load, windows_of, batch_size: int, dev) -> dict:
+    """Per role, the perplexity of its model (``load(source)`` -> (model, tokenizer)), one model in
+    memory at a time, all on the windows the first tokenizer makes of the text (``windows_of``);
+    the other tokenizers must agree with it."""
+    from mxq.eval.perplexity import check_same_tokenizer, perplexity
 
     results = {}
     windows = first_tok = None
-    for role in ("baseline", "model") if baseline is not None else ("model",):
-        source = baseline if role == "baseline" else model
-        m, tok = _load(source, dev, torch_dtype, kernels)
+    for role, source in sources.items():
+        m, tok = load(source)
         if windows is None:
-            windows = make_windows(tok, texts, seq_len, stride, max_windows)
+            windows = windows_of(tok)
             first_tok = tok
             err.print(f"{windows.n_text_tokens} tokens; {windows.protocol}")
         else:
@@ -159,13 +173,20 @@ def ppl_cmd(
             import torch
 
             torch.cuda.empty_cache()
+    return results
+
+
+def _report_perplexities(results: dict, labels: dict[str, str], dataset: str, dtype: str, out: Path | None,
+                         plot: Path | None) -> None:  # fmt: skip
+    """The markdown table on stdout; the JSON report and the NLL-difference plot where asked."""
+    from mxq.eval.report import plot_nll_diff, ppl_markdown, ppl_report, write_json
 
     report = ppl_report(
         (labels["model"], results["model"]),
-        (labels["baseline"], results["baseline"]) if baseline is not None else None,
+        (labels["baseline"], results["baseline"]) if "baseline" in results else None,
         dataset=dataset,
     )
-    report["dtype"] = DTYPES[dtype.lower()]
+    report["dtype"] = dtype
     typer.echo(ppl_markdown(report))
     if out is not None:
         write_json(out, report)
