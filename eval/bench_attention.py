@@ -112,6 +112,36 @@ def decode(ctxs, results, sweep=True, ws_sweep=True):
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for n in ctxs:
+        c = _DecodeCase.make(b, hq, hkv, d, n)
+        q, k, v = c.q, c.k, c.v
+        ms_sdpa = _bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True), graph=True)
+        best = _sweep_gqa(c, results) if sweep else {}  # variant -> (ms, settings, rel_err)
+        cnt = dict(counters=c.layer.decode_counters())  # as the cache layer calls it (fused merge)
+        if ws_sweep and W.takes(*c.args[:5], None):
+            _sweep_ws(c, cnt, results, best)
+        graph_path, eager_path = _time_shipped(c, cnt, best)
+        eager = _eager_times(c, cnt)
+        row = _decode_row(c, ms_sdpa, best, graph_path, eager_path, eager)
+        results["decode"].append(row)
+        _print_decode_row(row, graph_path.name)
+        if results.get("out"):  # write as we go: a run cut short keeps what it measured
+            with open(results["out"], "w") as f:
+                json.dump(results, f, indent=1)
+
+
+@dataclasses.dataclass
+class _DecodeCase:
+    """One decode problem: the bf16 query and keys/values, the MXFP8 cache layer holding them
+    (rotated as shipped), and the reference output from its dequantized contents."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    layer: MXFP8CacheLayer
+    want: torch.Tensor
+
+    @classmethod
+    def make(cls, b, hq, hkv, d, n):
         q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(b, hkv, n, d, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(b, hkv, n, d, device="cuda", dtype=torch.bfloat16)
@@ -119,91 +149,127 @@ def decode(ctxs, results, sweep=True, ws_sweep=True):
         layer.rotated = ROT["qk_rotation"]
         layer.update(k, v)
         kd, vd = layer.dequantize()
-        want = mx_attention_reference(q.float(), kd, vd, k_rotated=True, **ROT)
-        ms_sdpa = _bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True), graph=True)
-        args = (q, layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, n)
-        configs = [
-            ("gqa", bn, w, st, p)
-            for bn in (64, 128) for w in (2, 4) for st in (2, 3, 4) for p in (264, 528, 1056)
-        ] if sweep else []  # fmt: skip
-        best = {}
-        for variant, bn, w, st, progs in configs:
-            chunk = max(bn, triton.cdiv(triton.cdiv(n, max(1, progs // (b * hkv))), bn) * bn)
-            kw = dict(variant=variant, block_n=bn, chunk=chunk, num_warps=w, num_stages=st, **ROT)
-            try:
-                ms = _bench(lambda: mx_attention_decode(*args, **kw), graph=True)
-                err = _rel(mx_attention_decode(*args, **kw), want)
-            except Exception as e:  # noqa: BLE001  (a config that does not compile is skipped)
-                print(f"<!-- {kw}: {type(e).__name__}: {str(e)[:120]} -->")
-                continue
-            results["decode_configs"].append({"context": n, **kw, "us": ms * 1e3, "rel_err": err})
-            if err > 5e-3:
-                print(f"<!-- {kw}: rel_err {err:.2e} too large, not counted -->")
-                continue
-            if variant not in best or ms < best[variant][0]:
-                best[variant] = (ms, kw, err)
-        cnt = dict(counters=layer.decode_counters())  # as the cache layer calls it (fused merge)
-        if ws_sweep and W.takes(*args[:5], None):
-            for kw in (
-                dict(wide_v=False), dict(fused_merge=True), dict(stages=3), dict(stages=4), dict(programs=396, maxnreg=80),
-                dict(programs=264, maxnreg=128), dict(programs=528), dict(merge_pdl=False),
-            ):  # fmt: skip  (each against this device's default)
-                cfg = dataclasses.replace(W.default_config(q.device), **kw)
-                try:
-                    ms = _bench(lambda: W.mx_attention_decode_ws(*args, config=cfg, **cnt, **ROT), graph=True)
-                    err = _rel(W.mx_attention_decode_ws(*args, config=cfg, **cnt, **ROT), want)
-                except Exception as e:  # noqa: BLE001
-                    print(f"<!-- ws {cfg}: {type(e).__name__}: {str(e)[:120]} -->")
-                    continue
-                kw = {"variant": "ws", **dataclasses.asdict(cfg)}
-                results["decode_configs"].append({"context": n, **kw, "us": ms * 1e3, "rel_err": err})
-                if err < 5e-3 and ("ws" not in best or ms < best["ws"][0]):
-                    best["ws"] = (ms, kw, err)
-        # the default under a CUDA graph (the ws kernel on Hopper), as the cache layer calls it; the
-        # path named as the registry chooses it there (asked after the run: a Gluon kernel that did
-        # not compile is off by then), its error from the same path run eagerly
-        default_ms = _bench(lambda: mx_attention_decode(*args, **cnt, **ROT), graph=True)
-        graph_path = decode_path(*args[:5], capturing=True)
-        eager_path = decode_path(*args[:5])
-        variant = next((v for v, p in VARIANTS.items() if p is graph_path), None)
-        forced = {"variant": variant} if variant else {"kernels": "reference"}
-        err = _rel(mx_attention_decode(*args, **forced, **cnt, **ROT), want)
-        best["default"] = (default_ms, {"default": True}, err)  # the shipped settings compete too
-        triton_ms = _bench(lambda: mx_attention_decode(*args, variant="gqa", **cnt, **ROT), graph=True)
-        err_t = _rel(mx_attention_decode(*args, variant="gqa", **cnt, **ROT), want)
-        best["triton_gqa"] = (triton_ms, {"variant": "gqa"}, err_t)
-        # eager (no graph): what generate() without CUDA graphs pays per call, CPU launch cost included
-        eager = {
-            "sdpa": _bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)),
-            "default": _bench(lambda: mx_attention_decode(*args, **cnt, **ROT)),
-            "triton_gqa": _bench(lambda: mx_attention_decode(*args, variant="gqa", **cnt, **ROT)),
-        }
-        if W.takes(*args[:5], None):
-            eager["ws"] = _bench(lambda: mx_attention_decode(*args, variant="ws", **cnt, **ROT))
-        ms_mx, kw_best, err_best = min(best.values(), key=lambda t: t[0])
-        mx_bytes = 2 * b * hkv * n * d * (1 + 1 / 32)
-        bf_bytes = 2 * b * hkv * n * d * 2
-        row = {
-            "context": n, "sdpa_us": ms_sdpa * 1e3, "mx_us": ms_mx * 1e3, "mx_default_us": default_ms * 1e3,
-            "best": kw_best, "default_path": graph_path.describe(decode_problem(*args[:5], capturing=True)),
-            "eager_path": eager_path.name, "speedup": ms_sdpa / ms_mx,
-            "default_speedup": ms_sdpa / default_ms, "rel_err": err, "rel_err_best": err_best,
-            "mx_GBps": mx_bytes / ms_mx / 1e6, "mx_default_GBps": mx_bytes / default_ms / 1e6,
-            "bf16_GBps": bf_bytes / ms_sdpa / 1e6, "triton_gqa_us": triton_ms * 1e3, "rel_err_triton_gqa": err_t,
-            "triton_gqa_speedup": ms_sdpa / triton_ms, "eager_us": {k_: v_ * 1e3 for k_, v_ in eager.items()},
-        }  # fmt: skip
-        results["decode"].append(row)
-        print(
-            f"| {n} | {row['sdpa_us']:.1f} | {row['mx_default_us']:.1f} ({graph_path.name}) | {row['default_speedup']:.2f} "
-            f"| {row['triton_gqa_us']:.1f} | {row['triton_gqa_speedup']:.2f} | {row['mx_us']:.1f} ({kw_best}) "
-            f"| {row['speedup']:.2f} | {row['mx_default_GBps']:.0f} | {row['bf16_GBps']:.0f} "
-            f"| {eager['sdpa'] * 1e3:.1f} / {eager['default'] * 1e3:.1f} ({eager_path.name}) / {eager['triton_gqa'] * 1e3:.1f} "
-            f"/ {eager.get('ws', float('nan')) * 1e3:.1f} |",
-            flush=True,
-        )
-        if results.get("out"):  # write as we go: a run cut short keeps what it measured
-            with open(results["out"], "w") as f:
-                json.dump(results, f, indent=1)
+        return cls(q, k, v, layer, mx_attention_reference(q.float(), kd, vd, k_rotated=True, **ROT))
+
+    @property
+    def n(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def args(self) -> tuple:
+        """The arguments of ``mx_attention_decode`` before its keywords."""
+        return (self.q, self.layer.k_data, self.layer.k_scale, self.layer.v_data, self.layer.v_scale, self.n)
+
+
+def _sweep_gqa(c: _DecodeCase, results) -> dict:
+    """The Triton gqa kernel over tiles, warps, stages and split-KV programs; the fastest accurate
+    one, as ``{"gqa": (ms, settings, rel_err)}``."""
+    b, hkv, n = c.k.shape[0], c.k.shape[1], c.n
+    args, want = c.args, c.want
+    configs = [
+        ("gqa", bn, w, st, p)
+        for bn in (64, 128) for w in (2, 4) for st in (2, 3, 4) for p in (264, 528, 1056)
+    ]  # fmt: skip
+    best = {}
+    for variant, bn, w, st, progs in configs:
+        chunk = max(bn, triton.cdiv(triton.cdiv(n, max(1, progs // (b * hkv))), bn) * bn)
+        kw = dict(variant=variant, block_n=bn, chunk=chunk, num_warps=w, num_stages=st, **ROT)
+        try:
+            ms = _bench(lambda: mx_attention_decode(*args, **kw), graph=True)
+            err = _rel(mx_attention_decode(*args, **kw), want)
+        except Exception as e:  # noqa: BLE001  (a config that does not compile is skipped)
+            print(f"<!-- {kw}: {type(e).__name__}: {str(e)[:120]} -->")
+            continue
+        results["decode_configs"].append({"context": n, **kw, "us": ms * 1e3, "rel_err": err})
+        if err > 5e-3:
+            print(f"<!-- {kw}: rel_err {err:.2e} too large, not counted -->")
+            continue
+        if variant not in best or ms < best[variant][0]:
+            best[variant] = (ms, kw, err)
+    return best
+
+
+def _sweep_ws(c: _DecodeCase, cnt: dict, results, best: dict) -> None:
+    """The warp-specialized kernel's settings, each against this device's default; the fastest
+    accurate one goes to ``best["ws"]``."""
+    args, want = c.args, c.want
+    for kw in (
+        dict(wide_v=False), dict(fused_merge=True), dict(stages=3), dict(stages=4), dict(programs=396, maxnreg=80),
+        dict(programs=264, maxnreg=128), dict(programs=528), dict(merge_pdl=False),
+    ):  # fmt: skip
+        cfg = dataclasses.replace(W.default_config(c.q.device), **kw)
+        try:
+            ms = _bench(lambda: W.mx_attention_decode_ws(*args, config=cfg, **cnt, **ROT), graph=True)
+            err = _rel(W.mx_attention_decode_ws(*args, config=cfg, **cnt, **ROT), want)
+        except Exception as e:  # noqa: BLE001
+            print(f"<!-- ws {cfg}: {type(e).__name__}: {str(e)[:120]} -->")
+            continue
+        kw = {"variant": "ws", **dataclasses.asdict(cfg)}
+        results["decode_configs"].append({"context": c.n, **kw, "us": ms * 1e3, "rel_err": err})
+        if err < 5e-3 and ("ws" not in best or ms < best["ws"][0]):
+            best["ws"] = (ms, kw, err)
+
+
+def _time_shipped(c: _DecodeCase, cnt: dict, best: dict):
+    """The default under a CUDA graph (the ws kernel on Hopper) and the Triton gqa kernel, as the
+    cache layer calls them, into ``best`` (the shipped settings compete too); returns the paths the
+    registry chooses under a graph and eagerly (asked after the run: a Gluon kernel that did not
+    compile is off by then). The default's error comes from the same path run eagerly."""
+    args, want = c.args, c.want
+    default_ms = _bench(lambda: mx_attention_decode(*args, **cnt, **ROT), graph=True)
+    graph_path = decode_path(*args[:5], capturing=True)
+    eager_path = decode_path(*args[:5])
+    variant = next((v for v, p in VARIANTS.items() if p is graph_path), None)
+    forced = {"variant": variant} if variant else {"kernels": "reference"}
+    err = _rel(mx_attention_decode(*args, **forced, **cnt, **ROT), want)
+    best["default"] = (default_ms, {"default": True}, err)
+    triton_ms = _bench(lambda: mx_attention_decode(*args, variant="gqa", **cnt, **ROT), graph=True)
+    err_t = _rel(mx_attention_decode(*args, variant="gqa", **cnt, **ROT), want)
+    best["triton_gqa"] = (triton_ms, {"variant": "gqa"}, err_t)
+    return graph_path, eager_path
+
+
+def _eager_times(c: _DecodeCase, cnt: dict) -> dict:
+    """Without a CUDA graph: what generate() without CUDA graphs pays per call, CPU launch cost included."""
+    q, k, v, args = c.q, c.k, c.v, c.args
+    eager = {
+        "sdpa": _bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)),
+        "default": _bench(lambda: mx_attention_decode(*args, **cnt, **ROT)),
+        "triton_gqa": _bench(lambda: mx_attention_decode(*args, variant="gqa", **cnt, **ROT)),
+    }
+    if W.takes(*args[:5], None):
+        eager["ws"] = _bench(lambda: mx_attention_decode(*args, variant="ws", **cnt, **ROT))
+    return eager
+
+
+def _decode_row(c: _DecodeCase, ms_sdpa: float, best: dict, graph_path, eager_path, eager: dict) -> dict:
+    b, hkv, n, d = c.k.shape
+    default_ms, _, err = best["default"]
+    triton_ms, _, err_t = best["triton_gqa"]
+    ms_mx, kw_best, err_best = min(best.values(), key=lambda t: t[0])
+    mx_bytes = 2 * b * hkv * n * d * (1 + 1 / 32)
+    bf_bytes = 2 * b * hkv * n * d * 2
+    return {
+        "context": n, "sdpa_us": ms_sdpa * 1e3, "mx_us": ms_mx * 1e3, "mx_default_us": default_ms * 1e3,
+        "best": kw_best, "default_path": graph_path.describe(decode_problem(*c.args[:5], capturing=True)),
+        "eager_path": eager_path.name, "speedup": ms_sdpa / ms_mx,
+        "default_speedup": ms_sdpa / default_ms, "rel_err": err, "rel_err_best": err_best,
+        "mx_GBps": mx_bytes / ms_mx / 1e6, "mx_default_GBps": mx_bytes / default_ms / 1e6,
+        "bf16_GBps": bf_bytes / ms_sdpa / 1e6, "triton_gqa_us": triton_ms * 1e3, "rel_err_triton_gqa": err_t,
+        "triton_gqa_speedup": ms_sdpa / triton_ms, "eager_us": {k_: v_ * 1e3 for k_, v_ in eager.items()},
+    }  # fmt: skip
+
+
+def _print_decode_row(row: dict, graph_path_name: str) -> None:
+    e = row["eager_us"]
+    print(
+        f"| {row['context']} | {row['sdpa_us']:.1f} | {row['mx_default_us']:.1f} ({graph_path_name}) | {row['default_speedup']:.2f} "
+        f"| {row['triton_gqa_us']:.1f} | {row['triton_gqa_speedup']:.2f} | {row['mx_us']:.1f} ({row['best']}) "
+        f"| {row['speedup']:.2f} | {row['mx_default_GBps']:.0f} | {row['bf16_GBps']:.0f} "
+        f"| {e['sdpa']:.1f} / {e['default']:.1f} ({row['eager_path']}) / {e['triton_gqa']:.1f} "
+        f"/ {e.get('ws', float('nan')):.1f} |",
+        flush=True,
+    )
 
 
 def tile_sweep(results):
