@@ -109,8 +109,8 @@ def test_mx_linear_takes_producer_codes(path):
         got = dispatch.mx_linear(xr, wq, ws, act_elem=E4M3, kernels=path, x_mx=(q, s))
         ref = mx_linear_reference(x, wq, ws, act_elem=E4M3)
         assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
-        if path != "decode_ws":
-            assert torch.equal(got, want)
+        if path != "decode_ws":  # the same product; the interpreter's float32 dot may sum in another order
+            assert torch.allclose(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
     with pytest.raises(ValueError, match="RCEIL"):
         dispatch.mx_linear(xr, wq, ws, act_elem=E4M3, act_rule=ScaleRule.FLOOR, x_mx=(q, s))
 
