@@ -139,6 +139,7 @@ class _DecodeCase:
     v: torch.Tensor
     layer: MXFP8CacheLayer
     want: torch.Tensor
+    args: tuple  # the arguments of mx_attention_decode before its keywords
 
     @classmethod
     def make(cls, b, hq, hkv, d, n):
@@ -149,16 +150,12 @@ class _DecodeCase:
         layer.rotated = ROT["qk_rotation"]
         layer.update(k, v)
         kd, vd = layer.dequantize()
-        return cls(q, k, v, layer, mx_attention_reference(q.float(), kd, vd, k_rotated=True, **ROT))
+        want = mx_attention_reference(q.float(), kd, vd, k_rotated=True, **ROT)
+        return cls(q, k, v, layer, want, args=(q, layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, n))
 
     @property
     def n(self) -> int:
-        return self.k.shape[2]
-
-    @property
-    def args(self) -> tuple:
-        """The arguments of ``mx_attention_decode`` before its keywords."""
-        return (self.q, self.layer.k_data, self.layer.k_scale, self.layer.v_data, self.layer.v_scale, self.n)
+        return self.args[-1]
 
 
 def _sweep_gqa(c: _DecodeCase, results) -> dict:
