@@ -71,6 +71,14 @@ def _store_mx(v, row64, cols, K, y_ptr, q_ptr, s_ptr, stride_y, stride_q, stride
 
 
 @triton.jit
+def _start_row(PDL: tl.constexpr):
+    """This program's row; first, with PDL, the consumer launched behind this kernel may start."""
+    if PDL:
+        gdc_launch_dependents()
+    return tl.program_id(0).to(tl.int64)
+
+
+@triton.jit
 def _rmsnorm_mx_kernel(
     x_ptr, w_ptr, y_ptr, q_ptr, s_ptr,
     K, eps, stride_x, stride_y, stride_q, stride_s,
@@ -78,9 +86,7 @@ def _rmsnorm_mx_kernel(
     EMIN: tl.constexpr, EBIAS: tl.constexpr, NAN_BYTE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
-    if PDL:
-        gdc_launch_dependents()
-    row64 = tl.program_id(0).to(tl.int64)
+    row64 = _start_row(PDL)
     cols = tl.arange(0, BLOCK)
     cmask = cols < K
     x = tl.load(x_ptr + row64 * stride_x + cols, mask=cmask, other=0.0)
@@ -101,9 +107,7 @@ def _silu_mul_mx_kernel(
     EMIN: tl.constexpr, EBIAS: tl.constexpr, NAN_BYTE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
-    if PDL:
-        gdc_launch_dependents()
-    row64 = tl.program_id(0).to(tl.int64)
+    row64 = _start_row(PDL)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cmask = cols < K
     g = tl.load(g_ptr + row64 * stride_g + cols, mask=cmask, other=0.0)
@@ -128,14 +132,17 @@ def _consts(elem: ElemFormat, block_size: int, device: torch.device, block: int,
     )  # fmt: skip
 
 
-def _outputs(x2: torch.Tensor, lead: tuple, k: int, elem: ElemFormat, block_size: int):
-    """Rounded values [*lead, K] (x's dtype), fp8 codes [M, K] and scales [M, K/bs]: fresh tensors,
-    none a view (custom ops return them)."""
+def _rows_and_outputs(x: torch.Tensor, width: int, k: int, elem: ElemFormat, block_size: int):
+    """x as unit-stride rows [M, width], and the outputs: rounded values [..., K] (x's dtype), fp8
+    codes [M, K] and scales [M, K/bs], fresh tensors, none a view (custom ops return them)."""
+    x2 = x.reshape(-1, width)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
     m = x2.shape[0]
-    y = torch.empty((*lead, k), dtype=x2.dtype, device=x2.device)
-    q = torch.empty((m, k), dtype=elem.torch_dtype, device=x2.device)
-    s = torch.empty((m, k // block_size), dtype=torch.uint8, device=x2.device)
-    return y, q, s
+    y = torch.empty((*x.shape[:-1], k), dtype=x.dtype, device=x.device)
+    q = torch.empty((m, k), dtype=elem.torch_dtype, device=x.device)
+    s = torch.empty((m, k // block_size), dtype=torch.uint8, device=x.device)
+    return x2, y, q, s
 
 
 def _check(x: torch.Tensor, k: int, block_size: int, name: str) -> None:
@@ -155,10 +162,7 @@ def rmsnorm_mx(x: torch.Tensor, weight: torch.Tensor, eps: float, elem: ElemForm
         raise ValueError(f"rmsnorm_mx needs a weight of shape ({k},) in {x.dtype}, got {tuple(weight.shape)} {weight.dtype}")
     if k > RMSNORM_MAX_K:
         raise ValueError(f"rmsnorm_mx takes rows of at most {RMSNORM_MAX_K} elements, got {k}")
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    y, q, s = _outputs(x2, tuple(x.shape[:-1]), k, elem, block_size)
+    x2, y, q, s = _rows_and_outputs(x, k, k, elem, block_size)
     m = x2.shape[0]
     if m:
         block = max(next_pow2(k), block_size)
@@ -178,10 +182,7 @@ def silu_mul_mx(gu: torch.Tensor, elem: ElemFormat, block_size: int = 32,
         raise ValueError(f"silu_mul_mx needs gate and up side by side (an even last axis), got {k2}")
     k = k2 // 2
     _check(gu, k, block_size, "silu_mul_mx")
-    g2 = gu.reshape(-1, k2)
-    if g2.stride(-1) != 1:
-        g2 = g2.contiguous()
-    y, q, s = _outputs(g2, tuple(gu.shape[:-1]), k, elem, block_size)
+    g2, y, q, s = _rows_and_outputs(gu, k2, k, elem, block_size)
     m = g2.shape[0]
     if m:
         block = min(SILU_BLOCK, max(next_pow2(k), block_size))
