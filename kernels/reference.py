@@ -192,16 +192,15 @@ def mx_grouped_linear_reference(
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
-    *,
-    act_elem: ElemFormat | None = None,
-    act_rule: ScaleRule = ScaleRule.RCEIL,
-    block_size: int = 32,
+    **options,
 ) -> torch.Tensor:
     """Grouped Y = X · W[e]ᵀ (+ bias[e]) for experts in MX: rows ``group_end[e-1] <= r < group_end[e]``
     of X [S, K] use expert e's weight (fp8 [E, N, K], uint8 scales [E, N, K/bs], blocks along K) and
-    bias [E, N]. ``group_end`` [E] holds cumulative row ends (int, non-decreasing, last <= S): the
-    ``offs`` of ``torch._grouped_mm``. Rows at or past ``group_end[-1]`` are zeros. W8A8 rounds X to
-    MX along K first (``act_elem``; rows are independent, so the grouping does not change it)."""
+    bias [E, N]: ``mx_linear_reference`` per expert, with its keyword ``options`` (``act_elem``,
+    ``act_rule``, ``block_size``). ``group_end`` [E] holds cumulative row ends (int,
+    non-decreasing, last <= S): the ``offs`` of ``torch._grouped_mm``. Rows at or past
+    ``group_end[-1]`` are zeros. W8A8 rounds X to MX along K first (``act_elem``; rows are
+    independent, so the grouping does not change it)."""
     e_count, n, _ = weight.shape
     y = x.new_zeros(x.shape[0], n)
     ends = [int(v) for v in group_end.tolist()]
@@ -210,8 +209,6 @@ def mx_grouped_linear_reference(
         end = ends[e]
         if end > start:
             b = bias[e] if bias is not None else None
-            y[start:end] = mx_linear_reference(
-                x[start:end], weight[e], weight_scale[e], b, act_elem=act_elem, act_rule=act_rule, block_size=block_size
-            )
+            y[start:end] = mx_linear_reference(x[start:end], weight[e], weight_scale[e], b, **options)
         start = max(start, end)
     return y
