@@ -490,11 +490,12 @@ def _fmt_bytes(n: int) -> str:
 def inspect_cmd(
     path: Path = typer.Argument(..., help="An mxq (or other MXFP8) checkpoint directory."),
     tensors: bool = typer.Option(False, "--tensors", help="List every tensor."),
+    tp: int = typer.Option(None, "--tp", min=1, help="Judge every quantized weight against tensor parallelism of this degree (whole 32-element blocks per rank).", show_default=False),
 ) -> None:
     """Describe and validate a checkpoint: format, recipe, tensors, dtypes, bytes."""
     from mxq.inspect import inspect_checkpoint
 
-    rep = inspect_checkpoint(path)
+    rep = inspect_checkpoint(path, tp=tp)
     t = Table(title=f"mxq inspect: {path}")
     t.add_column("")
     t.add_column("value")
@@ -517,6 +518,8 @@ def inspect_cmd(
         for i in rep.tensors:
             tt.add_row(i.name, i.dtype, str(list(i.shape)), str(i.nbytes))
         console.print(tt)
+    if tp is not None:
+        _print_shards(rep.shards, tp)
     if rep.problems:
         for p in rep.problems:
             console.print(f"[red]problem:[/] {p}")
@@ -536,6 +539,20 @@ def _on_sigterm(signum, frame) -> None:
     temporary directory) instead of the process dying where it stands."""
     _TERMINATED.append(signum)
     raise KeyboardInterrupt
+
+
+def _print_shards(shards, tp: int) -> None:
+    """``inspect --tp``: every quantized weight that breaks the shard rule, and the count that keeps it."""
+    bad = [s for s in shards if not s.ok]
+    if not bad:
+        console.print(f"[green]tp {tp}[/]: all {len(shards)} quantized weights shard (whole 32-element blocks per rank)")
+        return
+    t = Table(title=f"tensor parallelism {tp}: {len(bad)} of {len(shards)} quantized weights do not shard")
+    for c in ("weight", "split", "shape", "why"):
+        t.add_column(c)
+    for s in bad:
+        t.add_row(s.name, s.style, str(list(s.shape)), s.why)
+    console.print(t)
 
 
 def main() -> None:
