@@ -467,7 +467,7 @@ def quantize_checkpoint(
     ``scale_dtype``: how the E8M0 scales are stored: "u8" (uint8, the default) or "e8m0"
     (float8_e8m0fnu, as transformers' own MXFP8 checkpoints); the bits are the same.
 
-    ``plan``: a calibration plan (``mxq.calibrate.Plan`` or the path of its JSON file). Its recipe
+    ``plan``: a calibration plan (``mxq.plan.Plan`` or the path of its JSON file). Its recipe
     is used (``recipe`` must then be None or the same name), its permutations are folded into the
     tensors as they stream, its per-layer specs replace the recipe's, and its kept layers stay bf16.
     """
@@ -527,7 +527,7 @@ class _Job:
     device: str
     allow_nonfinite: bool
     warn: Callable[[str], None]
-    cplan: object = None  # the calibration plan (mxq.calibrate.Plan), or None
+    cplan: object = None  # the calibration plan (mxq.plan.Plan), or None
     geometry: object = None  # mxq.reorder.Geometry of the source, with a calibration plan
     plan: _Plan | None = None
 
