@@ -317,25 +317,29 @@ def test_compressed_tensors_refuses_e5m2(tmp_path, llama_dir):
     assert not (tmp_path / "x").exists()
 
 
-def test_transformers_mxfp8_checkpoint_loads(tmp_path, llama_dir):
-    native = tmp_path / "native"
-    quantize_checkpoint(llama_dir, native, progress=False)
-    other = tmp_path / "hf-mxfp8"
+def _as_transformers_checkpoint(native, other, qc: dict, scale_dtype=None):
+    """mxq's checkpoint with transformers' names (``weight_scale_inv``, the scale bytes viewed as
+    ``scale_dtype`` if given) and the quantization_config ``qc``."""
     other.mkdir()
     tensors = {}
     for f in native.glob("model-*.safetensors"):
         for k, v in load_file(f).items():
+            if k.endswith(".weight_scale") and scale_dtype is not None:
+                v = v.view(scale_dtype)
             tensors[k.replace(".weight_scale", ".weight_scale_inv")] = v
     save_file(tensors, other / "model.safetensors")
     cfg = json.loads((native / "config.json").read_text())
-    cfg["quantization_config"] = {
-        "quant_method": "mxfp8",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [1, 32],
-        "scale_fmt": "ue8m0",
-        "modules_to_not_convert": ["lm_head"],
-    }
+    cfg["quantization_config"] = qc
     (other / "config.json").write_text(json.dumps(cfg))
+    return other
+
+
+def test_transformers_mxfp8_checkpoint_loads(tmp_path, llama_dir):
+    native = tmp_path / "native"
+    quantize_checkpoint(llama_dir, native, progress=False)
+    qc = {"quant_method": "mxfp8", "activation_scheme": "dynamic", "weight_block_size": [1, 32], "scale_fmt": "ue8m0",
+          "modules_to_not_convert": ["lm_head"]}  # fmt: skip
+    other = _as_transformers_checkpoint(native, tmp_path / "hf-mxfp8", qc)
     ids = _ids(320)
     with torch.no_grad():
         got = mxq.load(other)
@@ -794,22 +798,13 @@ def test_transformers_fp8_1x32_ue8m0_checkpoint_loads(tmp_path, llama_dir):
 
     native = tmp_path / "native"
     quantize_checkpoint(llama_dir, native, progress=False)
-    other = tmp_path / "hf-fp8"
-    other.mkdir()
-    tensors = {}
-    for f in native.glob("model-*.safetensors"):
-        for k, v in load_file(f).items():
-            is_scale = k.endswith(".weight_scale")
-            tensors[k.replace(".weight_scale", ".weight_scale_inv")] = v.view(torch.float8_e8m0fnu) if is_scale else v
-    save_file(tensors, other / "model.safetensors")
-    cfg = json.loads((native / "config.json").read_text())
     qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [1, 32], "scale_fmt": "ue8m0",
           "modules_to_not_convert": ["lm_head"]}  # fmt: skip
-    cfg["quantization_config"] = qc
-    (other / "config.json").write_text(json.dumps(cfg))
+    other = _as_transformers_checkpoint(native, tmp_path / "hf-fp8", qc, torch.float8_e8m0fnu)
     ids = _ids(320)
     with torch.no_grad():
         assert torch.equal(mxq.load(other)(ids).logits, mxq.load(native)(ids).logits)
+    cfg = json.loads((other / "config.json").read_text())
     cfg["quantization_config"] = {**qc, "weight_block_size": [128, 128], "scale_fmt": "float"}
     (other / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=r"config\.json.*'fp8'.*not MXFP8"):

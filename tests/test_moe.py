@@ -181,15 +181,20 @@ def test_recipe_selects_experts_by_name(tmp_path):
     assert "model.layers.0.self_attn.q_proj" in disk["ignore"]
 
 
-def test_validator_names_a_bad_experts_tensor(tmp_path):
-    from mxq.checkpoint import CheckpointError
-
-    src = _source(tmp_path, "gpt_oss")
+def _quantized(tmp_path, family):
+    """A tiny ``family`` model quantized by the CLI: its output directory, its shard and the shard's tensors."""
+    src = _source(tmp_path, family)
     out = tmp_path / "mx"
     assert run_cli(["quantize", str(src), str(out)])[0] == 0
     f = checkpoint_files(out)[0]
     with safe_open(f, "pt") as h:
-        tensors = {n: h.get_tensor(n) for n in h.keys()}
+        return out, f, {n: h.get_tensor(n) for n in h.keys()}
+
+
+def test_validator_names_a_bad_experts_tensor(tmp_path):
+    from mxq.checkpoint import CheckpointError
+
+    out, f, tensors = _quantized(tmp_path, "gpt_oss")
     name = "model.layers.1.mlp.experts.down_proj_scale"
     tensors[name] = tensors[name][:, :, :1].contiguous()
     save_file(tensors, f, metadata={"format": "pt"})
@@ -244,12 +249,8 @@ def test_save_pretrained_round_trip(tmp_path, family):
 def test_validator_names_a_missing_expert_scale(tmp_path):
     from mxq.checkpoint import CheckpointError
 
-    src = _source(tmp_path, "qwen3_moe")
-    out = tmp_path / "mx"
-    assert run_cli(["quantize", str(src), str(out)])[0] == 0
-    f = checkpoint_files(out)[0]
-    with safe_open(f, "pt") as h:
-        tensors = {n: h.get_tensor(n) for n in h.keys() if n != "model.layers.1.mlp.experts.2.up_proj.weight_scale"}
+    out, f, tensors = _quantized(tmp_path, "qwen3_moe")
+    tensors.pop("model.layers.1.mlp.experts.2.up_proj.weight_scale")
     save_file(tensors, f, metadata={"format": "pt"})
     (out / "model.safetensors.index.json").unlink()
     f.rename(out / "model.safetensors")
@@ -311,12 +312,7 @@ def test_quantize_refuses_broken_experts(tmp_path, case):
 def test_load_refuses_a_router_in_fp8_and_unequal_experts(tmp_path):
     from mxq.checkpoint import CheckpointError
 
-    src = _source(tmp_path, "qwen3_moe")
-    out = tmp_path / "mx"
-    assert run_cli(["quantize", str(src), str(out)])[0] == 0
-    f = checkpoint_files(out)[0]
-    with safe_open(f, "pt") as h:
-        good = {n: h.get_tensor(n) for n in h.keys()}
+    out, f, good = _quantized(tmp_path, "qwen3_moe")
     router = "model.layers.0.mlp.gate.weight"
     save_file({**good, router: good[router].to(torch.float8_e4m3fn)}, f, metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=router):
