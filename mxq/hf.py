@@ -51,6 +51,7 @@ class MXQHfQuantizer(HfQuantizer):
         cfg: MXQConfig = self.quantization_config
         dtype = kwargs.get("dtype") or model.dtype
         checked = _validate(cfg, kwargs.get("checkpoint_files"))
+        self._mxq_files = list(kwargs.get("checkpoint_files") or [])
         embeddings = []
         for name in cfg.layers:
             try:
@@ -92,6 +93,7 @@ class MXQHfQuantizer(HfQuantizer):
         from mxq.fuse import fuse
 
         _scales_as(model, torch.uint8)
+        _per_expert_scales(model, self.quantization_config, getattr(self, "_mxq_files", []))
         _routers_as_model(model)
         from mxq.embedding import after_loading
 
@@ -152,6 +154,55 @@ def _prepare_experts(model, cfg: MXQConfig, dtype) -> None:
         with torch.device("meta"):
             new = MXExperts(mod, elem=w.elem, act=a, block_size=cfg.block_size, dtype=dtype)
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+# per-expert projection names on disk -> the fused parameter's row blocks, in order (gate rows, then up)
+_PER_EXPERT_ROWS = {"gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3")), "up_proj": (("up_proj",), ("w3",)),
+                    "down_proj": (("down_proj",), ("w2",))}  # fmt: skip
+
+
+def _per_expert_scales(model, cfg, files: list) -> None:
+    """The scales of experts stored one by one, read from the checkpoint into each ``MXExperts``.
+    transformers stacks the per-expert weights through the family's own conversion, but whether
+    that rule also carries a ``.weight_scale`` suffix differs between its releases (5.17 does,
+    5.24 does not), so mxq fills the scales itself, the same way on every release."""
+    import re
+
+    from safetensors import safe_open
+
+    entries = {n: d for n, d in (getattr(cfg, "experts", None) or {}).items()}
+    if not entries or not files:
+        return
+    where: dict[str, str] = {}
+    for f in files:
+        with safe_open(str(f), "pt") as h:
+            where.update({k: str(f) for k in h.keys() if k.endswith(".weight_scale") and ".experts." in k})
+    if not where:
+        return
+    handles: dict[str, object] = {}
+
+    def read(name: str) -> torch.Tensor:
+        f = where[name]
+        if f not in handles:
+            handles[f] = safe_open(f, "pt")
+        return handles[f].get_tensor(name)
+
+    for name in entries:
+        mod = model.get_submodule(name)
+        layer, _, leaf = name.rpartition(".")
+        pat = re.compile(rf"^{re.escape(layer.rpartition('.')[0])}\.[^.]+\.{re.escape(leaf)}\.0\.([^.]+)\.weight_scale$")
+        found = {m.group(1): k[: -len(".0." + m.group(1) + ".weight_scale")] for k in where if (m := pat.match(k))}
+        if not found:
+            continue  # fused scales: loaded by name
+        for proj in mod.projections:
+            names = next((ns for ns in _PER_EXPERT_ROWS[proj] if all(n in found for n in ns)), None)
+            if names is None:
+                raise ValueError(f"{name}: per-expert scales for {proj} not found in the checkpoint (have {sorted(found)})")
+            scale = getattr(mod, proj + "_scale")
+            with torch.no_grad():
+                for e in range(mod.num_experts):
+                    parts = [read(f"{found[n]}.{e}.{n}.weight_scale") for n in names]
+                    scale[e].copy_(torch.cat([p.view(torch.uint8) for p in parts]).to(scale.device))
 
 
 def _routers_as_model(model) -> None:
