@@ -39,8 +39,8 @@ from typing import NamedTuple
 import torch
 
 from mxq.formats import E4M3, ElemFormat, ScaleRule, as_elem_format, as_scale_rule
+from mxq.kernels import reference
 from mxq.kernels.dispatch import triton_runs
-from mxq.kernels.reference import fake_quantize_mx_rows as _fake_quantize_reference
 from mxq.kernels.reference import mx_grouped_linear_reference
 from mxq.kernels.registry import KernelPath, Registry, check_kernels, default_kernels
 
@@ -482,7 +482,7 @@ def gather_mx_rows(
         v = x[index]
         if act_elem is None:
             return v.to(out_dtype)
-        quantize = fake_quantize_mx_rows if triton_here else _fake_quantize_reference
+        quantize = fake_quantize_mx_rows if triton_here else reference.fake_quantize_mx_rows
         return quantize(v, act_elem, act_rule, block_size, out_dtype=out_dtype)
     r, k = index.shape[0], x.shape[1]
     x = x if x.stride(1) == 1 else x.contiguous()
