@@ -366,21 +366,28 @@ _PROJECTION = re.compile(r"proj|^w\d+$|^fc\d*$|dense|linear")
 
 
 def _warn_uncovered(src: _Source, plan: _Plan, layers, moe, heads, emb, warn) -> None:
-    """A matrix that looks like a projection (by its module's name) but that no rule covers (not a
-    Linear layer, experts module, router or embedding) stays in its dtype: say so, naming it, and
-    list it as kept."""
+    """Every floating-point matrix that no rule covers (not a Linear layer, experts module, router,
+    gate, head or embedding) stays in its dtype and is listed as kept with the reason, so the
+    summary and the report name it; one that looks like a projection (by its module's name) is
+    also a warning: a layer mxq may be missing."""
     covered = {lay.name for lay in layers} | set(heads) | set(moe)
     if emb is not None:
         covered.add(emb.name)
+    experts_disk = {n for names in plan.experts_disk.values() for n in names}
+    routers = ("gate", "router")  # a router's name on disk can differ from the model's (Mixtral)
     for name, dtype, shape in src.tensors:
-        if len(shape) < 2 or dtype not in ("F32", "F16", "BF16") or name in plan.expert_tensors:
+        if len(shape) < 2 or dtype not in ("F32", "F16", "BF16") or name in plan.expert_tensors or name in experts_disk:
             continue
         mod = name.rpartition(".")[0] if name.endswith((".weight", ".bias")) else name
-        if mod in covered or any(name.startswith(m + ".") for m in moe) or not _PROJECTION.search(mod.rpartition(".")[2]):
+        leaf = mod.rpartition(".")[2]
+        if mod in covered or any(name.startswith(m + ".") for m in moe) or (moe and leaf in routers):
             continue
-        why = "looks like a projection, but no rule covers it (not a Linear layer, experts module, router or embedding)"
+        if _PROJECTION.search(leaf):
+            why = "looks like a projection, but no rule covers it (not a Linear layer, experts module, router or embedding)"
+            warn(f"keeping {name} {list(shape)} in {dtype}: {why}")
+        else:
+            why = "not a Linear layer, experts module or embedding: kept as it is"
         plan.kept[name] = why
-        warn(f"keeping {name} {list(shape)} in {dtype}: {why}")
 
 
 def _plan_embedding(emb, recipe: Recipe, warn, weights: dict):

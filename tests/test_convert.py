@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -809,3 +810,25 @@ def test_transformers_fp8_1x32_ue8m0_checkpoint_loads(tmp_path, llama_dir):
     (other / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=r"config\.json.*'fp8'.*not MXFP8"):
         mxq.load(other)
+
+
+def test_every_unquantized_matrix_is_named(tmp_path, llama_dir):
+    """A matrix no rule covers is listed as kept with its reason (and, if it looks like a
+    projection, warned about): no weight is left in high precision without a word."""
+    src = tmp_path / "src"
+    shutil.copytree(llama_dir, src)
+    f = next(src.glob("*.safetensors"))
+    t = load_file(f)
+    t["model.extra_table"] = torch.randn(8, 64)
+    t["model.layers.0.mlp.extra_proj.weight"] = torch.randn(64, 64)
+    save_file(t, f, metadata={"format": "pt"})
+    idx = src / "model.safetensors.index.json"
+    if idx.exists():
+        data = json.loads(idx.read_text())
+        data["weight_map"].update({k: f.name for k in ("model.extra_table", "model.layers.0.mlp.extra_proj.weight")})
+        idx.write_text(json.dumps(data))
+    said = []
+    report = quantize_checkpoint(src, tmp_path / "out", progress=False, warn=said.append)
+    assert "no rule covers" in report.kept["model.layers.0.mlp.extra_proj.weight"]
+    assert "kept as it is" in report.kept["model.extra_table"]
+    assert any("extra_proj" in m for m in said) and not any("extra_table" in m for m in said)
