@@ -130,6 +130,8 @@ class MXExperts(nn.Module):
 
     takes_kernels = True  # ``mxq.set_kernels`` sets ``kernels`` (the ``GROUPED`` paths it may run)
 
+    _hf_quantized_needs_local_tp = True  # tensor parallelism: runs on this rank's shard (``mxq.tp.localize``)
+
     def __init__(self, source: nn.Module, *, elem, act: TensorSpec | None, block_size: int = 32,
                  dtype: torch.dtype | None = None, kernels: str | None = None):  # fmt: skip
         super().__init__()

@@ -92,6 +92,8 @@ class MXQHfQuantizer(HfQuantizer):
         unchanged (``state_dict`` writes the projections separately)."""
         from mxq.fuse import fuse
 
+        from mxq.tp import localize
+
         _scales_as(model, torch.uint8)
         _per_expert_scales(model, self.quantization_config, getattr(self, "_mxq_files", []))
         _routers_as_model(model)
@@ -100,8 +102,21 @@ class MXQHfQuantizer(HfQuantizer):
         after_loading(model, self.quantization_config)
         if getattr(self.quantization_config, "scale_dtype", "u8") != "u8":
             self.quantization_config.scale_dtype = "u8"  # what the model now holds, and save_pretrained writes
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            localize(model)  # tensor-parallel loading (tp_plan=...): each MX module on its own shard
         fuse(model)
         return model
+
+    def update_tp_plan(self, config):
+        """The family's tensor-parallel plan with a fused experts tensor's scales split as the tensor
+        is (``mxq.tp.plan_with_scales``)."""
+        from mxq.tp import plan_with_scales
+
+        for c in {id(c): c for c in (config, config.get_text_config())}.values():
+            plan = getattr(c, "base_model_tp_plan", None)
+            if plan:
+                c.base_model_tp_plan = plan_with_scales(plan)
+        return config
 
     def update_weight_conversions(self, weight_conversions, *args, **kwargs):
         """Prepend the ``weight_scale_inv`` -> ``weight_scale`` renaming to what the base quantizer
@@ -199,10 +214,23 @@ def _per_expert_scales(model, cfg, files: list) -> None:
             if names is None:
                 raise ValueError(f"{name}: per-expert scales for {proj} not found in the checkpoint (have {sorted(found)})")
             scale = getattr(mod, proj + "_scale")
+            full = torch.empty(scale.shape, dtype=torch.uint8)
+            for e in range(mod.num_experts):
+                full[e] = torch.cat([read(f"{found[n]}.{e}.{n}.weight_scale").view(torch.uint8) for n in names])
             with torch.no_grad():
-                for e in range(mod.num_experts):
-                    parts = [read(f"{found[n]}.{e}.{n}.weight_scale") for n in names]
-                    scale[e].copy_(torch.cat([p.view(torch.uint8) for p in parts]).to(scale.device))
+                _set_scale(scale, full)
+
+
+def _set_scale(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy the whole scale tensor ``full`` into ``param``; a tensor-parallel (DTensor) parameter
+    takes this rank's shard of it, split as the plan splits the codes."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        param.to_local().copy_(local.to(param.device))
+    else:
+        param.copy_(full.to(param.device))
 
 
 def _routers_as_model(model) -> None:

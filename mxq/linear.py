@@ -64,6 +64,10 @@ def _mx_linear_fake(x, weight, weight_scale, bias, act_elem, act_rule, block_siz
 
 
 class MXLinear(nn.Module):
+    # tensor parallelism (transformers' tp_plan): the forward runs on this rank's shard as plain
+    # tensors (``mxq.tp.localize``)
+    _hf_quantized_needs_local_tp = True
+
     def __init__(
         self,
         in_features: int,
@@ -344,6 +348,7 @@ def _fusable(layers: list) -> bool:
     return all(
         type(m) is MXLinear and m.in_features == first.in_features and m.elem == first.elem and m.act == first.act
         and m.block_size == first.block_size and m.kernels == first.kernels and m.weight.device == first.weight.device
+        and type(m.weight.data).__name__ != "DTensor" and "forward" not in m.__dict__  # no tensor-parallel hooks
         for m in layers
     )  # fmt: skip
 

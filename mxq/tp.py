@@ -94,3 +94,115 @@ def failures(weights: dict[str, tuple[int, ...]], plan: dict[str, str] | None, t
         if bad:
             out[tp] = bad
     return out
+
+
+# --- running a checkpoint sharded ------------------------------------------------------------------
+#
+# ``from_pretrained(path, tp_plan="auto")`` (under ``torchrun``) is transformers' own tensor
+# parallelism: it builds the model, makes every parameter the family's plan names a DTensor
+# placeholder, and each rank reads only its shard. MX scales shard with their codes: a Linear's
+# ``weight_scale`` belongs to the module the plan names (split along N with the rows, along K in
+# whole 32-blocks), and a fused experts tensor's ``<proj>_scale`` gets its projection's style
+# (``plan_with_scales``). After loading, ``localize`` gives each MX module of a column- or
+# row-parallel layer its shard as plain tensors and its own forward: column-parallel layers need no
+# communication (input replicated, output this rank's columns), so q/k/v and gate/up still fuse into
+# one GEMM each; row-parallel layers and experts add one all-reduce of their output (the bias after
+# it). transformers' DTensor path would give the same function with more host work per call.
+
+# styles ``localize`` runs itself: no communication, or an all-reduce of the output
+LOCAL_STYLES = ("colwise", "packed_colwise")
+REDUCED_STYLES = ("rowwise", "moe_tp_experts")
+EXPERT_PROJECTIONS = ("gate_up_proj", "up_proj", "down_proj")
+
+
+def plan_with_scales(plan: dict[str, str] | None) -> dict[str, str] | None:
+    """``plan`` plus ``<key>_scale`` for each fused experts tensor it names (``...experts.gate_up_proj``
+    -> ``...experts.gate_up_proj_scale``, same style). A Linear's scale needs nothing: the plan
+    names its module, and every parameter of that module follows it."""
+    if not plan:
+        return plan
+    out = dict(plan)
+    for key, style in plan.items():
+        parent, _, leaf = key.rpartition(".")
+        if leaf in EXPERT_PROJECTIONS and parent.endswith("experts"):
+            out.setdefault(key + "_scale", style)
+    return out
+
+
+def plan_style(name: str, plan: dict[str, str] | None) -> str | None:
+    """The style ``plan`` gives module ``name`` (layer indices matched by ``*``), or None."""
+    generic = re.sub(r"\.\d+(?=\.|$)", ".*", name)
+    return (plan or {}).get(generic)
+
+
+def localize(model) -> list[str]:
+    """After tensor-parallel loading: each MX module of a column-parallel, row-parallel or experts
+    layer holds its shard as plain tensors and runs its own forward (section comment). Modules of
+    other styles keep transformers' hooks. Returns the names of the modules changed."""
+    from torch import nn
+    from torch.distributed.tensor import DTensor
+
+    from mxq.experts import MXExperts
+    from mxq.linear import MXLinear
+
+    plan = getattr(model, "tp_plan", None) or {}
+    done = []
+    for name, m in model.named_modules():
+        if not isinstance(m, (MXLinear, MXExperts)):
+            continue
+        shards = {k: p for k, p in m._parameters.items() if isinstance(p, DTensor)}
+        style = plan_style(name, plan)
+        if not shards or style not in LOCAL_STYLES + REDUCED_STYLES:
+            continue
+        first = next(iter(shards.values()))
+        group, tp = first.device_mesh.get_group(), first.device_mesh.size()
+        for k, p in shards.items():
+            if p.dim() >= 2 and "scale" not in k and not (s := check_shard(f"{name}.{k}", tuple(p.shape), _shard_style(style, k), tp)).ok:
+                raise ValueError(f"tensor parallelism {tp}: {s.name}: {s.why} (`mxq inspect CHECKPOINT --tp {tp}` lists every layer)")
+        for k, p in shards.items():
+            m._parameters[k] = nn.Parameter(p.to_local(), requires_grad=False)
+        m.__dict__.pop("forward", None)  # transformers' hook: the module's own forward again
+        if isinstance(m, MXLinear):
+            m.out_features, m.in_features = m.weight.shape
+        if style in REDUCED_STYLES:
+            _reduce_output(m, group)
+        done.append(name)
+    return done
+
+
+def _shard_style(module_style: str, param: str) -> str:
+    """How ``param`` of a module of ``module_style`` is split (an experts module's projections
+    carry their own: gate/up column-wise in two halves, down row-wise)."""
+    if module_style != "moe_tp_experts":
+        return module_style
+    proj = param.removesuffix("_scale")
+    return {"gate_up_proj": "packed_colwise", "up_proj": "colwise", "down_proj": "rowwise"}.get(proj, "replicated")
+
+
+def _reduce_output(m, group) -> None:
+    """The module's forward followed by an all-reduce over ``group``. A Linear's bias is added after
+    the reduction; an experts module's down-projection bias (weighted per token inside its
+    forward) is kept on rank 0 only, so the sum holds it once."""
+    import types
+
+    import torch.distributed as dist
+
+    from mxq.linear import MXLinear
+
+    bias = None
+    if isinstance(m, MXLinear) and m.bias is not None:
+        bias, m.bias = m.bias, None
+    elif not isinstance(m, MXLinear) and dist.get_rank(group) != 0:
+        for p in m.projections[1:]:
+            b = m._parameters.get(p + "_bias")
+            if b is not None:
+                b.data.zero_()
+    m.__dict__["_mxq_tp"] = (group, bias)
+
+    def forward(self, *args, **kwargs):
+        y = type(self).forward(self, *args, **kwargs)
+        grp, b = self.__dict__["_mxq_tp"]
+        dist.all_reduce(y, group=grp)
+        return y if b is None else y + b
+
+    m.__dict__["forward"] = types.MethodType(forward, m)

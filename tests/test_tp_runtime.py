@@ -1,0 +1,94 @@
+"""Tensor-parallel inference of mxq checkpoints on CPU: ``torchrun --nproc-per-node 2`` (gloo)
+runs ``from_pretrained(out, tp_plan="auto")``; logits and greedy tokens must equal one process
+(TP=1) on the same checkpoint, and each rank must hold only its shard of every MX tensor (rows of
+column-parallel layers, whole 32-blocks of K with their scales for row-parallel ones)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from cli_helpers import run_cli
+
+HERE = Path(__file__).parent
+CHILD = HERE / "tp_child.py"
+
+
+def _run(ckpt: Path, out: Path, tp: int) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}"] if tp > 1 else [sys.executable]
+    r = subprocess.run([*launch, str(CHILD), str(ckpt), str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return torch.load(out)
+
+
+def _llama(path: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    cfg = LlamaConfig(hidden_size=192, intermediate_size=320, num_hidden_layers=2, num_attention_heads=6,
+                      num_key_value_heads=2, head_dim=32, vocab_size=250, attention_bias=True, mlp_bias=True,
+                      tie_word_embeddings=False)  # fmt: skip
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("bias"):
+                p.normal_(0, 0.1)  # nonzero: a row-parallel bias must be added once, after the reduction
+    model.save_pretrained(path)
+
+
+def _qwen3_moe(path: Path) -> None:
+    from moe_models import moe_model
+
+    moe_model("qwen3_moe", seed=4).save_pretrained(path)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_tp2_equals_tp1(tmp_path, family):
+    src, ckpt = tmp_path / "src", tmp_path / "mx"
+    (_llama if family == "llama" else _qwen3_moe)(src)
+    rc, out = run_cli(["quantize", str(src), str(ckpt)])
+    assert rc == 0, out
+    one = _run(ckpt, tmp_path / "tp1.pt", 1)
+    two = _run(ckpt, tmp_path / "tp2.pt", 2)
+    assert two["world"] == 2
+    # the same function: only the order of the row-parallel sums differs (float32)
+    err = (two["logits"] - one["logits"]).abs().max() / one["logits"].abs().max()
+    assert err < 1e-5, err
+    assert torch.equal(two["tokens"], one["tokens"])
+    # each rank holds its shard: column-parallel rows, row-parallel K in whole blocks with the scales
+    full, local = one["shapes"], two["shapes"]
+    assert set(full) == set(local)
+    split = {n for n in full if full[n] != local[n]}
+    assert split, "no MX tensor was sharded"
+    for n in split:
+        f, l = full[n], local[n]
+        rowwise = any(k in n for k in ("o_proj", "down_proj"))
+        dim = len(f) - 1 if rowwise else len(f) - 2
+        assert l[dim] * 2 == f[dim] and l[:dim] + l[dim + 1:] == f[:dim] + f[dim + 1:], (n, f, l)
+    names = " ".join(sorted(split))
+    for proj in ("q_proj.weight_scale", "o_proj.weight_scale", "o_proj.weight"):
+        assert proj in names, (proj, names)
+    if family == "qwen3_moe":
+        for t in ("experts.gate_up_proj", "experts.gate_up_proj_scale", "experts.down_proj_scale"):
+            assert t in names, (t, names)
+
+
+def test_a_checkpoint_that_does_not_shard_is_refused_naming_the_layer(tmp_path):
+    """down_proj K = 96: at TP 2 each rank would hold 48 columns, a block and a half."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=128, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32, vocab_size=128, tie_word_embeddings=False)  # fmt: skip
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "src")
+    rc, out = run_cli(["quantize", str(tmp_path / "src"), str(tmp_path / "mx")])
+    assert rc == 0, out
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(CHILD),
+                        str(tmp_path / "mx"), str(tmp_path / "x.pt")], env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode != 0
+    assert "tensor parallelism 2: model.layers.0.mlp.down_proj.weight: K=96 gives 48 per rank" in r.stdout + r.stderr
