@@ -18,6 +18,13 @@ compiled kernels, allocator state or CUDA graphs. Through the calls a user makes
   graph, compiled first with ``--compile``; ``--eager-decoder`` adds the same step without graph.
   The graph path is checked to give the same tokens as the eager static path first.
 
+``--tp N`` runs each model sharded over N GPUs, as transformers' tensor parallelism does it: the
+driver first writes the bf16 model (random weights) and its ``mxq quantize`` output under
+``--checkpoint-dir`` (kept for later runs), then starts each role under ``torchrun --nproc-per-node
+N``; every rank loads its shard with ``from_pretrained(path, tp_plan="auto")`` and runs the same
+calls on the same inputs, and rank 0 reports (weights: one rank's bytes). ``--tp 1
+--checkpoint-dir DIR`` loads the same checkpoints on one GPU.
+
 ``--pairs N`` alternates the fresh processes N times (bf16, MXFP8, bf16, ...) and gives every ratio as
 the median over the pairs with its min-max: run-to-run noise (transformers' host time, clocks) shows in
 each figure. ``--profile`` adds, per static-cache batch, where a decode step goes (device busy vs wall time,
@@ -46,10 +53,14 @@ import time
 import torch
 
 ROLES = ("bf16", "mxfp8", "bf16-grouped")
+WORKERS = (*ROLES, "prepare")  # "prepare": write the --checkpoint-dir checkpoints
 SHAPES = {
     # Llama-3-8B (random weights, for speed only) and a tiny one for tests.
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
+    # Llama-3-70B widths with 16 of its 80 layers (tensor-parallel runs: the checkpoints go to disk)
+    "llama3-70b-16l": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=16, num_attention_heads=64,
+                           num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024),
     # Qwen3-30B-A3B widths with 16 of its 48 layers (a mixture of experts: 128 experts, top-8), and a tiny one
@@ -107,8 +118,10 @@ def _peak(device: torch.device) -> int | None:
 
 
 def weight_bytes(model) -> int:
+    """Bytes of parameters and buffers (tensor parallel: this rank's shards)."""
     seen, total = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):
+        t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: the shard this rank holds
         if t.data_ptr() in seen:
             continue
         seen.add(t.data_ptr())
@@ -285,7 +298,13 @@ def measure(model, label: str, a, device: torch.device) -> dict:
     print(f"[{label}] prefill {res['prefill']['tokens_per_s']:.0f} tok/s", flush=True)
     res["decode"] = []
     for b in a.batch:
-        r = bench_generate_static(model, b, a.prompt_len, a.new_tokens, profile=a.profile)
+        try:
+            r = bench_generate_static(model, b, a.prompt_len, a.new_tokens, profile=a.profile)
+        except Exception as e:  # noqa: BLE001 - recorded; the other figures still count
+            r = dict(batch=b, mode="generate() static cache", error=f"{type(e).__name__}: {str(e)[:300]}")
+            res["decode"].append(r)
+            print(f"[{label}] decode B={b} {r['mode']}: failed: {r['error']}", flush=True)
+            continue
         r["mode"] = 'generate() static cache'
         res["decode"].append(r)
         print(f"[{label}] decode B={b} {r['mode']}: {r['tokens_per_s']:.1f} tok/s (setup {r['setup_s']:.1f} s)", flush=True)
@@ -308,16 +327,26 @@ def measure(model, label: str, a, device: torch.device) -> dict:
     for b in a.batch:
         toks, rows = {}, []
         for mode, cg, comp in modes:
-            r, toks[mode] = bench_decode_static(model, b, a.prompt_len, a.new_tokens, cg, comp)
+            try:
+                r, toks[mode] = bench_decode_static(model, b, a.prompt_len, a.new_tokens, cg, comp)
+            except Exception as e:  # noqa: BLE001 - one mode failing (e.g. a graph capture) is a result too
+                r = dict(batch=b, error=f"{type(e).__name__}: {str(e)[:300]}")
+                print(f"[{label}] decode B={b} {mode}: failed: {r['error']}", flush=True)
+                r["mode"] = mode
+                rows.append(r)
+                continue
             r["mode"] = mode
             rows.append(r)
+            if mode != "static eager":
+                r["tokens"] = toks[mode][:, a.prompt_len:].tolist()  # to compare runs (e.g. TP=1 and TP=2)
             print(
                 f"[{label}] decode B={b} {mode}: {r['tokens_per_s']:.1f} tok/s (setup {r['setup_s']:.1f} s)",
                 flush=True,
             )
         if "static eager" in toks:  # a graph replays the eager step: the same prompt gives the same tokens
             for r in rows:
-                r["tokens_match_eager"] = bool(torch.equal(toks[r["mode"]], toks["static eager"]))
+                if r["mode"] in toks:
+                    r["tokens_match_eager"] = bool(torch.equal(toks[r["mode"]], toks["static eager"]))
         res["decode"] += rows
     return res
 
@@ -354,8 +383,8 @@ def summary_rows(res: dict) -> list[dict]:
         rows.append(
             dict(
                 metric=f"decode tok/s B={db['batch']} {db['mode']}",
-                bf16=db["tokens_per_s"],
-                mxfp8=dq["tokens_per_s"],
+                bf16=db.get("tokens_per_s"),
+                mxfp8=dq.get("tokens_per_s"),
             )
         )
         if db.get("peak_bytes") is not None and db["mode"] == "generate() static cache":
@@ -378,8 +407,9 @@ def summary_rows(res: dict) -> list[dict]:
 def table_lines(res: dict) -> list[str]:
     """The end-to-end result as a markdown heading and table (also used by eval/plots.py)."""
     f = lambda v: "-" if v is None else (f"{v:.2f}" if v < 100 else f"{v:.0f}")
+    tp = f" x {res['tp']} (tensor parallel)" if res.get("tp", 1) > 1 else ""
     lines = [
-        f"## End to end: {res['model']} on {res['env']['device']} ({res['env']['date']}), recipe {res['recipe']}",
+        f"## End to end: {res['model']} on {res['env']['device']}{tp} ({res['env']['date']}), recipe {res['recipe']}",
         "",
         "| metric | bf16 | MXFP8 | MXFP8 / bf16 |",
         "|---|---:|---:|---:|",
@@ -426,12 +456,63 @@ def _build(a, device: torch.device):
     return model, f"{shape} (random weights)"
 
 
+def prepare_checkpoints(a, device: torch.device) -> None:
+    """``--checkpoint-dir``: the bf16 model of ``--shape`` (random weights) as a checkpoint, then
+    ``mxq quantize`` of it with ``--recipe``; either is kept if already there."""
+    import os
+
+    bf16, mx = os.path.join(a.checkpoint_dir, "bf16"), os.path.join(a.checkpoint_dir, a.recipe)
+    if not os.path.exists(os.path.join(bf16, "config.json")):
+        with _Timer(device) as t:
+            model = build_random(a.shape or "llama3-8b", device)
+            model.save_pretrained(bf16 + ".tmp", max_shard_size="5GB")
+            del model
+        os.replace(bf16 + ".tmp", bf16)
+        print(f"wrote {bf16} in {t.s:.1f} s", flush=True)
+    if not os.path.exists(os.path.join(mx, "config.json")):
+        t0 = time.perf_counter()
+        mxq_cli = [sys.executable, "-c", "import sys; from mxq.cli import main; sys.argv[0] = 'mxq'; sys.exit(main())"]
+        rc = subprocess.call([*mxq_cli, "quantize", bf16, mx, "--recipe", a.recipe,
+                              "--device", device.type, "--force"])  # fmt: skip
+        if rc:
+            raise SystemExit(f"bench_e2e: mxq quantize {bf16} failed (exit {rc})")
+        print(f"wrote {mx} in {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+def _load_checkpoint(a, role: str, device: torch.device):
+    """A role's model from ``--checkpoint-dir`` through ``from_pretrained``: sharded over the
+    torchrun ranks (``tp_plan="auto"``) when there are several, else on ``device``."""
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    import mxq  # noqa: F401  (quant_method "mxq")
+
+    path = os.path.join(a.checkpoint_dir, "bf16" if role.startswith("bf16") else a.recipe)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    kw = {"tp_plan": "auto"} if world > 1 else {"device_map": str(device)}
+    with _Timer(device) as t:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, **kw)
+    if getattr(model.config, "num_experts", None):
+        model.set_experts_implementation("grouped_mm") if hasattr(model, "set_experts_implementation") else None
+    print(f"loaded {path} (TP={world}) in {t.s:.1f} s", flush=True)
+    return model.eval(), f"{a.shape or 'llama3-8b'} (random weights, loaded from checkpoints)"
+
+
 def worker(a, device: torch.device) -> dict:
     """One model in this process: bf16 as built, or quantized with ``a.recipe`` (``a.worker``);
     ``bf16-grouped``: bf16 with mxq's attention without repeated K/V (``mxq.fuse.GROUPED_SDPA``),
-    to tell that part of the MXFP8 model's gain from the rest."""
+    to tell that part of the MXFP8 model's gain from the rest. With ``--checkpoint-dir``, the
+    role's checkpoint loaded (``_load_checkpoint``; one shard per rank under torchrun)."""
     import mxq
 
+    if a.checkpoint_dir:
+        torch.manual_seed(0)  # every rank draws the same inputs
+        model, label = _load_checkpoint(a, a.worker, device)
+        res = {"model": label, "config": {k: getattr(model.config, k, None) for k in ("hidden_size", "intermediate_size",
+               "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size")}, "tp": a.tp}  # fmt: skip
+        res["measured"] = measure(model, a.worker, a, device)
+        return res
     model, label = _build(a, device)
     if a.worker == "bf16-grouped":
         from mxq.fuse import use_grouped_sdpa
@@ -499,7 +580,9 @@ def main(argv=None) -> int:
     p.add_argument("--pairs", type=int, default=1,
                    help="alternate the roles' fresh processes N times (bf16, mxfp8, bf16, ...); the table gives each "
                         "ratio as the median over the pairs with its min-max")
-    p.add_argument("--worker", choices=ROLES, help=argparse.SUPPRESS)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: each role under torchrun on N GPUs (needs --checkpoint-dir)")
+    p.add_argument("--checkpoint-dir", help="load the models from checkpoints here (written first if missing: bf16/ and RECIPE/)")
+    p.add_argument("--worker", choices=WORKERS, help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help="JSON file to write")
     a = p.parse_args(argv)
@@ -519,10 +602,24 @@ def main(argv=None) -> int:
             file=sys.stderr,
         )
         return 2
+    if a.tp > 1 and not a.checkpoint_dir:
+        print("bench_e2e: --tp needs --checkpoint-dir (tensor parallelism loads checkpoints from disk)", file=sys.stderr)
+        return 2
     if a.worker:
-        out = worker(a, device)
-        with open(a.worker_out, "w") as f:
-            json.dump(out, f)
+        import os
+
+        if a.worker == "prepare":
+            prepare_checkpoints(a, device)
+            return 0
+        rank = int(os.environ.get("RANK", "0"))
+        if "LOCAL_RANK" in os.environ and device.type == "cuda":
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(device)
+        with contextlib.redirect_stdout(sys.stdout if rank == 0 else open(os.devnull, "w")):
+            out = worker(a, device)
+        if rank == 0:
+            with open(a.worker_out, "w") as f:
+                json.dump(out, f)
         return 0
     res = {"env": env_info(device), "recipe": a.recipe, "args": {k: v for k, v in vars(a).items()}}
     print(json.dumps(res["env"]), flush=True)
@@ -533,11 +630,16 @@ def main(argv=None) -> int:
         print(f"bench_e2e: --roles: unknown {bad}; choose from {', '.join(ROLES)}", file=sys.stderr)
         return 2
     runs: dict[str, list] = {r: [] for r in roles}
+    if a.checkpoint_dir:
+        rc = subprocess.call([sys.executable, "-m", "mxq.eval.bench_e2e", *args, "--worker", "prepare"])
+        if rc:
+            return rc
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.tp}"] if a.tp > 1 else [sys.executable]
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(a.pairs):  # each model in a fresh process; with --pairs N the roles alternate N times
             for role in roles:
                 path = f"{tmp}/{role}-{i}.json"
-                cmd = [sys.executable, "-m", "mxq.eval.bench_e2e", *args, "--worker", role, "--worker-out", path]
+                cmd = [*launch, "-m", "mxq.eval.bench_e2e", *args, "--worker", role, "--worker-out", path]
                 print(f"--- {role}{f' (pair {i + 1} of {a.pairs})' if a.pairs > 1 else ''}: a fresh process", flush=True)
                 rc = subprocess.call(cmd)
                 if rc != 0:
@@ -547,8 +649,9 @@ def main(argv=None) -> int:
                     out = json.load(f)
                 res["model"], res["config"] = out["model"], out["config"]
                 runs[role].append(out["measured"])
-                if role == "mxfp8" and i == 0:
+                if role == "mxfp8" and i == 0 and "quantize" in out:
                     res["quantize"], res["check"] = out["quantize"], out["check"]
+                res["tp"] = out.get("tp", 1)
     for role in roles:
         res[role] = runs[role][0]
     if a.pairs > 1 and "bf16" in roles and "mxfp8" in roles:

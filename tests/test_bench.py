@@ -78,3 +78,24 @@ def test_cli_bench_gpu_parts_need_cuda(tmp_path):
     assert res.exit_code != 0 and "need a CUDA device" in res.output
     res = CliRunner().invoke(app, ["bench", "--parts", "nope", "--out", str(tmp_path)])
     assert res.exit_code != 0 and "unknown part(s) nope" in res.output
+
+
+def test_bench_e2e_tensor_parallel_on_cpu(tmp_path):
+    """``bench_e2e --tp 2``: checkpoints written once, each role under torchrun (gloo), rank 0 reports;
+    the MXFP8 rank holds less than the bf16 one."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, "-m", "mxq.eval.bench_e2e", "--shape", "tiny", "--device", "cpu", "--tp", "2",
+           "--checkpoint-dir", str(tmp_path / "ck"), "--batch", "1", "--new-tokens", "3", "--reps", "1", "--seq-len", "32",
+           "--prompt-len", "8", "--generate-tokens", "2", "--out", str(out)]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["tp"] == 2 and "x 2 (tensor parallel)" in r.stdout
+    assert (tmp_path / "ck" / "bf16" / "config.json").exists() and (tmp_path / "ck" / "mxfp8" / "config.json").exists()
+    rows = {row["metric"]: row for row in res["summary"]}
+    assert 0 < rows["weights (GiB)"]["ratio"] < 1
+    assert all(d.get("tokens_per_s", 0) > 0 for d in res["mxfp8"]["decode"]), res["mxfp8"]["decode"]

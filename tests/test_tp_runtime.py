@@ -18,10 +18,10 @@ HERE = Path(__file__).parent
 CHILD = HERE / "tp_child.py"
 
 
-def _run(ckpt: Path, out: Path, tp: int) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
+def _run(ckpt: Path, out: Path, tp: int, device: str = "cpu") -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}"] if tp > 1 else [sys.executable]
-    r = subprocess.run([*launch, str(CHILD), str(ckpt), str(out)], env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([*launch, str(CHILD), str(ckpt), str(out), device], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return torch.load(out)
 
@@ -47,18 +47,28 @@ def _qwen3_moe(path: Path) -> None:
     moe_model("qwen3_moe", seed=4).save_pretrained(path)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
-def test_tp2_equals_tp1(tmp_path, family):
+def _two_gpus() -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
+@pytest.mark.parametrize(
+    "family,device",
+    [("llama", "cpu"), ("qwen3_moe", "cpu"),
+     pytest.param("llama", "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not _two_gpus(), reason="needs 2 GPUs")]),
+     pytest.param("qwen3_moe", "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not _two_gpus(), reason="needs 2 GPUs")])],
+)  # fmt: skip
+def test_tp2_equals_tp1(tmp_path, family, device):
     src, ckpt = tmp_path / "src", tmp_path / "mx"
     (_llama if family == "llama" else _qwen3_moe)(src)
     rc, out = run_cli(["quantize", str(src), str(ckpt)])
     assert rc == 0, out
-    one = _run(ckpt, tmp_path / "tp1.pt", 1)
-    two = _run(ckpt, tmp_path / "tp2.pt", 2)
+    one = _run(ckpt, tmp_path / "tp1.pt", 1, device)
+    two = _run(ckpt, tmp_path / "tp2.pt", 2, device)
     assert two["world"] == 2
-    # the same function: only the order of the row-parallel sums differs (float32)
+    # the same function: only the order of the row-parallel sums differs (float32; on a GPU each
+    # shard's K may also pick another kernel tile)
     err = (two["logits"] - one["logits"]).abs().max() / one["logits"].abs().max()
-    assert err < 1e-5, err
+    assert err < (1e-5 if device == "cpu" else 1e-4), err
     assert torch.equal(two["tokens"], one["tokens"])
     # each rank holds its shard: column-parallel rows, row-parallel K in whole blocks with the scales
     full, local = one["shapes"], two["shapes"]
@@ -87,7 +97,7 @@ def test_a_checkpoint_that_does_not_shard_is_refused_naming_the_layer(tmp_path):
     LlamaForCausalLM(cfg).save_pretrained(tmp_path / "src")
     rc, out = run_cli(["quantize", str(tmp_path / "src"), str(tmp_path / "mx")])
     assert rc == 0, out
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(CHILD),
                         str(tmp_path / "mx"), str(tmp_path / "x.pt")], env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert r.returncode != 0
