@@ -297,7 +297,7 @@ def measure(model, label: str, a, device: torch.device) -> dict:
     res["prefill"] = bench_prefill(model, a.prefill_batch, a.seq_len, a.reps)
     print(f"[{label}] prefill {res['prefill']['tokens_per_s']:.0f} tok/s", flush=True)
     res["decode"] = []
-    for b in a.batch:
+    for b in [] if a.no_static_generate else a.batch:
         try:
             r = bench_generate_static(model, b, a.prompt_len, a.new_tokens, profile=a.profile)
         except Exception as e:  # noqa: BLE001 - recorded; the other figures still count
@@ -569,6 +569,7 @@ def main(argv=None) -> int:
         help="StaticGreedyDecoder: compile the step (inductor) before capturing its graph",
     )
     p.add_argument("--no-generate", action="store_true", help="skip the eager generate() figure")
+    p.add_argument("--no-static-generate", action="store_true", help="skip generate(cache_implementation=\"static\")")
     p.add_argument("--profile", action="store_true",
                    help="profile the static-cache generate() decode: device-busy vs wall time per step, kernels per step, top kernels")
     p.add_argument("--no-fuse", action="store_true", help="the quantized model as transformers builds it: no fused projections, producers or grouped attention (mxq.fuse)")
