@@ -297,7 +297,7 @@ def perplexity(
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    bar = progress_bar(desc, enabled=progress, transient=True)
+    bar = progress_bar(desc, enabled=progress, transient=True, unit="windows")
     with bar, torch.inference_mode():
         task = bar.add_task(desc, total=windows.n_windows)
         for b0 in range(0, windows.n_windows, batch_size):

@@ -8,13 +8,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
-import click
 import typer
 from rich.console import Console
 from rich.table import Table
 
 import mxq
 from mxq import formats as F
+from mxq.progress import stage
 
 if TYPE_CHECKING:
     from mxq.calibrate import CalibrationOptions
@@ -24,9 +24,9 @@ if TYPE_CHECKING:
 app = typer.Typer(
     name="mxq",
     help="Quantize Hugging Face language models to MXFP8 (OCP Microscaling) and run them fast.",
-    no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain help: wraps at word boundaries in 80 columns (details: README)
 )
 console = Console()
 
@@ -44,31 +44,28 @@ app.command("tune")(tune_cmd)
 
 # Options that `mxq calibrate` and `mxq quantize --calibrate` share: one definition each.
 ModelArg = Annotated[str, typer.Argument(
-    help="Local HF directory, hub id, or .gguf file. Default: the embedded SmolLM2-135M-Instruct.", show_default=False)]
+    help="HF model directory, hub id, .gguf file, or default (the embedded SmolLM2-135M-Instruct).", show_default=False)]
 RecipeOpt = Annotated[str, typer.Option(
-    "--recipe", "-r", help="Shipped recipe name (mxfp8, mxfp8-w8a16, mxfp8-e5m2, mxfp8-attn, mxfp8-lm-head, mxfp8-all) or a YAML path.")]
+    "--recipe", "-r", help="mxfp8, mxfp8-w8a16, mxfp8-e5m2, mxfp8-attn, mxfp8-lm-head, mxfp8-all, or a YAML file.")]
 Samples = Annotated[int, typer.Option("--samples", help="Calibration windows.")]
 SeqLen = Annotated[int, typer.Option("--seq-len", help="Tokens per calibration window.")]
 KeepBf16 = Annotated[int, typer.Option("--keep-bf16", help="Keep the N most sensitive layers in bf16.")]
 KEEP_BYTES_DEFAULT = 3.5  # percent: the best measured on SmolLM2 with GPTQ (eval/CALIBRATION_RESULTS.md)
 KeepBytes = Annotated[float | None, typer.Option(
     "--keep-bytes", show_default=False,
-    help=f"Without --keep-bf16/--max-dppl: keep the most sensitive layers in bf16 while the checkpoint grows by at most "
-         f"PCT percent over direct cast (default {KEEP_BYTES_DEFAULT}; 0 keeps none).")]
+    help=f"Keep the most sensitive layers in bf16 within PCT % more bytes (default {KEEP_BYTES_DEFAULT}).")]
 MaxDppl = Annotated[float | None, typer.Option(
     "--max-dppl", show_default=False,
-    help="Keep the fewest most sensitive layers in bf16 so that the calibration-text perplexity rises by at most X percent.")]
-Reorder = Annotated[bool, typer.Option("--reorder/--no-reorder", help="Fold channel permutations where they raise SQNR.")]
+    help="Keep the fewest layers in bf16 that hold the perplexity rise to X %.")]
+Reorder = Annotated[bool, typer.Option("--reorder/--no-reorder", help="Fold channel permutations that raise SQNR.")]
 ScaleSearch = Annotated[bool, typer.Option(
-    "--scale-search/--no-scale-search", help="Per layer, the recipe's scale rule or MSE, whichever is better.")]
-SensSamples = Annotated[int, typer.Option("--sensitivity-samples", help="Calibration windows used for the per-layer KL.")]
-SensSeqLen = Annotated[int, typer.Option("--sensitivity-seq-len", help="Tokens of each of those windows.")]
+    "--scale-search/--no-scale-search", help="Per layer, the better of the recipe's scale rule and MSE.")]
+SensSamples = Annotated[int, typer.Option("--sensitivity-samples", help="Windows for the per-layer KL.")]
+SensSeqLen = Annotated[int, typer.Option("--sensitivity-seq-len", help="Tokens per KL window.")]
 DATASET_HELP = "Calibration text: wikitext2, pydoc, or a .txt/.jsonl/.parquet file."
-Rounding = Annotated[str, typer.Option(
-    "--rounding", help="Weight codes: gptq (chosen jointly against the calibration inputs, layer by layer) or nearest (direct cast).")]
+Rounding = Annotated[str, typer.Option("--rounding", help="Weight codes: gptq or nearest (direct cast).")]
 ExpertsAllTokens = Annotated[bool, typer.Option(
-    "--experts-all-tokens", help="With --rounding gptq: build every routed expert's Hessians from every calibration token, "
-    "not only those its router sends it (the layer outputs still follow the router), so that no expert is cast directly for want of tokens.")]
+    "--experts-all-tokens", help="GPTQ: every routed expert learns from every token.")]
 
 
 def _version(value: bool) -> None:
@@ -77,14 +74,51 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback()
+@app.callback(invoke_without_command=True)
 def _root(
+    ctx: typer.Context,
     version: bool = typer.Option(
         False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
     ),
-    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors (main() reads the flag)."),
+    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors."),
+    verbose: bool = typer.Option(False, "--verbose", help="Show the libraries' own progress bars and warnings."),
 ) -> None:
     del debug  # declared here for --help; main() looks for it in argv before typer runs
+    if ctx.invoked_subcommand is None:  # bare `mxq`: the help, and success
+        typer.echo(ctx.get_help())
+        raise typer.Exit(0)
+    if not verbose:
+        quiet_libraries()
+
+
+def quiet_libraries() -> None:
+    """What transformers, torch and the GGUF reader print on their own and that tells an `mxq` user
+    nothing (a progress bar for every GGUF load, tokenizer notes, deprecation warnings): off, for
+    this process. mxq's own progress and warnings stay; `mxq --verbose` keeps the libraries' too.
+    The command line calls this; `import mxq` leaves the libraries' settings alone."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    warnings.filterwarnings("default", module=r"mxq(\.|$)")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()  # "Loading weights" (and, below, put back: hub downloads)
+    try:
+        from huggingface_hub.utils import enable_progress_bars
+
+        enable_progress_bars()  # a download of minutes keeps its bar
+    except ImportError:  # pragma: no cover - transformers depends on huggingface_hub
+        pass
+    import functools
+    import importlib
+
+    try:  # the GGUF reader's bar is a plain tqdm that transformers' switch does not reach
+        gguf = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
+        if hasattr(gguf, "tqdm") and not isinstance(gguf.tqdm, functools.partial):
+            gguf.tqdm = functools.partial(gguf.tqdm, disable=True)
+    except ImportError:
+        pass
 
 
 @app.command("formats")
@@ -169,34 +203,19 @@ def kernels_cmd() -> None:
 @app.command("quantize")
 def quantize_cmd(
     model: ModelArg = None,
-    out: Path = typer.Argument(
-        None, help="Output directory. Default: ./out/<model>-<recipe>.", show_default=False
-    ),
+    out: Path = typer.Argument(None, help="Output directory. Default: out/MODEL-RECIPE.", show_default=False),
     recipe: RecipeOpt = "mxfp8",
-    fmt: str = typer.Option(
-        "mxq", "--format", help="Checkpoint layout: mxq (native) or compressed-tensors (vLLM)."
-    ),
-    device: str = typer.Option("cpu", "--device", help="Where to quantize (and calibrate): cpu or cuda."),
+    fmt: str = typer.Option("mxq", "--format", help="mxq or compressed-tensors (vLLM)."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     force: bool = typer.Option(False, "--force", help="Replace OUT if it exists."),
     max_shard_size: float = typer.Option(2.0, "--max-shard-size", help="Largest shard, in GiB."),
-    scale_dtype: str = typer.Option(
-        "u8", "--scale-dtype", help="How the E8M0 scales are stored: u8 (uint8) or e8m0 (float8_e8m0fnu, as transformers writes them)."
-    ),
+    scale_dtype: str = typer.Option("u8", "--scale-dtype", help="Scales stored as u8 or e8m0 (bits alike)."),
     allow_nonfinite: bool = typer.Option(
-        False, "--allow-nonfinite", help="Copy a NaN/Inf in a tensor kept in high precision, with a warning naming it (default: stop)."
+        False, "--allow-nonfinite", help="Copy a NaN/Inf of a kept tensor, with a warning."
     ),
-    calibrate: bool = typer.Option(
-        False,
-        "--calibrate",
-        help="Calibrate on --dataset first and apply the plan (the options below; see `mxq calibrate`).",
-    ),
-    plan: Path = typer.Option(
-        None,
-        "--plan",
-        help="Apply a plan written by `mxq calibrate` (its recipe is used).",
-        show_default=False,
-    ),
-    dataset: str = typer.Option(None, "--dataset", help="With --calibrate: " + DATASET_HELP, show_default=False),
+    calibrate: bool = typer.Option(False, "--calibrate", help="Calibrate on --dataset first (options below)."),
+    plan: Path = typer.Option(None, "--plan", help="Apply a plan from `mxq calibrate`.", show_default=False),
+    dataset: str = typer.Option(None, "--dataset", help=DATASET_HELP, show_default=False),
     samples: Samples = 64,
     seq_len: SeqLen = 512,
     keep_bf16: KeepBf16 = 0,
@@ -204,9 +223,7 @@ def quantize_cmd(
     keep_bytes: KeepBytes = None,
     reorder: Reorder = True,
     scale_search: ScaleSearch = True,
-    plan_out: Path = typer.Option(
-        None, "--plan-out", help="With --calibrate: also save the plan here.", show_default=False
-    ),
+    plan_out: Path = typer.Option(None, "--plan-out", help="Also save the plan here.", show_default=False),
     sensitivity_samples: SensSamples = 2,
     sensitivity_seq_len: SensSeqLen = 256,
     rounding: Rounding = "gptq",
@@ -221,10 +238,15 @@ def quantize_cmd(
     if scale_dtype not in ("u8", "e8m0"):
         raise typer.BadParameter(f"--scale-dtype must be u8 or e8m0, got {scale_dtype!r}")
     _check_plan_source(calibrate, plan, plan_out, opts)
-    rec, cplan = _quantize_plan(model, recipe, plan, opts if calibrate else None, plan_out)
-    if out is None:
-        stem = Path(model).stem if model else "smollm2-135m-instruct"
-        out = Path("out") / f"{stem}-{rec.name}"
+
+    def started(rec: Recipe) -> None:  # the recipe is known: name the work before any long stretch
+        nonlocal out
+        if out is None:
+            stem = Path(model).stem if model else "smollm2-135m-instruct"
+            out = Path("out") / f"{stem}-{rec.name}"
+        _print_header(model, out)
+
+    rec, cplan = _quantize_plan(model, recipe, plan, opts if calibrate else None, plan_out, started)
     warn = lambda m: console.print(f"[yellow]warning:[/] {m}")
     report = quantize_checkpoint(
         model,
@@ -240,6 +262,19 @@ def quantize_cmd(
         allow_nonfinite=allow_nonfinite,
     )
     _print_report(report)
+
+
+def _print_header(model: str | None, out: Path) -> None:
+    """``mxq quantize: SOURCE -> OUT``, first on stdout (the report's opening line), so that a
+    log shows what runs before minutes of work. A source that does not resolve is named as given:
+    the conversion reports that error in its own words."""
+    from mxq.models import resolve_source
+
+    try:
+        src = resolve_source(model).display
+    except Exception:  # noqa: BLE001 - reported by the conversion
+        src = str(model)
+    print(f"mxq quantize: {src} -> {out}", flush=True)
 
 
 def _calibration_options(params: dict) -> CalibrationOptions:
@@ -264,10 +299,10 @@ def _check_plan_source(calibrate: bool, plan: Path | None, plan_out: Path | None
 
 
 def _quantize_plan(model: str | None, recipe: str, plan: Path | None, opts: CalibrationOptions | None,
-                   plan_out: Path | None) -> tuple[Recipe, Plan | None]:  # fmt: skip
+                   plan_out: Path | None, started=lambda rec: None) -> tuple[Recipe, Plan | None]:  # fmt: skip
     """The recipe and calibration plan `mxq quantize` converts with: the --plan file's, or --recipe
     with a plan calibrated here (``opts``: --calibrate, the plan also saved to ``plan_out``), or
-    --recipe alone."""
+    --recipe alone. ``started(recipe)`` runs once the recipe is known, before any calibration."""
     from mxq.recipe import load_recipe
 
     if plan is not None:
@@ -276,8 +311,10 @@ def _quantize_plan(model: str | None, recipe: str, plan: Path | None, opts: Cali
         cplan = load_plan(plan)
         if recipe not in ("mxfp8", cplan.recipe.name):
             raise typer.BadParameter(f"--recipe {recipe!r}: the plan was made for recipe {cplan.recipe.name!r}")
+        started(cplan.recipe)
         return cplan.recipe, cplan
     rec = load_recipe(recipe)
+    started(rec)
     if opts is None:
         return rec, None
     if not opts.dataset:
@@ -301,8 +338,10 @@ def _run_calibration(model: str | None, rec: Recipe, opts: CalibrationOptions) -
     from mxq.models import load_model, resolve_device
 
     opts = _checked_calibration(opts, rec)
-    texts = load_texts(opts.dataset, max_chars=chars_for_tokens(opts.samples * opts.seq_len))  # a text file: only what the windows need
-    m, tok = load_model(model, device=resolve_device(opts.device), dtype=torch.bfloat16)
+    with stage(f"reading the calibration text ({opts.dataset})"):
+        texts = load_texts(opts.dataset, max_chars=chars_for_tokens(opts.samples * opts.seq_len))  # a text file: only what the windows need
+    with stage("loading the model"):
+        m, tok = load_model(model, device=resolve_device(opts.device), dtype=torch.bfloat16)
     cal = calibrate(
         m,
         tok,
@@ -314,10 +353,11 @@ def _run_calibration(model: str | None, rec: Recipe, opts: CalibrationOptions) -
         sensitivity_samples=opts.sensitivity_samples,
         sensitivity_seq_len=opts.sensitivity_seq_len,
     )
-    p = make_plan(
-        m, cal, reorder=opts.reorder, scale_search=opts.scale_search, keep_bf16=opts.keep_bf16, max_dppl=opts.max_dppl,
-        keep_bytes=opts.keep_bytes or None,
-    )
+    with stage("choosing permutations, scale rules and the layers kept in bf16"):
+        p = make_plan(
+            m, cal, reorder=opts.reorder, scale_search=opts.scale_search, keep_bf16=opts.keep_bf16, max_dppl=opts.max_dppl,
+            keep_bytes=opts.keep_bytes or None,
+        )
     if opts.rounding == "gptq":
         from mxq.gptq import round_plan
 
@@ -556,37 +596,100 @@ def _print_shards(shards, tp: int) -> None:
 
 
 def main() -> None:
+    """The ``mxq`` command: errors are one line (status 1; a usage error: status 2), Ctrl-C is one
+    line and status 130 (SIGTERM: 143), ``--debug`` shows tracebacks."""
     import signal
 
     debug = "--debug" in sys.argv[1:]
-    if hasattr(signal, "SIGTERM"):
+    # from here on Ctrl-C unwinds the work in flight through its cleanup (the launcher, mxq_launch,
+    # ended the process at once while the imports ran); a signal the parent ignores stays ignored
+    for sig, handler in ((signal.SIGINT, signal.default_int_handler), (getattr(signal, "SIGTERM", None), _on_sigterm)):
         try:
-            signal.signal(signal.SIGTERM, _on_sigterm)
+            if sig is not None and signal.getsignal(sig) is not signal.SIG_IGN:
+                signal.signal(sig, handler)
         except ValueError:  # not the main thread (an embedding program): leave its handling alone
             pass
     try:
-        # standalone_mode=False: typer turns Ctrl-C into a returned exit code (130), not an exception
-        rc = app(standalone_mode=False)
+        with _library_settings_kept():
+            # standalone_mode=False: typer turns Ctrl-C into a returned exit code (130), not an exception
+            rc = app(prog_name="mxq", standalone_mode=False)
         if rc == 130:
             _interrupted()
         if isinstance(rc, int) and rc:
             sys.exit(rc)
-    except click.exceptions.Exit as e:
-        sys.exit(e.exit_code)
-    except click.exceptions.Abort:
-        print("mxq: aborted", file=sys.stderr)
-        sys.exit(130)
-    except click.ClickException as e:
-        e.show()
-        sys.exit(e.exit_code)
     except KeyboardInterrupt:
         _interrupted()
     except Exception as e:  # noqa: BLE001 - the one place errors become a line
+        code = _usage_exit(e)
+        if code is not None:
+            sys.exit(code)
         if debug:
             raise
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"mxq: error: {msg}", file=sys.stderr)
         sys.exit(1)
+
+
+def _usage_exit(e: Exception) -> int | None:
+    """The exit status for click's (or typer's own copy of click's) exceptions, after their one
+    line: a help request is the help and 0, a usage error one line and 2, ``Exit`` its code, an
+    aborted prompt 130. None for any other exception. (Typer 0.29 carries its own click, whose
+    exceptions are not ``click``'s: they are told apart by name.)"""
+    names = {c.__name__ for c in type(e).__mro__}
+    if "NoArgsIsHelpError" in names:  # `mxq eval` alone: its help
+        ctx = getattr(e, "ctx", None)
+        typer.echo(ctx.get_help() if ctx is not None else e.format_message())
+        return 0
+    if "Exit" in names and hasattr(e, "exit_code"):
+        return e.exit_code
+    if "Abort" in names:
+        print("mxq: aborted", file=sys.stderr)
+        return 130
+    if "UsageError" in names:
+        ctx = getattr(e, "ctx", None)
+        path = getattr(ctx, "command_path", "") if ctx is not None else ""
+        if "BadParameter" in names and getattr(e, "param", None) is None and not getattr(e, "param_hint", None):
+            msg, path = str(e.message), ""  # a check of mxq's own: its message names the option
+        else:
+            msg = e.format_message()
+        msg = " ".join(msg.split())
+        print(f"mxq: error: {msg}" + (f" (see {path} --help)" if path else ""), file=sys.stderr)
+        return 2
+    if "ClickException" in names:
+        print(f"mxq: error: {' '.join(e.format_message().split())}", file=sys.stderr)
+        return getattr(e, "exit_code", 1)
+    return None
+
+
+class _library_settings_kept:
+    """``quiet_libraries`` changes process-wide settings; a caller that runs ``main()`` inside its
+    own process (tests) gets them back when the command ends."""
+
+    def __enter__(self):
+        import warnings
+
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        try:
+            from transformers.utils import logging as hf_logging
+
+            self._hf = (hf_logging, hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled())
+        except ImportError:  # pragma: no cover
+            self._hf = None
+        gguf = sys.modules.get("transformers.modeling_gguf_pytorch_utils")
+        self._gguf = (gguf, getattr(gguf, "tqdm", None))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._warnings.__exit__(*exc)
+        if self._hf is not None:
+            hf_logging, verbosity, bars = self._hf
+            hf_logging.set_verbosity(verbosity)
+            if bars:
+                hf_logging.enable_progress_bar()
+        gguf, tqdm = self._gguf
+        if gguf is not None and tqdm is not None:
+            gguf.tqdm = tqdm
 
 
 def _interrupted() -> None:

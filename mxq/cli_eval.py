@@ -67,8 +67,10 @@ def _kernels(spec: str) -> str:
 
 
 def _load(source: str, device, dtype=None, kernels: str | None = None, fuse: bool = True):
-    err.print(f"loading {_label(source)} ...")
-    return load_model(source, device=device, kernels=kernels, fuse=fuse, **({"dtype": dtype} if dtype is not None else {}))
+    from mxq.progress import stage
+
+    with stage(f"loading {_label(source)}"):
+        return load_model(source, device=device, kernels=kernels, fuse=fuse, **({"dtype": dtype} if dtype is not None else {}))
 
 
 @eval_app.command("ppl")
@@ -161,7 +163,10 @@ def _perplexities(sources: dict[str, str], load, windows_of, batch_size: int, de
     for role, source in sources.items():
         m, tok = load(source)
         if windows is None:
-            windows = windows_of(tok)
+            from mxq.progress import stage
+
+            with stage("tokenizing the text"):
+                windows = windows_of(tok)
             first_tok = tok
             err.print(f"{windows.n_text_tokens} tokens; {windows.protocol}")
         else:

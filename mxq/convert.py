@@ -38,7 +38,7 @@ from mxq.checkpoint import (
 from mxq.config import LayerSelectionError, LinearLayer, native_config, read_config, select_layers
 from mxq.formats import quantize_mx, sqnr_db
 from mxq.models import ModelSource, ModelSourceError, resolve_source
-from mxq.progress import progress_bar
+from mxq.progress import progress_bar, stage
 from mxq.recipe import Recipe, TensorSpec, load_recipe
 from mxq.validate import SCALE_DTYPES
 
@@ -134,13 +134,14 @@ def _open_gguf(src: ModelSource) -> _Source:
     return _Source(model.config, model.config.to_dict(), tensors, sd.__getitem__, None, src, model.generation_config)
 
 
-def _open_source(source: str | os.PathLike | None) -> tuple[ModelSource, _Source]:
+def _open_source(source: str | os.PathLike | None, progress: bool = False) -> tuple[ModelSource, _Source]:
     try:
         src = resolve_source(source)
     except ModelSourceError as e:
         raise ConversionError(str(e)) from None
     if src.kind == "gguf":
-        return src, _open_gguf(src)
+        with stage(f"reading {src.display}", enabled=progress):  # transformers dequantizes it whole
+            return src, _open_gguf(src)
     if src.kind == "hub":
         try:
             from huggingface_hub import snapshot_download
@@ -488,7 +489,7 @@ def quantize_checkpoint(
     if fmt == "compressed-tensors":
         compressed_tensors_config(recipe, [])  # reject what the format cannot hold before any work
 
-    msrc, src = _open_source(source)
+    msrc, src = _open_source(source, progress)
     _check_out(out, msrc, force)
     job = _Job(src, recipe, device, allow_nonfinite, warn, cplan, _geometry(src, cplan))
     job.plan = _plan(src, recipe, warn, cplan)
@@ -506,7 +507,8 @@ def quantize_checkpoint(
             _convert_tensor(job, name, tensor, writer, report)
         writer.close()
         p = job.plan
-        _write_configs(tmp, src, recipe, p.specs, p.kept, fmt, msrc, cplan, scale_dtype, embedding=p.embedding, experts=p.experts)
+        with stage("writing the configs and the tokenizer", enabled=progress):
+            _write_configs(tmp, src, recipe, p.specs, p.kept, fmt, msrc, cplan, scale_dtype, embedding=p.embedding, experts=p.experts)
         report.shares = _shares(src, p)
         report.tp_unshardable = _warn_unshardable(src, layout, warn)
         report.seconds = time.perf_counter() - t0
@@ -643,7 +645,7 @@ def _progress(src: _Source, enabled: bool) -> Iterator[tuple[str, torch.Tensor]]
     from mxq.checkpoint import itemsize
 
     total = sum(torch.Size(s).numel() * itemsize(d) for _, d, s in src.tensors)
-    label = "quantize {task.fields[n]}/{task.fields[of]} tensors"
+    label = "converting {task.fields[n]}/{task.fields[of]} tensors"
     with progress_bar(label, enabled=enabled, transfer=True) as bar:
         task = bar.add_task("quantize", total=total, n=0, of=len(src.tensors))
         for i, (name, _dtype, _shape) in enumerate(src.tensors):
