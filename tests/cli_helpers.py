@@ -23,3 +23,20 @@ def run_cli(args: list[str]) -> tuple[int, str]:
     finally:
         sys.argv = argv
     return rc, err.getvalue()
+
+
+def run_cli_out(args: list[str]) -> tuple[int, str, str]:
+    """``mxq ARGS`` inside the test process: its exit status, stdout and stderr."""
+    from mxq.cli import main
+
+    argv, out, err = sys.argv, io.StringIO(), io.StringIO()
+    sys.argv = ["mxq", *args]
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            main()
+        rc = 0
+    except SystemExit as e:
+        rc = e.code or 0
+    finally:
+        sys.argv = argv
+    return rc, out.getvalue(), err.getvalue()

