@@ -35,6 +35,11 @@ def main() -> None:
         sys.stderr.write("mxq: starting (loading torch and transformers) ...")
         sys.stderr.flush()
         _STARTING = True
+    else:  # a log: a line only where the imports are slow (a loaded machine), so that it never waits long
+        import threading
+
+        imported = threading.Event()
+        threading.Thread(target=_slow_start_lines, args=(imported,), daemon=True).start()
     try:
         from mxq.cli import main as cli_main
     finally:
@@ -42,7 +47,23 @@ def main() -> None:
             sys.stderr.write("\r\033[K")
             sys.stderr.flush()
             _STARTING = False
+        if not tty:
+            imported.set()
     cli_main()
+
+
+SLOW_START_S = 8.0  # without a terminal: the first note on slow imports, then one as often
+
+
+def _slow_start_lines(imported) -> None:
+    import time
+
+    t0 = time.monotonic()
+    while not imported.wait(SLOW_START_S):
+        try:
+            os.write(2, f"mxq: starting (loading torch and transformers), {time.monotonic() - t0:.0f} s\n".encode())
+        except OSError:
+            return
 
 
 if __name__ == "__main__":

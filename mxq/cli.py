@@ -535,7 +535,8 @@ def inspect_cmd(
     """Describe and validate a checkpoint: format, recipe, tensors, dtypes, bytes."""
     from mxq.inspect import inspect_checkpoint
 
-    rep = inspect_checkpoint(path, tp=tp)
+    with stage(f"checking {path}", after=5.0):  # seconds for a large checkpoint, none for a small one
+        rep = inspect_checkpoint(path, tp=tp)
     t = Table(title=f"mxq inspect: {path}")
     t.add_column("")
     t.add_column("value")

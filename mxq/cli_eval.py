@@ -230,8 +230,10 @@ def layers_cmd(
     quant_model, quant_tok = _load(quant, dev, kernels=kernels)
     check_same_tokenizer(base_tok, quant_tok, "baseline", "model")
     windows = make_windows(base_tok, texts, seq_len, None, batches)
-    err.print(f"running {windows.n_windows} batches of {seq_len} tokens through both models ...")
-    rows = layer_sqnr(quant_model, base_model, windows.input_ids)
+    from mxq.progress import stage
+
+    with stage(f"running {windows.n_windows} batches of {seq_len} tokens through both models"):
+        rows = layer_sqnr(quant_model, base_model, windows.input_ids)
     report = layers_report(
         rows,
         model=q_label,

@@ -87,6 +87,8 @@ class _Reporter:
     """Log mode's shared part: a thread that writes the current line every ``LOG_INTERVAL_S``
     while this reporter is the innermost one running."""
 
+    _first_after: float | None = None  # the first heartbeat's wait, where not LOG_INTERVAL_S
+
     def _start_reporting(self) -> None:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="mxq-progress", daemon=True)
@@ -101,7 +103,9 @@ class _Reporter:
             self._thread.join(timeout=1.0)
 
     def _beat(self) -> None:
-        while not self._stop.wait(LOG_INTERVAL_S):
+        wait = self._first_after if self._first_after is not None else LOG_INTERVAL_S
+        while not self._stop.wait(wait):
+            wait = LOG_INTERVAL_S
             try:
                 innermost = _active[-1] is self
             except IndexError:
@@ -217,10 +221,11 @@ def _pause_live_stages() -> None:
 
 
 @contextlib.contextmanager
-def stage(what: str, *, enabled: bool = True) -> Iterator[None]:
+def stage(what: str, *, enabled: bool = True, after: float = 0.0) -> Iterator[None]:
     """A step of unknown length (``what``: "reading the model"): a spinner with the time spent in
     a terminal, or a plain line at its start and then every ``LOG_INTERVAL_S`` without one. A bar
-    started inside it takes its place."""
+    started inside it takes its place. ``after``: without a terminal, the first line only once
+    the step has taken that long (a step that is usually quick stays silent)."""
     if not enabled:
         yield
         return
@@ -239,7 +244,10 @@ def stage(what: str, *, enabled: bool = True) -> Iterator[None]:
             spinner.stop()
         return
     s = _LogStage(what)
-    _write(f"{s._prefix}: {what}")
+    if after > 0:
+        s._first_after = after
+    else:
+        _write(f"{s._prefix}: {what}")
     s._start_reporting()
     try:
         yield
