@@ -88,37 +88,49 @@ def _root(
         typer.echo(ctx.get_help())
         raise typer.Exit(0)
     if not verbose:
-        quiet_libraries()
+        ctx.call_on_close(quiet_libraries())
 
 
-def quiet_libraries() -> None:
+def quiet_libraries():
     """What transformers, torch and the GGUF reader print on their own and that tells an `mxq` user
-    nothing (a progress bar for every GGUF load, tokenizer notes, deprecation warnings): off, for
-    this process. mxq's own progress and warnings stay; `mxq --verbose` keeps the libraries' too.
-    The command line calls this; `import mxq` leaves the libraries' settings alone."""
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    warnings.filterwarnings("default", module=r"mxq(\.|$)")
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()  # "Loading weights" (and, below, put back: hub downloads)
-    try:
-        from huggingface_hub.utils import enable_progress_bars
-
-        enable_progress_bars()  # a download of minutes keeps its bar
-    except ImportError:  # pragma: no cover - transformers depends on huggingface_hub
-        pass
+    nothing (a progress bar for every GGUF load, tokenizer notes, deprecation warnings): off, until
+    the returned function puts the settings back (the command line calls it when the command ends,
+    which matters only to callers that run commands inside their own process). mxq's own progress
+    and warnings stay; `mxq --verbose` keeps the libraries' too. `import mxq` changes nothing."""
     import functools
     import importlib
+    import warnings
 
+    from huggingface_hub import utils as hub
+    from transformers.utils import logging as hf_logging
+
+    kept_warnings = warnings.catch_warnings()  # its exit puts the filters back
+    kept_warnings.__enter__()
+    verbosity, bars, hub_bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled(), not hub.are_progress_bars_disabled()
+    warnings.filterwarnings("ignore")
+    warnings.filterwarnings("default", module=r"mxq(\.|$)")
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()  # "Loading weights"; it turns the hub's download bars off too:
+    if hub_bars:
+        hub.enable_progress_bars()  # a download of minutes keeps its bar
     try:  # the GGUF reader's bar is a plain tqdm that transformers' switch does not reach
         gguf = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
-        if hasattr(gguf, "tqdm") and not isinstance(gguf.tqdm, functools.partial):
-            gguf.tqdm = functools.partial(gguf.tqdm, disable=True)
     except ImportError:
-        pass
+        gguf = None
+    tqdm = getattr(gguf, "tqdm", None)
+    if tqdm is not None:
+        gguf.tqdm = functools.partial(tqdm, disable=True)
+
+    def restore() -> None:
+        kept_warnings.__exit__(None, None, None)
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+        (hub.enable_progress_bars if hub_bars else hub.disable_progress_bars)()
+        if tqdm is not None:
+            gguf.tqdm = tqdm
+
+    return restore
 
 
 @app.command("formats")
@@ -611,9 +623,8 @@ def main() -> None:
         except ValueError:  # not the main thread (an embedding program): leave its handling alone
             pass
     try:
-        with _library_settings_kept():
-            # standalone_mode=False: typer turns Ctrl-C into a returned exit code (130), not an exception
-            rc = app(prog_name="mxq", standalone_mode=False)
+        # standalone_mode=False: typer turns Ctrl-C into a returned exit code (130), not an exception
+        rc = app(prog_name="mxq", standalone_mode=False)
         if rc == 130:
             _interrupted()
         if isinstance(rc, int) and rc:
@@ -660,37 +671,6 @@ def _usage_exit(e: Exception) -> int | None:
         print(f"mxq: error: {' '.join(e.format_message().split())}", file=sys.stderr)
         return getattr(e, "exit_code", 1)
     return None
-
-
-class _library_settings_kept:
-    """``quiet_libraries`` changes process-wide settings; a caller that runs ``main()`` inside its
-    own process (tests) gets them back when the command ends."""
-
-    def __enter__(self):
-        import warnings
-
-        self._warnings = warnings.catch_warnings()
-        self._warnings.__enter__()
-        try:
-            from transformers.utils import logging as hf_logging
-
-            self._hf = (hf_logging, hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled())
-        except ImportError:  # pragma: no cover
-            self._hf = None
-        gguf = sys.modules.get("transformers.modeling_gguf_pytorch_utils")
-        self._gguf = (gguf, getattr(gguf, "tqdm", None))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._warnings.__exit__(*exc)
-        if self._hf is not None:
-            hf_logging, verbosity, bars = self._hf
-            hf_logging.set_verbosity(verbosity)
-            if bars:
-                hf_logging.enable_progress_bar()
-        gguf, tqdm = self._gguf
-        if gguf is not None and tqdm is not None:
-            gguf.tqdm = tqdm
 
 
 def _interrupted() -> None:
