@@ -173,7 +173,7 @@ def collect_statistics(
     device = next(model.parameters()).device
     n = sum(b.shape[0] for b in batches)
     try:
-        with progress_bar("calibrate: statistics", enabled=progress) as bar:
+        with progress_bar("calibration statistics", enabled=progress, unit="windows") as bar:
             task = bar.add_task("samples", total=n)
             for b in batches:
                 model(input_ids=b.to(device), use_cache=False)
@@ -400,7 +400,7 @@ def layer_sensitivity(
     refs = [torch.log_softmax(r.full, -1) for r in runs]
     out: dict[str, float] = {}
     try:
-        with progress_bar("calibrate: sensitivity", enabled=progress) as bar:
+        with progress_bar("layer sensitivity", enabled=progress, unit="layers") as bar:
             task = bar.add_task("layers", total=len(settings))
             for name in settings:
                 q.enable([name])
