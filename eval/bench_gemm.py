@@ -7,7 +7,9 @@ rowwise (GEMM only, operands pre-quantized: the strongest fp8 baseline), ``tl.do
 W8A8 (quantize + GEMM, best of a few tiles) and mxq's ``mx_linear`` W8A8 (quantize + GEMM)
 and W8A16. Times are ``triton.testing.do_bench`` medians (L2 flushed before each run). Each
 mxq result is checked against a float32 product of the dequantized operands first.
-Also: activation quantization bandwidth against device-to-device copy bandwidth.
+Also: activation quantization bandwidth against device-to-device copy bandwidth, and for decode
+sizes (M <= 16) the bytes each GEMM reads per second as a share of a measured copy bandwidth
+(``copy_bandwidth``: one 1 GiB device-to-device copy, read + write bytes).
 Prints tables of ratios (baseline time / mxq time, > 1 is faster) and writes JSON.
 """
 
@@ -88,6 +90,21 @@ def bench_quantize(sizes=((4096, 4096), (8192, 8192), (16384, 8192))) -> list[di
     return rows
 
 
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """GB/s of a device-to-device copy of ``nbytes`` (bytes read + bytes written): what an HBM stream
+    reaches on this device, the yardstick of the decode table."""
+    x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    gbs = 2 * nbytes / median_us(lambda: y.copy_(x)) / 1e3
+    del x, y
+    return gbs
+
+
+def read_bytes(m: int, n: int, k: int, weight_bytes_per_elem: float, x_bytes: int = 2) -> float:
+    """Bytes a [M, K] x [N, K]ᵀ product must move at least: the weight (with its scales), X and Y (bf16)."""
+    return n * k * weight_bytes_per_elem + m * k * x_bytes + m * n * 2
+
+
 def bench_gemm(models, ms, sweep: bool, sweep_ms=(1, 16, 64, 2048)) -> tuple[list[dict], list[dict]]:
     from mxq.formats import E4M3, ScaleRule, dequantize_mx, quantize_mx
     from mxq.kernels import gemm as G
@@ -152,6 +169,9 @@ def bench_gemm(models, ms, sweep: bool, sweep_ms=(1, 16, 64, 2048)) -> tuple[lis
                         row[f"{key}_tflops"] = flops / row[f"{key}_us"] / 1e6
                 if isinstance(row["mxq_w8a16_us"], float):
                     row["mxq_w8a16_weight_gbs"] = n * k * (1 + 1 / 32) / row["mxq_w8a16_us"] / 1e3
+                for key, per in (("mxq_w8a8", 1 + 1 / 32), ("mxq_w8a16", 1 + 1 / 32), ("cublas_bf16", 2)):
+                    if isinstance(row[f"{key}_us"], float):
+                        row[f"{key}_gbs"] = read_bytes(m, n, k, per) / row[f"{key}_us"] / 1e3
                 if isinstance(row["cublas_bf16_us"], float):
                     row["cublas_weight_gbs"] = 2 * n * k / row["cublas_bf16_us"] / 1e3
                 rows.append(row)
@@ -227,6 +247,18 @@ def print_tables(res: dict) -> None:
             f"{_fmt(_ratio(r['dot_scaled_w8a8_us'], r['mxq_w8a8_us']), '.2f')} | {_fmt(r['mxq_w8a16_us'])} | "
             f"{_fmt(_ratio(r['cublas_bf16_us'], r['mxq_w8a16_us']), '.2f')} | {_fmt(r['mxq_w8a8_tflops'], '.0f')} | {r.get('config', '-')} |"
         )
+    if res.get("copy_gbs") and any(r["m"] <= 16 for r in res["gemm"]):
+        cp = res["copy_gbs"]
+        print(f"\n## Decode (M <= 16): bytes read per second, share of the copy bandwidth ({cp:.0f} GB/s)")
+        print("| model | layer | M | W8A8 µs | W8A8 GB/s | % copy | W8A16 GB/s | % copy | cuBLAS bf16 GB/s | % copy | W8A8 ×cuBLAS |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        pct = lambda v: f"{100 * v / cp:.0f}" if isinstance(v, float) else "-"
+        for r in res["gemm"]:
+            if r["m"] > 16:
+                continue
+            a, b, c = r.get("mxq_w8a8_gbs"), r.get("mxq_w8a16_gbs"), r.get("cublas_bf16_gbs")
+            print(f"| {r['model']} | {r['layer']} | {r['m']} | {_fmt(r['mxq_w8a8_us'])} | {_fmt(a, '.0f')} | {pct(a)} | "
+                  f"{_fmt(b, '.0f')} | {pct(b)} | {_fmt(c, '.0f')} | {pct(c)} | {_fmt(_ratio(r['cublas_bf16_us'], r['mxq_w8a8_us']), '.2f')} |")
     if res.get("quantize"):
         print("\n## Activation quantization (bf16 in), fraction of copy bandwidth")
         print("| M×K | rule | copy GB/s | MX (fp8+scales) GB/s | frac | MX-rounded bf16 GB/s | frac |")
@@ -248,7 +280,8 @@ def main(argv=None) -> int:
     env = environment("bench_gemm")
     if env is None:
         return 2
-    res = {"env": env}
+    res = {"env": env, "copy_gbs": copy_bandwidth()}
+    print(f"device copy bandwidth: {res['copy_gbs']:.0f} GB/s", flush=True)
     if not a.no_quantize:
         res["quantize"] = bench_quantize()
     res["gemm"], res["sweep"] = bench_gemm(a.models.split(","), [int(v) for v in a.ms.split(",")], a.sweep, [int(v) for v in a.sweep_ms.split(",")])
