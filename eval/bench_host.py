@@ -61,6 +61,11 @@ def rows_for(n: int, k: int, m: int, device) -> list[tuple[str, float]]:
         rows.append((f"mx_linear {label} (dispatch)", host_us(lambda ae=ae: mx_linear(x, q.data, q.scales, act_elem=ae))))
         mod = MXLinear.from_linear(lin, TensorSpec(E4M3, ScaleRule.RCEIL), a)
         rows.append((f"MXLinear {label} module", host_us(lambda mod=mod: mod(x))))
+        if a is not None:  # as the fused model calls most projections: X quantized by its producer
+            from mxq.kernels.quantize import quantize_mx_rows
+
+            xq = quantize_mx_rows(x, E4M3, ScaleRule.RCEIL)
+            rows.append((f"MXLinear {label} module, X codes from the producer", host_us(lambda mod=mod: mod(x, xq))))
         for path in dispatch.LINEAR:
             if path.name == "reference":
                 continue
@@ -75,12 +80,41 @@ def rows_for(n: int, k: int, m: int, device) -> list[tuple[str, float]]:
     return rows
 
 
+def profile_call(n: int, k: int, m: int, device, calls: int = 3000, top: int = 25) -> str:
+    """cProfile of ``calls`` eager ``MXLinear`` W8A8 calls (the GPU kept busy): where the host time goes."""
+    import cProfile
+    import io
+    import pstats
+
+    from mxq.formats import E4M3, ScaleRule
+    from mxq.linear import MXLinear
+    from mxq.recipe import TensorSpec
+
+    lin = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
+    mod = MXLinear.from_linear(lin, TensorSpec(E4M3, ScaleRule.RCEIL), TensorSpec(E4M3, ScaleRule.RCEIL))
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    for _ in range(5):
+        mod(x)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(3e9))
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        mod(x)
+    prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="8b")
     ap.add_argument("--m", type=int, default=1)
     ap.add_argument("--layers", default="o", help="projections of the shape set to measure (comma-separated)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", action="store_true", help="also print a cProfile of MXLinear W8A8 calls (first shape and layer)")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_host: needs a CUDA device (host time is measured with the GPU busy)")
@@ -101,6 +135,11 @@ def main(argv=None) -> int:
             print("| call | host µs | over F.linear µs |\n|---|---:|---:|")
             for c, t in rows:
                 print(f"| {c} | {t:.1f} | {t - base:+.1f} |")
+    if a.profile:
+        shape, layer = a.shapes.split(",")[0], a.layers.split(",")[0]
+        text = profile_call(*SHAPES[shape][layer], a.m, device)
+        res["profile"] = text
+        print(f"\n## cProfile, MXLinear W8A8 {shape} {layer}, M={a.m} (tottime order)\n\n{text}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
