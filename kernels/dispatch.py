@@ -11,9 +11,11 @@ holds for the call's ``LinearProblem`` runs it (``kernels/registry.py``):
 5. ``prefill_ws``  sm_90 with Gluon, M >= ``PREFILL_WS_MIN_M``, bf16 X or W8A8, and at least one
                    256 x 128 tile per SM: the register-operand prefill GEMM (``gemm_prefill_ws``).
 6. ``gemm``        everything else Triton runs: the exact emulation (``gemm``).
-7. ``reference``   the torch reference: CPU, no Triton, or ``kernels="reference"``.
+7. ``cpu``         a CPU tensor, where the C kernels of ``kernels/cpu.py`` build: a GEMV on the fp8
+                   codes for small M, dequantize + torch matmul above (no resident dense weight).
+8. ``reference``   the torch reference: no C compiler, a GPU without Triton, or ``kernels="reference"``.
 
-On a CPU, ``kernels="auto"`` takes the reference; a named Triton path runs there in the Triton
+On a CPU, ``kernels="auto"`` takes ``cpu``; a named Triton path runs there in the Triton
 interpreter (``TRITON_INTERPRET=1``, the CPU tests). A Gluon path that fails to compile at its
 first launch is turned off for the process and the call takes the next path (``gluon_api``).
 
@@ -30,6 +32,7 @@ from typing import NamedTuple
 import torch
 
 from mxq.formats import ElemFormat, ScaleRule, as_elem_format, as_scale_rule
+from mxq.kernels import cpu as _cpu
 from mxq.kernels.reference import mx_linear_reference
 from mxq.kernels.registry import KernelPath, Registry, kernels_spec
 
@@ -206,6 +209,7 @@ def _reference_only(p) -> bool:
 
 
 _paths = [
+    KernelPath("cpu", "CPU: C GEMV on the fp8 codes, dequantize + torch matmul for large M", _cpu.supports, _cpu.run),
     KernelPath("reference", "torch reference (dequantize, fp32 matmul)", _reference_only, _reference_run),
 ]
 if HAS_TRITON:
@@ -271,7 +275,7 @@ def mx_linear(
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     spec = kernels_spec(kernels)
-    if not HAS_TRITON or spec == "reference":
+    if spec == "reference" or (not HAS_TRITON and x.device.type != "cpu"):
         if x_mx is not None:
             act_elem = None  # x holds the MX-rounded values
         y = mx_linear_reference(x2, weight, weight_scale, bias, act_elem=act_elem, act_rule=act_rule, block_size=block_size)
@@ -302,7 +306,7 @@ def linear_path(m: int, n: int, k: int, device: torch.device, *, w8a8: bool = Tr
     """The path ``mx_linear`` takes for X [m, k] (``x_dtype``) times an [n, k] MX weight on ``device``
     (E4M3 activations rounded with RCEIL when ``w8a8``): what benchmark tables print."""
     spec = kernels_spec(kernels)
-    if not HAS_TRITON or spec == "reference":
+    if spec == "reference" or (not HAS_TRITON and torch.device(device).type != "cpu"):
         return LINEAR["reference"]
     return choose(_problem(m, n, k, device, w8a8, x_dtype, block_size, spec), spec)
 

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from mxq.formats import ScaleRule, as_elem_format
-from mxq.kernels import reference
+from mxq.kernels import cpu, reference
 from mxq.kernels.dispatch import HAS_TRITON
 from mxq.kernels.registry import kernels_spec
 from mxq.linear import (
@@ -148,12 +148,16 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 
 def _producer(name: str, t: torch.Tensor, kernels: str, *args):
-    """``kernels.producers.<name>`` on a CUDA tensor (unless ``kernels`` is "reference"), else its
-    torch reference ``kernels.reference.<name>_reference``."""
-    if HAS_TRITON and t.device.type == "cuda" and kernels_spec(kernels or None) != "reference":
-        from mxq.kernels import producers
+    """``kernels.producers.<name>`` on a CUDA tensor, ``kernels.cpu.<name>`` on a CPU tensor where
+    the CPU kernels built (unless ``kernels`` is "reference"), else its torch reference
+    ``kernels.reference.<name>_reference``."""
+    if kernels_spec(kernels or None) != "reference":
+        if HAS_TRITON and t.device.type == "cuda":
+            from mxq.kernels import producers
 
-        return getattr(producers, name)(t, *args)
+            return getattr(producers, name)(t, *args)
+        if t.device.type == "cpu" and cpu.available():
+            return getattr(cpu, name)(t, *args)
     return getattr(reference, f"{name}_reference")(t, *args)
 
 

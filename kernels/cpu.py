@@ -1,0 +1,595 @@
+"""The CPU path of ``mx_linear``: a small C library built once per machine and loaded with ctypes.
+
+The torch reference (``reference.mx_linear_reference``) dequantizes the whole weight to float32 on
+every call, which makes an MXFP8 model's decode step on a CPU several times slower than the same
+model in bf16. This path computes the same function without a full-precision copy of the weight:
+
+- **Activations** (W8A8): X is rounded to MX along K by ``mxq_quant_rows``, the bit-level
+  transcription of ``formats.quantize_mx`` (FLOOR, RCEIL and EVEN rules; MSE goes through the
+  torch reference): the same rounded values and the same bytes (tested).
+- **Small M** (M <= ``GEMV_MAX_M``, decoding): ``mxq_gemv`` streams the 1-byte codes and the
+  scales once per call and keeps nothing: with AVX-512 each 16 codes become exact float32 through
+  fp16 bits (``vcvtph2ps``), each 32-block's products are summed in float32 and multiplied by the
+  block's power-of-two scale, the blocks summed in float32 (the reference's fp32 accumulation in
+  another order: see "Numerics").
+- **Large M** (prefill): the weight is dequantized into a temporary (freed after the call) and
+  multiplied by torch: bf16 x bf16 with float32 accumulation (oneDNN, AMX where the CPU has it)
+  when every operand is exact in bf16 (MX values and bf16 X are; no bias, whose fp32 add the
+  reference does before the cast), else float32 x float32 as the reference does.
+
+Numerics: dequantized weights (E4M3/E5M2 code times a power of two) and MX-rounded activations are
+exact in float32 and bf16, and every product of two of them is exact in float32, so the paths and
+the reference differ only in the order of the float32 sums: |y - y_ref| <= ~K * 2**-24 * sum|x w|
+before the cast to the output dtype (tests/test_cpu_path.py asserts that bound, and bit-equal
+rounded activations).
+
+Build: ``library()`` compiles ``SOURCE`` with ``$CC`` (else cc, gcc or clang) at -O3
+-march=native -fopenmp into ``$MXQ_CPU_CACHE`` (default ~/.cache/mxq/cpu), named by a hash of the
+source, the compiler and the CPU's flags, once per machine (about a second; later processes only
+load it). OpenMP is the runtime torch already loaded (libgomp.so.1) and runs with torch's thread
+count. Without a compiler, or if the build fails, one warning is issued and the registry moves on
+to the reference: the same numbers, slower. ``MXQ_CPU_KERNELS=0`` turns the path off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from mxq.formats import ScaleRule, fake_quantize_mx
+from mxq.kernels.reference import mx_linear_reference
+
+ENV_OFF = "MXQ_CPU_KERNELS"
+ENV_CACHE = "MXQ_CPU_CACHE"
+# Largest M the GEMV takes; above it the dequantize + torch matmul (measured: BENCHMARKS.md, "CPU").
+GEMV_MAX_M = 16
+# Smallest activation scale exponent the bf16 product takes (below it an MX value may be a bf16 subnormal).
+BF16_MIN_EXP = -117
+
+FMT = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
+RULES = {ScaleRule.FLOOR: 0, ScaleRule.RCEIL: 1, ScaleRule.EVEN: 2}
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-fast-math"]
+
+
+def _compiler() -> str | None:
+    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc):
+            return shutil.which(cc)
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "mxq" / "cpu")
+
+
+def build(cc: str) -> Path:
+    """Compile ``SOURCE`` (or find it compiled): the shared library's path. Raises on failure."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    key = hashlib.sha256("\n".join([SOURCE, cc, version, " ".join(FLAGS), _cpu_flags(), platform.machine()]).encode())
+    out = cache_dir() / f"mxq_cpu_{key.hexdigest()[:16]}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        src = Path(tmp) / "mxq_cpu.c"
+        src.write_text(SOURCE)
+        lib = Path(tmp) / out.name
+        r = subprocess.run([cc, *FLAGS, str(src), "-o", str(lib), "-lm"], capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
+        os.replace(lib, out)  # atomic: a process building beside this one gets a whole file
+    return out
+
+
+_P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (with one warning) where they cannot be built or loaded."""
+    if os.environ.get(ENV_OFF, "1") == "0":
+        return None
+    cc = _compiler()
+    if cc is None:
+        warnings.warn("mxq: no C compiler found ($CC, cc, gcc, clang): MX layers on the CPU run the torch reference "
+                      "(same results, slower)", RuntimeWarning, stacklevel=2)  # fmt: skip
+        return None
+    try:
+        lib = ctypes.CDLL(str(build(cc)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        warnings.warn(f"mxq: the CPU kernels did not build ({first}): MX layers on the CPU run the torch reference "
+                      "(same results, slower)", RuntimeWarning, stacklevel=2)  # fmt: skip
+        return None
+    lib.mxq_quant_rows.argtypes = [_P, _I, _I64, _I64, _I64, _I, _I, _P, _P, _P, _P, _I]
+    lib.mxq_quant_rows.restype = _I
+    lib.mxq_dequant.argtypes = [_P, _P, _I64, _I64, _I64, _I, _P, _P, _I]
+    lib.mxq_dequant.restype = None
+    lib.mxq_gemv.argtypes = [_P, _I64, _I64, _P, _P, _I64, _I64, _I, _P, _P, _I]
+    lib.mxq_gemv.restype = None
+    lib.mxq_gemv_bf16.argtypes = [_P, _I64, _I64, _P, _P, _I64, _I, _P, _P, _I]
+    lib.mxq_gemv_bf16.restype = _I
+    return lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return t.data_ptr() if t is not None else None
+
+
+def _rows_in(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """X as the C code reads it: contiguous bf16 (flag 1) or float32 (flag 0)."""
+    if x.dtype == torch.bfloat16:
+        return x.contiguous(), 1
+    return x.to(torch.float32).contiguous(), 0
+
+
+def quantize_rows(x: torch.Tensor, elem, rule: ScaleRule, block_size: int = 32, out_dtype: torch.dtype = torch.float32,
+                  codes: bool = False):  # fmt: skip
+    """Rows of X [M, K] rounded to MX along K (``formats.fake_quantize_mx``; FLOOR, RCEIL, EVEN):
+    (values in ``out_dtype`` (float32 or bfloat16, rounded to nearest even as torch casts), fp8
+    codes [M, K] and scale bytes [M, K/bs] (``formats.quantize_mx``'s bytes, None unless
+    ``codes``), the smallest scale byte of a finite block (255 if none))."""
+    xin, in16 = _rows_in(x)
+    m, k = xin.shape
+    out = torch.empty((m, k), dtype=out_dtype)
+    c = torch.empty((m, k), dtype=elem.torch_dtype) if codes else None
+    s = torch.empty((m, k // block_size), dtype=torch.uint8) if codes else None
+    f32 = out_dtype == torch.float32
+    smin = library().mxq_quant_rows(xin.data_ptr(), in16, m, k, block_size, FMT[elem.torch_dtype], RULES[rule],
+                                    out.data_ptr() if f32 else None, None if f32 else out.data_ptr(), _ptr(c), _ptr(s),
+                                    torch.get_num_threads())  # fmt: skip
+    return out, c, s, smin
+
+
+def dequantize(weight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype, block_size: int = 32) -> torch.Tensor:
+    """The MX weight [N, K] as a dense ``dtype`` tensor (float32 or bfloat16; exact either way)."""
+    n, k = weight.shape
+    out = torch.empty((n, k), dtype=dtype)
+    f32 = dtype == torch.float32
+    library().mxq_dequant(weight.data_ptr(), weight_scale.data_ptr(), n, k, block_size, FMT[weight.dtype],
+                          out.data_ptr() if f32 else None, None if f32 else out.data_ptr(), torch.get_num_threads())  # fmt: skip
+    return out
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+         block_size: int = 32, exact_bf16: bool = False) -> torch.Tensor:  # fmt: skip
+    """float32 Y [M, N] = X [M, K] · Wᵀ (+ bias), float32 accumulation. ``exact_bf16``: X is bf16
+    (contiguous) and the bf16 dot-product kernel may run (AVX512-BF16, blocks of 32); otherwise X
+    is read as float32."""
+    lib = library()
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty((m, n), dtype=torch.float32)
+    b = bias.to(torch.float32).contiguous() if bias is not None else None
+    nt = torch.get_num_threads()
+    fmt = FMT[weight.dtype]
+    if exact_bf16 and block_size == 32 and lib.mxq_gemv_bf16(x.data_ptr(), m, k, weight.data_ptr(), weight_scale.data_ptr(),
+                                                             n, fmt, _ptr(b), y.data_ptr(), nt):  # fmt: skip
+        return y
+    xf = x.to(torch.float32).contiguous()
+    lib.mxq_gemv(xf.data_ptr(), m, k, weight.data_ptr(), weight_scale.data_ptr(), n, block_size, fmt, _ptr(b), y.data_ptr(), nt)
+    return y
+
+
+def supports(p) -> bool:
+    """A ``dispatch.LinearProblem`` this path runs: on the CPU, where the library built."""
+    return (
+        p.device.type == "cpu" and p.k % p.block_size == 0 and p.block_size <= 256
+        and p.x_dtype in (torch.float32, torch.bfloat16, torch.float16) and available()
+    )  # fmt: skip
+
+
+def run(p, x2, weight, weight_scale, bias, out_dtype, x_mx=None):
+    """``mx_linear`` on the CPU (module doc). ``x_mx``: x holds MX-rounded values, taken as given."""
+    act = p.act_elem if x_mx is None else None
+    if weight.dtype not in FMT or not weight.is_contiguous() or not weight_scale.is_contiguous():
+        y = mx_linear_reference(x2, weight, weight_scale, bias, act_elem=act, act_rule=p.act_rule, block_size=p.block_size)
+        return y.to(out_dtype)
+    bs = p.block_size
+    small = p.m <= GEMV_MAX_M
+    # X exact in bf16: bf16 input, or MX-rounded with every block exponent >= -117 (smallest value >= 2**-126)
+    if act is None:
+        x, exact16 = x2, x2.dtype == torch.bfloat16
+    elif act_rule_in_c(p.act_rule):
+        x, _, _, smin = quantize_rows(x2, act, p.act_rule, bs, torch.bfloat16 if small else torch.float32)
+        exact16 = smin - 127 >= BF16_MIN_EXP
+        if small and not exact16:
+            x, *_ = quantize_rows(x2, act, p.act_rule, bs)
+    else:  # MSE: the reference's rounding
+        x = fake_quantize_mx(x2.to(torch.float32), -1, act, bs, p.act_rule)
+        exact16 = False
+    if small:
+        return gemv(x if exact16 else x.to(torch.float32), weight, weight_scale, bias, bs, exact16).to(out_dtype)
+    if exact16 and bias is None and out_dtype == torch.bfloat16:  # bf16 x bf16, float32 accumulation
+        return (x.to(torch.bfloat16) @ dequantize(weight, weight_scale, torch.bfloat16, bs).t()).to(out_dtype)
+    y = x.to(torch.float32) @ dequantize(weight, weight_scale, torch.float32, bs).t()
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(out_dtype)
+
+
+def act_rule_in_c(rule: ScaleRule) -> bool:
+    return rule in RULES
+
+
+# --- producers (``mxq.fuse``): their output MX-rounded in one C pass -----------------------------
+
+
+def _mx_rounded(v: torch.Tensor, elem, block_size: int):
+    """``reference._mx_rounded``: (v MX-rounded with RCEIL in v's dtype, fp8 codes [M, K], scale bytes [M, K/bs])."""
+    k = v.shape[-1]
+    out_dtype = torch.bfloat16 if v.dtype == torch.bfloat16 else torch.float32
+    vals, c, s, _ = quantize_rows(v.reshape(-1, k), elem, ScaleRule.RCEIL, block_size, out_dtype, codes=True)
+    return vals.to(v.dtype).reshape(v.shape), c, s
+
+
+def rmsnorm_mx(x: torch.Tensor, weight: torch.Tensor, eps: float, elem, block_size: int = 32):
+    """``reference.rmsnorm_mx_reference`` with the rounding in C (same values and bytes)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return _mx_rounded(weight * h.to(x.dtype), elem, block_size)
+
+
+def silu_mul_mx(gu: torch.Tensor, elem, block_size: int = 32):
+    """``reference.silu_mul_mx_reference`` with the rounding in C (same values and bytes)."""
+    g, u = gu.chunk(2, dim=-1)
+    return _mx_rounded(torch.nn.functional.silu(g) * u, elem, block_size)
+
+
+# The C source (compiled by ``build``).
+SOURCE = r"""/* mxq CPU kernels: MX activation rounding and the MX GEMV/dequantize (see kernels/cpu.py).
+ *
+ * Built once per machine by kernels/cpu.py with the system C compiler (-O3 -march=native -fopenmp,
+ * never -ffast-math: every elementwise step below is the IEEE operation the torch reference does)
+ * and loaded with ctypes. Threads: OpenMP, the runtime torch itself loaded (libgomp.so.1), with the
+ * thread count torch uses, passed in by the caller.
+ *
+ * Formats (fmt): 0 = E4M3 (bias 7, max 448, no inf, S.1111.111 NaN), 1 = E5M2 (bias 15, IEEE-like).
+ * Scale bytes: biased E8M0, 0xFF = NaN, byte 0 = 2**-127.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+typedef struct {
+    int mbits, bias, emax;
+    float max_normal;
+    int nan_byte;
+} fmt_t;
+
+static const fmt_t FMTS[2] = {{3, 7, 8, 448.0f, 0x7F}, {2, 15, 15, 57344.0f, 0x7E}};
+
+static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+/* 2**e for integer e, from bits as formats.exp2_f32 does ((e + 127) << 23; e = -127 gives 0.0) */
+static inline float exp2_bits(int e) { return u2f((uint32_t)(e + 127) << 23); }
+
+/* One fp8 value of format f from its byte, as float (exact). */
+static float decode_fp8(uint8_t b, const fmt_t *f) {
+    int ebits = 7 - f->mbits;
+    int sign = b >> 7, e = (b >> f->mbits) & ((1 << ebits) - 1), m = b & ((1 << f->mbits) - 1);
+    float v;
+    if (f->mbits == 3 && (b & 0x7F) == 0x7F) return NAN;
+    if (f->mbits == 2 && e == 31) return m ? NAN : (sign ? -INFINITY : INFINITY);
+    if (e == 0) v = ldexpf((float)m, 1 - f->bias - f->mbits);
+    else v = ldexpf((float)((1 << f->mbits) | m), e - f->bias - f->mbits);
+    return sign ? -v : v;
+}
+
+/* Shared exponent of a finite block from its amax (>= 0), formats._rule_exponent then the clamp.
+ * rule: 0 floor, 1 rceil, 2 even. */
+static int block_exponent(float amax, const fmt_t *f, int rule) {
+    if (!(amax > 0.0f)) return -126;
+    uint32_t bits = f2u(amax);
+    int e = (int)((bits >> 23) & 0xFF) - 127;
+    uint32_t mant = bits & 0x7FFFFF;
+    if (rule == 0) {
+        e = e - f->emax;
+    } else if (rule == 1) {
+        uint32_t max_mant = (uint32_t)((f->max_normal / ldexpf(1.0f, f->emax) - 1.0f) * 8388608.0f);
+        e = e - f->emax + (mant > max_mant);
+    } else {
+        int shift = 23 - f->mbits;
+        uint32_t rounded = (mant + (1u << (shift - 1))) >> shift;
+        e = e + (int)(rounded >> f->mbits) - f->emax;
+    }
+    return e < -126 ? -126 : (e > 127 ? 127 : e);
+}
+
+/* x (already multiplied by 2**-e, clamped to +-max_normal) rounded to the fp8 grid, ties to even:
+ * the value and its byte. */
+static inline float round_fp8(float q, const fmt_t *f, uint8_t *byte) {
+    uint32_t u = f2u(q);
+    uint32_t sign = u >> 31;
+    float a = fabsf(q);
+    int emin = 1 - f->bias; /* exponent of the smallest normal */
+    int ea = (int)((f2u(a) >> 23) & 0xFF) - 127;
+    if (ea < emin) ea = emin; /* subnormal grid (also fp32 zero/subnormal inputs) */
+    float ulp = exp2_bits(ea - f->mbits);
+    float r = nearbyintf(a / ulp) * ulp; /* exact scalings by powers of two; nearbyint: ties to even */
+    if (byte) {
+        uint32_t rb = f2u(r);
+        int er = (int)((rb >> 23) & 0xFF) - 127;
+        uint32_t code;
+        if (r == 0.0f) code = 0;
+        else if (er >= emin) code = ((uint32_t)(er + f->bias) << f->mbits) | ((rb >> (23 - f->mbits)) & ((1u << f->mbits) - 1));
+        else code = (uint32_t)(r / exp2_bits(emin - f->mbits));
+        *byte = (uint8_t)((sign << 7) | code);
+    }
+    return sign ? -r : r;
+}
+
+static inline float bf16_to_f(uint16_t h) { return u2f((uint32_t)h << 16); }
+static inline uint16_t f_to_bf16(float v) { /* round to nearest even, as torch's float -> bfloat16 */
+    uint32_t u = f2u(v);
+    return v != v ? (uint16_t)((u >> 16) | 0x40) : (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+/* Rows of x [M, K] (fp32, or bf16 bits when in16) rounded to MX along K in blocks of bs
+ * (K % bs == 0), as formats.fake_quantize_mx / quantize_mx: the rounded values into out32 (fp32)
+ * or out16 (bf16 bits, rounded to nearest even: exact when the block exponent is >= -117), NaN for a block holding NaN or
+ * Inf; codes [M, K] and scales [M, K / bs] when not NULL. Returns the smallest scale byte of the
+ * finite blocks (255 if none). */
+int mxq_quant_rows(const void *xin, int in16, int64_t M, int64_t K, int64_t bs, int fmt, int rule, float *out32,
+                   uint16_t *out16, uint8_t *codes, uint8_t *scales, int nthreads) {
+    const fmt_t *f = &FMTS[fmt];
+    int64_t nb = K / bs;
+    int smin = 255;
+#pragma omp parallel for num_threads(nthreads) schedule(static) reduction(min : smin) if (M * K >= 65536)
+    for (int64_t r = 0; r < M * nb; r++) {
+        float xb[256], ob[256];
+        float amax = 0.0f;
+        int finite = 1;
+        for (int64_t j = 0; j < bs; j++) {
+            xb[j] = in16 ? bf16_to_f(((const uint16_t *)xin)[r * bs + j]) : ((const float *)xin)[r * bs + j];
+            float a = fabsf(xb[j]);
+            if (!(a <= 3.4028234663852886e38f)) finite = 0;
+            amax = a > amax ? a : amax;
+        }
+        uint8_t *cb = codes ? codes + r * bs : 0;
+        if (!finite) {
+            for (int64_t j = 0; j < bs; j++) ob[j] = NAN;
+            if (cb) memset(cb, f->nan_byte, bs);
+            if (scales) scales[r] = 0xFF;
+        } else {
+            int e = block_exponent(amax, f, rule);
+            float down = exp2_bits(-e), up = exp2_bits(e);
+            for (int64_t j = 0; j < bs; j++) {
+                float q = xb[j] * down;
+                q = q < -f->max_normal ? -f->max_normal : (q > f->max_normal ? f->max_normal : q);
+                ob[j] = round_fp8(q, f, cb ? cb + j : 0) * up;
+            }
+            if (scales) scales[r] = (uint8_t)(e + 127);
+            if (e + 127 < smin) smin = e + 127;
+        }
+        if (out32) memcpy(out32 + r * bs, ob, bs * sizeof(float));
+        if (out16)
+            for (int64_t j = 0; j < bs; j++) out16[r * bs + j] = f_to_bf16(ob[j]);
+    }
+    return smin;
+}
+
+/* Per block scale of a weight row as a float: 2**(s - 127), byte 0 = 2**-127, 0xFF = NaN. */
+static inline float scale_of(uint8_t s) {
+    if (s == 0xFF) return NAN;
+    if (s == 0) return ldexpf(1.0f, -127);
+    return u2f((uint32_t)s << 23);
+}
+
+/* The weight [N, K] (codes, scales [N, K/bs]) dequantized, as fp32 (out32) or bf16 bits (out16):
+ * code * scale exactly (bf16 holds every E4M3/E5M2 value times a power of two in its range). */
+void mxq_dequant(const uint8_t *w, const uint8_t *s, int64_t N, int64_t K, int64_t bs, int fmt, float *out32,
+                 uint16_t *out16, int nthreads) {
+    const fmt_t *f = &FMTS[fmt];
+    float lut[256];
+    for (int i = 0; i < 256; i++) lut[i] = decode_fp8((uint8_t)i, f);
+    int64_t nb = K / bs;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t b = 0; b < nb; b++) {
+            float sc = scale_of(s[n * nb + b]);
+            const uint8_t *wb = w + n * K + b * bs;
+            if (out32) {
+                float *ob = out32 + n * K + b * bs;
+                for (int64_t j = 0; j < bs; j++) ob[j] = lut[wb[j]] * sc;
+            } else {
+                uint16_t *ob = out16 + n * K + b * bs;
+                for (int64_t j = 0; j < bs; j++) {
+                    float v = lut[wb[j]] * sc;
+                    uint32_t u = f2u(v);
+                    if (v != v) ob[j] = 0x7FC0;
+                    else ob[j] = (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16); /* RNE; exact for MX values */
+                }
+            }
+        }
+    }
+}
+
+#ifdef __AVX512F__
+/* 16 fp8 codes -> 16 floats equal to value * 2**-8 (E4M3) or the value (E5M2), via fp16 bits. */
+static inline __m512 codes16(const uint8_t *p, int fmt) {
+    __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    __m256i h;
+    if (fmt == 0) {
+        /* S.EEEE.MMM -> fp16 S.0EEEE.MMM0000000: value * 2**(7 - 15) = value * 2**-8 */
+        h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                            _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
+        __m512 v = _mm512_cvtph_ps(h);
+        /* S.1111.111 is NaN in E4M3 (fp16 would read 1.875 * 2**-8 ...) */
+        __mmask16 nan = _mm256_cmpeq_epi16_mask(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), _mm256_set1_epi16(0x7F));
+        return _mm512_mask_mov_ps(v, nan, _mm512_set1_ps(NAN));
+    }
+    h = _mm256_slli_epi16(b, 8); /* E5M2 is the top byte of fp16 */
+    return _mm512_cvtph_ps(h);
+}
+#endif
+
+/* y [M, N] = x [M, K] . W^T (+ bias), fp32 accumulation; W as codes [N, K] and scales [N, K/bs].
+ * Per output and block: the block's products summed, times the block scale (a power of two, so
+ * the same as summing code * scale * x), added to the row's sum. M <= 8 per pass over W. */
+void mxq_gemv(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint8_t *s, int64_t N, int64_t bs,
+              int fmt, const float *bias, float *y, int nthreads) {
+    const fmt_t *f = &FMTS[fmt];
+    int64_t nb = K / bs;
+#ifdef __AVX512F__
+    if (bs == 32) {
+        const float fold = fmt == 0 ? 256.0f : 1.0f; /* codes16 gives E4M3 values times 2**-8 */
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            const uint8_t *wr = w + n * K;
+            const uint8_t *sr = s + n * nb;
+            for (int64_t m0 = 0; m0 < M; m0 += 8) {
+                int mm = (int)(M - m0 < 8 ? M - m0 : 8);
+                __m512 acc[8];
+                for (int i = 0; i < 8; i++) acc[i] = _mm512_setzero_ps();
+                for (int64_t b = 0; b < nb; b++) {
+                    uint8_t sb = sr[b];
+                    float sc = scale_of(sb);
+                    __m512 scv;
+                    int twostep = fmt == 0 && sb > 246; /* 2**(s-127) * 256 would overflow */
+                    scv = _mm512_set1_ps(twostep ? sc : sc * fold);
+                    __m512 w0 = codes16(wr + b * 32, fmt), w1 = codes16(wr + b * 32 + 16, fmt);
+                    if (twostep) {
+                        w0 = _mm512_mul_ps(w0, _mm512_set1_ps(fold));
+                        w1 = _mm512_mul_ps(w1, _mm512_set1_ps(fold));
+                    }
+                    for (int i = 0; i < mm; i++) {
+                        const float *xr = x + (m0 + i) * K + b * 32;
+                        __m512 p = _mm512_mul_ps(w0, _mm512_loadu_ps(xr));
+                        p = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), p);
+                        acc[i] = _mm512_fmadd_ps(p, scv, acc[i]);
+                    }
+                }
+                for (int i = 0; i < mm; i++) {
+                    float v = _mm512_reduce_add_ps(acc[i]);
+                    if (bias) v += bias[n];
+                    y[(m0 + i) * N + n] = v;
+                }
+            }
+        }
+        return;
+    }
+#endif
+    float lut[256];
+    for (int i = 0; i < 256; i++) lut[i] = decode_fp8((uint8_t)i, f);
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t m = 0; m < M; m++) {
+            const float *xr = x + m * K;
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                const uint8_t *wb = w + n * K + b * bs;
+                for (int64_t j = 0; j < bs; j++) part[j & 7] += lut[wb[j]] * xr[b * bs + j];
+                float p = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+                acc += p * scale_of(s[n * nb + b]);
+            }
+            if (bias) acc += bias[n];
+            y[m * N + n] = acc;
+        }
+    }
+}
+
+/* bf16 bits of every fp8 code of format f (exact: at most 3 mantissa bits, exponents in range). */
+static void bf16_table(const fmt_t *f, uint16_t *t) {
+    for (int i = 0; i < 256; i++) {
+        float v = decode_fp8((uint8_t)i, f);
+        uint32_t u = f2u(v);
+        t[i] = v != v ? (uint16_t)(0x7FC0 | ((u >> 16) & 0x8000)) : (uint16_t)(u >> 16);
+    }
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define MXQ_DOT 1
+/* 32 codes -> 32 bf16 values (as epi16) through the 128-entry table of positive codes, sign ORed in */
+static inline __m512i codes32(const uint8_t *p, __m512i t0, __m512i t1, __m512i t2, __m512i t3) {
+    __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+    __m512i lo = _mm512_permutex2var_epi16(t0, b, t1);
+    __m512i hi = _mm512_permutex2var_epi16(t2, b, t3);
+    __m512i v = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(b, _mm512_set1_epi16(0x40)), lo, hi);
+    return _mm512_ternarylogic_epi32(v, _mm512_slli_epi16(b, 8), _mm512_set1_epi16((short)0x8000), 0xF8);
+}
+
+/* y [M, N] = x [M, K] (bf16 bits, every value exact) . W^T (+ bias) with AVX512-BF16 dot products:
+ * each product exact in fp32, summed in fp32 (products below 2**-126 flush to zero). Four rows of W
+ * and up to four rows of x per step; blocks of 32 along K. */
+int mxq_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const uint8_t *s, int64_t N,
+                  int fmt, const float *bias, float *y, int nthreads) {
+    const fmt_t *f = &FMTS[fmt];
+    uint16_t tab[256];
+    float stab[256];
+    bf16_table(f, tab);
+    for (int i = 0; i < 256; i++) stab[i] = scale_of((uint8_t)i);
+    __m512i t0 = _mm512_loadu_si512(tab), t1 = _mm512_loadu_si512(tab + 32);
+    __m512i t2 = _mm512_loadu_si512(tab + 64), t3 = _mm512_loadu_si512(tab + 96);
+    int64_t nb = K / 32, groups = (N + 3) / 4;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        int64_t rows[4];
+        for (int r = 0; r < 4; r++) rows[r] = g * 4 + r < N ? g * 4 + r : N - 1;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            int mm = (int)(M - m0 < 4 ? M - m0 : 4);
+            __m512 acc[4][4];
+            for (int i = 0; i < 4; i++)
+                for (int r = 0; r < 4; r++) acc[i][r] = _mm512_setzero_ps();
+            for (int64_t b = 0; b < nb; b++) {
+                __m512i wv[4];
+                __m512 sc[4];
+                for (int r = 0; r < 4; r++) {
+                    wv[r] = codes32(w + rows[r] * K + b * 32, t0, t1, t2, t3);
+                    sc[r] = _mm512_set1_ps(stab[s[rows[r] * nb + b]]);
+                }
+                for (int i = 0; i < 4; i++) {
+                    if (i >= mm) break;
+                    __m512i xv = _mm512_loadu_si512(x + (m0 + i) * K + b * 32);
+                    for (int r = 0; r < 4; r++) {
+                        __m512 blk = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)wv[r], (__m512bh)xv);
+                        acc[i][r] = _mm512_fmadd_ps(blk, sc[r], acc[i][r]);
+                    }
+                }
+            }
+            for (int i = 0; i < mm; i++)
+                for (int r = 0; r < 4; r++) {
+                    if (g * 4 + r >= N) break;
+                    float v = _mm512_reduce_add_ps(acc[i][r]);
+                    if (bias) v += bias[g * 4 + r];
+                    y[(m0 + i) * N + g * 4 + r] = v;
+                }
+        }
+    }
+    return 1;
+}
+#else
+int mxq_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const uint8_t *s, int64_t N,
+                  int fmt, const float *bias, float *y, int nthreads) {
+    return 0; /* no AVX512-BF16: the caller takes mxq_gemv */
+}
+#endif
+"""
