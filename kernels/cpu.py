@@ -53,6 +53,8 @@ ENV_OFF = "MXQ_CPU_KERNELS"
 ENV_CACHE = "MXQ_CPU_CACHE"
 # Largest M the GEMV takes; above it the dequantize + torch matmul (measured: BENCHMARKS.md, "CPU").
 GEMV_MAX_M = 16
+# Largest M for the byte-table (AVX512-VBMI) GEMV; above it the 16-bit-table one (measured: BENCHMARKS.md, "CPU").
+VBMI_MAX_M = 2
 # Smallest activation scale exponent the bf16 product takes (below it an MX value may be a bf16 subnormal).
 BF16_MIN_EXP = -117
 
@@ -129,6 +131,8 @@ def library() -> ctypes.CDLL | None:
     lib.mxq_gemv.restype = None
     lib.mxq_gemv_bf16.argtypes = [_P, _I64, _I64, _P, _P, _I64, _I, _P, _P, _I]
     lib.mxq_gemv_bf16.restype = _I
+    lib.mxq_gemv_vbmi.argtypes = lib.mxq_gemv_bf16.argtypes
+    lib.mxq_gemv_vbmi.restype = _I
     return lib
 
 
@@ -187,9 +191,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias
     b = bias.to(torch.float32).contiguous() if bias is not None else None
     nt = torch.get_num_threads()
     fmt = FMT[weight.dtype]
-    if exact_bf16 and block_size == 32 and lib.mxq_gemv_bf16(x.data_ptr(), m, k, weight.data_ptr(), weight_scale.data_ptr(),
-                                                             n, fmt, _ptr(b), y.data_ptr(), nt):  # fmt: skip
-        return y
+    if exact_bf16 and block_size == 32:
+        kernel = lib.mxq_gemv_vbmi if m <= VBMI_MAX_M else lib.mxq_gemv_bf16
+        if kernel(x.data_ptr(), m, k, weight.data_ptr(), weight_scale.data_ptr(), n, fmt, _ptr(b), y.data_ptr(), nt):
+            return y
+        if lib.mxq_gemv_bf16(x.data_ptr(), m, k, weight.data_ptr(), weight_scale.data_ptr(), n, fmt, _ptr(b), y.data_ptr(), nt):
+            return y
     xf = x.to(torch.float32).contiguous()
     lib.mxq_gemv(xf.data_ptr(), m, k, weight.data_ptr(), weight_scale.data_ptr(), n, block_size, fmt, _ptr(b), y.data_ptr(), nt)
     return y
@@ -273,6 +280,7 @@ SOURCE = r"""/* mxq CPU kernels: MX activation rounding and the MX GEMV/dequanti
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -590,6 +598,108 @@ int mxq_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, con
 int mxq_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const uint8_t *s, int64_t N,
                   int fmt, const float *bias, float *y, int nthreads) {
     return 0; /* no AVX512-BF16: the caller takes mxq_gemv */
+}
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
+#define MXQ_VBMI 1
+/* Position in a 64-code chunk of word j of the "lo" (h = 0) or "hi" (h = 1) vector that
+ * _mm512_unpack{lo,hi}_epi8 build from the decoded low and high bytes: 16 * lane + 8 * h + j % 8. */
+static inline int chunk_pos(int h, int j) { return 16 * (j / 8) + 8 * h + (j % 8); }
+
+/* MT rows of x (bf16, permuted per 64-chunk to the decoded weights' order, natural in a 32 tail)
+ * times 4 rows of W. */
+static inline void gemv_vbmi_tile(const uint16_t *xp, int64_t K, const uint8_t *w, const uint8_t *s,
+                                  const int64_t rows[4], const float *stab, __m512i h0, __m512i h1, __m512i l0,
+                                  __m512i l1, __m512i t0, __m512i t1, __m512i t2, __m512i t3, int MT, __m512 acc[2][4]) {
+    int64_t nb = K / 32, nc = K / 64;
+    for (int i = 0; i < MT; i++)
+        for (int r = 0; r < 4; r++) acc[i][r] = _mm512_setzero_ps();
+    const __m512i sign = _mm512_set1_epi8((char)0x80);
+    for (int64_t c = 0; c < nc; c++) {
+        __m512i x0[2], x1[2];
+        for (int i = 0; i < MT; i++) {
+            x0[i] = _mm512_loadu_si512(xp + i * K + c * 64);
+            x1[i] = _mm512_loadu_si512(xp + i * K + c * 64 + 32);
+        }
+        for (int r = 0; r < 4; r++) {
+            __m512i b = _mm512_loadu_si512(w + rows[r] * K + c * 64);
+            __m512i hi = _mm512_permutex2var_epi8(h0, b, h1);
+            __m512i lo = _mm512_permutex2var_epi8(l0, b, l1);
+            hi = _mm512_ternarylogic_epi32(hi, b, sign, 0xF8); /* hi | (b & 0x80) */
+            __m512i wa = _mm512_unpacklo_epi8(lo, hi), wb = _mm512_unpackhi_epi8(lo, hi);
+            const uint8_t *sr = s + rows[r] * nb + c * 2;
+            __m512 sc = _mm512_insertf32x8(_mm512_set1_ps(stab[sr[0]]), _mm256_set1_ps(stab[sr[1]]), 1);
+            for (int i = 0; i < MT; i++) {
+                __m512 blk = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)wa, (__m512bh)x0[i]);
+                blk = _mm512_dpbf16_ps(blk, (__m512bh)wb, (__m512bh)x1[i]);
+                acc[i][r] = _mm512_fmadd_ps(blk, sc, acc[i][r]);
+            }
+        }
+    }
+    if (nb & 1) { /* a last block of 32, natural order */
+        int64_t b0 = nb - 1;
+        for (int r = 0; r < 4; r++) {
+            __m512i wv = codes32(w + rows[r] * K + b0 * 32, t0, t1, t2, t3);
+            __m512 sc = _mm512_set1_ps(stab[s[rows[r] * nb + b0]]);
+            for (int i = 0; i < MT; i++) {
+                __m512i xv = _mm512_loadu_si512(xp + i * K + b0 * 32);
+                __m512 blk = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)wv, (__m512bh)xv);
+                acc[i][r] = _mm512_fmadd_ps(blk, sc, acc[i][r]);
+            }
+        }
+    }
+}
+
+int mxq_gemv_vbmi(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const uint8_t *s, int64_t N,
+                  int fmt, const float *bias, float *y, int nthreads) {
+    const fmt_t *f = &FMTS[fmt];
+    uint16_t tab[256];
+    uint8_t hib[128], lob[128];
+    float stab[256];
+    bf16_table(f, tab);
+    for (int i = 0; i < 128; i++) { hib[i] = (uint8_t)(tab[i] >> 8); lob[i] = (uint8_t)tab[i]; }
+    /* E4M3 NaN codes keep their NaN high byte (0x7F | sign): 0x7FC0 | 0x8000 is still NaN */
+    for (int i = 0; i < 256; i++) stab[i] = scale_of((uint8_t)i);
+    __m512i h0 = _mm512_loadu_si512(hib), h1 = _mm512_loadu_si512(hib + 64);
+    __m512i l0 = _mm512_loadu_si512(lob), l1 = _mm512_loadu_si512(lob + 64);
+    __m512i t0 = _mm512_loadu_si512(tab), t1 = _mm512_loadu_si512(tab + 32);
+    __m512i t2 = _mm512_loadu_si512(tab + 64), t3 = _mm512_loadu_si512(tab + 96);
+    int64_t nc = K / 64;
+    uint16_t *xp = (uint16_t *)malloc((size_t)(M * K) * sizeof(uint16_t));
+    if (!xp) return 0;
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t c = 0; c < nc; c++)
+            for (int h = 0; h < 2; h++)
+                for (int j = 0; j < 32; j++) xp[m * K + c * 64 + h * 32 + j] = x[m * K + c * 64 + chunk_pos(h, j)];
+        for (int64_t k = nc * 64; k < K; k++) xp[m * K + k] = x[m * K + k];
+    }
+    int64_t groups = (N + 3) / 4;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        int64_t rows[4];
+        for (int r = 0; r < 4; r++) rows[r] = g * 4 + r < N ? g * 4 + r : N - 1;
+        for (int64_t m0 = 0; m0 < M; m0 += 2) {
+            __m512 acc[2][4];
+            int mm = M - m0 >= 2 ? 2 : 1;
+            if (mm == 2) gemv_vbmi_tile(xp + m0 * K, K, w, s, rows, stab, h0, h1, l0, l1, t0, t1, t2, t3, 2, acc);
+            else gemv_vbmi_tile(xp + m0 * K, K, w, s, rows, stab, h0, h1, l0, l1, t0, t1, t2, t3, 1, acc);
+            for (int i = 0; i < mm; i++)
+                for (int r = 0; r < 4; r++) {
+                    if (g * 4 + r >= N) break;
+                    float v = _mm512_reduce_add_ps(acc[i][r]);
+                    if (bias) v += bias[g * 4 + r];
+                    y[(m0 + i) * N + g * 4 + r] = v;
+                }
+        }
+    }
+    free(xp);
+    return 1;
+}
+#else
+int mxq_gemv_vbmi(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const uint8_t *s, int64_t N,
+                  int fmt, const float *bias, float *y, int nthreads) {
+    return 0;
 }
 #endif
 """
