@@ -103,7 +103,7 @@ class MXQHfQuantizer(HfQuantizer):
         if getattr(self.quantization_config, "scale_dtype", "u8") != "u8":
             self.quantization_config.scale_dtype = "u8"  # what the model now holds, and save_pretrained writes
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            localize(model)  # tensor-parallel loading (tp_plan=...): each MX module on its own shard
+            self._mxq_sharded = bool(localize(model))  # tensor-parallel loading (tp_plan=...): each MX module on its own shard
         fuse(model)
         return model
 
@@ -131,6 +131,11 @@ class MXQHfQuantizer(HfQuantizer):
         return [rename, *conversions]
 
     def is_serializable(self, safe_serialization=None):
+        if getattr(self, "_mxq_sharded", False):
+            raise ValueError(
+                "save_pretrained: this mxq model was loaded with tensor parallelism and each rank holds only its "
+                "shards of the MX layers; save the checkpoint it was loaded from, or load it without tp_plan to save"
+            )
         return True
 
     @property

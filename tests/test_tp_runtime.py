@@ -65,6 +65,8 @@ def test_tp2_equals_tp1(tmp_path, family, device):
     one = _run(ckpt, tmp_path / "tp1.pt", 1, device)
     two = _run(ckpt, tmp_path / "tp2.pt", 2, device)
     assert two["world"] == 2
+    assert one["saved"] == "written" and "loaded with tensor parallelism" in two["saved"], two["saved"]
+    assert not Path(str(tmp_path / "tp2.pt") + ".saved").exists()
     # the same function: only the order of the row-parallel sums differs (float32; on a GPU each
     # shard's K may also pick another kernel tile)
     err = (two["logits"] - one["logits"]).abs().max() / one["logits"].abs().max()

@@ -25,8 +25,14 @@ def main() -> None:
         logits = model(ids).logits
         tokens = model.generate(ids[:2, :9], max_new_tokens=12, do_sample=False)
     shapes = {n: tuple(p.shape) for n, p in model.state_dict().items() if p.dtype in (torch.float8_e4m3fn, torch.uint8)}
+    saved = None
+    try:  # a sharded model must refuse to write a checkpoint of its shards
+        model.save_pretrained(out + ".saved")
+        saved = "written"
+    except ValueError as e:
+        saved = str(e)
     if int(os.environ.get("RANK", "0")) == 0:
-        torch.save({"logits": logits.cpu(), "tokens": tokens.cpu(), "shapes": shapes, "world": world}, out)
+        torch.save({"logits": logits.cpu(), "tokens": tokens.cpu(), "shapes": shapes, "world": world, "saved": saved}, out)
 
 
 if __name__ == "__main__":
