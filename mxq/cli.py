@@ -36,11 +36,11 @@ app.add_typer(eval_app, name="eval")
 
 from mxq.cli_bench import bench_cmd  # noqa: E402
 
-app.command("bench")(bench_cmd)
+app.command("bench", short_help="Run the benchmarks on a GPU: JSON, plots, SUMMARY.md.")(bench_cmd)
 
 from mxq.cli_tune import tune_cmd  # noqa: E402
 
-app.command("tune")(tune_cmd)
+app.command("tune", short_help="Tune the decode GEMM's tiles for a model's shapes (GPU).")(tune_cmd)
 
 # Options that `mxq calibrate` and `mxq quantize --calibrate` share: one definition each.
 ModelArg = Annotated[str, typer.Argument(
@@ -133,7 +133,7 @@ def quiet_libraries():
     return restore
 
 
-@app.command("formats")
+@app.command("formats", short_help="Print the MX element formats and the scale rules.")
 def formats_cmd() -> None:
     """Print the MX element formats, the E8M0 scale and the scale rules."""
     t = Table(title="MX element formats (block of 32 elements share one E8M0 scale)")
@@ -190,7 +190,7 @@ def formats_cmd() -> None:
     )
 
 
-@app.command("kernels")
+@app.command("kernels", short_help="List the kernel paths, in dispatch order.")
 def kernels_cmd() -> None:
     """List the kernel paths, in the order each function's dispatch tries them (``--kernels`` names)."""
     import mxq.attention  # noqa: F401  (the attention registries register on import)
@@ -446,7 +446,7 @@ def _print_plan(p) -> None:
         console.print(k)
 
 
-@app.command("calibrate")
+@app.command("calibrate", short_help="Calibrate on text; write a plan for `mxq quantize --plan`.")
 def calibrate_cmd(
     model: ModelArg = None,
     dataset: str = typer.Option(..., "--dataset", help=DATASET_HELP),
@@ -538,7 +538,7 @@ def _fmt_bytes(n: int) -> str:
     return str(n)
 
 
-@app.command("inspect")
+@app.command("inspect", short_help="Describe and validate a checkpoint.")
 def inspect_cmd(
     path: Path = typer.Argument(..., help="An mxq (or other MXFP8) checkpoint directory."),
     tensors: bool = typer.Option(False, "--tensors", help="List every tensor."),

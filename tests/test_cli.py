@@ -302,6 +302,7 @@ def test_help_fits_80_columns_and_cuts_nothing(monkeypatch, cmd):
     assert max(map(len, lines)) <= 80, max(lines, key=len)
     if cmd == ["quantize"]:
         assert len(lines) <= 60, len(lines)
+    assert not [ln for ln in lines if ln.rstrip().endswith("...") and not ln.startswith("Usage:")]  # no cut summary
     def flat(text: str) -> str:  # lines joined; a break after a hyphen ("comma-|separated") is no cut
         return re.sub(r"-\s+", "-", " ".join(text.split()))
 
