@@ -181,7 +181,8 @@ class _LiveProgress(Progress):
     """rich's ``Progress``, registered while it runs so that a stage spinner around it steps aside."""
 
     def start(self) -> None:
-        _pause_live_stages()
+        if not self.disable:
+            _pause_live_stages()
         super().start()
 
 
