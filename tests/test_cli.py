@@ -419,3 +419,29 @@ def test_max_shard_size_must_be_positive(tmp_path, size):
     res = CliRunner().invoke(app, ["quantize", str(model), str(tmp_path / "out"), "--max-shard-size", size])
     assert res.exit_code != 0 and "--max-shard-size must be a finite positive size" in res.output
     assert not (tmp_path / "out").exists()
+
+
+def test_quiet_libraries_silences_their_notes_but_not_mxqs_and_comes_undone(capfd):
+    """What the command line turns off without --verbose: transformers' log notes (the BPE
+    tokenizer one, say), its progress bars and other libraries' warnings; mxq's own warnings stay,
+    and everything is as before once the command ends."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    from mxq.cli import quiet_libraries
+
+    before = (hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled())
+    restore = quiet_libraries()
+    try:
+        hf_logging.get_logger("transformers.tokenization_utils_tokenizers").warning(
+            "Ignoring clean_up_tokenization_spaces=True for BPE tokenizer")  # fmt: skip
+        assert not hf_logging.is_progress_bar_enabled()
+        with warnings.catch_warnings(record=True) as got:
+            warnings.warn_explicit("a library's note", UserWarning, "lib.py", 1, module="transformers.x")
+            warnings.warn_explicit("mxq's own", UserWarning, "tune.py", 1, module="mxq.kernels.tune")
+    finally:
+        restore()
+    assert [str(w.message) for w in got] == ["mxq's own"]
+    assert "clean_up_tokenization_spaces" not in capfd.readouterr().err
+    assert (hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()) == before
