@@ -53,6 +53,10 @@ ENV_OFF = "MXQ_CPU_KERNELS"
 ENV_CACHE = "MXQ_CPU_CACHE"
 # Largest M the GEMV takes; above it the dequantize + torch matmul (measured: BENCHMARKS.md, "CPU").
 GEMV_MAX_M = 16
+# Smallest M * N * K a GEMV spreads over torch's threads: a smaller one (every SmolLM2 projection at
+# decode, ~20-130 us on one core) runs on the calling thread, because a parallel region waits for
+# every thread of the team, which costs milliseconds whenever another process holds a core.
+GEMV_PARALLEL_MIN = 1 << 23
 # Largest M for the byte-table (AVX512-VBMI) GEMV; above it the 16-bit-table one (measured: BENCHMARKS.md, "CPU").
 VBMI_MAX_M = 2
 # Smallest activation scale exponent the bf16 product takes (below it an MX value may be a bf16 subnormal).
@@ -189,7 +193,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias
     n = weight.shape[0]
     y = torch.empty((m, n), dtype=torch.float32)
     b = bias.to(torch.float32).contiguous() if bias is not None else None
-    nt = torch.get_num_threads()
+    nt = torch.get_num_threads() if m * n * k >= GEMV_PARALLEL_MIN else 1
     fmt = FMT[weight.dtype]
     if exact_bf16 and block_size == 32:
         kernel = lib.mxq_gemv_vbmi if m <= VBMI_MAX_M else lib.mxq_gemv_bf16
