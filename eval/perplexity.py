@@ -303,13 +303,11 @@ def perplexity(
         for b0 in range(0, windows.n_windows, batch_size):
             ids = windows.input_ids[b0 : b0 + batch_size].to(device)
             logits = model(input_ids=ids, use_cache=False).logits
-            _check_finite(model, logits, ids, b0)
-            for j in range(ids.shape[0]):
+            sums, finite = _window_nll_sums(logits, ids, windows.score_from[b0 : b0 + ids.shape[0]])
+            if not finite:
+                _check_finite(model, logits, ids, b0)
+            for j, s in enumerate(sums):
                 sf = int(windows.score_from[b0 + j])
-                nll = torch.nn.functional.cross_entropy(
-                    logits[j, sf - 1 : S - 1].float(), ids[j, sf:S], reduction="none"
-                )
-                s = float(nll.double().sum())
                 nll_sum += s
                 n_tokens += S - sf
                 per_window.append(s / (S - sf))
@@ -336,6 +334,30 @@ def perplexity(
         elapsed_s=elapsed,
         device=str(device),
     )
+
+
+NLL_ROWS = 128  # logits rows turned to fp32 at a time: [128, V] stays in cache on a CPU
+
+
+def _window_nll_sums(logits: torch.Tensor, ids: torch.Tensor, score_from: torch.Tensor) -> tuple[list[float], bool]:
+    """Per window j, the NLL (float64 sum, nats) of tokens ``score_from[j] .. S-1``, each from the fp32
+    log-softmax of the logits one position earlier; and whether every logit is finite, from row
+    sums (a finite sum has no inf or NaN term; a sum that overflows is checked element by element by
+    the caller). Rows are converted to fp32 ``NLL_ROWS`` at a time, not the whole [S, V] at once."""
+    S = logits.shape[1]
+    sums, finite = [], torch.ones((), dtype=torch.bool, device=logits.device)
+    for j in range(logits.shape[0]):
+        sf = int(score_from[j])
+        acc = torch.zeros((), dtype=torch.float64, device=logits.device)
+        for a in range(0, S, NLL_ROWS):
+            x = logits[j, a : a + NLL_ROWS].float()
+            finite &= torch.isfinite(x.sum(dim=-1)).all()
+            lo, hi = max(a, sf - 1), min(a + NLL_ROWS, S - 1)
+            if lo < hi:
+                nll = torch.nn.functional.cross_entropy(x[lo - a : hi - a], ids[j, lo + 1 : hi + 1], reduction="none")
+                acc += nll.double().sum()
+        sums.append(acc)
+    return [float(s) for s in sums], bool(finite)
 
 
 class NonFiniteError(ValueError):

@@ -66,11 +66,22 @@ def _kernels(spec: str) -> str:
         raise typer.BadParameter(str(e).removeprefix("--kernels=")) from None
 
 
-def _load(source: str, device, dtype=None, kernels: str | None = None, fuse: bool = True):
+def _load(source: str, device, dtype=None, kernels: str | None = None, fuse: bool = True, tokenizer: bool = True):
     from mxq.progress import stage
 
     with stage(f"loading {_label(source)}"):
-        return load_model(source, device=device, kernels=kernels, fuse=fuse, **({"dtype": dtype} if dtype is not None else {}))
+        kw = {"dtype": dtype} if dtype is not None else {}
+        if not tokenizer:
+            kw["tokenizer"] = False
+        return load_model(source, device=device, kernels=kernels, fuse=fuse, **kw)
+
+
+def _tokenizer(source: str):
+    from mxq.models import load_tokenizer
+    from mxq.progress import stage
+
+    with stage(f"loading the tokenizer of {_label(source)}"):
+        return load_tokenizer(source)
 
 
 @eval_app.command("ppl")
@@ -104,8 +115,17 @@ def ppl_cmd(
         "--plot",
         help="Write a PNG of the per-window NLL difference here (needs --baseline and matplotlib).",
     ),
+    no_cache: bool = typer.Option(
+        False,
+        "--no-cache",
+        help="Compute every perplexity anew, neither reading nor writing the results cache "
+        "($MXQ_PPL_CACHE, else $XDG_CACHE_HOME/mxq/ppl or ~/.cache/mxq/ppl).",
+    ),
 ) -> None:
-    """Perplexity of MODEL (and of --baseline on the same windows), as a markdown table."""
+    """Perplexity of MODEL (and of --baseline on the same windows), as a markdown table.
+
+    A result computed before for the same model bytes, token windows and settings comes from the
+    cache, and the output says so (``--no-cache`` recomputes)."""
     from mxq.eval.data import chars_for_tokens, load_texts
     from mxq.eval.perplexity import make_windows
     from mxq.eval.report import require_matplotlib
@@ -129,12 +149,14 @@ def ppl_cmd(
     texts = load_texts(dataset, max_chars=None if need is None else chars_for_tokens(need))
 
     sources = {"baseline": baseline, "model": model} if baseline is not None else {"model": model}
+    cache = None if no_cache else _cache(texts, seq_len, stride, max_windows, dev, DTYPES[dtype.lower()], kernels, batch_size)
     results = _perplexities(
         sources,
-        lambda source: _load(source, dev, torch_dtype, kernels),
+        lambda source, **kw: _load(source, dev, torch_dtype, kernels, **kw),
         lambda tok: make_windows(tok, texts, seq_len, stride, max_windows),
         batch_size,
         dev,
+        cache,
     )
     _report_perplexities(results, labels, dataset, DTYPES[dtype.lower()], out, plot)
 
@@ -152,26 +174,66 @@ def _check_windows(seq_len: int, stride: int | None, max_windows: int | None, ba
         raise typer.BadParameter(f"--batch-size must be at least 1, got {batch_size}")
 
 
-def _perplexities(sources: dict[str, str], load, windows_of, batch_size: int, dev) -> dict:
-    """Per role, the perplexity of its model (``load(source)`` -> (model, tokenizer)), one model in
-    memory at a time, all on the windows the first tokenizer makes of the text (``windows_of``);
-    the other tokenizers must agree with it."""
-    from mxq.eval.perplexity import check_same_tokenizer, perplexity
+def _cache(texts, seq_len, stride, max_windows, dev, dtype: str, kernels: str, batch_size: int):
+    """The results cache of this run (None when ``MXQ_PPL_CACHE=off``)."""
+    from mxq.eval.cache import PerplexityCache, ResultCache, settings
+
+    store = ResultCache(warn=lambda msg: err.print(f"warning: {msg}"))
+    if not store.enabled:
+        return None
+    opts = settings(dev, dtype=dtype, kernels=kernels, batch_size=batch_size, fuse=True)
+    return PerplexityCache(texts, seq_len, stride, max_windows, opts, store)
+
+
+def _perplexities(sources: dict[str, str], load, windows_of, batch_size: int, dev, cache=None) -> dict:
+    """Per role, the perplexity of its model (``load(source)`` -> (model, tokenizer);
+    ``load(source, tokenizer=False)`` -> (model, None)), one model in memory at a time, all on the
+    windows the first tokenizer makes of the text (``windows_of``); the other tokenizers must agree
+    with it. With a ``cache`` (``mxq.eval.cache.PerplexityCache``), a model whose bytes hash
+    (``identity``) takes its windows, tokenizer fingerprint and result from it where present, and
+    loads only what is missing."""
+    from mxq.eval.perplexity import check_same_tokenizer, perplexity, tokenizer_fingerprint
 
     results = {}
-    windows = first_tok = None
+    windows = first_source = first_tok = None
     for role, source in sources.items():
-        m, tok = load(source)
+        ident = cache.identity(source) if cache is not None else None
+        m = tok = None
+        if ident is None:
+            m, tok = load(source)
         if windows is None:
-            from mxq.progress import stage
+            windows = cache.windows(ident) if ident else None
+            if windows is None:
+                from mxq.progress import stage
 
-            with stage("tokenizing the text"):
-                windows = windows_of(tok)
-            first_tok = tok
+                tok = tok or _tokenizer(source)
+                with stage("tokenizing the text"):
+                    windows = windows_of(tok)
+                if ident:
+                    cache.put_windows(ident, windows)
+            first_source, first_tok = source, tok
             err.print(f"{windows.n_text_tokens} tokens; {windows.protocol}")
         else:
-            check_same_tokenizer(first_tok, tok, "baseline", "model")
-        results[role] = perplexity(m, windows=windows, batch_size=batch_size, desc=role)
+            fp = cache.fingerprint(ident) if ident else None
+            if fp is None:
+                tok = tok or _tokenizer(source)
+                fp = tokenizer_fingerprint(tok)
+                if ident:
+                    cache.put_fingerprint(ident, fp)
+            if fp != windows.tokenizer_id:
+                check_same_tokenizer(first_tok or _tokenizer(first_source), tok or _tokenizer(source), "baseline", "model")
+                raise ValueError("baseline and model use different tokenizers: perplexities are only comparable on the same token stream")
+        result = cache.result(ident, windows) if ident else None
+        if result is not None:
+            err.print(f"{role}: perplexity from the cache ({result.extra['cache']['entry']}; computed "
+                      f"{result.extra['cache']['written_at']})")  # fmt: skip
+        else:
+            if m is None:
+                m, _ = load(source, tokenizer=False)
+            result = perplexity(m, windows=windows, batch_size=batch_size, desc=role)
+            if ident:
+                cache.put_result(ident, windows, result)
+        results[role] = result
         del m
         gc.collect()
         if dev.type == "cuda":
@@ -193,6 +255,13 @@ def _report_perplexities(results: dict, labels: dict[str, str], dataset: str, dt
     )
     report["dtype"] = dtype
     typer.echo(ppl_markdown(report))
+    cached = [role for role, r in results.items() if r.extra.get("cache", {}).get("hit")]
+    if cached:
+        when = "; ".join(f"{role} computed {results[role].extra['cache']['written_at']}" for role in cached)
+        typer.echo(
+            f"From the cache: {' and '.join(cached)} ({when}; same model bytes, windows and settings; "
+            "tokens/s and peak memory are from that run). --no-cache recomputes."
+        )
     if out is not None:
         write_json(out, report)
         err.print(f"wrote {out}")

@@ -6,7 +6,9 @@ import copy
 import importlib.util
 import json
 import math
+import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,6 +58,12 @@ def tiny_llama(vocab_size: int = 256, seed: int = 0):
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(autouse=True)
+def _own_results_cache(monkeypatch, tmp_path):
+    """Every test gets an empty perplexity-results cache of its own (never the user's)."""
+    monkeypatch.setenv("MXQ_PPL_CACHE", str(tmp_path / "ppl-cache"))
 
 
 @pytest.fixture(scope="module")
@@ -525,3 +533,210 @@ def test_cli_ppl_dtype(tmp_path, model, tok):
     assert rep["results"][0]["ppl"] != pytest.approx(bf.ppl, rel=1e-7)
     res = CliRunner().invoke(app, ["eval", "ppl", str(d), "--dataset", str(data), "--dtype", "int8"])
     assert res.exit_code != 0 and "--dtype must be one of" in res.output
+
+
+# --------------------------------------------------------------------------- the results cache
+
+
+def _eval_app():
+    import mxq.cli_eval as ce
+
+    app = typer.Typer()
+    app.add_typer(ce.eval_app, name="eval")
+    return app
+
+
+@pytest.fixture()
+def cached_run(tmp_path, model, tok, monkeypatch):
+    """``mxq eval ppl`` on two saved tiny models (a baseline and a "quantized" one, seed 1), with
+    every perplexity computation and model load counted; returns (run, dirs, computed, loaded)."""
+    import mxq.models
+
+    pp = sys.modules["mxq.eval.perplexity"]  # the module (mxq.eval.perplexity is also the function's name)
+    dirs = {}
+    for name, m in (("base", model), ("quant", tiny_llama(seed=1))):
+        d = tmp_path / name
+        m.save_pretrained(d)
+        tok.save_pretrained(d)
+        dirs[name] = d
+    data = tmp_path / "c.txt"
+    data.write_text("\n\n".join(TEXT_DOCS))
+    dirs["data"] = data
+    computed, loaded = [], []
+    real_ppl, real_load = pp.perplexity, mxq.models.load_model
+
+    def counting_ppl(m, *a, **kw):
+        computed.append(kw.get("desc"))
+        return real_ppl(m, *a, **kw)
+
+    def counting_load(source, **kw):
+        loaded.append(str(source))
+        return real_load(source, **kw)
+
+    monkeypatch.setattr(pp, "perplexity", counting_ppl)
+    monkeypatch.setattr("mxq.cli_eval.load_model", counting_load)
+
+    def run(*extra, model_dir=None, baseline=None):
+        out = tmp_path / "r.json"
+        args = ["eval", "ppl", str(model_dir or dirs["quant"]), "--baseline", str(baseline or dirs["base"]),
+                "--dataset", str(data), "--seq-len", str(SEQ), "--device", "cpu", "--out", str(out), *extra]
+        computed.clear()
+        loaded.clear()
+        res = CliRunner().invoke(_eval_app(), args)
+        assert res.exit_code == 0, res.output
+        return res, json.loads(out.read_text())
+
+    return run, dirs, computed, loaded
+
+
+def _independent_ppl(model_dir, tok, **kw) -> float:
+    """The perplexity recomputed here, from the saved directory, without the CLI or its cache."""
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    kw.setdefault("seq_len", SEQ)
+    return perplexity(m, tok, TEXT_DOCS, progress=False, **kw).ppl
+
+
+def test_cache_second_run_loads_and_computes_nothing(cached_run, tok, monkeypatch):
+    run, dirs, computed, loaded = cached_run
+    res1, rep1 = run()
+    assert computed == ["baseline", "model"] and "From the cache" not in res1.stdout
+    assert rep1["results"][0]["ppl"] == pytest.approx(_independent_ppl(dirs["base"], tok), rel=1e-6)
+    assert rep1["results"][1]["ppl"] == pytest.approx(_independent_ppl(dirs["quant"], tok), rel=1e-6)
+    # no tokenizer either: the windows and the tokenizer check come from the cache too
+    import mxq.models
+
+    with monkeypatch.context() as mp:
+        mp.setattr(mxq.models, "load_tokenizer", lambda *a, **k: pytest.fail("loaded a tokenizer"))
+        res2, rep2 = run()
+    assert computed == [] and loaded == []
+    assert "From the cache: baseline and model" in res2.stdout
+    for a, b in zip(rep1["results"], rep2["results"]):
+        assert b["ppl"] == a["ppl"] and b["per_window_nll"] == a["per_window_nll"]
+        assert b["delta_pct_vs_baseline"] == a["delta_pct_vs_baseline"]
+        assert b["extra"]["cache"]["hit"] is True
+    assert rep2["protocol"] == rep1["protocol"]
+    # --no-cache: both computed again, and nothing read or written
+    entries = sorted(p.name for p in Path(os.environ["MXQ_PPL_CACHE"]).iterdir())
+    res3, rep3 = run("--no-cache")
+    assert computed == ["baseline", "model"] and "From the cache" not in res3.stdout
+    assert sorted(p.name for p in Path(os.environ["MXQ_PPL_CACHE"]).iterdir()) == entries
+    assert rep3["results"][1]["ppl"] == pytest.approx(rep1["results"][1]["ppl"], rel=1e-12)
+
+
+def test_cache_misses_on_other_bytes_windows_or_settings(cached_run, tok):
+    run, dirs, computed, _ = cached_run
+    _, rep = run()
+    base_ppl = rep["results"][0]["ppl"]
+    assert computed == ["baseline", "model"]
+
+    # other model bytes under the same path: the model is recomputed, the baseline is not
+    tiny_llama(seed=2).save_pretrained(dirs["quant"])
+    _, rep = run()
+    assert computed == ["model"] and rep["results"][0]["ppl"] == base_ppl
+    assert rep["results"][1]["ppl"] == pytest.approx(_independent_ppl(dirs["quant"], tok), rel=1e-6)
+
+    # a tokenizer file of the baseline changes (bytes only): a miss, the same figure recomputed
+    cfg = dirs["base"] / "tokenizer_config.json"
+    cfg.write_text(cfg.read_text() + "\n")
+    run()
+    assert computed == ["baseline"]
+
+    # another slice of the text: fewer windows, or other text
+    _, rep = run("--max-windows", "3")
+    assert computed == ["baseline", "model"] and rep["n_windows"] == 3
+    assert rep["results"][0]["ppl"] == pytest.approx(_independent_ppl(dirs["base"], tok, max_windows=3), rel=1e-6)
+    dirs["data"].write_text("\n\n".join(TEXT_DOCS[::-1]))
+    run()
+    assert computed == ["baseline", "model"]
+
+    # every setting that changes the figure
+    for extra in (["--dtype", "float32"], ["--batch-size", "2"], ["--stride", "16"], ["--seq-len", "24"],
+                  ["--kernels", "reference"]):
+        run(*extra)
+        assert computed == ["baseline", "model"], extra
+        run(*extra)
+        assert computed == [], extra
+
+
+def test_cache_ignores_a_corrupt_entry_and_recomputes(cached_run, tok):
+    run, dirs, computed, _ = cached_run
+    _, rep = run()
+    cache = Path(os.environ["MXQ_PPL_CACHE"])
+    results = sorted(cache.glob("result-*.json"))
+    assert len(results) == 2
+    good = {p: p.read_bytes() for p in results}
+    ref = [r["ppl"] for r in rep["results"]]
+
+    def tampered(raw: bytes, how: str) -> bytes:
+        if how == "truncated":
+            return raw[: len(raw) // 2]
+        e = json.loads(raw)
+        if how == "figure":  # a changed number: the checksum no longer matches
+            e["payload"]["ppl"] *= 1.5
+        elif how == "consistent-checksum":  # checksum recomputed, but the figures disagree with each other
+            from mxq.eval.cache import _payload_sha256
+
+            e["payload"]["ppl"] *= 1.5
+            e["payload_sha256"] = _payload_sha256(e["payload"])
+        elif how == "other-windows":
+            from mxq.eval.cache import _payload_sha256
+
+            e["payload"]["n_windows"] += 1
+            e["payload_sha256"] = _payload_sha256(e["payload"])
+        return json.dumps(e).encode()
+
+    for how in ("truncated", "figure", "consistent-checksum", "other-windows"):
+        for p, raw in good.items():
+            p.write_bytes(tampered(raw, how))
+        res, rep = run()
+        assert computed == ["baseline", "model"], how
+        assert res.stderr.count("ignoring a corrupt cache entry") == 2, (how, res.stderr)
+        assert [r["ppl"] for r in rep["results"]] == pytest.approx(ref, rel=1e-12)
+        run()
+        assert computed == [], how  # the entries were rewritten whole
+
+    for p in cache.glob("windows-*.json"):
+        p.write_text("{not json")
+    res, rep = run()
+    assert "ignoring a corrupt cache entry" in res.stderr and computed == []
+    assert [r["ppl"] for r in rep["results"]] == pytest.approx(ref, rel=1e-12)
+
+
+def test_model_identity_reads_content_not_names(tmp_path, model, tok):
+    from mxq.eval.cache import source_digest
+
+    d = tmp_path / "m"
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "none", "provenance": {"created": "2026-01-01T00:00:00Z"}}
+    (d / "config.json").write_text(json.dumps(cfg))
+    first = source_digest(d)
+    (d / "quantization_report.json").write_text('{"time_s": 1}')  # read by people only
+    cfg["quantization_config"]["provenance"]["created"] = "2026-02-02T00:00:00Z"  # the conversion time
+    (d / "config.json").write_text(json.dumps(cfg, indent=1))
+    assert source_digest(d) == first
+    cfg["quantization_config"]["provenance"]["mxq_version"] = "9"
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert source_digest(d) != first
+    copy_dir = tmp_path / "elsewhere"
+    import shutil
+
+    shutil.copytree(d, copy_dir)
+    assert source_digest(copy_dir) == source_digest(d)
+    assert source_digest("owner/name") is None  # a hub id: its files are not here
+
+
+def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
+    from mxq.eval.cache import cache_dir
+
+    monkeypatch.delenv("MXQ_PPL_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "mxq" / "ppl"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir() == tmp_path / "home" / ".cache" / "mxq" / "ppl"
+    monkeypatch.setenv("MXQ_PPL_CACHE", "off")
+    assert cache_dir() is None
