@@ -120,12 +120,27 @@ int mxq_quant_rows(const void *xin, int in16, int64_t M, int64_t K, int64_t bs, 
             if (scales) scales[r] = 0xFF;
         } else {
             int e = block_exponent(amax, f, rule);
-            float down = exp2_bits(-e), up = exp2_bits(e);
+            float down = exp2_bits(-e), up = exp2_bits(e), maxn = f->max_normal;
+            /* round to the fp8 grid, ties to even, branch-free (vectorizes): normal range by rounding
+             * the fp32 mantissa to mbits bits (a carry moves into the exponent), subnormal range by
+             * adding and subtracting 2**(emin - mbits + 23), whose ulp is the subnormal spacing */
+            const int mb = f->mbits, emin = 1 - f->bias, sh = 23 - mb;
+            const float magic = exp2_bits(emin - mb + 23), sub_inv = exp2_bits(mb - emin);
+            uint8_t cbuf[256];
             for (int64_t j = 0; j < bs; j++) {
                 float q = xb[j] * down;
-                q = q < -f->max_normal ? -f->max_normal : (q > f->max_normal ? f->max_normal : q);
-                ob[j] = round_fp8(q, f, cb ? cb + j : 0) * up;
+                q = q < -maxn ? -maxn : (q > maxn ? maxn : q);
+                uint32_t u = f2u(q), sign = u & 0x80000000u, a = u & 0x7FFFFFFFu;
+                uint32_t rn = (a + ((1u << (sh - 1)) - 1) + ((a >> sh) & 1)) & ~((1u << sh) - 1);
+                float rs = (u2f(a) + magic) - magic;
+                int sub = (int)(a >> 23) < emin + 127;
+                uint32_t r = sub ? f2u(rs) : rn;
+                ob[j] = u2f(r | sign) * up;
+                uint32_t cn = ((((r >> 23) - 127 + f->bias) << mb) | ((r >> sh) & ((1u << mb) - 1))) & 0x7F;
+                uint32_t cs = (uint32_t)(u2f(r) * sub_inv);
+                cbuf[j] = (uint8_t)((sign >> 24) | (sub ? cs : cn));
             }
+            if (cb) memcpy(cb, cbuf, bs);
             if (scales) scales[r] = (uint8_t)(e + 127);
             if (e + 127 < smin) smin = e + 127;
         }
