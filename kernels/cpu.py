@@ -7,28 +7,33 @@ model in bf16. This path computes the same function without a full-precision cop
 - **Activations** (W8A8): X is rounded to MX along K by ``mxq_quant_rows``, the bit-level
   transcription of ``formats.quantize_mx`` (FLOOR, RCEIL and EVEN rules; MSE goes through the
   torch reference): the same rounded values and the same bytes (tested).
-- **Small M** (M <= ``GEMV_MAX_M``, decoding): ``mxq_gemv`` streams the 1-byte codes and the
-  scales once per call and keeps nothing: with AVX-512 each 16 codes become exact float32 through
-  fp16 bits (``vcvtph2ps``), each 32-block's products are summed in float32 and multiplied by the
-  block's power-of-two scale, the blocks summed in float32 (the reference's fp32 accumulation in
-  another order: see "Numerics").
+- **Small M** (M <= ``GEMV_MAX_M``, decoding): a GEMV streams the 1-byte codes and the scales
+  and keeps nothing. With AVX512-BF16 and X exact in bf16 (bf16 X, or MX-rounded X: always, but
+  for blocks below 2**-117) the codes become bf16 through tables (``mxq_gemv_vbmi``: two byte
+  tables, ``vpermt2b``, 64 codes per step, M <= ``VBMI_MAX_M``; ``mxq_gemv_bf16``: a 16-bit
+  table, 32 codes per step), each 32-block's products are summed by ``vdpbf16ps`` in float32 and
+  multiplied by the block's power-of-two scale, the blocks summed in float32. Otherwise
+  (``mxq_gemv``) the codes become float32 through fp16 bits (``vcvtph2ps``), or a 256-entry table
+  without AVX-512. Decode-size GEMVs run on the calling thread (``GEMV_PARALLEL_MIN``).
 - **Large M** (prefill): the weight is dequantized into a temporary (freed after the call) and
   multiplied by torch: bf16 x bf16 with float32 accumulation (oneDNN, AMX where the CPU has it)
-  when every operand is exact in bf16 (MX values and bf16 X are; no bias, whose fp32 add the
-  reference does before the cast), else float32 x float32 as the reference does.
+  when every operand is exact in bf16 and there is no bias (the reference adds it in float32
+  before the cast), else float32 x float32 as the reference does.
 
 Numerics: dequantized weights (E4M3/E5M2 code times a power of two) and MX-rounded activations are
 exact in float32 and bf16, and every product of two of them is exact in float32, so the paths and
-the reference differ only in the order of the float32 sums: |y - y_ref| <= ~K * 2**-24 * sum|x w|
-before the cast to the output dtype (tests/test_cpu_path.py asserts that bound, and bit-equal
-rounded activations).
+the reference differ only in the order of the float32 sums: |y - exact| <= 2 K 2**-24 sum|x w|
+before the cast to the output dtype (``vdpbf16ps`` also flushes products below 2**-126 to zero:
+at most K 2**-126 more). tests/test_cpu_path.py asserts that bound, and bit-equal rounded
+activations.
 
-Build: ``library()`` compiles ``SOURCE`` (``kernels/cpu_source.py``) with ``$CC`` (else cc, gcc or clang) at -O3
--march=native -fopenmp into ``$MXQ_CPU_CACHE`` (default ~/.cache/mxq/cpu), named by a hash of the
-source, the compiler and the CPU's flags, once per machine (about a second; later processes only
-load it). OpenMP is the runtime torch already loaded (libgomp.so.1) and runs with torch's thread
-count. Without a compiler, or if the build fails, one warning is issued and the registry moves on
-to the reference: the same numbers, slower. ``MXQ_CPU_KERNELS=0`` turns the path off.
+Build: ``library()`` compiles ``SOURCE`` (``kernels/cpu_source.py``) with ``$CC`` (else cc, gcc
+or clang) at -O3 -march=native -fopenmp into ``$MXQ_CPU_CACHE`` (default ~/.cache/mxq/cpu), named
+by a hash of the source, the compiler and the CPU's flags: once per machine (about 2 s on the
+2-core CPU; later processes only load it). OpenMP is the runtime torch already loaded
+(libgomp.so.1), with torch's thread count (a compiler without OpenMP, like Apple's clang: one
+thread). Without a compiler, or if the build fails, one warning is issued and the registry moves
+on to the reference: the same numbers, slower. ``MXQ_CPU_KERNELS=0`` turns the path off.
 """
 
 from __future__ import annotations
@@ -101,8 +106,11 @@ def build(cc: str) -> Path:
         src = Path(tmp) / "mxq_cpu.c"
         src.write_text(SOURCE)
         lib = Path(tmp) / out.name
-        r = subprocess.run([cc, *FLAGS, str(src), "-o", str(lib), "-lm"], capture_output=True, text=True, timeout=300)
-        if r.returncode != 0:
+        for flags in (FLAGS, [f for f in FLAGS if f != "-fopenmp"]):  # a compiler without OpenMP: one thread
+            r = subprocess.run([cc, *flags, str(src), "-o", str(lib), "-lm"], capture_output=True, text=True, timeout=300)
+            if r.returncode == 0:
+                break
+        else:
             raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
         os.replace(lib, out)  # atomic: a process building beside this one gets a whole file
     return out
