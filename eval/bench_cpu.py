@@ -23,6 +23,11 @@ measures, with ``torch.set_num_threads(--threads)``:
 reports the median of each figure over the pairs with its min-max: other work on a shared machine
 shows up as spread (the load average before and after is recorded too). Prints a table with the
 ratios to bf16 and writes JSON.
+
+``--gemv`` instead times one projection call at SmolLM2's decode shapes (M=1, one thread, in this
+process): ``F.linear`` on the bf16 weight, the reference, the ``cpu`` path through ``mx_linear`` and
+each of its GEMV kernels called directly (fp32 FMA on fp16-decoded codes, 16-bit-table bf16 dot
+products, byte-table bf16 dot products), microseconds, median of rounds.
 """
 
 from __future__ import annotations
@@ -171,14 +176,14 @@ def print_table(res: dict) -> None:
     print("| model | linear path | generate tok/s | vs bf16 | CPU-time tok/s | vs bf16 | prefill tok/s "
           f"({res['args']['prefill']}) | vs bf16 | weights MB | vs bf16 | quantized matrices vs bf16 | peak RSS MB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    def fig(v, key):
+        m = v[key]
+        return f"{m['median']:.1f} ({m['min']:.1f}-{m['max']:.1f})", f"{m['median'] / base[key]['median']:.2f}x"
+
     for role, v in s.items():
-        def fig(key, ratio=True, scale=1.0):
-            m = v[key]
-            txt = f"{m['median'] * scale:.1f} ({m['min'] * scale:.1f}-{m['max'] * scale:.1f})"
-            return (txt, f"{m['median'] / base[key]['median']:.2f}x") if ratio else txt
-        g, gr = fig("generate_tok_s")
-        c, cr = fig("generate_cpu_tok_s")
-        p, pr = fig("prefill_tok_s")
+        g, gr = fig(v, "generate_tok_s")
+        c, cr = fig(v, "generate_cpu_tok_s")
+        p, pr = fig(v, "prefill_tok_s")
         wb = v["weight_bytes"]["median"]
         print(f"| {role} | {v['linear_path']} | {g} | {gr} | {c} | {cr} | {p} | {pr} | {wb / 1e6:.1f} | "
               f"{wb / base['weight_bytes']['median']:.3f} | "
@@ -187,6 +192,54 @@ def print_table(res: dict) -> None:
         print(f"{role}: first generate() {v['first_generate_s']['median']:.2f} s "
               f"({v['first_generate_s']['min']:.2f}-{v['first_generate_s']['max']:.2f}), load {v['load_s']['median']:.1f} s")  # fmt: skip
     print(f"load average before {res['env']['loadavg_before']}, after {res['env']['loadavg_after']}")
+
+
+GEMV_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
+
+
+def bench_gemv(rounds: int = 7) -> list[dict]:
+    """Microseconds per call at SmolLM2's shapes, M=1, one thread (``--gemv``)."""
+    import torch
+    import torch.nn.functional as F
+
+    from mxq.formats import E4M3, ScaleRule, quantize_mx
+    from mxq.kernels import cpu, mx_linear
+
+    torch.set_num_threads(1)
+    lib = cpu.library()
+
+    def us(fn, calls):
+        for _ in range(3):
+            fn()
+        out = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            out.append((time.perf_counter() - t0) / calls * 1e6)
+        return statistics.median(out)
+
+    def row(name, n, k):
+        g = torch.Generator().manual_seed(n + k)
+        w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
+        t = quantize_mx(w, -1, E4M3, 32, ScaleRule.RCEIL)
+        x = torch.randn(1, k, generator=g).to(torch.bfloat16)
+        xf, y = x.float(), torch.empty(1, n)
+        calls = max(3, int(2e7 // (n * k)))
+        ptrs = (t.data.data_ptr(), t.scales.data_ptr(), n)
+        return dict(shape=name, n=n, k=k,
+                    bf16_linear=us(lambda: F.linear(x, w), calls),
+                    reference=us(lambda: mx_linear(x, t.data, t.scales, act_elem=E4M3, kernels="reference"), max(3, calls // 20)),
+                    cpu_w8a8=us(lambda: mx_linear(x, t.data, t.scales, act_elem=E4M3), calls),
+                    fp32_fma=us(lambda: lib.mxq_gemv(xf.data_ptr(), 1, k, *ptrs, 32, 0, None, y.data_ptr(), 1), calls),
+                    bf16dot_table16=us(lambda: lib.mxq_gemv_bf16(x.data_ptr(), 1, k, *ptrs, 0, None, y.data_ptr(), 1), calls),
+                    bf16dot_vbmi=us(lambda: lib.mxq_gemv_vbmi(x.data_ptr(), 1, k, *ptrs, 0, None, y.data_ptr(), 1), calls))  # fmt: skip
+
+    rows = []
+    for name, (n, k) in GEMV_SHAPES.items():
+        rows.append(row(name, n, k))
+        print(" ".join(f"{key}={v:.1f}" if isinstance(v, float) else f"{key}={v}" for key, v in rows[-1].items()), flush=True)
+    return rows
 
 
 def main(argv=None) -> int:
@@ -202,8 +255,20 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-repeats", type=int, default=3)
     ap.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
     ap.add_argument("--fresh-cache", action="store_true", help="build the CPU kernels anew in each process")
+    ap.add_argument("--gemv", action="store_true", help="time the GEMV kernels at SmolLM2's shapes instead")
     ap.add_argument("--worker", choices=ROLES, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.gemv:
+        import torch
+
+        env = dict(cpu=_cpu_name(), threads=1, torch=torch.__version__, python=platform.python_version(),
+                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
+                   loadavg_before=os.getloadavg())  # fmt: skip
+        rows = bench_gemv()
+        env["loadavg_after"] = os.getloadavg()
+        with open(a.out, "w") as f:
+            json.dump(dict(env=env, gemv=rows), f, indent=1)
+        return 0
     if a.worker:
         print(json.dumps(worker(a.worker, a)), flush=True)
         return 0
