@@ -7,7 +7,9 @@ user loads it: ``bf16`` is the embedded default model (SmolLM2-135M-Instruct, GG
 bf16, ``mxq.models.load_model``); ``mxfp8`` is its ``mxq quantize`` checkpoint (the default recipe,
 W8A8 E4M3; written to ``--checkpoint`` first when that folder has no config) on the default kernels
 (the ``cpu`` path where it builds); ``mxfp8-reference`` is the same checkpoint with
-``kernels="reference"`` (the torch reference: what the CPU ran before the ``cpu`` path). Each worker
+``kernels="reference"`` (the torch reference: what the CPU ran before the ``cpu`` path);
+``mxfp8-all`` (not run unless named in ``--roles``) is the ``mxfp8-all`` recipe's checkpoint: the
+tied embedding and lm_head in MXFP8 too, one shared copy (written beside ``--checkpoint``). Each worker
 measures, with ``torch.set_num_threads(--threads)``:
 
 * weights: bytes of the parameters and buffers (a tied matrix counted once), and of the matrices
@@ -44,8 +46,14 @@ import tempfile
 import time
 from pathlib import Path
 
-ROLES = ("bf16", "mxfp8", "mxfp8-reference")
+ROLES = ("bf16", "mxfp8", "mxfp8-reference", "mxfp8-all")
 DEFAULT_CHECKPOINT = Path(tempfile.gettempdir()) / "mxq-bench-cpu-smollm2-mxfp8"
+RECIPES = {"mxfp8": "mxfp8", "mxfp8-reference": "mxfp8", "mxfp8-all": "mxfp8-all"}
+
+
+def checkpoint_for(role: str, base: Path) -> Path:
+    """The checkpoint a role loads: ``--checkpoint`` for the default recipe, a sibling for mxfp8-all."""
+    return base if RECIPES[role] == "mxfp8" else base.with_name(f"{base.name}-{RECIPES[role]}")
 
 
 def _status_kb(key: str) -> int:
@@ -56,8 +64,8 @@ def _status_kb(key: str) -> int:
 
 
 def _weight_bytes(model) -> tuple[int, int]:
-    """(bytes of all parameters and buffers, each storage once; bytes of the quantized matrices,
-    or in a model without MX layers of the matrices the default recipe quantizes)."""
+    """(bytes of all parameters and buffers, each storage once; bytes of the projections the default
+    recipe quantizes (every Linear but the output head): fp8 codes and scales, or bf16)."""
     import torch
 
     from mxq.linear import MXLinear
@@ -71,7 +79,7 @@ def _weight_bytes(model) -> tuple[int, int]:
     head = model.get_output_embeddings()
     quantized = 0
     for m in model.modules():
-        if isinstance(m, MXLinear):
+        if isinstance(m, MXLinear) and m is not head:
             quantized += m.weight.nbytes + m.weight_scale.nbytes
         elif type(m) is torch.nn.Linear and m is not head:
             quantized += m.weight.nbytes
@@ -94,7 +102,7 @@ def worker(role: str, a) -> dict:
     else:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(a.checkpoint, dtype=torch.bfloat16).eval()
+        model = AutoModelForCausalLM.from_pretrained(checkpoint_for(role, a.checkpoint), dtype=torch.bfloat16).eval()
         if role == "mxfp8-reference":
             from mxq.linear import set_kernels
 
@@ -136,13 +144,14 @@ def worker(role: str, a) -> dict:
     return res
 
 
-def _prepare(checkpoint: Path) -> None:
+def _prepare(checkpoint: Path, recipe: str) -> None:
     if (checkpoint / "config.json").exists():
         return
     exe = Path(sys.executable).with_name("mxq")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "mxq_launch"]
-    print(f"writing the MXFP8 checkpoint: {' '.join(cmd)} quantize default {checkpoint} --force", flush=True)
-    subprocess.run([*cmd, "quantize", "default", str(checkpoint), "--force"], check=True)
+    cmd = [*cmd, "quantize", "default", str(checkpoint), "--recipe", recipe, "--force"]
+    print(f"writing the MXFP8 checkpoint: {' '.join(cmd)}", flush=True)
+    subprocess.run(cmd, check=True)
 
 
 def _run_worker(role: str, a) -> dict:
@@ -273,8 +282,9 @@ def main(argv=None) -> int:
         print(json.dumps(worker(a.worker, a)), flush=True)
         return 0
     roles = a.roles.split(",")
-    if any(r != "bf16" for r in roles):
-        _prepare(a.checkpoint)
+    for role in roles:
+        if role != "bf16":
+            _prepare(checkpoint_for(role, a.checkpoint), RECIPES[role])
     import torch
     import transformers
 
