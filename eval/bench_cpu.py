@@ -194,7 +194,8 @@ def print_table(res: dict) -> None:
         c, cr = fig(v, "generate_cpu_tok_s")
         p, pr = fig(v, "prefill_tok_s")
         wb = v["weight_bytes"]["median"]
-        print(f"| {role} | {v['linear_path']} | {g} | {gr} | {c} | {cr} | {p} | {pr} | {wb / 1e6:.1f} | "
+        path = "(nn.Linear, bf16)" if role == "bf16" else v["linear_path"]
+        print(f"| {role} | {path} | {g} | {gr} | {c} | {cr} | {p} | {pr} | {wb / 1e6:.1f} | "
               f"{wb / base['weight_bytes']['median']:.3f} | "
               f"{v['quantized_bytes']['median'] / base['quantized_bytes']['median']:.3f} | {v['rss_peak_mb']['median']:.0f} |")  # fmt: skip
     for role, v in s.items():
