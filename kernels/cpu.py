@@ -234,6 +234,8 @@ def run(p, x2, weight, weight_scale, bias, out_dtype, x_mx=None):
     # X exact in bf16: bf16 input, or MX-rounded with every block exponent >= -117 (smallest value >= 2**-126)
     if act is None:
         x, exact16 = x2, x2.dtype == torch.bfloat16
+        if not exact16 and x_mx is not None and x_mx[1].numel():  # MX-rounded by its producer: as rounded here
+            exact16 = int(x_mx[1].min()) - 127 >= BF16_MIN_EXP
     elif act_rule_in_c(p.act_rule):
         x, _, _, smin = quantize_rows(x2, act, p.act_rule, bs, torch.bfloat16 if small else torch.float32)
         exact16 = smin - 127 >= BF16_MIN_EXP
@@ -243,7 +245,8 @@ def run(p, x2, weight, weight_scale, bias, out_dtype, x_mx=None):
         x = fake_quantize_mx(x2.to(torch.float32), -1, act, bs, p.act_rule)
         exact16 = False
     if small:
-        return gemv(x if exact16 else x.to(torch.float32), weight, weight_scale, bias, bs, exact16).to(out_dtype)
+        x = x.to(torch.bfloat16 if exact16 else torch.float32).contiguous()
+        return gemv(x, weight, weight_scale, bias, bs, exact16).to(out_dtype)
     if exact16 and bias is None and out_dtype == torch.bfloat16:  # bf16 x bf16, float32 accumulation
         return (x.to(torch.bfloat16) @ dequantize(weight, weight_scale, torch.bfloat16, bs).t()).to(out_dtype)
     y = x.to(torch.float32) @ dequantize(weight, weight_scale, torch.float32, bs).t()

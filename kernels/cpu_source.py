@@ -92,6 +92,45 @@ static inline uint16_t f_to_bf16(float v) { /* round to nearest even, as torch's
     return v != v ? (uint16_t)((u >> 16) | 0x40) : (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
+#ifdef __AVX512F__
+/* One finite block of 32 (fp32 in xb) rounded as the scalar loop below does, 16 lanes at a time. */
+static inline void quant_block32(const float *xb, const fmt_t *f, int e, float *ob, uint8_t *cb, uint16_t *o16) {
+    const int mb = f->mbits, emin = 1 - f->bias, sh = 23 - mb;
+    const __m512 down = _mm512_set1_ps(exp2_bits(-e)), up = _mm512_set1_ps(exp2_bits(e));
+    const __m512 magic = _mm512_set1_ps(exp2_bits(emin - mb + 23)), sub_inv = _mm512_set1_ps(exp2_bits(mb - emin));
+    const __m512i maxbits = _mm512_set1_epi32((int)f2u(f->max_normal)), absm = _mm512_set1_epi32(0x7FFFFFFF);
+    const __m512i half = _mm512_set1_epi32((1 << (sh - 1)) - 1), one = _mm512_set1_epi32(1);
+    const __m512i keep = _mm512_set1_epi32(~((1 << sh) - 1)), subtop = _mm512_set1_epi32((emin + 127) << 23);
+    const __m512i rebias = _mm512_set1_epi32(f->bias - 127), mmask = _mm512_set1_epi32((1 << mb) - 1);
+    for (int h = 0; h < 2; h++) {
+        __m512i u = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(xb + 16 * h), down));
+        __m512i sign = _mm512_andnot_si512(absm, u);
+        __m512i a = _mm512_min_epu32(_mm512_and_si512(u, absm), maxbits);
+        __m512i rn = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(a, half),
+                                                       _mm512_and_si512(_mm512_srli_epi32(a, sh), one)), keep);
+        __m512 rs = _mm512_sub_ps(_mm512_add_ps(_mm512_castsi512_ps(a), magic), magic);
+        __mmask16 sub = _mm512_cmplt_epu32_mask(a, subtop);
+        __m512i r = _mm512_mask_blend_epi32(sub, rn, _mm512_castps_si512(rs));
+        __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(r, sign)), up);
+        if (ob) _mm512_storeu_ps(ob + 16 * h, v);
+        if (o16) {
+            __m512i vb = _mm512_castps_si512(v);
+            vb = _mm512_srli_epi32(_mm512_add_epi32(vb, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                   _mm512_and_si512(_mm512_srli_epi32(vb, 16), one))), 16);
+            _mm256_storeu_si256((__m256i *)(o16 + 16 * h), _mm512_cvtepi32_epi16(vb));
+        }
+        if (cb) {
+            __m512i cn = _mm512_or_si512(_mm512_slli_epi32(_mm512_add_epi32(_mm512_srli_epi32(r, 23), rebias), mb),
+                                         _mm512_and_si512(_mm512_srli_epi32(r, sh), mmask));
+            cn = _mm512_and_si512(cn, _mm512_set1_epi32(0x7F));
+            __m512i cs = _mm512_cvttps_epi32(_mm512_mul_ps(_mm512_castsi512_ps(r), sub_inv));
+            __m512i c = _mm512_or_si512(_mm512_mask_blend_epi32(sub, cn, cs), _mm512_srli_epi32(sign, 24));
+            _mm_storeu_si128((__m128i *)(cb + 16 * h), _mm512_cvtepi32_epi8(c));
+        }
+    }
+}
+#endif
+
 /* Rows of x [M, K] (fp32, or bf16 bits when in16) rounded to MX along K in blocks of bs
  * (K % bs == 0), as formats.fake_quantize_mx / quantize_mx: the rounded values into out32 (fp32)
  * or out16 (bf16 bits, rounded to nearest even: exact when the block exponent is >= -117), NaN for a block holding NaN or
@@ -120,6 +159,14 @@ int mxq_quant_rows(const void *xin, int in16, int64_t M, int64_t K, int64_t bs, 
             if (scales) scales[r] = 0xFF;
         } else {
             int e = block_exponent(amax, f, rule);
+#ifdef __AVX512F__
+            if (bs == 32) {
+                quant_block32(xb, f, e, out32 ? out32 + r * bs : 0, cb, out16 ? out16 + r * bs : 0);
+                if (scales) scales[r] = (uint8_t)(e + 127);
+                if (e + 127 < smin) smin = e + 127;
+                continue;
+            }
+#endif
             float down = exp2_bits(-e), up = exp2_bits(e), maxn = f->max_normal;
             /* round to the fp8 grid, ties to even, branch-free (vectorizes): normal range by rounding
              * the fp32 mantissa to mbits bits (a carry moves into the exponent), subnormal range by
