@@ -14,7 +14,7 @@ model in bf16. This path computes the same function without a full-precision cop
   table, 32 codes per step), each 32-block's products are summed by ``vdpbf16ps`` in float32 and
   multiplied by the block's power-of-two scale, the blocks summed in float32. Otherwise
   (``mxq_gemv``) the codes become float32 through fp16 bits (``vcvtph2ps``), or a 256-entry table
-  without AVX-512. Decode-size GEMVs run on the calling thread (``GEMV_PARALLEL_MIN``).
+  without AVX-512. Tiny GEMVs run on the calling thread (``GEMV_PARALLEL_MIN``).
 - **Large M** (prefill): the weight is dequantized into a temporary (freed after the call) and
   multiplied by torch: bf16 x bf16 with float32 accumulation (oneDNN, AMX where the CPU has it)
   when every operand is exact in bf16 and there is no bias (the reference adds it in float32
@@ -59,10 +59,11 @@ ENV_OFF = "MXQ_CPU_KERNELS"
 ENV_CACHE = "MXQ_CPU_CACHE"
 # Largest M the GEMV takes; above it the dequantize + torch matmul (measured: BENCHMARKS.md, "CPU").
 GEMV_MAX_M = 16
-# Smallest M * N * K a GEMV spreads over torch's threads: a smaller one (every SmolLM2 projection at
-# decode, ~20-130 us on one core) runs on the calling thread, because a parallel region waits for
-# every thread of the team, which costs milliseconds whenever another process holds a core.
-GEMV_PARALLEL_MIN = 1 << 23
+# Smallest M * N * K a GEMV spreads over torch's threads (every SmolLM2 projection at decode; 2 threads
+# on the idle 2-core CPU: 32 tok/s against 23 with decode GEMVs on one thread). A parallel region
+# waits for every thread of the team, which costs milliseconds whenever another process holds a core:
+# on a loaded machine one thread is faster (BENCHMARKS.md, "CPU").
+GEMV_PARALLEL_MIN = 1 << 18
 # Largest M for the byte-table (AVX512-VBMI) GEMV; above it the 16-bit-table one (measured: BENCHMARKS.md, "CPU").
 VBMI_MAX_M = 2
 # Smallest activation scale exponent the bf16 product takes (below it an MX value may be a bf16 subnormal).
