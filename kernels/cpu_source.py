@@ -339,6 +339,17 @@ static inline __m512i codes32(const uint8_t *p, __m512i t0, __m512i t1, __m512i 
     return _mm512_ternarylogic_epi32(v, _mm512_slli_epi16(b, 8), _mm512_set1_epi16((short)0x8000), 0xF8);
 }
 
+/* Rows m0..m0+mm of y, columns 4g..4g+3 (those below N): each accumulator's lanes summed, plus the bias. */
+static inline void store_rows(__m512 (*acc)[4], int mm, int64_t m0, int64_t g, int64_t N, const float *bias, float *y) {
+    for (int i = 0; i < mm; i++)
+        for (int r = 0; r < 4; r++) {
+            if (g * 4 + r >= N) break;
+            float v = _mm512_reduce_add_ps(acc[i][r]);
+            if (bias) v += bias[g * 4 + r];
+            y[(m0 + i) * N + g * 4 + r] = v;
+        }
+}
+
 /* y [M, N] = x [M, K] (bf16 bits, every value exact) . W^T (+ bias) with AVX512-BF16 dot products:
  * each product exact in fp32, summed in fp32 (products below 2**-126 flush to zero). Four rows of W
  * and up to four rows of x per step; blocks of 32 along K. */
@@ -377,13 +388,7 @@ int mxq_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, con
                     }
                 }
             }
-            for (int i = 0; i < mm; i++)
-                for (int r = 0; r < 4; r++) {
-                    if (g * 4 + r >= N) break;
-                    float v = _mm512_reduce_add_ps(acc[i][r]);
-                    if (bias) v += bias[g * 4 + r];
-                    y[(m0 + i) * N + g * 4 + r] = v;
-                }
+            store_rows(acc, mm, m0, g, N, bias, y);
         }
     }
     return 1;
@@ -478,13 +483,7 @@ int mxq_gemv_vbmi(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, con
             int mm = M - m0 >= 2 ? 2 : 1;
             if (mm == 2) gemv_vbmi_tile(xp + m0 * K, K, w, s, rows, stab, h0, h1, l0, l1, t0, t1, t2, t3, 2, acc);
             else gemv_vbmi_tile(xp + m0 * K, K, w, s, rows, stab, h0, h1, l0, l1, t0, t1, t2, t3, 1, acc);
-            for (int i = 0; i < mm; i++)
-                for (int r = 0; r < 4; r++) {
-                    if (g * 4 + r >= N) break;
-                    float v = _mm512_reduce_add_ps(acc[i][r]);
-                    if (bias) v += bias[g * 4 + r];
-                    y[(m0 + i) * N + g * 4 + r] = v;
-                }
+            store_rows(acc, mm, m0, g, N, bias, y);
         }
     }
     free(xp);

@@ -10,19 +10,8 @@ import sys
 def run_cli(args: list[str]) -> tuple[int, str]:
     """``mxq ARGS``: its exit status and what it wrote to stderr (stdout is discarded). Captures by
     itself, so hypothesis tests (no function-scoped fixtures) can use it too."""
-    from mxq.cli import main
-
-    argv, err = sys.argv, io.StringIO()
-    sys.argv = ["mxq", *args]
-    try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            main()
-        rc = 0
-    except SystemExit as e:
-        rc = e.code or 0
-    finally:
-        sys.argv = argv
-    return rc, err.getvalue()
+    rc, _, err = run_cli_out(args)
+    return rc, err
 
 
 def run_cli_out(args: list[str]) -> tuple[int, str, str]:
