@@ -73,6 +73,11 @@ class MXQHfQuantizer(HfQuantizer):
                 )
             setattr(parent, child, new)
         _prepare_experts(model, cfg, dtype)
+        plan = getattr(model, "_tp_plan", None)
+        if isinstance(plan, dict) and plan:  # releases that read the model's plan, not the config's (5.24)
+            from mxq.tp import plan_with_scales
+
+            model._tp_plan = plan_with_scales(plan)
         from mxq.embedding import prepare_for_loading
 
         prepare_for_loading(model, cfg, embeddings, dtype)  # MX embeddings and the heads tied to them
