@@ -544,6 +544,16 @@ def worker(a, device: torch.device) -> dict:
     return res
 
 
+def _leave_process_group() -> None:
+    """Under torchrun: wait for every rank, then close the process group, so no rank exits while
+    another still talks to it (gloo aborts a process whose peer vanished)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group()
@@ -621,6 +631,7 @@ def main(argv=None) -> int:
         if rank == 0:
             with open(a.worker_out, "w") as f:
                 json.dump(out, f)
+        _leave_process_group()
         return 0
     res = {"env": env_info(device), "recipe": a.recipe, "args": {k: v for k, v in vars(a).items()}}
     print(json.dumps(res["env"]), flush=True)

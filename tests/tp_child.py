@@ -33,6 +33,9 @@ def main() -> None:
         saved = str(e)
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save({"logits": logits.cpu(), "tokens": tokens.cpu(), "shapes": shapes, "world": world, "saved": saved}, out)
+    if torch.distributed.is_initialized():  # no rank leaves while another still talks to it
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
