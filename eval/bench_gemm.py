@@ -96,7 +96,6 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
     gbs = 2 * nbytes / median_us(lambda: y.copy_(x)) / 1e3
-    del x, y
     return gbs
 
 

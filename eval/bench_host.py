@@ -65,7 +65,7 @@ def rows_for(n: int, k: int, m: int, device) -> list[tuple[str, float]]:
             from mxq.kernels.quantize import quantize_mx_rows
 
             xq = quantize_mx_rows(x, E4M3, ScaleRule.RCEIL)
-            rows.append((f"MXLinear {label} module, X codes from the producer", host_us(lambda mod=mod: mod(x, xq))))
+            rows.append((f"MXLinear {label} module, X codes from the producer", host_us(lambda mod=mod, xq=xq: mod(x, xq))))
         for path in dispatch.LINEAR:
             if path.name == "reference":
                 continue

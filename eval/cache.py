@@ -275,7 +275,7 @@ class ResultCache:
                 why = "not an entry of this format"
             elif entry.get("kind") != kind or entry.get("key") != key:
                 why = "its key does not match its name"
-            elif not isinstance(entry.get("payload"), dict) or entry.get("payload_sha256") != _payload_sha256(entry["payload"]):
+            elif not isinstance(entry.get("payload"), dict) or entry.get("payload_sha256") != payload_sha256(entry["payload"]):
                 why = "its checksum does not match"
             elif check is not None:
                 why = check(entry["payload"])
@@ -299,7 +299,7 @@ class ResultCache:
             "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "inputs": inputs or {},
             "payload": payload,
-            "payload_sha256": _payload_sha256(payload),
+            "payload_sha256": payload_sha256(payload),
         }
         tmp = None
         try:
@@ -321,7 +321,8 @@ class ResultCache:
         return p
 
 
-def _payload_sha256(payload: dict) -> str:
+def payload_sha256(payload: dict) -> str:
+    """The checksum an entry stores of its payload (canonical JSON, SHA-256), checked on every read."""
     canon = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(canon.encode("utf-8", "surrogatepass")).hexdigest()
 

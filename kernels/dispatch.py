@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 
 from mxq.formats import ElemFormat, ScaleRule, as_elem_format, as_scale_rule
-from mxq.kernels import cpu as _cpu
+from mxq.kernels import cpu as cpu_path
 from mxq.kernels.reference import mx_linear_reference
 from mxq.kernels.registry import KernelPath, Registry, kernels_spec
 
@@ -209,7 +209,7 @@ def _reference_only(p) -> bool:
 
 
 _paths = [
-    KernelPath("cpu", "CPU: C GEMV on the fp8 codes, dequantize + torch matmul for large M", _cpu.supports, _cpu.run),
+    KernelPath("cpu", "CPU: C GEMV on the fp8 codes, dequantize + torch matmul for large M", cpu_path.supports, cpu_path.run),
     KernelPath("reference", "torch reference (dequantize, fp32 matmul)", _reference_only, _reference_run),
 ]
 if HAS_TRITON:

@@ -74,7 +74,7 @@ class MXQHfQuantizer(HfQuantizer):
             setattr(parent, child, new)
         _prepare_experts(model, cfg, dtype)
         plan = getattr(model, "_tp_plan", None)
-        if isinstance(plan, dict) and plan:  # releases that read the model's plan, not the config's (5.24)
+        if isinstance(plan, dict) and plan:  # tensor parallelism shards by the model's plan: the experts' scales too
             from mxq.tp import plan_with_scales
 
             model._tp_plan = plan_with_scales(plan)
@@ -96,7 +96,6 @@ class MXQHfQuantizer(HfQuantizer):
         quantization in its producer, attention without repeated K/V); the checkpoint layout is
         unchanged (``state_dict`` writes the projections separately)."""
         from mxq.fuse import fuse
-
         from mxq.tp import localize
 
         _scales_as(model, torch.uint8)
@@ -111,17 +110,6 @@ class MXQHfQuantizer(HfQuantizer):
             self._mxq_sharded = bool(localize(model))  # tensor-parallel loading (tp_plan=...): each MX module on its own shard
         fuse(model)
         return model
-
-    def update_tp_plan(self, config):
-        """The family's tensor-parallel plan with a fused experts tensor's scales split as the tensor
-        is (``mxq.tp.plan_with_scales``)."""
-        from mxq.tp import plan_with_scales
-
-        for c in {id(c): c for c in (config, config.get_text_config())}.values():
-            plan = getattr(c, "base_model_tp_plan", None)
-            if plan:
-                c.base_model_tp_plan = plan_with_scales(plan)
-        return config
 
     def update_weight_conversions(self, weight_conversions, *args, **kwargs):
         """Prepend the ``weight_scale_inv`` -> ``weight_scale`` renaming to what the base quantizer

@@ -676,15 +676,15 @@ def test_cache_ignores_a_corrupt_entry_and_recomputes(cached_run, tok):
         if how == "figure":  # a changed number: the checksum no longer matches
             e["payload"]["ppl"] *= 1.5
         elif how == "consistent-checksum":  # checksum recomputed, but the figures disagree with each other
-            from mxq.eval.cache import _payload_sha256
+            from mxq.eval.cache import payload_sha256
 
             e["payload"]["ppl"] *= 1.5
-            e["payload_sha256"] = _payload_sha256(e["payload"])
+            e["payload_sha256"] = payload_sha256(e["payload"])
         elif how == "other-windows":
-            from mxq.eval.cache import _payload_sha256
+            from mxq.eval.cache import payload_sha256
 
             e["payload"]["n_windows"] += 1
-            e["payload_sha256"] = _payload_sha256(e["payload"])
+            e["payload_sha256"] = payload_sha256(e["payload"])
         return json.dumps(e).encode()
 
     for how in ("truncated", "figure", "consistent-checksum", "other-windows"):

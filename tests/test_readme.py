@@ -84,13 +84,13 @@ def workdir(tmp_path_factory) -> tuple[Path, str]:
     original = _tiny_original(root / "tiny-bf16")
     quantize_checkpoint(original, root / CHECKPOINT, "mxfp8", progress=False)
     prefix = textwrap.dedent(f"""\
-        import mxq.models as _models
-        _resolve = _models.resolve_source
+        import mxq.models as mxq_models
+        _resolve = mxq_models.resolve_source
         def _tiny_for_default(source=None):
-            if source is None or str(source).lower() in _models.DEFAULT_ALIASES:
+            if source is None or str(source).lower() in mxq_models.DEFAULT_ALIASES:
                 return _resolve({str(original)!r})
             return _resolve(source)
-        _models.resolve_source = _tiny_for_default
+        mxq_models.resolve_source = _tiny_for_default
         """)
     return root, prefix
 

@@ -78,10 +78,10 @@ def test_tp2_equals_tp1(tmp_path, family, device):
     split = {n for n in full if full[n] != local[n]}
     assert split, "no MX tensor was sharded"
     for n in split:
-        f, l = full[n], local[n]
+        whole, shard = full[n], local[n]
         rowwise = any(k in n for k in ("o_proj", "down_proj"))
-        dim = len(f) - 1 if rowwise else len(f) - 2
-        assert l[dim] * 2 == f[dim] and l[:dim] + l[dim + 1:] == f[:dim] + f[dim + 1:], (n, f, l)
+        dim = len(whole) - 1 if rowwise else len(whole) - 2
+        assert shard[dim] * 2 == whole[dim] and shard[:dim] + shard[dim + 1:] == whole[:dim] + whole[dim + 1:], (n, whole, shard)
     names = " ".join(sorted(split))
     for proj in ("q_proj.weight_scale", "o_proj.weight_scale", "o_proj.weight"):
         assert proj in names, (proj, names)
