@@ -545,11 +545,13 @@ def worker(a, device: torch.device) -> dict:
 
 
 def _leave_process_group() -> None:
-    """Under torchrun: wait for every rank, then close the process group, so no rank exits while
-    another still talks to it (gloo aborts a process whose peer vanished)."""
+    """Under torchrun with gloo: wait for every rank, then close the process group, so no rank exits
+    while another still talks to it (gloo aborts a process whose peer vanished). Not with NCCL: after
+    CUDA graphs that captured its all-reduces, the barrier never returned on 2x H200 (2026-11-26),
+    and NCCL ranks exit cleanly without it."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
         dist.barrier()
         dist.destroy_process_group()
 
@@ -587,7 +589,9 @@ def main(argv=None) -> int:
     p.add_argument("--roles", default="bf16,mxfp8",
                    help="models to run, each in a fresh process: bf16, mxfp8, bf16-grouped (bf16 with mxq's attention "
                         "without repeated K/V); a run of some roles writes a partial JSON that --merge completes")
-    p.add_argument("--merge", nargs="+", metavar="JSON", help="combine the JSON of earlier partial runs into one table")
+    p.add_argument("--merge", nargs="+", metavar="JSON",
+                   help="combine the JSON of earlier runs into one table: partial runs complete each other, "
+                        "complete runs (bf16 and mxfp8) add their pairs to one median")
     p.add_argument("--pairs", type=int, default=1,
                    help="alternate the roles' fresh processes N times (bf16, mxfp8, bf16, ...); the table gives each "
                         "ratio as the median over the pairs with its min-max")
@@ -599,12 +603,18 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     a.batch = [int(v) for v in a.batch.split(",")]
     if a.merge:
-        res = {}
+        res, runs = {}, {"bf16": [], "mxfp8": []}
         for path in a.merge:
             with open(path) as f:
                 part = json.load(f)
             res.update({k: v for k, v in part.items() if k not in ROLES or v})
             res.update({r: part[r] for r in ROLES if part.get(r)})
+            if part.get("bf16") and part.get("mxfp8"):  # each complete run adds its pairs
+                for r in runs:
+                    runs[r] += part["runs"][r] if part.get("runs") else [part[r]]
+        res.pop("runs", None)
+        if len(runs["bf16"]) > 1:
+            res["runs"], res["bf16"], res["mxfp8"] = runs, runs["bf16"][0], runs["mxfp8"][0]
         return _finish(res, a.out)
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():

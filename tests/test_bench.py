@@ -99,3 +99,34 @@ def test_bench_e2e_tensor_parallel_on_cpu(tmp_path):
     rows = {row["metric"]: row for row in res["summary"]}
     assert 0 < rows["weights (GiB)"]["ratio"] < 1
     assert all(d.get("tokens_per_s", 0) > 0 for d in res["mxfp8"]["decode"]), res["mxfp8"]["decode"]
+
+
+def test_bench_e2e_merge_adds_pairs(tmp_path):
+    """``--merge`` of complete runs: their pairs form one median with min-max (a long run split over
+    several calls); recomputed here from the raw tokens/s of the parts."""
+    import copy
+
+    from mxq.eval import bench_e2e
+
+    base = json.loads((RESULTS.parent / "2026-11-25-tp" / "e2e-70b16l-tp2.json").read_text())
+    parts, scale = [], [1.0, 2.0, 0.5]
+    for i, k in enumerate(scale):
+        part = copy.deepcopy(base)
+        for d in part["mxfp8"]["decode"]:
+            d["tokens_per_s"] = d["tokens_per_s"] * k if d.get("tokens_per_s") else d.get("tokens_per_s")
+        path = tmp_path / f"p{i}.json"
+        path.write_text(json.dumps(part))
+        parts.append(path)
+    out = tmp_path / "m.json"
+    assert bench_e2e.main(["--merge", *map(str, parts), "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert len(res["runs"]["bf16"]) == len(res["runs"]["mxfp8"]) == 3
+    d0b, d0q = base["bf16"]["decode"][0], base["mxfp8"]["decode"][0]
+    row = next(r for r in res["summary"] if r["metric"] == f"decode tok/s B={d0b['batch']} {d0b['mode']}")
+    r = d0q["tokens_per_s"] / d0b["tokens_per_s"]
+    assert row["pairs"] == 3
+    assert row["ratio"] == pytest.approx(r) and row["ratio_min"] == pytest.approx(r * 0.5)
+    assert row["ratio_max"] == pytest.approx(r * 2)
+    one = tmp_path / "one.json"
+    assert bench_e2e.main(["--merge", str(parts[0]), "--out", str(one)]) == 0
+    assert "runs" not in json.loads(one.read_text())

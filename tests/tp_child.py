@@ -33,7 +33,7 @@ def main() -> None:
         saved = str(e)
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save({"logits": logits.cpu(), "tokens": tokens.cpu(), "shapes": shapes, "world": world, "saved": saved}, out)
-    if torch.distributed.is_initialized():  # no rank leaves while another still talks to it
+    if torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo":  # no rank leaves while another talks to it
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
