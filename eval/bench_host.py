@@ -8,7 +8,8 @@ busy behind a long spin kernel first, so every call only queues work (none waits
 the loop's wall time over N calls, divided by N, is the host cost of one call. Rows: bf16
 ``F.linear`` (the baseline), ``nn.Linear``, ``mxq.kernels.mx_linear`` (dispatch included) for W8A8 and
 W8A16, every registered linear path that supports the problem called directly
-(``dispatch.run_path``), and ``MXLinear`` modules as the model calls them. Prints a table of
+(``dispatch.run_path``), and ``MXLinear`` modules as the model calls them, without and with their
+kernel lanes (``kernels/lanes.py``; the same process, one after the other). Prints a table of
 microseconds and the excess over ``F.linear``, and writes JSON.
 """
 
@@ -46,6 +47,7 @@ def rows_for(n: int, k: int, m: int, device) -> list[tuple[str, float]]:
     import torch.nn.functional as F
 
     from mxq.formats import E4M3, ScaleRule, quantize_mx
+    from mxq import linear as mxq_linear
     from mxq.kernels import dispatch, mx_linear
     from mxq.linear import MXLinear
     from mxq.recipe import TensorSpec
@@ -60,12 +62,16 @@ def rows_for(n: int, k: int, m: int, device) -> list[tuple[str, float]]:
         ae = a.elem if a else None
         rows.append((f"mx_linear {label} (dispatch)", host_us(lambda ae=ae: mx_linear(x, q.data, q.scales, act_elem=ae))))
         mod = MXLinear.from_linear(lin, TensorSpec(E4M3, ScaleRule.RCEIL), a)
-        rows.append((f"MXLinear {label} module", host_us(lambda mod=mod: mod(x))))
+        xq = None
         if a is not None:  # as the fused model calls most projections: X quantized by its producer
             from mxq.kernels.quantize import quantize_mx_rows
 
             xq = quantize_mx_rows(x, E4M3, ScaleRule.RCEIL)
-            rows.append((f"MXLinear {label} module, X codes from the producer", host_us(lambda mod=mod, xq=xq: mod(x, xq))))
+        for lanes in (False, True):  # the module's kernel lanes (kernels/lanes.py) off, then on
+            mxq_linear.LANES, mod._lanes, tag = lanes, None, "" if lanes else " (no lane)"
+            rows.append((f"MXLinear {label} module{tag}", host_us(lambda mod=mod: mod(x))))
+            if xq is not None:
+                rows.append((f"MXLinear {label} module, X codes from the producer{tag}", host_us(lambda mod=mod, xq=xq: mod(x, xq))))
         for path in dispatch.LINEAR:
             if path.name == "reference":
                 continue

@@ -44,6 +44,8 @@ try:
     from mxq.kernels import gemm_prefill_ws as _prefill_ws
     from mxq.kernels import gemv as _gemv
     from mxq.kernels import gluon_api
+    from mxq.kernels import lanes as _lanes
+    from mxq.kernels import launch as _launch
     from mxq.kernels import quantize as _quantize
     from mxq.kernels.common import INTERPRET, capability, sm_count
     from mxq.kernels.launch import cdiv
@@ -287,6 +289,26 @@ def mx_linear(
     path = choose(p, spec)
     y = _run(path, p, spec, x2, weight, weight_scale, bias, x.dtype, x_mx)
     return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def linear_lane(x, weight, weight_scale, bias, *, act_elem, act_rule=ScaleRule.RCEIL, block_size=32, kernels=None,
+                pre: bool = False):  # fmt: skip
+    """A callable ``lane(x, x_mx)`` that computes what ``mx_linear`` computes for calls like this
+    one (X of ``x``'s shape, dtype and 16-byte alignment on its device; these weight tensors; these
+    options; codes from the producer or not), with the choice, the plan and the weight's
+    descriptors made once (``kernels/lanes.py``); None where the call's path has no lane (only
+    the Hopper decode GEMM has one), off the GPU, or without direct launches. Call it after one
+    ``mx_linear`` call of the same kind, which makes the plan (and compiles the kernel)."""
+    if not (HAS_TRITON and x.is_cuda and _launch.FAST) or act_elem is None:
+        return None
+    act_elem, act_rule = as_elem_format(act_elem), as_scale_rule(act_rule)
+    spec = kernels_spec(kernels)
+    k = x.shape[-1]
+    p = LinearProblem.of(x.numel() // k if k else 0, weight.shape[0], k, x.dtype, act_elem, act_rule, block_size,
+                         x.device, triton_runs(x.device, spec))  # fmt: skip
+    if choose(p, spec).name != "decode_ws" or "gemm_decode_ws" in gluon_api.DISABLED:
+        return None
+    return _lanes.lane(x, weight, weight_scale, bias, act_elem, act_rule, x.dtype, block_size, pre)
 
 
 def _run(path: KernelPath, p, spec, x2, weight, weight_scale, bias, out_dtype, x_mx=None):

@@ -436,15 +436,7 @@ def mx_decode_gemm_ws(
     out once per such combination (``_WSPlan``): an eager call costs one or two direct launches
     (``mxq.kernels.launch``) and two allocations of host time.
     """
-    dev = x.device
-    key = (
-        x.shape, x.stride(), x.dtype, x.data_ptr() & 15, x.get_device(),
-        weight.shape, weight.stride(), weight.dtype, weight.data_ptr() & 15,
-        weight_scale.shape, weight_scale.stride(), weight_scale.dtype, weight_scale.data_ptr() & 15,
-        None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.data_ptr() & 15),
-        getattr(act_elem, "name", act_elem), act_rule, out_dtype, config, block_size, pdl_ok(dev), hw_cvt(dev),
-        x_mx is not None,
-    )  # fmt: skip
+    key = plan_key(x, weight, weight_scale, bias, act_elem, act_rule, out_dtype, config, block_size, x_mx is not None)
     plan = PLANS.get(key) if launch.FAST else None
     if plan is None:
         plan = _WSPlan(x, weight, weight_scale, bias, act_elem, act_rule, out_dtype, config, block_size, x_mx is not None)
@@ -454,6 +446,18 @@ def mx_decode_gemm_ws(
 
 
 PLANS = PlanCache()
+
+
+def plan_key(x, weight, weight_scale, bias, act_elem, act_rule, out_dtype, config, block_size, pre) -> tuple:
+    """What a ``_WSPlan`` is built from: shapes, strides, dtypes, 16-byte alignment, options."""
+    dev = x.device
+    return (
+        x.shape, x.stride(), x.dtype, x.data_ptr() & 15, x.get_device(),
+        weight.shape, weight.stride(), weight.dtype, weight.data_ptr() & 15,
+        weight_scale.shape, weight_scale.stride(), weight_scale.dtype, weight_scale.data_ptr() & 15,
+        None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.data_ptr() & 15),
+        getattr(act_elem, "name", act_elem), act_rule, out_dtype, config, block_size, pdl_ok(dev), hw_cvt(dev), pre,
+    )  # fmt: skip
 
 
 class _WSPlan:

@@ -41,6 +41,10 @@ try:
     from triton.runtime.jit import compute_cache_key as _cache_key
 except ImportError:  # pragma: no cover - no triton: the dispatch never builds a Launch
     _knobs = driver = _cache_key = None
+try:  # the CUDA launcher's own expansion of a host tensor descriptor (Triton 3.5+)
+    from triton.backends.nvidia import driver as _nv_driver
+except ImportError:  # pragma: no cover
+    _nv_driver = None
 
 
 def cdiv(a: int, b: int) -> int:
@@ -67,11 +71,74 @@ def descriptor(cls, base, shape: list, strides: list, block_shape: list, layout=
     return d
 
 
-def _hooks_attached() -> bool:
+def hooks_attached() -> bool:
     rt = _knobs.runtime
     return bool(getattr(rt.launch_enter_hook, "calls", rt.launch_enter_hook)) or bool(
         getattr(rt.launch_exit_hook, "calls", rt.launch_exit_hook)
     )
+
+
+def nv_tensordesc_arg(desc, meta) -> list:
+    """A host tensor descriptor as the CUDA launcher takes it (Triton's ``make_tensordesc_arg``)."""
+    return _nv_driver.make_tensordesc_arg(desc, meta)
+
+
+def tma_fill_args(meta) -> tuple:
+    """(``fill_tma_descriptor``, swizzle, element size, host dtype enum, block shape) for a
+    descriptor position's metadata: ``fill(ptr, *rest, shape, strides, padding)`` encodes what
+    ``make_tensordesc_arg`` encodes for a zero-padded, non-fp4 descriptor."""
+    return (driver.active.utils.fill_tma_descriptor, meta["swizzle"], meta["elem_size"],
+            _nv_driver.TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]], meta["block_size"])  # fmt: skip
+
+
+class RawLauncher:
+    """A compiled kernel's C launcher called without Triton's Python around it: the launcher
+    object's call (two scratch allocations of size 0) and the loop that expands host tensor
+    descriptors, which visits every argument (``wrap_handle_tensordesc``). ``descs`` are the
+    descriptor arguments' positions and their metadata; ``expand`` turns those, and only those,
+    into what the C launcher takes, with Triton's own ``make_tensordesc_arg``. ``head`` is
+    everything after the grid and the stream: function, cooperative, PDL, the two scratch
+    buffers (none), packed metadata, launch metadata and the two hooks (none)."""
+
+    __slots__ = ("launch", "head", "descs")
+
+    def __init__(self, launch, head: tuple, descs: tuple):
+        self.launch, self.head, self.descs = launch, head, descs
+
+    def expand(self, args) -> tuple:
+        if not self.descs:
+            return args
+        out = list(args)
+        for i, meta in reversed(self.descs):
+            out[i : i + 1] = _nv_driver.make_tensordesc_arg(out[i], meta)
+        return tuple(out)
+
+    def __call__(self, g0: int, g1: int, g2: int, stream: int, *args) -> None:
+        self.launch(g0, g1, g2, stream, *self.head, *self.expand(args))
+
+
+def raw_launcher(kernel) -> RawLauncher | None:
+    """``kernel``'s C launcher as a ``RawLauncher``, or None where its launcher is not the CUDA one
+    this reads (another backend or Triton release, a stand-in in tests) or needs scratch memory."""
+    try:
+        run = kernel.run
+        if run.global_scratch_size or run.profile_scratch_size:
+            return None
+        fn, descs = run.launch, ()
+        if getattr(fn, "__closure__", None):  # wrap_handle_tensordesc's ``inner``: the C launch inside
+            cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__)))
+            fn, idx = cells["launcher"], sorted(cells["tensordesc_indices"])
+            metas = cells["tensordesc_meta"] or [None] * len(idx)
+            if len(metas) != len(idx):
+                return None
+            descs = tuple(zip(idx, metas))
+        if not callable(fn) or getattr(fn, "__closure__", None) or _nv_driver is None:
+            return None
+        head = (kernel.function, run.launch_cooperative_grid, run.launch_pdl, None, None, kernel.packed_metadata,
+                None, None, None)  # fmt: skip
+        return RawLauncher(fn, head, descs)
+    except Exception:  # noqa: BLE001 - anything unexpected: Triton's own launcher
+        return None
 
 
 class Launch:
@@ -82,7 +149,7 @@ class Launch:
     ``maxnreg``, ``launch_pdl``, ...).
     """
 
-    __slots__ = ("fn", "consts", "options", "tail", "template", "slots", "kernel")
+    __slots__ = ("fn", "consts", "options", "tail", "template", "slots", "kernel", "raw")
 
     def __init__(self, fn, consts: dict, options: dict | None = None):
         self.fn = fn
@@ -101,7 +168,7 @@ class Launch:
             self.tail, self.template, self.slots = tuple(consts[n] for n in names[len(slots) :]), None, None
         else:  # runtime parameters among the constexprs: fill a template
             self.tail, self.template, self.slots = (), [consts.get(n) for n in names], slots
-        self.kernel = None
+        self.kernel = self.raw = None
 
     def _full(self, args) -> tuple:
         if self.template is None:
@@ -114,17 +181,20 @@ class Launch:
     def __call__(self, grid: tuple[int, ...], *args) -> None:
         k = self.kernel
         full = self._full(args)
-        if k is None or not FAST or _hooks_attached():
+        if k is None or not FAST or hooks_attached():
             configure_ptxas()
             k = self.fn[grid](*full, **self.options)
             if FAST and not hasattr(k, "result"):
-                self.kernel = k
+                self.kernel, self.raw = k, raw_launcher(k)
             return
         if CHECK:
             self._check(full)
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
         dev = driver.active.get_current_device()
+        if self.raw is not None:
+            self.raw(grid[0], g1, g2, driver.active.get_current_stream(dev), *full)
+            return
         k.run(grid[0], g1, g2, driver.active.get_current_stream(dev), k.function, k.packed_metadata,
               None, None, None, *full)  # fmt: skip
 

@@ -16,6 +16,7 @@ with ``fullgraph=True`` and its decode step can be captured in a CUDA graph
 from __future__ import annotations
 
 import functools
+from os import environ as _environ
 
 import torch
 from torch import nn
@@ -140,9 +141,17 @@ class MXLinear(nn.Module):
         """The weight as the layer computes with it: float32 [N, K]."""
         return self.mx_weight().dequantize(torch.float32)
 
+    # eager calls of one input signature, made short (``_lane_for``): key -> lane, or False for none
+    _lanes: dict | None = None
+
     def forward(self, x: torch.Tensor, x_mx: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Y = X · Wᵀ (+ bias). ``x_mx``: X was MX-rounded by its producer (``mxq.fuse``): x holds
         the rounded values, ``x_mx`` their fp8 codes and scale bytes."""
+        lanes, lane = self._lanes, None
+        if lanes is not None and not torch.compiler.is_compiling():  # made for CUDA calls only (``_lane_for``)
+            lane = lanes.get((x.shape, x.dtype, x.data_ptr() & 15, x.get_device(), x_mx is None))
+            if lane and lane.owner == (self.kernels, _environ.get("MXQ_KERNELS")) and lane.holds(self._parameters):
+                return lane(x, x_mx)
         from mxq.kernels import mx_linear
 
         act_elem = self.act.elem if self.act is not None else None
@@ -153,7 +162,7 @@ class MXLinear(nn.Module):
                 act_elem.name if act_elem is not None else "", act_rule.value, self.block_size, self.kernels or "",
                 *(x_mx if x_mx is not None else (None, None)),
             )  # fmt: skip
-        return mx_linear(
+        y = mx_linear(
             x,
             self.weight,
             self.weight_scale,
@@ -164,6 +173,31 @@ class MXLinear(nn.Module):
             kernels=self.kernels,
             x_mx=x_mx,
         )
+        if x.is_cuda and LANES and lane is not False:  # False: this signature has no lane
+            self._lane_for(x, x_mx, act_elem, act_rule)
+        return y
+
+    def __getstate__(self):
+        """Pickling and ``copy.deepcopy`` leave the lanes behind (compiled kernels, launchers)."""
+        state = dict(super().__getstate__())
+        state.pop("_lanes", None)
+        return state
+
+    def _lane_for(self, x, x_mx, act_elem, act_rule) -> None:
+        """After an eager call through ``mx_linear``: keep a lane for calls of this input signature
+        (``mxq.kernels.dispatch.linear_lane``), or that there is none. A lane is used while the
+        module's weight, scales and bias are the same tensors at the same addresses and its
+        ``kernels`` and $MXQ_KERNELS are what they were; at most ``LANES_PER_MODULE`` signatures."""
+        from mxq.kernels import dispatch
+
+        if self._lanes is None or len(self._lanes) >= LANES_PER_MODULE:
+            self._lanes = {}
+        key = (x.shape, x.dtype, x.data_ptr() & 15, x.get_device(), x_mx is None)
+        lane = dispatch.linear_lane(
+            x, self.weight, self.weight_scale, self.bias, act_elem=act_elem, act_rule=act_rule,
+            block_size=self.block_size, kernels=self.kernels, pre=x_mx is not None,
+        )  # fmt: skip
+        self._lanes[key] = _Lane(lane, self._parameters, (self.kernels, _environ.get("MXQ_KERNELS"))) if lane else False
 
     def extra_repr(self) -> str:
         a = f"{self.act.elem.name}/{self.act.scale_rule.value}" if self.act else "bf16"
@@ -172,6 +206,34 @@ class MXLinear(nn.Module):
             f"bias={self.bias is not None}, weight={self.elem.name}, act={a}, block={self.block_size}"
             + (f", kernels={self.kernels}" if self.kernels else "")
         )
+
+
+# Lanes (``MXLinear._lane_for``): on unless MXQ_LANES=0 (A/B timings, debugging)
+LANES = _environ.get("MXQ_LANES", "1") != "0"
+LANES_PER_MODULE = 16
+
+
+class _Lane:
+    """A kernel lane (``dispatch.linear_lane``) with what it was made for: the module's parameter
+    tensors and their addresses (``param.data = ...`` keeps the object, not the address), and the
+    kernels spec."""
+
+    __slots__ = ("run", "params", "ptrs", "owner")
+
+    def __init__(self, run, params: dict, owner: tuple):
+        self.run, self.owner = run, owner
+        self.params = (params["weight"], params["weight_scale"], params.get("bias"))
+        self.ptrs = tuple(t.data_ptr() if t is not None else 0 for t in self.params)
+
+    def holds(self, params: dict) -> bool:
+        w, s, b = self.params
+        return (
+            params["weight"] is w and params["weight_scale"] is s and params.get("bias") is b
+            and w.data_ptr() == self.ptrs[0] and s.data_ptr() == self.ptrs[1] and (b is None or b.data_ptr() == self.ptrs[2])
+        )  # fmt: skip
+
+    def __call__(self, x, x_mx):
+        return self.run(x, x_mx)
 
 
 def _check_kernels(kernels: str | None) -> str | None:

@@ -112,3 +112,57 @@ def test_host_integer_helpers_match_triton():
         for b in (1, 3, 16, 32, 128):
             assert L.cdiv(v, b) == triton.cdiv(v, b)
     assert [L.arg_spec(v) for v in (1, 16, 48, 7, 0, 2**31, 2**35 + 1)] == [1, 16, 16, 0, 16, 16 + 64, 64]
+
+
+class _Recorder:
+    """Stands for the C launcher: records each call's arguments."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
+def _desc(rnd):
+    rows, cols = rnd.choice([16, 64, 128]), rnd.choice([128, 256, 512])
+    return SimpleNamespace(base=f"B{rnd.random()}", shape=[rnd.randrange(1, 999), cols], strides=[cols, 1],
+                           padding=rnd.choice(["zero", "nan"]), block_shape=[rows, 128])  # fmt: skip
+
+
+def test_raw_launcher_passes_what_tritons_own_wrapper_passes():
+    """The C launcher called directly gets, argument for argument, what Triton's
+    ``wrap_handle_tensordesc`` + launcher object pass it (descriptors expanded in place)."""
+    nv = pytest.importorskip("triton.backends.nvidia.driver")
+    rnd = random.Random(11)
+    sig = {"w": "tensordesc<fp8e4nv[128, 128]>", "x": "*bf16", "n": "i32", "xd": "tensordesc<fp8e4nv[16, 128]>",
+           "k": "i32", "B": "constexpr"}  # fmt: skip
+    theirs, ours = _Recorder(), _Recorder()
+    run = SimpleNamespace(launch=nv.wrap_handle_tensordesc(ours, sig, None), global_scratch_size=0,
+                          profile_scratch_size=0, launch_cooperative_grid=False, launch_pdl=True)  # fmt: skip
+    kernel = SimpleNamespace(run=run, function=0xF00, packed_metadata=(4, 1, 0))
+    raw = L.raw_launcher(kernel)
+    assert raw is not None and [i for i, _ in raw.descs] == [0, 3]
+    wrapped = nv.wrap_handle_tensordesc(theirs, sig, None)
+    for _ in range(5):
+        args = (_desc(rnd), "X", rnd.randrange(1, 10**6), _desc(rnd), rnd.randrange(1, 10**6), 64)
+        grid = (rnd.randrange(1, 200), rnd.randrange(1, 9), 1)
+        raw(*grid, 1234, *args)
+        wrapped(*grid, 1234, 0xF00, False, True, None, None, (4, 1, 0), None, None, None, *args)
+    assert ours.calls == theirs.calls and len(ours.calls) == 5
+    assert len(ours.calls[0]) == 13 + 6 + 2 * (4 + 1 + 4)  # each descriptor: base, 2x (shape, strides), padding
+
+
+def test_raw_launcher_declines_what_it_cannot_call():
+    run = dict(launch=_Recorder(), global_scratch_size=0, profile_scratch_size=0, launch_cooperative_grid=False, launch_pdl=False)
+    ok = SimpleNamespace(run=SimpleNamespace(**run), function=1, packed_metadata=())
+    assert L.raw_launcher(ok) is not None and L.raw_launcher(ok).descs == ()
+    scratch = SimpleNamespace(run=SimpleNamespace(**{**run, "global_scratch_size": 256}), function=1, packed_metadata=())
+    assert L.raw_launcher(scratch) is None
+    unknown = SimpleNamespace(run=SimpleNamespace(**{**run, "launch": lambda *a, _c=[]: _c.append(a)}), function=1,
+                              packed_metadata=())  # fmt: skip
+    assert L.raw_launcher(unknown) is not None  # a plain function without a closure is called as is
+    wrapper = SimpleNamespace(run=SimpleNamespace(**{**run, "launch": (lambda rec: (lambda *a: rec(*a)))(_Recorder())}),
+                              function=1, packed_metadata=())  # fmt: skip
+    assert L.raw_launcher(wrapper) is None  # some other wrapper: Triton's launcher object stays in charge
+    assert L.raw_launcher(SimpleNamespace()) is None
