@@ -46,8 +46,8 @@ def host_us(fn, calls: int = 200, rounds: int = 5) -> float:
 def rows_for(n: int, k: int, m: int, device) -> list[tuple[str, float]]:
     import torch.nn.functional as F
 
-    from mxq.formats import E4M3, ScaleRule, quantize_mx
     from mxq import linear as mxq_linear
+    from mxq.formats import E4M3, ScaleRule, quantize_mx
     from mxq.kernels import dispatch, mx_linear
     from mxq.linear import MXLinear
     from mxq.recipe import TensorSpec
