@@ -142,6 +142,9 @@ def test_raw_launcher_passes_what_tritons_own_wrapper_passes():
                           profile_scratch_size=0, launch_cooperative_grid=False, launch_pdl=True)  # fmt: skip
     kernel = SimpleNamespace(run=run, function=0xF00, packed_metadata=(4, 1, 0))
     raw = L.raw_launcher(kernel)
+    if "tensordesc_indices" not in run.launch.__code__.co_freevars:  # another release's wrapper (Triton 3.9: shared impl)
+        assert raw is None  # declined: Triton's launcher object stays in charge
+        pytest.skip(f"Triton {triton.__version__} wraps its launcher differently; the raw path reads Triton 3.6's")
     assert raw is not None and [i for i, _ in raw.descs] == [0, 3]
     wrapped = nv.wrap_handle_tensordesc(theirs, sig, None)
     for _ in range(5):
