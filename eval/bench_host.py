@@ -86,6 +86,27 @@ def rows_for(n: int, k: int, m: int, device) -> list[tuple[str, float]]:
     return rows
 
 
+def producer_rows(k: int, inter: int, m: int, device) -> list[tuple[str, float]]:
+    """The producers mxq puts before the projections (RMSNorm, SiLU(gate)·up, each with MX output)
+    against what the bf16 model runs there (transformers' ``LlamaRMSNorm``; ``F.silu(g) * u``)."""
+    import torch.nn.functional as F
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from mxq.formats import E4M3
+    from mxq.kernels.producers import rmsnorm_mx, silu_mul_mx
+
+    norm = LlamaRMSNorm(k, eps=1e-5).to(device=device, dtype=torch.bfloat16)
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    gu = torch.randn(m, 2 * inter, device=device, dtype=torch.bfloat16)
+    g, u = gu[:, :inter], gu[:, inter:]
+    return [
+        ("LlamaRMSNorm bf16", host_us(lambda: norm(x))),
+        ("rmsnorm_mx (MX codes out)", host_us(lambda: rmsnorm_mx(x, norm.weight, 1e-5, E4M3))),
+        ("F.silu(gate) * up bf16", host_us(lambda: F.silu(g) * u)),
+        ("silu_mul_mx (MX codes out)", host_us(lambda: silu_mul_mx(gu, E4M3))),
+    ]
+
+
 def profile_call(n: int, k: int, m: int, device, calls: int = 3000, top: int = 25) -> str:
     """cProfile of ``calls`` eager ``MXLinear`` W8A8 calls (the GPU kept busy): where the host time goes."""
     import cProfile
@@ -120,6 +141,7 @@ def main(argv=None) -> int:
     ap.add_argument("--m", type=int, default=1)
     ap.add_argument("--layers", default="o", help="projections of the shape set to measure (comma-separated)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--no-producers", action="store_true", help="skip the producers' table (RMSNorm, SiLU·up)")
     ap.add_argument("--profile", action="store_true", help="also print a cProfile of MXLinear W8A8 calls (first shape and layer)")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -141,6 +163,15 @@ def main(argv=None) -> int:
             print("| call | host µs | over F.linear µs |\n|---|---:|---:|")
             for c, t in rows:
                 print(f"| {c} | {t:.1f} | {t - base:+.1f} |")
+    if not a.no_producers:
+        _, k = SHAPES[a.shapes.split(",")[0]]["qkv"]
+        inter = SHAPES[a.shapes.split(",")[0]]["gate_up"][0] // 2
+        rows = producer_rows(k, inter, a.m, device)
+        res["producers"] = [{"call": c, "host_us": t} for c, t in rows]
+        print(f"\n## host time per producer call, K={k}, I={inter}, M={a.m}, {res['device']} ({res['date']})\n")
+        print("| call | host µs | x the bf16 op |\n|---|---:|---:|")
+        for i, (c, t) in enumerate(rows):
+            print(f"| {c} | {t:.1f} | {t / rows[i - i % 2][1]:.2f} |")
     if a.profile:
         shape, layer = a.shapes.split(",")[0], a.layers.split(",")[0]
         text = profile_call(*SHAPES[shape][layer], a.m, device)
