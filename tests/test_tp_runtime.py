@@ -21,8 +21,12 @@ CHILD = HERE / "tp_child.py"
 def _run(ckpt: Path, out: Path, tp: int, device: str = "cpu") -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}"] if tp > 1 else [sys.executable]
+    out.unlink(missing_ok=True)
     r = subprocess.run([*launch, str(CHILD), str(ckpt), str(out), device], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    # rank 0 writes its results whole (temp file, rename) before the ranks leave; gloo on CPU has aborted
+    # a rank while the process group was torn down (rarely, under load): the results then stand
+    teardown = tp > 1 and out.exists() and "Signal 6 (SIGABRT)" in r.stderr
+    assert r.returncode == 0 or teardown, r.stdout[-3000:] + r.stderr[-3000:]
     return torch.load(out)
 
 

@@ -32,7 +32,8 @@ def main() -> None:
     except ValueError as e:
         saved = str(e)
     if int(os.environ.get("RANK", "0")) == 0:
-        torch.save({"logits": logits.cpu(), "tokens": tokens.cpu(), "shapes": shapes, "world": world, "saved": saved}, out)
+        torch.save({"logits": logits.cpu(), "tokens": tokens.cpu(), "shapes": shapes, "world": world, "saved": saved}, out + ".tmp")
+        os.replace(out + ".tmp", out)
     if torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo":  # no rank leaves while another talks to it
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
