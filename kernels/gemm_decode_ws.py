@@ -448,6 +448,12 @@ def mx_decode_gemm_ws(
 PLANS = PlanCache()
 
 
+def tma_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself where TMA and the int32 scale view can read it (contiguous, 16-byte aligned), else a
+    contiguous copy."""
+    return t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
+
+
 def plan_key(x, weight, weight_scale, bias, act_elem, act_rule, out_dtype, config, block_size, pre) -> tuple:
     """What a ``_WSPlan`` is built from: shapes, strides, dtypes, 16-byte alignment, options."""
     dev = x.device
@@ -535,7 +541,7 @@ class _WSPlan:
             x_desc, xs32 = w_desc, s32  # fuse_x: unused, the kernel reads x and quantizes it itself
             if self.pre:  # the producer's codes; TMA needs 16-byte aligned rows, the int32 scale view 4-byte ones
                 xq, xs = (t.reshape(m, -1) for t in x_mx)
-                xq, xs = (t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format) for t in (xq, xs))
+                xq, xs = map(tma_rows, (xq, xs))
                 x_desc = descriptor(TensorDescriptor, xq.view(self.x_dtype), [m, k], [k, 1], self.x_block, self.x_layout)
                 xs32 = xs.view(torch.int32)
         else:

@@ -19,11 +19,6 @@ from mxq.kernels.buffers import split_counters
 from mxq.kernels.common import split_k_finish
 from mxq.kernels.launch import descriptor
 
-try:
-    from torch._C import _cuda_getCurrentRawStream as _raw_stream
-except ImportError:  # pragma: no cover - a CPU-only torch build: no lane is ever made
-    _raw_stream = None
-
 
 def lane(x, weight, weight_scale, bias, act_elem, act_rule, out_dtype, block_size: int, pre: bool) -> DecodeLane | None:
     """A ``DecodeLane`` for calls like this one (X of ``x``'s shape, dtype and alignment on its device,
@@ -52,7 +47,7 @@ class DecodeLane:
     launch hooks) goes through the plan: the same kernels, the same bits."""
 
     __slots__ = ("plan", "weight", "weight_scale", "bias", "s32", "b_arg", "device", "dev_index", "out_shape",
-                 "ws_shape", "x2_shape", "exp", "x_fill", "xs_stride")  # fmt: skip
+                 "ws_shape", "x2_shape", "exp", "xs_stride", "stream")  # fmt: skip
 
     def __init__(self, plan, x, weight, weight_scale, bias):
         self.plan, self.weight, self.weight_scale, self.bias = plan, weight, weight_scale, bias
@@ -65,6 +60,7 @@ class DecodeLane:
         self.x2_shape = (m, k)
         self.exp = {}  # fused variant -> (weight's expanded descriptor, X position's for fuse_x, X fill args)
         self.xs_stride = k // WS.BS // 4
+        self.stream = launch.stream_getter()
 
     def _expanded(self, fused: bool, raw):
         """The weight descriptor expanded as the C launcher takes it (and the X position's when X is
@@ -77,7 +73,7 @@ class DecodeLane:
                             plan.w_layout)  # fmt: skip
         w_exp = tuple(launch.nv_tensordesc_arg(w_desc, mw))
         x_exp = tuple(launch.nv_tensordesc_arg(w_desc, mx)) if not plan.pre else None
-        fill = launch.tma_fill_args(mx)
+        fill = launch.tma_fill_args(mx) if plan.pre else None
         got = self.exp[fused] = (w_exp, x_exp, fill)
         return got
 
@@ -102,11 +98,7 @@ class DecodeLane:
         w_exp, x_exp, fill = exp
         m, n, k = plan.m, plan.n, plan.k
         if plan.pre:
-            xq, xs = x_mx
-            if xq.data_ptr() % 16 or not xq.is_contiguous():
-                xq = xq.clone(memory_format=torch.contiguous_format)
-            if xs.data_ptr() % 16 or not xs.is_contiguous():
-                xs = xs.clone(memory_format=torch.contiguous_format)
+            xq, xs = map(WS.tma_rows, x_mx)
             x_exp = (fill[0](xq.data_ptr(), *fill[1:], [m, k], [k, 1], 0), m, k, k, 1)
             xs_arg, xs_stride = xs, self.xs_stride
         else:
@@ -116,7 +108,7 @@ class DecodeLane:
         ws = torch.empty(self.ws_shape, dtype=torch.float32, device=dev) if plan.split > 1 else y
         s32 = self.s32
         raw.launch(
-            plan.tiles, plan.split, 1, _raw_stream(self.dev_index), *raw.head, *w_exp, *x_exp, x, s32, xs_arg,
+            plan.tiles, plan.split, 1, self.stream(self.dev_index), *raw.head, *w_exp, *x_exp, x, s32, xs_arg,
             self.b_arg, y, ws, counters if fused else s32, m, n, k, plan.k_split, k, s32.stride(0), xs_stride, n, *go.tail,
         )  # fmt: skip
         if plan.split > 1 and not fused:

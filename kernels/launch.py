@@ -78,6 +78,12 @@ def hooks_attached() -> bool:
     )
 
 
+def stream_getter():
+    """Triton's function from a CUDA device index to its raw current stream (what launches take),
+    looked up once by callers that launch often."""
+    return driver.active.get_current_stream
+
+
 def nv_tensordesc_arg(desc, meta) -> list:
     """A host tensor descriptor as the CUDA launcher takes it (Triton's ``make_tensordesc_arg``)."""
     return _nv_driver.make_tensordesc_arg(desc, meta)

@@ -149,9 +149,9 @@ class MXLinear(nn.Module):
         the rounded values, ``x_mx`` their fp8 codes and scale bytes."""
         lanes, lane = self._lanes, None
         if lanes is not None and not torch.compiler.is_compiling():  # made for CUDA calls only (``_lane_for``)
-            lane = lanes.get((x.shape, x.dtype, x.data_ptr() & 15, x.get_device(), x_mx is None))
+            lane = lanes.get(_lane_key(x, x_mx))
             if lane and lane.owner == (self.kernels, _environ.get("MXQ_KERNELS")) and lane.holds(self._parameters):
-                return lane(x, x_mx)
+                return lane.run(x, x_mx)
         from mxq.kernels import mx_linear
 
         act_elem = self.act.elem if self.act is not None else None
@@ -192,12 +192,11 @@ class MXLinear(nn.Module):
 
         if self._lanes is None or len(self._lanes) >= LANES_PER_MODULE:
             self._lanes = {}
-        key = (x.shape, x.dtype, x.data_ptr() & 15, x.get_device(), x_mx is None)
         lane = dispatch.linear_lane(
             x, self.weight, self.weight_scale, self.bias, act_elem=act_elem, act_rule=act_rule,
             block_size=self.block_size, kernels=self.kernels, pre=x_mx is not None,
         )  # fmt: skip
-        self._lanes[key] = _Lane(lane, self._parameters, (self.kernels, _environ.get("MXQ_KERNELS"))) if lane else False
+        self._lanes[_lane_key(x, x_mx)] = _Lane(lane, self._parameters, (self.kernels, _environ.get("MXQ_KERNELS"))) if lane else False
 
     def extra_repr(self) -> str:
         a = f"{self.act.elem.name}/{self.act.scale_rule.value}" if self.act else "bf16"
@@ -232,8 +231,10 @@ class _Lane:
             and w.data_ptr() == self.ptrs[0] and s.data_ptr() == self.ptrs[1] and (b is None or b.data_ptr() == self.ptrs[2])
         )  # fmt: skip
 
-    def __call__(self, x, x_mx):
-        return self.run(x, x_mx)
+
+def _lane_key(x: torch.Tensor, x_mx) -> tuple:
+    """The input signature a lane serves: shape, dtype, 16-byte alignment, device, codes or not."""
+    return x.shape, x.dtype, x.data_ptr() & 15, x.get_device(), x_mx is None
 
 
 def _check_kernels(kernels: str | None) -> str | None:
