@@ -87,23 +87,29 @@ def rows_for(n: int, k: int, m: int, device) -> list[tuple[str, float]]:
 
 
 def producer_rows(k: int, inter: int, m: int, device) -> list[tuple[str, float]]:
-    """The producers mxq puts before the projections (RMSNorm, SiLU(gate)·up, each with MX output)
-    against what the bf16 model runs there (transformers' ``LlamaRMSNorm``; ``F.silu(g) * u``)."""
+    """The producers mxq puts before the projections (RMSNorm, the residual add + RMSNorm, SiLU(gate)·up,
+    each with MX output) against what the bf16 model runs there (transformers' ``LlamaRMSNorm``,
+    ``residual + x`` then it; ``F.silu(g) * u``). Fewer calls per round than the projections: the
+    bf16 norm queues 7 kernels a call, and a full launch queue would make the host wait."""
     import torch.nn.functional as F
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     from mxq.formats import E4M3
-    from mxq.kernels.producers import rmsnorm_mx, silu_mul_mx
+    from mxq.kernels.producers import add_rmsnorm_mx, rmsnorm_mx, silu_mul_mx
 
     norm = LlamaRMSNorm(k, eps=1e-5).to(device=device, dtype=torch.bfloat16)
     x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    r = torch.randn(m, k, device=device, dtype=torch.bfloat16)
     gu = torch.randn(m, 2 * inter, device=device, dtype=torch.bfloat16)
     g, u = gu[:, :inter], gu[:, inter:]
+    n = 64
     return [
-        ("LlamaRMSNorm bf16", host_us(lambda: norm(x))),
-        ("rmsnorm_mx (MX codes out)", host_us(lambda: rmsnorm_mx(x, norm.weight, 1e-5, E4M3))),
-        ("F.silu(gate) * up bf16", host_us(lambda: F.silu(g) * u)),
-        ("silu_mul_mx (MX codes out)", host_us(lambda: silu_mul_mx(gu, E4M3))),
+        ("LlamaRMSNorm bf16", host_us(lambda: norm(x), calls=n)),
+        ("rmsnorm_mx (MX codes out)", host_us(lambda: rmsnorm_mx(x, norm.weight, 1e-5, E4M3), calls=n)),
+        ("residual + x, LlamaRMSNorm bf16", host_us(lambda: norm(r + x), calls=n)),
+        ("add_rmsnorm_mx (sum and MX codes out)", host_us(lambda: add_rmsnorm_mx(x, r, norm.weight, 1e-5, E4M3), calls=n)),
+        ("F.silu(gate) * up bf16", host_us(lambda: F.silu(g) * u, calls=n)),
+        ("silu_mul_mx (MX codes out)", host_us(lambda: silu_mul_mx(gu, E4M3), calls=n)),
     ]
 
 

@@ -278,6 +278,12 @@ def rmsnorm_mx(x: torch.Tensor, weight: torch.Tensor, eps: float, elem, block_si
     return _mx_rounded(weight * h.to(x.dtype), elem, block_size)
 
 
+def add_rmsnorm_mx(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, elem, block_size: int = 32):
+    """``reference.add_rmsnorm_mx_reference`` with the rounding in C (same values and bytes)."""
+    h = residual + x
+    return (h, *rmsnorm_mx(h, weight, eps, elem, block_size))
+
+
 def silu_mul_mx(gu: torch.Tensor, elem, block_size: int = 32):
     """``reference.silu_mul_mx_reference`` with the rounding in C (same values and bytes)."""
     g, u = gu.chunk(2, dim=-1)

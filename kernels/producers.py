@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from mxq.formats import ElemFormat, ScaleRule
+from mxq.kernels import launch
 from mxq.kernels.common import (
     RULE_ID,
     SCALE_BIAS,
@@ -45,7 +46,7 @@ from mxq.kernels.common import (
     pdl_ok,
     pow2_f32,
 )
-from mxq.kernels.launch import call, cdiv, next_pow2
+from mxq.kernels.launch import Launch, PlanCache, cdiv, next_pow2
 
 _RCEIL = tl.constexpr(RULE_ID[ScaleRule.RCEIL])
 
@@ -80,16 +81,22 @@ def _start_row(PDL: tl.constexpr):
 
 @triton.jit
 def _rmsnorm_mx_kernel(
-    x_ptr, w_ptr, y_ptr, q_ptr, s_ptr,
-    K, eps, stride_x, stride_y, stride_q, stride_s,
+    x_ptr, r_ptr, h_ptr, w_ptr, y_ptr, q_ptr, s_ptr,
+    K, eps, stride_y, stride_q, stride_s,
     BLOCK: tl.constexpr, BS: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr,
     EMIN: tl.constexpr, EBIAS: tl.constexpr, NAN_BYTE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, ADD: tl.constexpr,
 ):  # fmt: skip
+    """RMSNorm of a row (rows of K, unit stride, ``stride_y`` apart), MX-rounded; with ``ADD`` the
+    row is ``r + x`` first (rounded to x's dtype, as torch adds two tensors of it), stored to h."""
     row64 = _start_row(PDL)
     cols = tl.arange(0, BLOCK)
     cmask = cols < K
-    x = tl.load(x_ptr + row64 * stride_x + cols, mask=cmask, other=0.0)
+    x = tl.load(x_ptr + row64 * stride_y + cols, mask=cmask, other=0.0)
+    if ADD:
+        r = tl.load(r_ptr + row64 * stride_y + cols, mask=cmask, other=0.0)
+        x = (r.to(tl.float32) + x.to(tl.float32)).to(x.dtype)
+        tl.store(h_ptr + row64 * stride_y + cols, x, mask=cmask)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / K
     h = (xf * (1.0 / tl.sqrt_rn(var + eps))).to(x.dtype).to(tl.float32)
@@ -132,19 +139,6 @@ def _consts(elem: ElemFormat, block_size: int, device: torch.device, block: int,
     )  # fmt: skip
 
 
-def _rows_and_outputs(x: torch.Tensor, width: int, k: int, elem: ElemFormat, block_size: int):
-    """x as unit-stride rows [M, width], and the outputs: rounded values [..., K] (x's dtype), fp8
-    codes [M, K] and scales [M, K/bs], fresh tensors, none a view (custom ops return them)."""
-    x2 = x.reshape(-1, width)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    m = x2.shape[0]
-    y = torch.empty((*x.shape[:-1], k), dtype=x.dtype, device=x.device)
-    q = torch.empty((m, k), dtype=elem.torch_dtype, device=x.device)
-    s = torch.empty((m, k // block_size), dtype=torch.uint8, device=x.device)
-    return x2, y, q, s
-
-
 def _check(x: torch.Tensor, k: int, block_size: int, name: str) -> None:
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"{name} takes bfloat16, float16 or float32 input, got {x.dtype}")
@@ -152,24 +146,109 @@ def _check(x: torch.Tensor, k: int, block_size: int, name: str) -> None:
         raise ValueError(f"{name} needs K divisible by the MX block {block_size}, got K={k}")
 
 
+def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x as contiguous rows [M, width] (a view where it already is)."""
+    x2 = x.reshape(-1, width)
+    return x2 if x2.is_contiguous() else x2.contiguous()
+
+
+class ProducerPlan:
+    """One producer kernel's launches for one input signature (kind, shape, dtype, 16-byte
+    alignment, device, format, options), decided once: grid, constant arguments, output shapes and
+    the ``launch.Launch`` whose compiled kernel's C launcher later calls take directly. A call
+    allocates the outputs and launches once; the host work of argument checks, constexprs and the
+    launch-site key is done when the plan is made (``PLANS``)."""
+
+    __slots__ = ("go", "grid", "consts", "m", "k", "out_shape", "q_dtype", "nblk", "device", "dev_index", "stream", "add")
+
+    def __init__(self, fn, grid, consts: dict, options: dict, m: int, k: int, out_shape, elem: ElemFormat,
+                 block_size: int, device: torch.device, add: bool):  # fmt: skip
+        self.go = Launch(fn, consts, options)
+        self.grid, self.m, self.k, self.out_shape, self.add = grid, m, k, out_shape, add
+        self.consts = consts
+        self.q_dtype, self.nblk = elem.torch_dtype, k // block_size
+        self.device, self.dev_index = device, device.index or 0
+        self.stream = None  # Triton's stream function, on the first direct launch
+
+    def _stream(self):
+        self.stream = launch.stream_getter()
+        return self.stream
+
+    def __call__(self, x2: torch.Tensor, w: torch.Tensor | None, r2: torch.Tensor | None, tail: tuple):
+        """(rounded values, codes, scales[, the sum]) for rows ``x2`` (``r2``: residual rows, ``w``:
+        the norm's weight; ``tail``: the kernel's arguments after the pointers)."""
+        dev, m, k = self.device, self.m, self.k
+        y = torch.empty(self.out_shape, dtype=x2.dtype, device=dev)
+        q = torch.empty((m, k), dtype=torch.uint8, device=dev)
+        s = torch.empty((m, self.nblk), dtype=torch.uint8, device=dev)
+        h = torch.empty(self.out_shape, dtype=x2.dtype, device=dev) if self.add else None
+        if m:
+            args = (x2, y, q, s) if w is None else (x2, x2 if r2 is None else r2, y if h is None else h, w, y, q, s)
+            go = self.go
+            raw = go.raw
+            if raw is None or launch.CHECK or go.template is not None or launch.hooks_attached():
+                go(self.grid, *args, *tail)
+            else:
+                stream = self.stream or self._stream()
+                g = self.grid
+                raw.launch(g[0], g[1], 1, stream(self.dev_index), *raw.head, *args, *tail, *go.tail)
+        q = q.view(self.q_dtype)
+        return (y, q, s) if h is None else (h, y, q, s)
+
+
+PLANS = PlanCache()
+
+
+def _norm_plan(key, x2, weight, eps, elem, block_size, pdl, add, out_shape) -> ProducerPlan:
+    name = "add_rmsnorm_mx" if add else "rmsnorm_mx"
+    k = x2.shape[1]
+    _check(x2, k, block_size, name)
+    if weight.dtype != x2.dtype or weight.shape != (k,) or not weight.is_contiguous():
+        raise ValueError(f"{name} needs a contiguous weight of shape ({k},) in {x2.dtype}, got {tuple(weight.shape)} {weight.dtype}")
+    if k > RMSNORM_MAX_K:
+        raise ValueError(f"{name} takes rows of at most {RMSNORM_MAX_K} elements, got {k}")
+    block = max(next_pow2(k), block_size)
+    consts = _consts(elem, block_size, x2.device, block, pdl)
+    consts["ADD"] = add
+    plan = ProducerPlan(_rmsnorm_mx_kernel, (x2.shape[0], 1), consts, dict(num_warps=min(16, max(4, block // 1024))),
+                        x2.shape[0], k, out_shape, elem, block_size, x2.device, add)  # fmt: skip
+    return PLANS.put(key, plan)
+
+
 def rmsnorm_mx(x: torch.Tensor, weight: torch.Tensor, eps: float, elem: ElemFormat, block_size: int = 32,
                pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """RMSNorm of x [..., K] with ``weight`` [K] (x's dtype), rounded to MX (RCEIL): (rounded values
     [..., K] in x's dtype, fp8 codes [M, K], scale bytes [M, K/bs]) with M = x.numel() / K."""
     k = x.shape[-1]
-    _check(x, k, block_size, "rmsnorm_mx")
-    if weight.dtype != x.dtype or weight.shape != (k,):
-        raise ValueError(f"rmsnorm_mx needs a weight of shape ({k},) in {x.dtype}, got {tuple(weight.shape)} {weight.dtype}")
-    if k > RMSNORM_MAX_K:
-        raise ValueError(f"rmsnorm_mx takes rows of at most {RMSNORM_MAX_K} elements, got {k}")
-    x2, y, q, s = _rows_and_outputs(x, k, k, elem, block_size)
-    m = x2.shape[0]
-    if m:
-        block = max(next_pow2(k), block_size)
-        call(_rmsnorm_mx_kernel, (m, 1),
-             (x2, weight.contiguous(), y, q.view(torch.uint8), s, k, float(eps), k, k, k, k // block_size),
-             _consts(elem, block_size, x.device, block, pdl), num_warps=min(16, max(4, block // 1024)))  # fmt: skip
-    return y, q, s
+    x2 = _rows(x, k)
+    key = (0, x.shape, x.dtype, x2.data_ptr() & 15, x.device, weight.dtype, weight.shape, weight.data_ptr() & 15,
+           elem, block_size, pdl)  # fmt: skip
+    plan = PLANS.get(key) or _norm_plan(key, x2, weight, eps, elem, block_size, pdl, False, x.shape)
+    return plan(x2, weight, None, (k, float(eps), k, k, k // block_size))
+
+
+def add_rmsnorm_mx(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, elem: ElemFormat,
+                   block_size: int = 32, pdl: bool = True):  # fmt: skip
+    """A decoder layer's residual add and the RMSNorm after it in one pass: h = residual + x (x's
+    dtype, as torch adds them), then ``rmsnorm_mx(h, ...)``. Returns (h, rounded values, codes,
+    scales)."""
+    k = x.shape[-1]
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"add_rmsnorm_mx needs a residual like x {tuple(x.shape)} {x.dtype}, "
+                         f"got {tuple(residual.shape)} {residual.dtype}")  # fmt: skip
+    x2, r2 = _rows(x, k), _rows(residual, k)
+    key = (1, x.shape, x.dtype, x2.data_ptr() & 15, r2.data_ptr() & 15, x.device, weight.dtype, weight.shape,
+           weight.data_ptr() & 15, elem, block_size, pdl)  # fmt: skip
+    plan = PLANS.get(key) or _norm_plan(key, x2, weight, eps, elem, block_size, pdl, True, x.shape)
+    return plan(x2, weight, r2, (k, float(eps), k, k, k // block_size))
+
+
+def _silu_plan(key, g2, k, elem, block_size, pdl, out_shape) -> ProducerPlan:
+    _check(g2, k, block_size, "silu_mul_mx")
+    block = min(SILU_BLOCK, max(next_pow2(k), block_size))
+    plan = ProducerPlan(_silu_mul_mx_kernel, (g2.shape[0], cdiv(k, block)), _consts(elem, block_size, g2.device, block, pdl),
+                        dict(num_warps=4), g2.shape[0], k, out_shape, elem, block_size, g2.device, False)  # fmt: skip
+    return PLANS.put(key, plan)
 
 
 def silu_mul_mx(gu: torch.Tensor, elem: ElemFormat, block_size: int = 32,
@@ -181,12 +260,7 @@ def silu_mul_mx(gu: torch.Tensor, elem: ElemFormat, block_size: int = 32,
     if k2 % 2:
         raise ValueError(f"silu_mul_mx needs gate and up side by side (an even last axis), got {k2}")
     k = k2 // 2
-    _check(gu, k, block_size, "silu_mul_mx")
-    g2, y, q, s = _rows_and_outputs(gu, k2, k, elem, block_size)
-    m = g2.shape[0]
-    if m:
-        block = min(SILU_BLOCK, max(next_pow2(k), block_size))
-        call(_silu_mul_mx_kernel, (m, cdiv(k, block)),
-             (g2, y, q.view(torch.uint8), s, k, g2.stride(0), k, k, k // block_size),
-             _consts(elem, block_size, gu.device, block, pdl), num_warps=4)  # fmt: skip
-    return y, q, s
+    g2 = _rows(gu, k2)
+    key = (2, gu.shape, gu.dtype, g2.data_ptr() & 15, gu.device, elem, block_size, pdl)
+    plan = PLANS.get(key) or _silu_plan(key, g2, k, elem, block_size, pdl, (*gu.shape[:-1], k))
+    return plan(g2, None, None, (k, k2, k, k, k // block_size))

@@ -86,6 +86,14 @@ def rmsnorm_mx_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, elem
     return _mx_rounded(weight * h.to(x.dtype), elem, block_size)
 
 
+def add_rmsnorm_mx_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                             elem: ElemFormat, block_size: int = 32):  # fmt: skip
+    """A decoder layer's ``residual + x`` and the RMSNorm after it: (the sum, then
+    ``rmsnorm_mx_reference`` of it): ``producers.add_rmsnorm_mx``."""
+    h = residual + x
+    return (h, *rmsnorm_mx_reference(h, weight, eps, elem, block_size))
+
+
 def silu_mul_mx_reference(gu: torch.Tensor, elem: ElemFormat, block_size: int = 32):
     """SiLU(gate) · up of a fused gate/up output [..., 2I], MX-rounded: ``producers.silu_mul_mx``."""
     g, u = gu.chunk(2, dim=-1)

@@ -31,6 +31,10 @@ Under ``torch.compile`` the producers are the custom ops ``mxq::rmsnorm_mx`` and
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
+import textwrap
 import types
 
 import torch
@@ -64,6 +68,7 @@ def fuse(model: nn.Module) -> list[str]:
     """Set up the fast structure (module doc) in place; what was fused, by module name."""
     done = fuse_projections(model)
     done += fuse_producers(model)
+    done += fuse_layers(model)
     if use_grouped_sdpa(model):
         done.append(f"attention: {GROUPED_SDPA}")
     return done
@@ -72,6 +77,7 @@ def fuse(model: nn.Module) -> list[str]:
 def unfuse(model: nn.Module) -> None:
     """Undo ``fuse``: the model as transformers builds it (separate projections, its modules' own
     forwards, transformers' SDPA)."""
+    unfuse_layers(model)
     unfuse_producers(model)
     unfuse_projections(model)
     cfg = getattr(model, "config", None)
@@ -130,11 +136,20 @@ def _install(module: nn.Module, forward, feeds: FusedMXLinear) -> None:
 def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
     """RMSNorm whose output is MX-rounded, the codes handed to the fused projection it feeds."""
     feeds = self.__dict__["_mxq_feeds"]
-    if not _w8a8_rceil(feeds) or self.weight.dtype != x.dtype or x.shape[-1] % feeds.block_size:
+    if not torch.compiler.is_compiling():
+        ready = self.__dict__.pop("_mxq_ready", None)  # computed ahead with the residual add (_add_ahead)
+        if ready is not None and ready[0] is x:
+            feeds.give(*ready[1:])
+            return ready[1]
+    if not _norm_usable(self, feeds, x):
         return type(self).forward(self, x)  # formats changed since fusing (e.g. act = None), or another dtype
     y, q, s = rmsnorm_mx(x, self.weight, self.variance_epsilon, feeds)
     feeds.give(y, q, s)
     return y
+
+
+def _norm_usable(norm: nn.Module, feeds, x: torch.Tensor) -> bool:
+    return _w8a8_rceil(feeds) and norm.weight.dtype == x.dtype and not x.shape[-1] % feeds.block_size
 
 
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -147,26 +162,34 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(y, (q, s))
 
 
-def _producer(name: str, t: torch.Tensor, kernels: str, *args):
-    """``kernels.producers.<name>`` on a CUDA tensor, ``kernels.cpu.<name>`` on a CPU tensor where
+_PRODUCERS = None  # mxq.kernels.producers, imported on the first CUDA call
+
+
+def _producer_impl(name: str, t: torch.Tensor, kernels: str):
+    """``kernels.producers.<name>`` for a CUDA tensor, ``kernels.cpu.<name>`` for a CPU tensor where
     the CPU kernels built (unless ``kernels`` is "reference"), else its torch reference
     ``kernels.reference.<name>_reference``."""
+    global _PRODUCERS
     if kernels_spec(kernels or None) != "reference":
-        if HAS_TRITON and t.device.type == "cuda":
-            from mxq.kernels import producers
-
-            return getattr(producers, name)(t, *args)
+        if HAS_TRITON and t.is_cuda:
+            if _PRODUCERS is None:
+                from mxq.kernels import producers as _PRODUCERS
+            return getattr(_PRODUCERS, name)
         if t.device.type == "cpu" and cpu.available():
-            return getattr(cpu, name)(t, *args)
-    return getattr(reference, f"{name}_reference")(t, *args)
+            return getattr(cpu, name)
+    return getattr(reference, f"{name}_reference")
 
 
 def _rmsnorm_mx(x, weight, eps: float, elem: str, block_size: int, kernels: str):
-    return _producer("rmsnorm_mx", x, kernels, weight, eps, as_elem_format(elem), block_size)
+    return _producer_impl("rmsnorm_mx", x, kernels)(x, weight, eps, as_elem_format(elem), block_size)
+
+
+def _add_rmsnorm_mx(x, residual, weight, eps: float, elem: str, block_size: int, kernels: str):
+    return _producer_impl("add_rmsnorm_mx", x, kernels)(x, residual, weight, eps, as_elem_format(elem), block_size)
 
 
 def _silu_mul_mx(gu, elem: str, block_size: int, kernels: str):
-    return _producer("silu_mul_mx", gu, kernels, as_elem_format(elem), block_size)
+    return _producer_impl("silu_mul_mx", gu, kernels)(gu, as_elem_format(elem), block_size)
 
 
 @torch.library.custom_op("mxq::rmsnorm_mx", mutates_args=())
@@ -174,6 +197,13 @@ def rmsnorm_mx_op(
     x: torch.Tensor, weight: torch.Tensor, eps: float, elem: str, block_size: int, kernels: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _rmsnorm_mx(x, weight, eps, elem, block_size, kernels)
+
+
+@torch.library.custom_op("mxq::add_rmsnorm_mx", mutates_args=())
+def add_rmsnorm_mx_op(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, elem: str, block_size: int, kernels: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _add_rmsnorm_mx(x, residual, weight, eps, elem, block_size, kernels)
 
 
 @torch.library.custom_op("mxq::silu_mul_mx", mutates_args=())
@@ -190,23 +220,168 @@ def _fake(v: torch.Tensor, k: int, elem: str, block_size: int):
 
 
 rmsnorm_mx_op.register_fake(lambda x, weight, eps, elem, block_size, kernels: _fake(x, x.shape[-1], elem, block_size))
+add_rmsnorm_mx_op.register_fake(
+    lambda x, residual, weight, eps, elem, block_size, kernels: (x.new_empty(x.shape), *_fake(x, x.shape[-1], elem, block_size))
+)
 silu_mul_mx_op.register_fake(lambda gu, elem, block_size, kernels: _fake(gu, gu.shape[-1] // 2, elem, block_size))
 
 
 def rmsnorm_mx(x: torch.Tensor, weight: torch.Tensor, eps: float, feeds: MXLinear):
     """(MX-rounded RMSNorm output, fp8 codes [M, K], scales [M, K/32]) in ``feeds``' activation format."""
-    args = (feeds.act.elem.name, feeds.block_size, feeds.kernels or "")
     if torch.compiler.is_compiling():
-        return rmsnorm_mx_op(x, weight, float(eps), *args)
-    return _rmsnorm_mx(x, weight, eps, *args)
+        return rmsnorm_mx_op(x, weight, float(eps), feeds.act.elem.name, feeds.block_size, feeds.kernels or "")
+    return _producer_impl("rmsnorm_mx", x, feeds.kernels)(x, weight, eps, feeds.act.elem, feeds.block_size)
+
+
+def add_rmsnorm_mx(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, feeds: MXLinear):
+    """(residual + x, MX-rounded RMSNorm of that, fp8 codes, scales) in ``feeds``' activation format."""
+    if torch.compiler.is_compiling():
+        return add_rmsnorm_mx_op(x, residual, weight, float(eps), feeds.act.elem.name, feeds.block_size, feeds.kernels or "")
+    return _producer_impl("add_rmsnorm_mx", x, feeds.kernels)(x, residual, weight, eps, feeds.act.elem, feeds.block_size)
 
 
 def silu_mul_mx(gu: torch.Tensor, feeds: MXLinear):
     """(MX-rounded SiLU(gate)·up of a fused gate/up output, fp8 codes, scales)."""
-    args = (feeds.act.elem.name, feeds.block_size, feeds.kernels or "")
     if torch.compiler.is_compiling():
-        return silu_mul_mx_op(gu, *args)
-    return _silu_mul_mx(gu, *args)
+        return silu_mul_mx_op(gu, feeds.act.elem.name, feeds.block_size, feeds.kernels or "")
+    return _producer_impl("silu_mul_mx", gu, feeds.kernels)(gu, feeds.act.elem, feeds.block_size)
+
+
+# --- the residual add with the norm after it ----------------------------------------------------
+
+# Decoder layers whose forward is ``KNOWN_LAYER_FORWARD`` in the transformers releases mxq supports
+# (checked on the class's source when fusing, so a release that changes it keeps its own forward).
+# The releases differ in the name of the cache argument (``CACHE_ARGS``).
+LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
+CACHE_ARGS = ("past_key_values", "cache")
+
+KNOWN_LAYER_FORWARD = """
+def forward(self, hidden_states, attention_mask=None, position_ids=None, {cache}=None, use_cache=False,
+            position_embeddings=None, **kwargs):
+    residual = hidden_states
+    hidden_states = self.input_layernorm(hidden_states)
+    hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask,
+                                      position_ids=position_ids, {cache}={cache}, use_cache=use_cache,
+                                      position_embeddings=position_embeddings, **kwargs)
+    hidden_states = residual + hidden_states
+    residual = hidden_states
+    hidden_states = self.post_attention_layernorm(hidden_states)
+    hidden_states = self.mlp(hidden_states)
+    hidden_states = residual + hidden_states
+    return hidden_states
+"""
+
+
+def _normalized_function(source: str) -> str | None:
+    """A function's source without annotations, docstring, comments or layout (``ast.unparse``)."""
+    try:
+        fn = ast.parse(textwrap.dedent(source)).body[0]
+    except (SyntaxError, IndexError):
+        return None
+    if not isinstance(fn, ast.FunctionDef):
+        return None
+    a = fn.args
+    for arg in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg):
+        if arg is not None:
+            arg.annotation = None
+    fn.returns, fn.decorator_list, fn.name = None, [], "forward"
+    body = fn.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
+        fn.body = body[1:]
+    return ast.unparse(fn)
+
+
+@functools.cache
+def known_layer(cls: type) -> str | None:
+    """For a class of ``LAYERS`` whose forward computes ``KNOWN_LAYER_FORWARD``: the name of its
+    cache argument; else None."""
+    if cls.__name__ not in LAYERS:
+        return None
+    try:
+        source = _normalized_function(inspect.getsource(cls.forward))
+    except (OSError, TypeError):
+        return None
+    return next((c for c in CACHE_ARGS if source == _normalized_function(KNOWN_LAYER_FORWARD.format(cache=c))), None)
+
+
+def fuse_layers(model: nn.Module) -> list[str]:
+    """Give each known decoder layer (``known_layer``) whose post-attention norm is a fused producer
+    a forward that adds the residual and normalizes in one kernel (``add_rmsnorm_mx``); where the
+    next layer's input norm is one too, the layer's closing residual add is computed with that norm
+    ahead and handed to it (``_add_ahead``)."""
+    done = []
+    for name, layers in model.named_modules():
+        if not isinstance(layers, nn.ModuleList):
+            continue
+        for i, layer in enumerate(layers):
+            cache = known_layer(type(layer))
+            if cache is None or "_mxq_feeds" not in layer.post_attention_layernorm.__dict__:
+                continue
+            nxt = layers[i + 1] if i + 1 < len(layers) else None
+            nxt_norm = getattr(nxt, "input_layernorm", None) if nxt is not None and known_layer(type(nxt)) else None
+            layer.__dict__["_mxq_next"] = nxt_norm if nxt_norm is not None and "_mxq_feeds" in nxt_norm.__dict__ else None
+            layer.__dict__["_mxq_attn_kw"] = dict(attention_mask=None, position_ids=None, use_cache=False,
+                                                  position_embeddings=None, **{cache: None})  # fmt: skip
+            layer.__dict__["forward"] = types.MethodType(_layer_forward, layer)
+            done.append(f"{name}.{i}: add + norm")
+    return done
+
+
+def unfuse_layers(model: nn.Module) -> None:
+    for m in model.modules():
+        if "_mxq_next" in m.__dict__:
+            del m.__dict__["forward"], m.__dict__["_mxq_next"], m.__dict__["_mxq_attn_kw"]
+        m.__dict__.pop("_mxq_ready", None)
+
+
+def _layer_forward(self, hidden_states, *args, **kwargs):
+    """``KNOWN_LAYER_FORWARD`` with the post-attention residual add and norm one kernel, and the
+    closing residual add done with the next layer's input norm where that is fused (eager). The
+    model passes everything but the hidden states by name; a positional call runs the class's own
+    forward."""
+    if args:
+        return type(self).forward(self, hidden_states, *args, **kwargs)
+    kw = {**self.__dict__["_mxq_attn_kw"], **kwargs}  # the layer's defaults, as it passes them on
+    residual = hidden_states
+    hidden_states = self.input_layernorm(hidden_states)
+    hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kw)
+    residual, hidden_states = _add_norm(self.post_attention_layernorm, hidden_states, residual)
+    hidden_states = self.mlp(hidden_states)
+    nxt = self.__dict__["_mxq_next"]
+    if nxt is not None and not torch.compiler.is_compiling():
+        return _add_ahead(nxt, hidden_states, residual)
+    return residual + hidden_states
+
+
+def _plain(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> bool:
+    """Whether ``norm`` after ``residual + x`` must run as a module call: another format or dtype
+    than fused for, operands that do not add elementwise, or hooks on the norm to honour."""
+    feeds = norm.__dict__.get("_mxq_feeds")
+    return (
+        feeds is None or not _norm_usable(norm, feeds, x) or residual.shape != x.shape or residual.dtype != x.dtype
+        or bool(norm._forward_hooks or norm._forward_pre_hooks)
+    )  # fmt: skip
+
+
+def _add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual + x, norm(residual + x)), the norm's codes handed to the projection it feeds."""
+    if _plain(norm, x, residual):
+        h = residual + x
+        return h, norm(h)
+    feeds = norm.__dict__["_mxq_feeds"]
+    h, y, q, s = add_rmsnorm_mx(x, residual, norm.weight, norm.variance_epsilon, feeds)
+    feeds.give(y, q, s)
+    return h, y
+
+
+def _add_ahead(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """residual + x, with ``norm`` of it computed in the same kernel and kept on the norm, which
+    returns it when called on this very tensor (by identity, as ``FusedMXLinear.give``)."""
+    if _plain(norm, x, residual):
+        return residual + x
+    h, y, q, s = add_rmsnorm_mx(x, residual, norm.weight, norm.variance_epsilon, norm.__dict__["_mxq_feeds"])
+    norm.__dict__["_mxq_ready"] = (h, y, q, s)
+    return h
 
 
 # --- attention without repeated K/V ---------------------------------------------------------------

@@ -24,6 +24,7 @@ from mxq.fuse import GROUPED_SDPA, fuse, grouped_sdpa_forward, unfuse, use_group
 from mxq.kernels import dispatch
 from mxq.kernels import producers as P
 from mxq.kernels.reference import (
+    add_rmsnorm_mx_reference,
     mx_linear_reference,
     quantize_mx_rows,
     rmsnorm_mx_reference,
@@ -84,6 +85,30 @@ def test_silu_mul_mx_matches_reference(dtype, elem):
         _assert_producer_close(got, want, dtype)
 
 
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_add_rmsnorm_mx_matches_reference(dtype):
+    """The residual add and the norm in one kernel: the sum equals torch's ``residual + x`` exactly,
+    the rest what RMSNorm → MX of that sum gives; rows that are not contiguous in memory included."""
+    gen = torch.Generator().manual_seed(hash((str(dtype), "add")) % 2**31)
+    for shape in [(6, 224), (1, 4096 if CUDA else 1024), (3, 1, 96)]:
+        k, m = shape[-1], int(torch.tensor(shape[:-1]).prod())
+        x = activations(m, k, dtype, gen, special=True, decades=(-2, 2)).view(shape)
+        r = activations(m, k, dtype, gen, special=False, decades=(-1, 2)).view(shape)
+        w = (torch.rand(k, generator=gen) + 0.5).to(dtype).to(DEV)
+        for e in (E4M3, E5M2):
+            h, *got = P.add_rmsnorm_mx(x, r, w, 1e-6, e)
+            rh, *want = add_rmsnorm_mx_reference(x, r, w, 1e-6, e)
+            assert h.shape == x.shape and torch.equal(h.nan_to_num(7.0), rh.nan_to_num(7.0))
+            _assert_producer_close(tuple(got), tuple(want), dtype)
+    wide = activations(5, 2 * 160, dtype, gen, special=False)
+    x, r = wide[:, :160], wide[:, 160:]  # rows 320 apart: read as rows, not as the storage
+    w = (torch.rand(160, generator=gen) + 0.5).to(dtype).to(DEV)
+    _assert_producer_close(P.rmsnorm_mx(x, w, 1e-6, E4M3), rmsnorm_mx_reference(x, w, 1e-6, E4M3), dtype)
+    h, *got = P.add_rmsnorm_mx(x, r, w, 1e-6, E4M3)
+    assert torch.equal(h, r + x)
+    _assert_producer_close(tuple(got), rmsnorm_mx_reference(r + x, w, 1e-6, E4M3), dtype)
+
+
 def test_producer_kernels_refuse_bad_input():
     x = torch.randn(2, 100, device=DEV)
     with pytest.raises(ValueError, match="divisible by the MX block 32"):
@@ -92,6 +117,8 @@ def test_producer_kernels_refuse_bad_input():
         P.rmsnorm_mx(torch.randn(2, 96, device=DEV), torch.ones(96, device=DEV, dtype=torch.float16), 1e-6, E4M3)
     with pytest.raises(ValueError, match="even last axis"):
         P.silu_mul_mx(torch.randn(2, 97, device=DEV), E4M3)
+    with pytest.raises(ValueError, match="residual like x"):
+        P.add_rmsnorm_mx(torch.randn(2, 96, device=DEV), torch.randn(1, 96, device=DEV), torch.ones(96, device=DEV), 1e-6, E4M3)
 
 
 @pytest.mark.parametrize("path", ["gemv", "gemm", "reference"] + (["decode_ws"] if HOPPER else []))
@@ -131,6 +158,7 @@ def test_fast_structure_computes_the_unfused_model(family, dtype):
     layers = SMALL["num_hidden_layers"]
     assert sum(d.endswith(("input_layernorm", "post_attention_layernorm")) for d in done) == 2 * layers
     assert sum(d.endswith(".mlp") for d in done) == layers and f"attention: {GROUPED_SDPA}" in done
+    assert sum(d.endswith("add + norm") for d in done) == layers
     assert fast.config._attn_implementation == GROUPED_SDPA
     assert fast.state_dict().keys() == plain.state_dict().keys()
     ids = torch.randint(0, SMALL["vocab_size"], (2, 19))
@@ -143,9 +171,81 @@ def test_fast_structure_computes_the_unfused_model(family, dtype):
             assert torch.equal(fast.generate(ids, cache_implementation=cache, **kw),
                                plain.generate(ids, cache_implementation=cache, **kw))  # fmt: skip
     unfuse(fast)
-    assert not any("_mxq_feeds" in m.__dict__ for m in fast.modules()) and fast.config._attn_implementation == "sdpa"
+    assert not any("_mxq_feeds" in m.__dict__ or "_mxq_next" in m.__dict__ for m in fast.modules())
+    assert fast.config._attn_implementation == "sdpa"
     with torch.no_grad():
         assert torch.equal(fast(ids).logits, want)
+
+
+def _count_producers(monkeypatch):
+    from mxq import fuse as F
+
+    calls, impl = [], F._producer_impl
+    monkeypatch.setattr(F, "_producer_impl", lambda name, t, kernels: calls.append(name) or impl(name, t, kernels))
+    return calls
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_layer_adds_the_residual_inside_the_norms(family, monkeypatch):
+    """With the layers fused, every residual add but the last layer's closing one happens inside a
+    norm kernel: per forward one plain RMSNorm (the first layer's input), 2L - 1 add + norm; the
+    logits equal the unfused model's exactly (reference path), and again after unfusing."""
+    plain = _model(family, torch.bfloat16)
+    fast = copy.deepcopy(plain)
+    fuse(fast)
+    layers = SMALL["num_hidden_layers"]
+    calls = _count_producers(monkeypatch)
+    ids = torch.randint(0, SMALL["vocab_size"], (3, 13))
+    with torch.no_grad():
+        got = fast(ids).logits
+        assert torch.equal(got, plain(ids).logits)
+    assert calls.count("rmsnorm_mx") == 1 and calls.count("add_rmsnorm_mx") == 2 * layers - 1
+    assert calls.count("silu_mul_mx") == layers
+    assert not any("_mxq_ready" in m.__dict__ for m in fast.modules())  # every hand-over taken
+
+
+def test_layer_fusion_respects_hooks_and_positional_calls(monkeypatch):
+    """A hook that replaces a layer's output breaks the hand-over (the next norm recomputes from the
+    new tensor); a hook on a norm makes it a module call again; a positional call runs the class's
+    forward. Each computes what the unfused model with the same hook computes."""
+    plain = _model("llama", torch.float32)
+    fast = copy.deepcopy(plain)
+    fuse(fast)
+    seen = []
+    for m in (plain, fast):
+        m.model.layers[0].register_forward_hook(lambda mod, a, out: out * 1.5)
+        m.model.layers[1].post_attention_layernorm.register_forward_hook(lambda mod, a, out: seen.append(1))
+    calls = _count_producers(monkeypatch)
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 9))
+    with torch.no_grad():
+        assert torch.equal(fast(ids).logits, plain(ids).logits)
+    assert len(seen) == 2  # the hooked norm ran in both models
+    # layer 0's input norm; layer 1's, recomputed from the hook's tensor; layer 1's hooked norm as a module
+    assert calls.count("rmsnorm_mx") == 3 and calls.count("add_rmsnorm_mx") == 2
+    layer, x = fast.model.layers[1], torch.randn(2, 9, SMALL["hidden_size"])
+    emb = fast.model.rotary_emb(x, torch.arange(9)[None].expand(2, 9))
+    with torch.no_grad():  # positional arguments: the class's own forward
+        want = type(layer).forward(layer, x, None, None, None, False, emb)
+        assert torch.equal(layer(x, None, None, None, False, emb), want)
+
+
+def test_layer_fusion_only_for_known_forwards():
+    """Only a decoder layer whose forward is the known one (either release's cache argument name)
+    gets the fused forward; a subclass that changes it keeps its own."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from mxq.fuse import KNOWN_LAYER_FORWARD, known_layer
+
+    assert known_layer(LlamaDecoderLayer) in ("past_key_values", "cache")
+    ns = {}
+    exec(KNOWN_LAYER_FORWARD.format(cache="cache"), ns)  # the release that renamed the argument
+    assert known_layer(type("LlamaDecoderLayer", (LlamaDecoderLayer,), {"forward": ns["forward"]})) is None  # no source file
+    changed = type("LlamaDecoderLayer", (LlamaDecoderLayer,), {"forward": lambda self, hidden_states, **kw: hidden_states})
+    m = _model("llama")
+    m.model.layers[0].__class__ = changed
+    done = fuse(m)
+    assert not any(d.startswith("model.layers.0:") for d in done) and "model.layers.1: add + norm" in done
+    assert m.model.layers[0].__dict__.get("forward") is None
 
 
 def test_producers_only_where_the_arithmetic_is_known():
