@@ -9,7 +9,8 @@ and W8A16. Times are ``triton.testing.do_bench`` medians (L2 flushed before each
 mxq result is checked against a float32 product of the dequantized operands first.
 Also: activation quantization bandwidth against device-to-device copy bandwidth, and for decode
 sizes (M <= 16) the bytes each GEMM reads per second as a share of a measured copy bandwidth
-(``copy_bandwidth``: one 1 GiB device-to-device copy, read + write bytes).
+(``copy_bandwidth``: one 1 GiB device-to-device copy, read + write bytes), beside a copy moving the
+GEMM's bytes, timed the same way (``same_bytes_copy``): the share a single launch of that size reaches.
 Prints tables of ratios (baseline time / mxq time, > 1 is faster) and writes JSON.
 """
 
@@ -99,6 +100,17 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     return gbs
 
 
+def same_bytes_copy(nbytes: float) -> tuple[float, float]:
+    """(µs, GB/s) of a device-to-device copy whose bytes read + written equal ``nbytes``, timed as the
+    GEMMs are (``graph_us`` over copies from HBM): what a single launch moving that many bytes
+    reaches, launch and ramp included."""
+    half = int(nbytes) // 2
+    srcs = [torch.empty(half, dtype=torch.uint8, device="cuda") for _ in range(weight_copies(half))]
+    dst = torch.empty(half, dtype=torch.uint8, device="cuda")
+    t = graph_us([lambda s=s: dst.copy_(s) for s in srcs])
+    return t, 2 * half / t / 1e3
+
+
 def read_bytes(m: int, n: int, k: int, weight_bytes_per_elem: float, x_bytes: int = 2) -> float:
     """Bytes a [M, K] x [N, K]ᵀ product must move at least: the weight (with its scales), X and Y (bf16)."""
     return n * k * weight_bytes_per_elem + m * k * x_bytes + m * n * 2
@@ -173,6 +185,8 @@ def bench_gemm(models, ms, sweep: bool, sweep_ms=(1, 16, 64, 2048)) -> tuple[lis
                         row[f"{key}_gbs"] = read_bytes(m, n, k, per) / row[f"{key}_us"] / 1e3
                 if isinstance(row["cublas_bf16_us"], float):
                     row["cublas_weight_gbs"] = 2 * n * k / row["cublas_bf16_us"] / 1e3
+                if m <= 16:  # the floor for one launch of this many bytes: a copy moving them, timed alike
+                    row["same_bytes_copy_us"], row["same_bytes_copy_gbs"] = same_bytes_copy(read_bytes(m, n, k, 1 + 1 / 32))
                 rows.append(row)
                 print(_row_line(row), flush=True)
                 if sweep and model == "8b" and m in sweep_ms:
@@ -249,15 +263,17 @@ def print_tables(res: dict) -> None:
     if res.get("copy_gbs") and any(r["m"] <= 16 for r in res["gemm"]):
         cp = res["copy_gbs"]
         print(f"\n## Decode (M <= 16): bytes read per second, share of the copy bandwidth ({cp:.0f} GB/s)")
-        print("| model | layer | M | W8A8 µs | W8A8 GB/s | % copy | W8A16 GB/s | % copy | cuBLAS bf16 GB/s | % copy | W8A8 ×cuBLAS |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        print("| model | layer | M | W8A8 µs | W8A8 GB/s | % copy | W8A16 GB/s | % copy | cuBLAS bf16 GB/s | % copy | W8A8 ×cuBLAS "
+              "| a copy of the W8A8 bytes: µs | its % copy |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         pct = lambda v: f"{100 * v / cp:.0f}" if isinstance(v, float) else "-"
         for r in res["gemm"]:
             if r["m"] > 16:
                 continue
             a, b, c = r.get("mxq_w8a8_gbs"), r.get("mxq_w8a16_gbs"), r.get("cublas_bf16_gbs")
             print(f"| {r['model']} | {r['layer']} | {r['m']} | {_fmt(r['mxq_w8a8_us'])} | {_fmt(a, '.0f')} | {pct(a)} | "
-                  f"{_fmt(b, '.0f')} | {pct(b)} | {_fmt(c, '.0f')} | {pct(c)} | {_fmt(_ratio(r['cublas_bf16_us'], r['mxq_w8a8_us']), '.2f')} |")
+                  f"{_fmt(b, '.0f')} | {pct(b)} | {_fmt(c, '.0f')} | {pct(c)} | {_fmt(_ratio(r['cublas_bf16_us'], r['mxq_w8a8_us']), '.2f')} | "
+                  f"{_fmt(r.get('same_bytes_copy_us'))} | {pct(r.get('same_bytes_copy_gbs'))} |")
     if res.get("quantize"):
         print("\n## Activation quantization (bf16 in), fraction of copy bandwidth")
         print("| M×K | rule | copy GB/s | MX (fp8+scales) GB/s | frac | MX-rounded bf16 GB/s | frac |")
