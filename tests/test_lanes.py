@@ -44,12 +44,12 @@ def test_module_uses_its_lane_only_while_it_holds(monkeypatch):
         return ref
 
     monkeypatch.setattr(dispatch, "linear_lane", fake_lane)
-    x = activations(3, 160, torch.bfloat16, gen, special=False)
+    x = activations(3, 160, torch.bfloat16, gen, special=False).cpu()  # the module is on the CPU on any machine
     want = m(x)
     m._lane_for(x, None, E4M3, ScaleRule.RCEIL)  # a CUDA call makes it after its first call
     assert made == [((3, 160), False)]
     assert torch.equal(m(x), want) and served == [(3, 160)]
-    x3 = activations(2, 160, torch.bfloat16, gen, special=False).view(1, 2, 160)
+    x3 = activations(2, 160, torch.bfloat16, gen, special=False).cpu().view(1, 2, 160)
     m(x3)  # another signature: no lane for it
     assert served == [(3, 160)]
     xq = quantize_mx_rows(x, E4M3, ScaleRule.RCEIL)
