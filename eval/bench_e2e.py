@@ -690,8 +690,12 @@ def pair_summary(res: dict) -> list[dict]:
     """With alternated pairs (``res["runs"]``): each metric's bf16 and MXFP8 medians and the median
     ratio over the pairs with its min and max, so run-to-run noise shows in every figure."""
     per_pair = [summary_rows({**res, "bf16": b, "mxfp8": q}) for b, q in zip(res["runs"]["bf16"], res["runs"]["mxfp8"])]
+    by_metric = {}  # merged runs may have measured different modes: a metric's pairs are the runs that have it
+    for rows_of_pair in per_pair:
+        for c in rows_of_pair:
+            by_metric.setdefault(c["metric"], []).append(c)
     rows = []
-    for cells in zip(*per_pair):
+    for cells in by_metric.values():
         ratios = [c["ratio"] for c in cells if c["ratio"] is not None]
         med = lambda vs: statistics.median(vs) if vs else None
         rows.append(dict(

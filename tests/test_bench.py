@@ -130,3 +130,15 @@ def test_bench_e2e_merge_adds_pairs(tmp_path):
     one = tmp_path / "one.json"
     assert bench_e2e.main(["--merge", str(parts[0]), "--out", str(one)]) == 0
     assert "runs" not in json.loads(one.read_text())
+    # a run that measured fewer modes: each metric counts the pairs that have it, by name
+    fewer = copy.deepcopy(base)
+    for role in ("bf16", "mxfp8"):
+        fewer[role]["decode"] = fewer[role]["decode"][1:]
+    (tmp_path / "fewer.json").write_text(json.dumps(fewer))
+    assert bench_e2e.main(["--merge", str(parts[0]), str(parts[1]), str(tmp_path / "fewer.json"), "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    row = next(r for r in res["summary"] if r["metric"] == f"decode tok/s B={d0b['batch']} {d0b['mode']}")
+    assert row["pairs"] == 2 and row["ratio_min"] == pytest.approx(r) and row["ratio_max"] == pytest.approx(r * 2)
+    d1b = base["bf16"]["decode"][1]
+    row = next(r for r in res["summary"] if r["metric"] == f"decode tok/s B={d1b['batch']} {d1b['mode']}")
+    assert row["pairs"] == 3 and row["bf16"] == pytest.approx(d1b["tokens_per_s"])
