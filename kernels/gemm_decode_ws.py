@@ -182,25 +182,29 @@ if HAVE_GLUON:
         xs_ptrs = xs_ptr + offs_m * stride_xsm4 + w0
         zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_l)
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_l)
+        # scale words two steps ahead of their rescale (a load's latency is longer than a step);
+        # the weight's first two before the wait: they do not come from the kernel before this one
+        sw = gl.load(s_ptrs, mask=nmask, other=0x7F7F7F7F)
+        sw1 = gl.load(s_ptrs + 1, mask=nmask & (n_iter > 1), other=0x7F7F7F7F)
         gdc_wait()  # the X scales below come from the quantizer
+        sx = gl.load(xs_ptrs, mask=mmask, other=0x7F7F7F7F)
+        sx1 = gl.load(xs_ptrs + 1, mask=mmask & (n_iter > 1), other=0x7F7F7F7F)
 
         hopper.mbarrier.wait(ready.index(0), 0)
         q0, q1, q2, q3 = _issue(w_smem, x_smem, 0, 0, zero, BOX)
-        sw = gl.load(s_ptrs, mask=nmask, other=0x7F7F7F7F)
-        sx = gl.load(xs_ptrs, mask=mmask, other=0x7F7F7F7F)
         p0, p1, p2, p3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(q0, q1, q2, q3))
         hopper.mbarrier.arrive(empty.index(0))
         for i in range(1, n_iter):
             s = i % STAGES
             hopper.mbarrier.wait(ready.index(s), (i // STAGES) & 1)
             q0, q1, q2, q3 = _issue(w_smem, x_smem, s, s, zero, BOX)
-            sw_next = gl.load(s_ptrs + i, mask=nmask, other=0x7F7F7F7F)
-            sx_next = gl.load(xs_ptrs + i, mask=mmask, other=0x7F7F7F7F)
+            sw2 = gl.load(s_ptrs + (i + 1), mask=nmask & (i + 1 < n_iter), other=0x7F7F7F7F)
+            sx2 = gl.load(xs_ptrs + (i + 1), mask=mmask & (i + 1 < n_iter), other=0x7F7F7F7F)
             acc = _rescale(acc, p0, p1, p2, p3, sw, sx)  # step i-1, while step i is on the tensor core
             p0, p1, p2, p3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(q0, q1, q2, q3))
             hopper.mbarrier.arrive(empty.index(s))
-            sw = sw_next
-            sx = sx_next
+            sw, sw1 = sw1, sw2
+            sx, sx1 = sx1, sx2
         acc = _rescale(acc, p0, p1, p2, p3, sw, sx)
         split_k_epilogue(acc, zero, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, pid_n, pid_k, offs_n, offs_m, nmask,
                          mmask, SPLIT, FUSED, HAS_BIAS)  # fmt: skip
@@ -237,6 +241,9 @@ if HAVE_GLUON:
         zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_l)
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_l)
 
+        # the weight's scale words two steps ahead of their rescale, the first two before anything waits
+        sw = gl.load(s_ptrs, mask=nmask, other=0x7F7F7F7F)
+        sw1 = gl.load(s_ptrs + 1, mask=nmask & (n_iter > 1), other=0x7F7F7F7F)
         xr = _x_step(x_ptr, rows3, cols3, mmask3, k_lo, K)
         _x_quantize(xr, x_smem.index(0), xs_smem.index(0), x_l, EMAX, MBITS, MAXN, RULE)
         xr = _x_step(x_ptr, rows3, cols3, mmask3, k_lo + 128, K)
@@ -244,7 +251,6 @@ if HAVE_GLUON:
         gl.thread_barrier()  # every thread's part of X's tile is in shared memory before the wgmmas
         hopper.mbarrier.wait(ready.index(0), 0)
         q0, q1, q2, q3 = _issue(w_smem, x_smem, 0, 0, zero, 128)
-        sw = gl.load(s_ptrs, mask=nmask, other=0x7F7F7F7F)
         sx = xs_smem.index(0).load(col_l)
         _x_quantize(xr, x_smem.index(1), xs_smem.index(1), x_l, EMAX, MBITS, MAXN, RULE)
         xr = _x_step(x_ptr, rows3, cols3, mmask3, k_lo + 256, K)
@@ -256,7 +262,7 @@ if HAVE_GLUON:
             s = i % STAGES
             hopper.mbarrier.wait(ready.index(s), (i // STAGES) & 1)
             q0, q1, q2, q3 = _issue(w_smem, x_smem, s, i % 2, zero, 128)
-            sw_next = gl.load(s_ptrs + i, mask=nmask, other=0x7F7F7F7F)
+            sw2 = gl.load(s_ptrs + (i + 1), mask=nmask & (i + 1 < n_iter), other=0x7F7F7F7F)
             sx_next = xs_smem.index(i % 2).load(col_l)
             # the other tile: step i-1's, whose wgmmas were waited for and whose words are in sx
             _x_quantize(xr, x_smem.index((i + 1) % 2), xs_smem.index((i + 1) % 2), x_l, EMAX, MBITS, MAXN, RULE)
@@ -264,7 +270,7 @@ if HAVE_GLUON:
             acc = _rescale(acc, p0, p1, p2, p3, sw, sx)  # step i-1, while step i is on the tensor core
             p0, p1, p2, p3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(q0, q1, q2, q3))
             hopper.mbarrier.arrive(empty.index(s))
-            sw = sw_next
+            sw, sw1 = sw1, sw2
             sx = sx_next
         acc = _rescale(acc, p0, p1, p2, p3, sw, sx)
         split_k_epilogue(acc, zero, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, pid_n, pid_k, offs_n, offs_m, nmask,

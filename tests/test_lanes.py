@@ -12,7 +12,7 @@ import torch
 from kernel_helpers import DEV, activations, hopper
 
 from mxq.formats import E4M3, ScaleRule
-from mxq.kernels import dispatch, mx_linear
+from mxq.kernels import dispatch, mx_linear, reference
 from mxq.kernels.quantize import quantize_mx_rows
 from mxq.linear import MXLinear
 from mxq.recipe import TensorSpec
@@ -52,7 +52,7 @@ def test_module_uses_its_lane_only_while_it_holds(monkeypatch):
     x3 = activations(2, 160, torch.bfloat16, gen, special=False).cpu().view(1, 2, 160)
     m(x3)  # another signature: no lane for it
     assert served == [(3, 160)]
-    xq = quantize_mx_rows(x, E4M3, ScaleRule.RCEIL)
+    xq = reference.quantize_mx_rows(x, E4M3, ScaleRule.RCEIL)  # on the CPU: no Triton launch outside the interpreter
     m(x, xq)  # codes from a producer: a signature of its own
     assert served == [(3, 160)]
     m.weight.data = m.weight.data.clone()  # same Parameter, new storage
