@@ -17,13 +17,21 @@ and clip on a second rounding, and those recipes keep the unfused path.
 
 The producers compute what transformers' modules compute, step for step in the same dtypes:
 RMSNorm (Llama, Mistral, Qwen2, Qwen3): ``w * (x.float() * rsqrt(mean(x²) + eps)).to(dtype)``;
-SiLU·up: ``silu(gate) * up``, each op rounded to the input dtype. The reductions and the
+the decoder layer's residual add before it (``add_rmsnorm_mx``: ``residual + x`` rounded once to
+the dtype, as torch adds, and written out as the new residual); SiLU·up: ``silu(gate) * up``, each
+op rounded to the input dtype. The reductions and the
 exponential are Triton's, so a value can differ from torch's by an ulp before rounding (then,
 rarely, by one fp8 step): tests bound that. References: ``reference.rmsnorm_mx_reference``,
 ``reference.silu_mul_mx_reference``.
 
 ``PDL``: the kernels let a programmatic-dependent-launch consumer (``gemm_decode_ws``) start and
 stream its weights while they run (sm_90+, not in the interpreter).
+
+Host cost: an eager decode step calls these three times per layer on one-row inputs, so each call's
+launch is planned once per input signature (``ProducerPlan`` in ``PLANS``: argument checks,
+constexprs, grid, output shapes); a repeat call allocates its outputs and hands the arguments to
+the compiled kernel's C launcher (``launch.RawLauncher``), or to ``launch.Launch`` where that is not
+available (the interpreter, profiler hooks, ``MXQ_LAUNCH_CHECK``).
 """
 
 from __future__ import annotations

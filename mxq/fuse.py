@@ -13,20 +13,31 @@ it computes, and never its ``state_dict``:
      hands their fp8 codes and scales to the fused projection it feeds (``FusedMXLinear.give``),
      which recognises its input by identity and skips its own rounding;
    - the MLP runs fused gate/up → SiLU·up rounded to MX → down_proj on the codes.
-   transformers' own code is untouched: the decoder layer still calls ``self.input_layernorm(h)``
-   and ``self.self_attn(...)``. Only modules whose arithmetic is known are changed (the
-   ``NORMS`` and ``MLPS`` classes, SiLU, W8A8 with RCEIL activations: RCEIL rounding is
-   idempotent, so a path that rounds X again computes the same function); others keep their
-   forward. ``unfuse`` (``unfuse_producers``, then ``mxq.linear.unfuse_projections``) removes them.
-3. **Attention without repeated K/V** (``GROUPED_SDPA``): transformers' SDPA attention repeats K
+   These modules' forwards are the only ones replaced at this step: the decoder layer still calls
+   ``self.input_layernorm(h)`` and ``self.self_attn(...)``. Only modules whose arithmetic is known
+   are changed (the ``NORMS`` and ``MLPS`` classes, SiLU, W8A8 with RCEIL activations: RCEIL
+   rounding is idempotent, so a path that rounds X again computes the same function); others keep
+   their forward.
+3. **The residual add inside the norm** (``fuse_layers``, kernel ``add_rmsnorm_mx``). A decoder layer
+   of ``LAYERS`` whose forward is ``KNOWN_LAYER_FORWARD`` (checked on the class's source, so a
+   transformers release that changes it keeps its own) and whose post-attention norm is a fused
+   producer gets a forward that computes ``residual + attn_out`` and the norm after it in one
+   kernel (the sum exactly as torch adds). Its closing ``residual + mlp_out`` is computed with the
+   next layer's input norm ahead, when that norm is fused too: the sum is returned as the layer's
+   output and the norm's result kept on the norm, which returns it when called on that very tensor
+   (identity, as ``FusedMXLinear.give``; eager only, and not past a norm with hooks). Per decoder
+   layer two launches fewer; the logits are bit-identical on the reference path.
+4. **Attention without repeated K/V** (``GROUPED_SDPA``): transformers' SDPA attention repeats K
    and V to every query head whenever it passes a mask (always with a static cache), a copy of the
    whole cache per layer and step. This attention function folds each KV head's query heads into
    the query length instead (rows g·Sq + s), so SDPA reads K and V once; the same arithmetic.
    Used for steps of at most ``GROUPED_MAX_ROWS`` query rows per KV head (decoding); anything
    else goes to transformers' SDPA. Set when a Llama, Mistral, Qwen2 or Qwen3 model uses ``sdpa``.
 
-Under ``torch.compile`` the producers are the custom ops ``mxq::rmsnorm_mx`` and
-``mxq::silu_mul_mx`` (opaque, shape-only fakes) and the model still compiles with ``fullgraph``.
+``unfuse`` (``unfuse_layers``, ``unfuse_producers``, then ``mxq.linear.unfuse_projections``) removes
+them. Under ``torch.compile`` the producers are the custom ops ``mxq::rmsnorm_mx``,
+``mxq::add_rmsnorm_mx`` and ``mxq::silu_mul_mx`` (opaque, shape-only fakes) and the model still
+compiles with ``fullgraph``.
 """
 
 from __future__ import annotations
