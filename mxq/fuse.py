@@ -25,8 +25,8 @@ it computes, and never its ``state_dict``:
    kernel (the sum exactly as torch adds). Its closing ``residual + mlp_out`` is computed with the
    next layer's input norm ahead, when that norm is fused too: the sum is returned as the layer's
    output and the norm's result kept on the norm, which returns it when called on that very tensor
-   (identity, as ``FusedMXLinear.give``; eager only, and not past a norm with hooks). Per decoder
-   layer two launches fewer; the logits are bit-identical on the reference path.
+   (identity, as ``FusedMXLinear.give``, under ``torch.compile`` too; not past a norm with hooks).
+   Per decoder layer two launches fewer; the logits are bit-identical on the reference path.
 4. **Attention without repeated K/V** (``GROUPED_SDPA``): transformers' SDPA attention repeats K
    and V to every query head whenever it passes a mask (always with a static cache), a copy of the
    whole cache per layer and step. This attention function folds each KV head's query heads into
@@ -147,9 +147,10 @@ def _install(module: nn.Module, forward, feeds: FusedMXLinear) -> None:
 def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
     """RMSNorm whose output is MX-rounded, the codes handed to the fused projection it feeds."""
     feeds = self.__dict__["_mxq_feeds"]
-    if not torch.compiler.is_compiling():
-        ready = self.__dict__.pop("_mxq_ready", None)  # computed ahead with the residual add (_add_ahead)
-        if ready is not None and ready[0] is x:
+    ready = getattr(self, "_mxq_ready", None)  # computed ahead with the residual add (``_add_ahead``)
+    if ready is not None:
+        self._mxq_ready = None
+        if ready[0] is x:
             feeds.give(*ready[1:])
             return ready[1]
     if not _norm_usable(self, feeds, x):
@@ -331,6 +332,8 @@ def fuse_layers(model: nn.Module) -> list[str]:
             nxt = layers[i + 1] if i + 1 < len(layers) else None
             nxt_norm = getattr(nxt, "input_layernorm", None) if nxt is not None and known_layer(type(nxt)) else None
             layer.__dict__["_mxq_next"] = nxt_norm if nxt_norm is not None and "_mxq_feeds" in nxt_norm.__dict__ else None
+            if layer.__dict__["_mxq_next"] is not None:
+                nxt_norm.__dict__["_mxq_ready"] = None  # a plain attribute: set and read like ``FusedMXLinear._given``
             layer.__dict__["_mxq_attn_kw"] = dict(attention_mask=None, position_ids=None, use_cache=False,
                                                   position_embeddings=None, **{cache: None})  # fmt: skip
             layer.__dict__["forward"] = types.MethodType(_layer_forward, layer)
@@ -347,7 +350,7 @@ def unfuse_layers(model: nn.Module) -> None:
 
 def _layer_forward(self, hidden_states, *args, **kwargs):
     """``KNOWN_LAYER_FORWARD`` with the post-attention residual add and norm one kernel, and the
-    closing residual add done with the next layer's input norm where that is fused (eager). The
+    closing residual add done with the next layer's input norm where that is fused. The
     model passes everything but the hidden states by name; a positional call runs the class's own
     forward."""
     if args:
@@ -359,7 +362,7 @@ def _layer_forward(self, hidden_states, *args, **kwargs):
     residual, hidden_states = _add_norm(self.post_attention_layernorm, hidden_states, residual)
     hidden_states = self.mlp(hidden_states)
     nxt = self.__dict__["_mxq_next"]
-    if nxt is not None and not torch.compiler.is_compiling():
+    if nxt is not None:
         return _add_ahead(nxt, hidden_states, residual)
     return residual + hidden_states
 
@@ -391,7 +394,7 @@ def _add_ahead(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torc
     if _plain(norm, x, residual):
         return residual + x
     h, y, q, s = add_rmsnorm_mx(x, residual, norm.weight, norm.variance_epsilon, norm.__dict__["_mxq_feeds"])
-    norm.__dict__["_mxq_ready"] = (h, y, q, s)
+    norm._mxq_ready = (h, y, q, s)
     return h
 
 
