@@ -167,13 +167,12 @@ class ProducerPlan:
     allocates the outputs and launches once; the host work of argument checks, constexprs and the
     launch-site key is done when the plan is made (``PLANS``)."""
 
-    __slots__ = ("go", "grid", "consts", "m", "k", "out_shape", "q_dtype", "nblk", "device", "dev_index", "stream", "add")
+    __slots__ = ("go", "grid", "m", "k", "out_shape", "q_dtype", "nblk", "device", "dev_index", "stream", "add")
 
     def __init__(self, fn, grid, consts: dict, options: dict, m: int, k: int, out_shape, elem: ElemFormat,
                  block_size: int, device: torch.device, add: bool):  # fmt: skip
         self.go = Launch(fn, consts, options)
         self.grid, self.m, self.k, self.out_shape, self.add = grid, m, k, out_shape, add
-        self.consts = consts
         self.q_dtype, self.nblk = elem.torch_dtype, k // block_size
         self.device, self.dev_index = device, device.index or 0
         self.stream = None  # Triton's stream function, on the first direct launch
@@ -211,8 +210,8 @@ def _norm_plan(key, x2, weight, eps, elem, block_size, pdl, add, out_shape) -> P
     name = "add_rmsnorm_mx" if add else "rmsnorm_mx"
     k = x2.shape[1]
     _check(x2, k, block_size, name)
-    if weight.dtype != x2.dtype or weight.shape != (k,) or not weight.is_contiguous():
-        raise ValueError(f"{name} needs a contiguous weight of shape ({k},) in {x2.dtype}, got {tuple(weight.shape)} {weight.dtype}")
+    if weight.dtype != x2.dtype or weight.shape != (k,):
+        raise ValueError(f"{name} needs a weight of shape ({k},) in {x2.dtype}, got {tuple(weight.shape)} {weight.dtype}")
     if k > RMSNORM_MAX_K:
         raise ValueError(f"{name} takes rows of at most {RMSNORM_MAX_K} elements, got {k}")
     block = max(next_pow2(k), block_size)
@@ -232,7 +231,7 @@ def rmsnorm_mx(x: torch.Tensor, weight: torch.Tensor, eps: float, elem: ElemForm
     key = (0, x.shape, x.dtype, x2.data_ptr() & 15, x.device, weight.dtype, weight.shape, weight.data_ptr() & 15,
            elem, block_size, pdl)  # fmt: skip
     plan = PLANS.get(key) or _norm_plan(key, x2, weight, eps, elem, block_size, pdl, False, x.shape)
-    return plan(x2, weight, None, (k, float(eps), k, k, k // block_size))
+    return plan(x2, weight if weight.is_contiguous() else weight.contiguous(), None, (k, float(eps), k, k, k // block_size))
 
 
 def add_rmsnorm_mx(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, elem: ElemFormat,
@@ -248,7 +247,7 @@ def add_rmsnorm_mx(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
     key = (1, x.shape, x.dtype, x2.data_ptr() & 15, r2.data_ptr() & 15, x.device, weight.dtype, weight.shape,
            weight.data_ptr() & 15, elem, block_size, pdl)  # fmt: skip
     plan = PLANS.get(key) or _norm_plan(key, x2, weight, eps, elem, block_size, pdl, True, x.shape)
-    return plan(x2, weight, r2, (k, float(eps), k, k, k // block_size))
+    return plan(x2, weight if weight.is_contiguous() else weight.contiguous(), r2, (k, float(eps), k, k, k // block_size))
 
 
 def _silu_plan(key, g2, k, elem, block_size, pdl, out_shape) -> ProducerPlan:

@@ -390,7 +390,9 @@ def _add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple
 
 def _add_ahead(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """residual + x, with ``norm`` of it computed in the same kernel and kept on the norm, which
-    returns it when called on this very tensor (by identity, as ``FusedMXLinear.give``)."""
+    returns it when called on this very tensor (by identity, as ``FusedMXLinear.give``). A hook
+    that returns a new tensor from the layer is seen (the norm computes again); one that changes
+    the layer's output in place is not: ``fuse=False`` keeps transformers' forwards for that."""
     if _plain(norm, x, residual):
         return residual + x
     h, y, q, s = add_rmsnorm_mx(x, residual, norm.weight, norm.variance_epsilon, norm.__dict__["_mxq_feeds"])

@@ -116,6 +116,9 @@ def test_add_rmsnorm_mx_matches_reference(dtype):
     h, *got = P.add_rmsnorm_mx(x, r, w, 1e-6, E4M3)
     assert torch.equal(h, r + x)
     _assert_producer_close(tuple(got), rmsnorm_mx_reference(r + x, w, 1e-6, E4M3), dtype)
+    w2 = torch.stack([w, -w], 1)[:, 0]  # the same weight, every other element of its storage
+    h2, *got2 = P.add_rmsnorm_mx(x, r, w2, 1e-6, E4M3)
+    assert torch.equal(h2, h) and all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got2, got))
 
 
 def test_producer_kernels_refuse_bad_input():
