@@ -155,7 +155,7 @@ class Launch:
     ``maxnreg``, ``launch_pdl``, ...).
     """
 
-    __slots__ = ("fn", "consts", "options", "tail", "template", "slots", "kernel", "raw")
+    __slots__ = ("fn", "consts", "options", "tail", "template", "slots", "kernel", "raw", "stream")
 
     def __init__(self, fn, consts: dict, options: dict | None = None):
         self.fn = fn
@@ -174,7 +174,7 @@ class Launch:
             self.tail, self.template, self.slots = tuple(consts[n] for n in names[len(slots) :]), None, None
         else:  # runtime parameters among the constexprs: fill a template
             self.tail, self.template, self.slots = (), [consts.get(n) for n in names], slots
-        self.kernel = self.raw = None
+        self.kernel = self.raw = self.stream = None
 
     def _full(self, args) -> tuple:
         if self.template is None:
@@ -203,6 +203,21 @@ class Launch:
             return
         k.run(grid[0], g1, g2, driver.active.get_current_stream(dev), k.function, k.packed_metadata,
               None, None, None, *full)  # fmt: skip
+
+    def on_device(self, grid: tuple[int, ...], dev_index: int, *args) -> None:
+        """``self(grid, *args)`` for a caller that holds its tensors' device index: past the first call
+        the compiled kernel's C launcher directly, without the argument template, the current-device
+        query or the descriptor walk (kernels whose arguments are all in signature order, no host
+        descriptors); anything else through ``__call__``."""
+        raw = self.raw
+        if raw is None or raw.descs or CHECK or self.template is not None or hooks_attached():
+            self(grid, *args)
+            return
+        if self.stream is None:
+            self.stream = stream_getter()
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        raw.launch(grid[0], g1, g2, self.stream(dev_index), *raw.head, *args, *self.tail)
 
     def _check(self, args) -> None:
         """Raise unless Triton's own binder picks the kernel this Launch holds for ``args`` (all

@@ -30,8 +30,8 @@ stream its weights while they run (sm_90+, not in the interpreter).
 Host cost: an eager decode step calls these three times per layer on one-row inputs, so each call's
 launch is planned once per input signature (``ProducerPlan`` in ``PLANS``: argument checks,
 constexprs, grid, output shapes); a repeat call allocates its outputs and hands the arguments to
-the compiled kernel's C launcher (``launch.RawLauncher``), or to ``launch.Launch`` where that is not
-available (the interpreter, profiler hooks, ``MXQ_LAUNCH_CHECK``).
+the compiled kernel's C launcher (``launch.Launch.on_device``; through Triton where that is not
+available: the interpreter, profiler hooks, ``MXQ_LAUNCH_CHECK``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ import triton
 import triton.language as tl
 
 from mxq.formats import ElemFormat, ScaleRule
-from mxq.kernels import launch
 from mxq.kernels.common import (
     RULE_ID,
     SCALE_BIAS,
@@ -167,7 +166,7 @@ class ProducerPlan:
     allocates the outputs and launches once; the host work of argument checks, constexprs and the
     launch-site key is done when the plan is made (``PLANS``)."""
 
-    __slots__ = ("go", "grid", "m", "k", "out_shape", "q_dtype", "nblk", "device", "dev_index", "stream", "add")
+    __slots__ = ("go", "grid", "m", "k", "out_shape", "q_dtype", "nblk", "device", "dev_index", "add")
 
     def __init__(self, fn, grid, consts: dict, options: dict, m: int, k: int, out_shape, elem: ElemFormat,
                  block_size: int, device: torch.device, add: bool):  # fmt: skip
@@ -175,11 +174,6 @@ class ProducerPlan:
         self.grid, self.m, self.k, self.out_shape, self.add = grid, m, k, out_shape, add
         self.q_dtype, self.nblk = elem.torch_dtype, k // block_size
         self.device, self.dev_index = device, device.index or 0
-        self.stream = None  # Triton's stream function, on the first direct launch
-
-    def _stream(self):
-        self.stream = launch.stream_getter()
-        return self.stream
 
     def __call__(self, x2: torch.Tensor, w: torch.Tensor | None, r2: torch.Tensor | None, tail: tuple):
         """(rounded values, codes, scales[, the sum]) for rows ``x2`` (``r2``: residual rows, ``w``:
@@ -191,14 +185,7 @@ class ProducerPlan:
         h = torch.empty(self.out_shape, dtype=x2.dtype, device=dev) if self.add else None
         if m:
             args = (x2, y, q, s) if w is None else (x2, x2 if r2 is None else r2, y if h is None else h, w, y, q, s)
-            go = self.go
-            raw = go.raw
-            if raw is None or launch.CHECK or go.template is not None or launch.hooks_attached():
-                go(self.grid, *args, *tail)
-            else:
-                stream = self.stream or self._stream()
-                g = self.grid
-                raw.launch(g[0], g[1], 1, stream(self.dev_index), *raw.head, *args, *tail, *go.tail)
+            self.go.on_device(self.grid, self.dev_index, *args, *tail)
         q = q.view(self.q_dtype)
         return (y, q, s) if h is None else (h, y, q, s)
 

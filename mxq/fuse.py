@@ -192,37 +192,25 @@ def _producer_impl(name: str, t: torch.Tensor, kernels: str):
     return getattr(reference, f"{name}_reference")
 
 
-def _rmsnorm_mx(x, weight, eps: float, elem: str, block_size: int, kernels: str):
-    return _producer_impl("rmsnorm_mx", x, kernels)(x, weight, eps, as_elem_format(elem), block_size)
-
-
-def _add_rmsnorm_mx(x, residual, weight, eps: float, elem: str, block_size: int, kernels: str):
-    return _producer_impl("add_rmsnorm_mx", x, kernels)(x, residual, weight, eps, as_elem_format(elem), block_size)
-
-
-def _silu_mul_mx(gu, elem: str, block_size: int, kernels: str):
-    return _producer_impl("silu_mul_mx", gu, kernels)(gu, as_elem_format(elem), block_size)
-
-
 @torch.library.custom_op("mxq::rmsnorm_mx", mutates_args=())
 def rmsnorm_mx_op(
     x: torch.Tensor, weight: torch.Tensor, eps: float, elem: str, block_size: int, kernels: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _rmsnorm_mx(x, weight, eps, elem, block_size, kernels)
+    return _producer_impl("rmsnorm_mx", x, kernels)(x, weight, eps, as_elem_format(elem), block_size)
 
 
 @torch.library.custom_op("mxq::add_rmsnorm_mx", mutates_args=())
 def add_rmsnorm_mx_op(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, elem: str, block_size: int, kernels: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _add_rmsnorm_mx(x, residual, weight, eps, elem, block_size, kernels)
+    return _producer_impl("add_rmsnorm_mx", x, kernels)(x, residual, weight, eps, as_elem_format(elem), block_size)
 
 
 @torch.library.custom_op("mxq::silu_mul_mx", mutates_args=())
 def silu_mul_mx_op(
     gu: torch.Tensor, elem: str, block_size: int, kernels: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _silu_mul_mx(gu, elem, block_size, kernels)
+    return _producer_impl("silu_mul_mx", gu, kernels)(gu, as_elem_format(elem), block_size)
 
 
 def _fake(v: torch.Tensor, k: int, elem: str, block_size: int):
@@ -238,25 +226,28 @@ add_rmsnorm_mx_op.register_fake(
 silu_mul_mx_op.register_fake(lambda gu, elem, block_size, kernels: _fake(gu, gu.shape[-1] // 2, elem, block_size))
 
 
+def _produce(name: str, op, feeds: MXLinear, *args):
+    """Producer ``name`` on ``args`` (tensors, then eps for the norms), its output in ``feeds``'
+    activation format: under ``torch.compile`` the custom op ``op`` (format by name), else the
+    implementation for the first tensor's device (``_producer_impl``)."""
+    if torch.compiler.is_compiling():
+        return op(*args, feeds.act.elem.name, feeds.block_size, feeds.kernels or "")
+    return _producer_impl(name, args[0], feeds.kernels)(*args, feeds.act.elem, feeds.block_size)
+
+
 def rmsnorm_mx(x: torch.Tensor, weight: torch.Tensor, eps: float, feeds: MXLinear):
     """(MX-rounded RMSNorm output, fp8 codes [M, K], scales [M, K/32]) in ``feeds``' activation format."""
-    if torch.compiler.is_compiling():
-        return rmsnorm_mx_op(x, weight, float(eps), feeds.act.elem.name, feeds.block_size, feeds.kernels or "")
-    return _producer_impl("rmsnorm_mx", x, feeds.kernels)(x, weight, eps, feeds.act.elem, feeds.block_size)
+    return _produce("rmsnorm_mx", rmsnorm_mx_op, feeds, x, weight, float(eps))
 
 
 def add_rmsnorm_mx(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, feeds: MXLinear):
     """(residual + x, MX-rounded RMSNorm of that, fp8 codes, scales) in ``feeds``' activation format."""
-    if torch.compiler.is_compiling():
-        return add_rmsnorm_mx_op(x, residual, weight, float(eps), feeds.act.elem.name, feeds.block_size, feeds.kernels or "")
-    return _producer_impl("add_rmsnorm_mx", x, feeds.kernels)(x, residual, weight, eps, feeds.act.elem, feeds.block_size)
+    return _produce("add_rmsnorm_mx", add_rmsnorm_mx_op, feeds, x, residual, weight, float(eps))
 
 
 def silu_mul_mx(gu: torch.Tensor, feeds: MXLinear):
     """(MX-rounded SiLU(gate)·up of a fused gate/up output, fp8 codes, scales)."""
-    if torch.compiler.is_compiling():
-        return silu_mul_mx_op(gu, feeds.act.elem.name, feeds.block_size, feeds.kernels or "")
-    return _producer_impl("silu_mul_mx", gu, feeds.kernels)(gu, feeds.act.elem, feeds.block_size)
+    return _produce("silu_mul_mx", silu_mul_mx_op, feeds, gu)
 
 
 # --- the residual add with the norm after it ----------------------------------------------------

@@ -69,6 +69,40 @@ def test_launch_takes_the_jit_with_hooks_or_when_off(fast, monkeypatch):
     assert len(fn.jit_calls) == 3 and not fn.runs
 
 
+def test_launch_on_device_calls_the_c_launcher_directly(fast, monkeypatch):
+    """``on_device``: after the first call, the C launcher with the stream of the given device and
+    the arguments as given (constexprs after them); the first call, a launcher that expands host
+    descriptors, or ``MXQ_LAUNCH_CHECK`` go through ``__call__`` (the current device's stream)."""
+
+    class Raw:  # a RawLauncher stand-in: ``launch`` is the C launcher, ``__call__`` the general path
+        def __init__(self, descs):
+            self.descs, self.head, self.direct, self.general = descs, ("head",), [], []
+
+        def launch(self, *a):
+            self.direct.append(a)
+
+        def __call__(self, *a):
+            self.general.append(a)
+
+    fn = FakeJIT(["x", "n", "BLOCK"])
+    go = L.Launch(fn, {"BLOCK": 32})
+    streams = []
+    monkeypatch.setattr(L.driver.active, "get_current_stream", lambda dev: streams.append(dev) or 100 + dev)
+    go.on_device((2, 3), 1, "X", 5)  # the first call: the JIT
+    assert fn.jit_calls == [((2, 3), ("X", 5, 32), {})]
+    go.raw = raw = Raw(())
+    go.on_device((2, 3), 1, "X2", 6)
+    assert raw.direct == [(2, 3, 1, 101, "head", "X2", 6, 32)] and streams == [1] and not raw.general
+    go.raw = raw = Raw(((0, None),))  # host descriptors to expand
+    go.on_device((4,), 1, "X3", 7)
+    assert not raw.direct and raw.general == [(4, 1, 1, 100, "X3", 7, 32)]
+    go.raw = raw = Raw(())
+    monkeypatch.setattr(L, "CHECK", True)
+    monkeypatch.setattr(L.Launch, "_check", lambda self, args: None)
+    go.on_device((4,), 1, "X4", 8)
+    assert not raw.direct and raw.general == [(4, 1, 1, 100, "X4", 8, 32)]
+
+
 def test_launch_runtime_parameters_among_constexprs(fast):
     fn = FakeJIT(["x", "C", "y", "D"])
     go = L.Launch(fn, {"D": 2, "C": 1})
