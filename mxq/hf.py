@@ -14,6 +14,7 @@ foreign configs — is ``mxq.config``, which needs no transformers; this module 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 from transformers.quantizers.auto import (
@@ -72,7 +73,9 @@ class MXQHfQuantizer(HfQuantizer):
                     elem=w.elem, act=a, block_size=cfg.block_size, dtype=dtype,
                 )
             setattr(parent, child, new)
+        self._mxq_declared_missing = list(getattr(model, "_keys_to_ignore_on_load_missing", None) or [])
         _prepare_experts(model, cfg, dtype)
+        _quiet_per_expert_report(model, cfg)
         plan = getattr(model, "_tp_plan", None)
         if isinstance(plan, dict) and plan:  # tensor parallelism shards by the model's plan: the experts' scales too
             from mxq.tp import plan_with_scales
@@ -98,8 +101,10 @@ class MXQHfQuantizer(HfQuantizer):
         from mxq.fuse import fuse
         from mxq.tp import localize
 
+        unwritten = _unwritten(model, getattr(self, "_mxq_declared_missing", []))
         _scales_as(model, torch.uint8)
-        _per_expert_scales(model, self.quantization_config, getattr(self, "_mxq_files", []))
+        unwritten -= _per_expert_tensors(model, self.quantization_config, getattr(self, "_mxq_files", []), unwritten)
+        _refuse_unwritten(model, unwritten, getattr(self, "_mxq_files", []))
         _routers_as_model(model)
         from mxq.embedding import after_loading
 
@@ -159,8 +164,8 @@ def _prepare_experts(model, cfg: MXQConfig, dtype) -> None:
         info, d = experts_layer(name, mod), cfg.experts[name]
         if d["num_experts"] != info.num_experts or list(d["projections"]) != list(info.projections):
             raise ValueError(
-                f"quantization_config experts[{name!r}]: {d['num_experts']} experts {d['projections']}, but "
-                f"{type(model).__name__} has {info.num_experts} {list(info.projections)}"
+                f"quantization_config experts[{name!r}]: {d['num_experts']} experts {d['projections']}, but config.json builds "
+                f"{type(model).__name__} with {info.num_experts} {list(info.projections)}"
             )
         w, a = cfg.experts_specs(name)
         parent_name, _, child = name.rpartition(".")
@@ -169,33 +174,53 @@ def _prepare_experts(model, cfg: MXQConfig, dtype) -> None:
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
 
-# per-expert projection names on disk -> the fused parameter's row blocks, in order (gate rows, then up)
-_PER_EXPERT_ROWS = {"gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3")), "up_proj": (("up_proj",), ("w3",)),
-                    "down_proj": (("down_proj",), ("w2",))}  # fmt: skip
+# The fused in-memory projections of an experts module, and the per-expert names each is found
+# under on disk, in the order their rows stack: gate then up (Mixtral's w1 = gate, w3 = up, w2 =
+# down), or one per-expert ``gate_up_proj`` already holding both.
+_PER_EXPERT_NAMES = {
+    "gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3"), ("gate_up_proj",)),
+    "up_proj": (("up_proj",), ("w3",)),
+    "down_proj": (("down_proj",), ("w2",)),
+}
+# Families whose fused gate_up holds gate and up rows alternately (gpt-oss: gate = rows 0::2): a gate
+# and an up tensor stored apart interleave when stacked.
+_INTERLEAVED_GATE_UP = ("GptOssExperts",)
+_SCALE_NAMES = (".weight_scale", ".weight_scale_inv")
 
 
-def _per_expert_scales(model, cfg, files: list) -> None:
-    """The scales of experts stored one by one, read from the checkpoint into each ``MXExperts``.
-    transformers stacks the per-expert weights through the family's own conversion, but whether
-    that rule also carries a ``.weight_scale`` suffix differs between its releases (5.17 does,
-    5.24 does not), so mxq fills the scales itself, the same way on every release."""
+def _per_expert_tensors(model, cfg, files: list, unwritten: set[str]) -> set[str]:
+    """Experts stored one expert at a time, read from the checkpoint into each ``MXExperts``: the
+    codes, scales and biases transformers did not load (``unwritten``), and the scales always.
+
+    transformers stacks per-expert tensors only under the names its family conversion knows
+    (Qwen's ``experts.N.gate_proj``, Mixtral's ``block_sparse_moe.experts.N.w1``), and whether that
+    rule carries a ``.weight_scale`` suffix differs between its releases (5.17 does, 5.24 does
+    not). Other tools write other names (llm-compressor: ``mlp.experts.N.gate_proj`` for Mixtral,
+    with biases for gpt-oss), so mxq reads every naming in ``_PER_EXPERT_NAMES`` itself, the same
+    way on every release. Returns the names of the parameters written."""
     import re
 
     from safetensors import safe_open
 
-    entries = {n: d for n, d in (getattr(cfg, "experts", None) or {}).items()}
+    from mxq.checkpoint import CheckpointError
+
+    entries = dict(getattr(cfg, "experts", None) or {})
     if not entries or not files:
-        return
-    where: dict[str, str] = {}
+        return set()
+    shapes: dict[str, tuple[str, tuple]] = {}
     for f in files:
         with safe_open(str(f), "pt") as h:
-            where.update({k: str(f) for k in h.keys() if k.endswith(".weight_scale") and ".experts." in k})
-    if not where:
-        return
+            for k in h.keys():
+                if ".experts." in k:
+                    shapes[k] = (str(f), tuple(h.get_slice(k).get_shape()))
     handles: dict[str, object] = {}
+    written: set[str] = set()
 
-    def read(name: str) -> torch.Tensor:
-        f = where[name]
+    def read(name: str, want: tuple) -> torch.Tensor:
+        f, shape = shapes[name]
+        if shape != tuple(want):
+            hint = " (blocks must run along K, the last axis of each expert's [N, K] matrix)" if name.endswith(_SCALE_NAMES) else ""
+            raise CheckpointError(f"{f}: tensor {name}: shape {list(shape)}, but the model's experts need {list(want)}{hint}")
         if f not in handles:
             handles[f] = safe_open(f, "pt")
         return handles[f].get_tensor(name)
@@ -203,20 +228,106 @@ def _per_expert_scales(model, cfg, files: list) -> None:
     for name in entries:
         mod = model.get_submodule(name)
         layer, _, leaf = name.rpartition(".")
-        pat = re.compile(rf"^{re.escape(layer.rpartition('.')[0])}\.[^.]+\.{re.escape(leaf)}\.0\.([^.]+)\.weight_scale$")
-        found = {m.group(1): k[: -len(".0." + m.group(1) + ".weight_scale")] for k in where if (m := pat.match(k))}
+        pat = re.compile(rf"^({re.escape(layer.rpartition('.')[0])}\.[^.]+\.{re.escape(leaf)})\.0\.([^.]+)\.weight$")
+        found = {m.group(2): m.group(1) for k in shapes if (m := pat.match(k))}
         if not found:
-            continue  # fused scales: loaded by name
+            continue  # fused on disk: loaded by name
+        interleave = mod.family in _INTERLEAVED_GATE_UP
         for proj in mod.projections:
-            names = next((ns for ns in _PER_EXPERT_ROWS[proj] if all(n in found for n in ns)), None)
+            names = next((ns for ns in _PER_EXPERT_NAMES[proj] if all(n in found for n in ns)), None)
             if names is None:
-                raise ValueError(f"{name}: per-expert scales for {proj} not found in the checkpoint (have {sorted(found)})")
-            scale = getattr(mod, proj + "_scale")
-            full = torch.empty(scale.shape, dtype=torch.uint8)
-            for e in range(mod.num_experts):
-                full[e] = torch.cat([read(f"{found[n]}.{e}.{n}.weight_scale").view(torch.uint8) for n in names])
-            with torch.no_grad():
-                _set_scale(scale, full)
+                known = " or ".join("+".join(ns) for ns in _PER_EXPERT_NAMES[proj])
+                raise CheckpointError(
+                    f"{name}: the checkpoint stores these experts one by one as {sorted(found)}, but not {proj} "
+                    f"(read as {known})"
+                )
+            codes, scale = getattr(mod, proj), getattr(mod, proj + "_scale")
+            bias = getattr(mod, proj + "_bias", None)
+            n_part = codes.shape[1] // len(names)
+            suffix = next((s for s in _SCALE_NAMES if f"{found[names[0]]}.0.{names[0]}{s}" in shapes), None)
+            if suffix is None:
+                raise CheckpointError(f"{name}: tensor {found[names[0]]}.0.{names[0]}.weight_scale: missing")
+            targets = [(proj + "_scale", scale, suffix, codes.shape[2] // 32, torch.uint8)]
+            pname = f"{name}.{proj}"
+            if pname in unwritten:
+                targets.append((proj, codes, ".weight", codes.shape[2], codes.dtype))
+            if bias is not None and f"{pname}_bias" in unwritten:
+                targets.append((proj + "_bias", bias, ".bias", None, bias.dtype))
+            for attr, param, tail, k, dtype in targets:
+                full = torch.empty(param.shape, dtype=dtype)
+                for e in range(mod.num_experts):
+                    parts = []
+                    for n in names:
+                        t = f"{found[n]}.{e}.{n}{tail}"
+                        if t not in shapes:
+                            raise CheckpointError(f"{name}: tensor {t}: missing (expert {e} of {mod.num_experts})")
+                        want = (n_part,) if k is None else (n_part, k)
+                        parts.append(read(t, want).view(dtype) if dtype in (torch.uint8, codes.dtype) else read(t, want).to(dtype))
+                    full[e] = torch.stack(parts, 1).flatten(0, 1) if interleave and len(parts) == 2 else torch.cat(parts)
+                with torch.no_grad():
+                    _set_scale(param, full)
+                written.add(f"{name}.{attr}")
+    return written
+
+
+def _quiet_per_expert_report(model, cfg) -> None:
+    """transformers' load report would list experts stored one by one under names its conversion
+    does not map as UNEXPECTED, and the fused parameters as MISSING, though mxq reads them itself
+    (``_per_expert_tensors``, which refuses the load if any stays unwritten): the model's own
+    ignore patterns take them out of the report."""
+    import re
+
+    unexpected, missing = [], []
+    for name, d in (getattr(cfg, "experts", None) or {}).items():
+        layer, _, leaf = name.rpartition(".")
+        unexpected.append(rf"^{re.escape(layer.rpartition('.')[0])}\.[^.]+\.{re.escape(leaf)}\.\d+\.[^.]+\.(weight|weight_scale|weight_scale_inv|bias)$")
+        missing.append(rf"^{re.escape(name)}\.({'|'.join(map(re.escape, d['projections']))})(_scale|_bias)?$")
+    if unexpected:
+        model._keys_to_ignore_on_load_unexpected = {*(model._keys_to_ignore_on_load_unexpected or ()), *unexpected}
+        model._keys_to_ignore_on_load_missing = {*(model._keys_to_ignore_on_load_missing or ()), *missing}
+
+
+def _unwritten(model, declared: list[str] = ()) -> set[str]:
+    """The names of the state-dict entries loading did not write: transformers marks every tensor
+    it sets from the checkpoint (``_is_hf_initialized``, 5.17 through 5.24); a tied entry shares its
+    source's tensor; ``declared``: the model class's own patterns of keys it may miss (derived
+    tensors it initializes itself). Anything else was allocated for a missing key and holds
+    uninitialized memory or a random initialization."""
+    import re
+
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+    derived = re.compile("|".join(f"(?:{p})" for p in declared)) if declared else None
+    entries = model.state_dict(keep_vars=True)
+    if entries and not any(getattr(t, "_is_hf_initialized", False) for t in entries.values()):
+        import warnings
+
+        warnings.warn("mxq: this transformers release does not mark loaded tensors; the load is not verified", stacklevel=3)
+        return set()
+    return {n for n, t in entries.items() if n not in tied and not getattr(t, "_is_hf_initialized", False)
+            and not (derived is not None and derived.search(n)) and not (t.device.type == "meta" and _offloaded(model, n))}  # fmt: skip
+
+
+def _offloaded(model, name: str) -> bool:
+    """An entry accelerate offloaded (device_map with "cpu"/"disk" under hooks): the module holds a
+    meta placeholder and the hook the loaded weight."""
+    mod = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+    hook = getattr(mod, "_hf_hook", None)
+    return bool(getattr(hook, "offload", False))
+
+
+def _refuse_unwritten(model, unwritten: set[str], files: list) -> None:
+    """A model with any entry loading did not write is refused, naming it (``_unwritten``): it would
+    run on uninitialized memory."""
+    if not unwritten:
+        return
+    from mxq.checkpoint import CheckpointError
+
+    first = sorted(unwritten)[0]
+    more = f" (and {len(unwritten) - 1} more)" if len(unwritten) > 1 else ""
+    where = str(Path(files[0]).parent) if files else "the checkpoint"
+    raise CheckpointError(
+        f"{where}: tensor {first}: missing: {type(model).__name__} has it, but no checkpoint tensor was loaded into it{more}"
+    )
 
 
 def _set_scale(param: torch.Tensor, full: torch.Tensor) -> None:
@@ -309,7 +420,33 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: tor
     """Load an MXFP8 checkpoint (mxq, compressed-tensors mxfp8-quantized or transformers mxfp8);
     ``kernels`` chooses the kernels that may run it (``mxq.set_kernels``); ``fuse=False`` keeps
     the model as transformers builds it (``mxq.fuse``: q/k/v and gate/up separate, its
-    own norms, MLPs and attention)."""
+    own norms, MLPs and attention). Every parameter of the model is written from the checkpoint
+    (or tied to one that is): anything else is refused, naming the tensor."""
+    model = _from_pretrained(path, dtype)
+    if not fuse:
+        from mxq.fuse import unfuse
+
+        unfuse(model)
+    model = model.to(device).eval()
+    return set_kernels(model, kernels) if kernels is not None else model
+
+
+def check_loads(path: str | os.PathLike) -> str | None:
+    """The first problem ``mxq.load`` would refuse ``path`` for, found by loading it onto the meta
+    device (every check of a real load, the tensors' data read once and dropped); None if it loads.
+    ``mxq inspect`` reports it, so that "ok" there means the checkpoint loads."""
+    try:
+        _from_pretrained(path, torch.bfloat16, device_map="meta")
+    except Exception as e:  # noqa: BLE001 - whatever the load raises is the problem to report
+        msg = " ".join(str(e).split())[:400]
+        return msg if isinstance(e, (ValueError, OSError)) else f"{type(e).__name__}: {msg}"
+    return None
+
+
+def _from_pretrained(path: str | os.PathLike, dtype: torch.dtype, device_map=None):
+    """``from_pretrained`` after the checks that need no model: shards inside the directory,
+    headers, the config and the tensors it describes (``mxq.validate``); a foreign MXFP8 config is
+    rewritten into the native one in memory."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from mxq.checkpoint import CheckpointError, checkpoint_files, read_header
@@ -335,10 +472,5 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: tor
 
         # which layers are Linear or Embedding, and the tie, from a meta-device skeleton
         cfg.quantization_config = foreign_to_native(path, config, *skeleton_modules(cfg))
-    model = AutoModelForCausalLM.from_pretrained(path, config=cfg, dtype=dtype, trust_remote_code=False)
-    if not fuse:
-        from mxq.fuse import unfuse
-
-        unfuse(model)
-    model = model.to(device).eval()
-    return set_kernels(model, kernels) if kernels is not None else model
+    kw = {"device_map": device_map} if device_map is not None else {}
+    return AutoModelForCausalLM.from_pretrained(path, config=cfg, dtype=dtype, trust_remote_code=False, **kw)

@@ -25,8 +25,10 @@ class InspectReport:
 
 
 def inspect_checkpoint(path: str | os.PathLike, tp: int | None = None) -> InspectReport:
-    """Describe the checkpoint at ``path``; its problems are the ones ``mxq.load`` refuses
-    (``mxq.validate.check_checkpoint``, the same validator). ``tp``: also judge every quantized
+    """Describe the checkpoint at ``path``; its problems are the ones ``mxq.load`` refuses: the
+    validator's (``mxq.validate.check_checkpoint``), then, where it finds none, whatever a load onto
+    the meta device refuses (``mxq.hf.check_loads``: the model built from config.json against the
+    tensors, every parameter written). ``tp``: also judge every quantized
     weight against tensor parallelism of that degree (``mxq.tp``: ``shards``)."""
     v = check_checkpoint(Path(path), scan_float=True)
     qc = v.config.get("quantization_config")
@@ -41,6 +43,12 @@ def inspect_checkpoint(path: str | os.PathLike, tp: int | None = None) -> Inspec
         n_quantized=len(v.layers),
         problems=v.problems,
     )
+    if not v.problems and v.format != "none":  # what only building the model shows: load it onto the meta device
+        from mxq.hf import check_loads
+
+        problem = check_loads(path)
+        if problem:
+            rep.problems.append(problem)
     by_dtype: dict[str, int] = defaultdict(int)
     for i in rep.tensors:
         by_dtype[i.dtype] += i.nbytes

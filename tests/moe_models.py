@@ -8,8 +8,8 @@ import torch
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss", "llama4_text", "glm4_moe")
 
 
-def moe_config(family: str):
-    """A tiny config of ``family`` (transformers' model_type)."""
+def moe_config(family: str, **overrides):
+    """A tiny config of ``family`` (transformers' model_type); ``overrides`` replace its values."""
     from transformers import AutoConfig
 
     common = dict(
@@ -34,15 +34,15 @@ def moe_config(family: str):
         "glm4_moe": dict(intermediate_size=96, moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2,
                          n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=0),
     }[family]
-    return AutoConfig.for_model(family, **{**common, **per_family})
+    return AutoConfig.for_model(family, **{**common, **per_family, **overrides})
 
 
-def moe_model(family: str, seed: int = 0, dtype=torch.float32):
+def moe_model(family: str, seed: int = 0, dtype=torch.float32, **overrides):
     """A tiny ``family`` model with random weights (router weights spread so that every expert is used)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(moe_config(family), dtype=dtype)
+    model = AutoModelForCausalLM.from_config(moe_config(family, **overrides), dtype=dtype)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:

@@ -1,0 +1,203 @@
+"""A model that loads is a model that is right: every parameter written from the checkpoint.
+
+Experts stored one by one under the names other tools write (``foreign_layouts``) load to the
+logits of the family's transformers model holding the exactly decoded weights; a checkpoint that
+leaves any parameter unwritten is refused naming it, by ``mxq.load``, by ``from_pretrained`` after
+``import mxq`` and by ``mxq inspect`` alike, with no NaN model handed out.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from cli_helpers import run_cli
+from moe_models import moe_model
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import mxq
+from mxq.checkpoint import CheckpointError, checkpoint_files
+from mxq.experts import MXExperts
+
+pytest.importorskip("compressed_tensors")
+from foreign_layouts import per_expert_checkpoint  # noqa: E402  (needs compressed_tensors)
+
+LAYOUTS = [
+    ("mixtral", "gate_up_down", "mlp"),  # llm-compressor oneshot on a transformers 5 Mixtral
+    ("mixtral", "w1_w3_w2", "block_sparse_moe"),  # Mixtral's original names
+    ("mixtral", "w1_w3_w2", "mlp"),
+    ("qwen3_moe", "w1_w3_w2", "mlp"),
+    ("qwen3_moe", "gate_up_down", "mlp"),
+    ("gpt_oss", "gate_up_down", "mlp"),  # llm-compressor's linearized gpt-oss experts, with biases
+]
+
+
+def _ids(seed=3):
+    return torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(seed))
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Same function, float32 accumulation order apart (measured differences ~1e-6 on logits of
+    magnitude ~1; the bound is 100x that)."""
+    assert not a.isnan().any()
+    assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("family,naming,container", LAYOUTS)
+def test_per_expert_namings_load_to_the_decoded_reference(tmp_path, family, naming, container):
+    ref = per_expert_checkpoint(tmp_path / "ct", family, naming, container)
+    model = mxq.load(tmp_path / "ct", dtype=torch.float32)
+    assert sum(isinstance(m, MXExperts) for m in model.modules()) == 2
+    with torch.no_grad():
+        _close(model(_ids()).logits, ref(_ids()).logits)
+    rc, err = run_cli(["inspect", str(tmp_path / "ct")])
+    assert rc == 0, err
+
+
+def _native(tmp_path, family="qwen3_moe"):
+    src = tmp_path / "src"
+    moe_model(family).save_pretrained(src)
+    out = tmp_path / "mx"
+    assert run_cli(["quantize", str(src), str(out)])[0] == 0
+    f = checkpoint_files(out)[0]
+    with safe_open(f, "pt") as h:
+        return out, f, {n: h.get_tensor(n) for n in h.keys()}
+
+
+def _rewrite(out, f, tensors, config_edit=None):
+    save_file(tensors, f, metadata={"format": "pt"})
+    idx = out / "model.safetensors.index.json"
+    if idx.exists():
+        idx.unlink()
+        f.rename(out / "model.safetensors")
+    if config_edit is not None:
+        cfg = json.loads((out / "config.json").read_text())
+        config_edit(cfg)
+        (out / "config.json").write_text(json.dumps(cfg))
+
+
+def test_native_w1_w3_w2_loads_like_gate_up_down(tmp_path):
+    """A native checkpoint whose experts carry Mixtral's w1/w3/w2 names: the same bytes as the
+    gate/up/down one, the same logits, through mxq.load and from_pretrained."""
+    from transformers import AutoModelForCausalLM
+
+    out, f, t = _native(tmp_path)
+    want = mxq.load(out, dtype=torch.float32)
+    names = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+    renamed = {}
+    for k, v in t.items():
+        for a, b in names.items():
+            k = k.replace(f".{a}.", f".{b}.") if ".experts." in k else k
+        renamed[k] = v
+
+    def edit(cfg):
+        for d in cfg["quantization_config"]["experts"].values():
+            d["stored"] = [s.replace("gate_proj", "w1").replace("up_proj", "w3").replace("down_proj", "w2") for s in d["stored"]]
+
+    _rewrite(out, f, renamed, edit)
+    got = mxq.load(out, dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        w = want(_ids()).logits
+        assert torch.equal(got(_ids()).logits, w)
+        assert torch.equal(hf(_ids()).logits, w)
+
+
+def _refused(out, match):
+    """mxq.load, from_pretrained and mxq inspect all refuse ``out`` naming ``match``."""
+    from transformers import AutoModelForCausalLM
+
+    with pytest.raises(CheckpointError, match=match):
+        mxq.load(out)
+    with pytest.raises(CheckpointError, match=match):
+        AutoModelForCausalLM.from_pretrained(out)
+    rc, err = run_cli(["inspect", str(out)])
+    assert rc != 0 and "Traceback" not in err, err
+    assert any(match.replace("\\", "") in line for line in err.splitlines()), err
+
+
+def test_a_missing_dense_tensor_is_refused(tmp_path):
+    out, f, t = _native(tmp_path)
+    name = "model.layers.1.post_attention_layernorm.weight"
+    del t[name]
+    _rewrite(out, f, t)
+    _refused(out, name.replace(".", r"\."))
+
+
+def test_experts_under_an_unknown_naming_are_refused(tmp_path):
+    """Per-expert tensors under names no family uses: the experts module is refused by name, not
+    left on uninitialized memory."""
+    out, f, t = _native(tmp_path)
+    ren = {"gate_proj": "fc1", "up_proj": "fc3", "down_proj": "fc2"}
+    renamed = {}
+    for k, v in t.items():
+        for a, b in ren.items():
+            k = k.replace(f".{a}.", f".{b}.") if ".experts." in k else k
+        renamed[k] = v
+
+    def edit(cfg):
+        for d in cfg["quantization_config"]["experts"].values():
+            d["stored"] = [s.replace("gate_proj", "fc1").replace("up_proj", "fc3").replace("down_proj", "fc2") for s in d["stored"]]
+
+    _rewrite(out, f, renamed, edit)
+    _refused(out, r"model\.layers\.0\.mlp\.experts")
+
+
+def test_a_missing_expert_bias_is_refused(tmp_path):
+    ct = tmp_path / "ct"
+    per_expert_checkpoint(ct, "gpt_oss")
+    f = ct / "model.safetensors"
+    with safe_open(f, "pt") as h:
+        t = {n: h.get_tensor(n) for n in h.keys()}
+    del t["model.layers.1.mlp.experts.2.up_proj.bias"]
+    save_file(t, f, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"experts\.2\.up_proj\.bias"):
+        mxq.load(ct)
+    rc, err = run_cli(["inspect", str(ct)])
+    assert rc != 0 and "experts.2.up_proj.bias" in err, err
+
+
+def test_scales_blocked_along_the_wrong_axis_are_refused(tmp_path):
+    """Per-expert scales blocked along N (a transposed [K, N] matrix quantized along its last axis)
+    are refused naming the tensor, not broadcast into the experts."""
+    ct = tmp_path / "ct"
+    per_expert_checkpoint(ct, "gpt_oss", intermediate_size=96)  # [N, K] and [K, N] tell apart
+    f = ct / "model.safetensors"
+    with safe_open(f, "pt") as h:
+        t = {n: h.get_tensor(n) for n in h.keys()}
+    for e in range(4):
+        base = f"model.layers.0.mlp.experts.{e}.down_proj"
+        w = t[base + ".weight"]  # [H, I]: stored as [I, H] with scales along H
+        t[base + ".weight"] = w.view(torch.uint8).t().contiguous().view(w.dtype)
+        t[base + ".weight_scale"] = torch.ones(w.shape[1], w.shape[0] // 32, dtype=torch.uint8) * 127
+    save_file(t, f, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"experts\.0\.down_proj"):
+        mxq.load(ct)
+
+
+def test_an_expert_beyond_the_config_is_refused(tmp_path):
+    """fp8 data for an expert index the config does not have looks like weights of a quantized
+    layer: an error naming it, never silently dropped."""
+    out, f, t = _native(tmp_path)
+    base = "model.layers.0.mlp.experts.3.gate_proj"
+    t["model.layers.0.mlp.experts.7.gate_proj.weight"] = t[base + ".weight"].clone()
+    t["model.layers.0.mlp.experts.7.gate_proj.weight_scale"] = t[base + ".weight_scale"].clone()
+    _rewrite(out, f, t)
+    _refused(out, r"experts\.7\.gate_proj")
+
+
+def test_config_and_tensors_that_disagree_are_refused(tmp_path):
+    """config.json saying 8 experts where the tensors hold 4: refused by load and inspect alike."""
+    out, f, t = _native(tmp_path)
+
+    def edit(cfg):
+        key = next(k for k in ("num_experts", "num_local_experts", "n_routed_experts") if k in cfg)
+        cfg[key] = 8
+
+    _rewrite(out, f, t, edit)
+    with pytest.raises((CheckpointError, ValueError), match="experts"):
+        mxq.load(out)
+    rc, err = run_cli(["inspect", str(out)])
+    assert rc != 0 and "experts" in err, err
