@@ -88,6 +88,9 @@ class MXQHfQuantizer(HfQuantizer):
             _scales_as(model, torch.float8_e8m0fnu)
         if checked is not None:
             _check_shapes(model, checked)
+        # the shapes config.json gives every entry: a tensor renamed or stacked on its way in (Mixtral's
+        # block_sparse_moe.gate -> mlp.gate) is checked against them after loading (_check_loaded_shapes)
+        self._mxq_shapes = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
         if cfg.attention == "mxfp8":
             import mxq.attention  # noqa: F401  (registers the "mxfp8" attention implementation)
 
@@ -102,6 +105,7 @@ class MXQHfQuantizer(HfQuantizer):
         from mxq.tp import localize
 
         unwritten = _unwritten(model, getattr(self, "_mxq_declared_missing", []))
+        _check_loaded_shapes(model, getattr(self, "_mxq_shapes", {}), getattr(self, "_mxq_files", []))
         _scales_as(model, torch.uint8)
         unwritten -= _per_expert_tensors(model, self.quantization_config, getattr(self, "_mxq_files", []), unwritten)
         _refuse_unwritten(model, unwritten, getattr(self, "_mxq_files", []))
@@ -387,6 +391,25 @@ def _check_shapes(model, checked) -> None:
         if want is not None and tuple(want) != tuple(info.shape):
             raise CheckpointError(
                 f"{info.file}: tensor {name}: shape {list(info.shape)}, but {type(model).__name__} as config.json "
+                f"describes it has {list(want)}"
+            )
+
+
+def _check_loaded_shapes(model, shapes: dict, files: list) -> None:
+    """Every entry as loaded has the shape the model was built with. With a quantizer, transformers
+    sets a tensor of another shape without a word, also one its conversion renamed or stacked, which
+    ``_check_shapes`` (checkpoint names) cannot see. Tensor-parallel ranks hold shards: not checked
+    here (``mxq.tp`` judges their shard rule)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return
+    from mxq.checkpoint import CheckpointError
+
+    where = str(Path(files[0]).parent) if files else "the checkpoint"
+    for name, t in model.state_dict(keep_vars=True).items():
+        want = shapes.get(name)
+        if want is not None and tuple(t.shape) != want:
+            raise CheckpointError(
+                f"{where}: tensor {name}: loaded with shape {list(t.shape)}, but {type(model).__name__} as config.json "
                 f"describes it has {list(want)}"
             )
 

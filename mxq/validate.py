@@ -304,7 +304,13 @@ def _unlisted(layers: dict, infos: dict[str, TensorInfo], fused: dict | None = N
             if name.endswith(suffix) and name[: -len(suffix)] not in layers:
                 probs.append(f"{i.file}: tensor {name}: a scale for a layer the quantization_config does not list")
         if i.dtype in FP8_DTYPES and not (name.endswith(".weight") and name[: -len(".weight")] in layers):
-            probs.append(f"{i.file}: tensor {name}: {i.dtype} data of a layer the quantization_config does not list")
+            if len(i.shape) == 3 and ".experts." in name + ".":
+                # a fused 3-D experts tensor outside mxq's own format: which axis its blocks run along
+                # (gpt-oss stores [E, K, N]) is not recorded, so it cannot be read safely
+                probs.append(f"{i.file}: tensor {name}: fused {i.dtype} experts {list(i.shape)} in a checkpoint whose quantization_config "
+                             "does not describe them; mxq reads other tools' experts stored one by one (experts.N.<proj>.weight + weight_scale)")
+            else:
+                probs.append(f"{i.file}: tensor {name}: {i.dtype} data of a layer the quantization_config does not list")
     return probs
 
 

@@ -9,6 +9,7 @@ leaves any parameter unwritten is refused naming it, by ``mxq.load``, by ``from_
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -201,3 +202,73 @@ def test_config_and_tensors_that_disagree_are_refused(tmp_path):
         mxq.load(out)
     rc, err = run_cli(["inspect", str(out)])
     assert rc != 0 and "experts" in err, err
+
+
+def _ct_tensors(ct):
+    f = ct / "model.safetensors"
+    with safe_open(f, "pt") as h:
+        return f, {n: h.get_tensor(n) for n in h.keys()}
+
+
+def test_fused_foreign_experts_are_refused_by_name(tmp_path):
+    """gpt-oss's fused experts quantized as stored ([E, K, N], blocks along the last axis, as a
+    tool quantizing each tensor as it finds it would): refused naming the tensor, never read with
+    blocks along the wrong axis."""
+    from foreign_layouts import _mx
+
+    ct = tmp_path / "ct"
+    per_expert_checkpoint(ct, "gpt_oss", intermediate_size=96)
+    f, t = _ct_tensors(ct)
+    t = {k: v for k, v in t.items() if ".experts." not in k}
+    sd = moe_model("gpt_oss", intermediate_size=96).state_dict()
+    for layer in range(2):
+        for p in ("gate_up_proj", "down_proj"):
+            w = sd[f"model.layers.{layer}.mlp.experts.{p}"]
+            parts = [_mx(w[e]) for e in range(w.shape[0])]
+            t[f"model.layers.{layer}.mlp.experts.{p}"] = torch.stack([c for c, _, _ in parts])
+            t[f"model.layers.{layer}.mlp.experts.{p}_scale"] = torch.stack([s for _, s, _ in parts])
+            t[f"model.layers.{layer}.mlp.experts.{p}_bias"] = sd[f"model.layers.{layer}.mlp.experts.{p}_bias"]
+    save_file(t, f, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"mlp\.experts\.(gate_up|down)_proj: fused"):
+        mxq.load(ct)
+    rc, err = run_cli(["inspect", str(ct)])
+    assert rc != 0 and "fused" in err, err
+
+
+# each edit breaks one tensor and returns a pattern of the name a refusal gives it (the disk name,
+# or the model's where transformers renamed it: Mixtral's block_sparse_moe.gate is mlp.gate)
+def _edit_router_fp8(tensors):
+    r = next(k for k in sorted(tensors) if k.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")))
+    tensors[r] = tensors[r].to(torch.float8_e4m3fn)
+    return re.escape(r)
+
+
+def _edit_router_shape(tensors):
+    r = next(k for k in sorted(tensors) if k.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")))
+    tensors[r] = tensors[r][:, :32].contiguous()
+    return r.split(".")[2].join([r"layers\.", r"\.[a-z_]+\.gate\.weight"])
+
+
+def _edit_drop_expert(tensors):
+    name = next(k for k in sorted(tensors) if ".experts.3." in k and k.endswith(".weight"))
+    del tensors[name]
+    return re.escape(name.rsplit(".", 1)[0])
+
+
+@pytest.mark.parametrize("edit", [_edit_router_fp8, _edit_router_shape, _edit_drop_expert])
+@pytest.mark.parametrize("layout", ["native", "compressed-tensors"])
+def test_inspect_refuses_what_load_refuses(tmp_path, edit, layout):
+    """One validator: for each broken checkpoint, mxq inspect and mxq.load both refuse, naming the
+    same tensor."""
+    if layout == "native":
+        out, f, t = _native(tmp_path, "mixtral")
+    else:
+        out = tmp_path / "ct"
+        per_expert_checkpoint(out, "mixtral", "w1_w3_w2", "block_sparse_moe")
+        f, t = _ct_tensors(out)
+    pattern = edit(t)
+    _rewrite(out, f, t)
+    with pytest.raises((CheckpointError, ValueError), match=pattern):
+        mxq.load(out)
+    rc, err = run_cli(["inspect", str(out)])
+    assert rc != 0 and re.search(pattern, err), err
