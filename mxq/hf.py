@@ -330,7 +330,8 @@ def _refuse_unwritten(model, unwritten: set[str], files: list) -> None:
     more = f" (and {len(unwritten) - 1} more)" if len(unwritten) > 1 else ""
     where = str(Path(files[0]).parent) if files else "the checkpoint"
     raise CheckpointError(
-        f"{where}: tensor {first}: missing: {type(model).__name__} has it, but no checkpoint tensor was loaded into it{more}"
+        f"{where}: tensor {first}: not loaded: {type(model).__name__} has it, but the checkpoint holds no tensor for it "
+        f"(or one of another shape){more}"
     )
 
 
@@ -496,4 +497,7 @@ def _from_pretrained(path: str | os.PathLike, dtype: torch.dtype, device_map=Non
         # which layers are Linear or Embedding, and the tie, from a meta-device skeleton
         cfg.quantization_config = foreign_to_native(path, config, *skeleton_modules(cfg))
     kw = {"device_map": device_map} if device_map is not None else {}
-    return AutoModelForCausalLM.from_pretrained(path, config=cfg, dtype=dtype, trust_remote_code=False, **kw)
+    # a tensor of the wrong shape: mxq's checks name it (_check_loaded_shapes, or _unwritten where a
+    # release re-initializes it), where transformers would raise a line that names none
+    return AutoModelForCausalLM.from_pretrained(path, config=cfg, dtype=dtype, trust_remote_code=False,
+                                                ignore_mismatched_sizes=True, **kw)  # fmt: skip
