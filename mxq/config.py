@@ -316,7 +316,10 @@ def foreign_to_native(
     act = TensorSpec(E4M3, ScaleRule.RCEIL) if has_act else None
     ignore = qc.get("ignore") or qc.get("modules_to_not_convert") or []
     kinds, ties = modules or {}, ties or {}
-    moe, claimed = _per_expert_entries(tensors, experts or {}, scale_suffix, act)
+    try:
+        moe, claimed = _per_expert_entries(tensors, experts or {}, scale_suffix, act)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
     if fmt == "compressed-tensors" and modules is not None:
         wanted = compressed_tensors_layers(path, qc, modules, tensors, claimed)
     else:
@@ -357,6 +360,14 @@ def _per_expert_entries(tensors: dict, experts: dict, scale_suffix: str, act: Te
         pat = re.compile(rf"^{re.escape(layer.rpartition('.')[0])}\.[^.]+\.{re.escape(leaf)}\.(\d+)\.([^.]+)\.weight$")
         bases = sorted(n[: -len(".weight")] for n in tensors if pat.match(n) and n[: -len(".weight")] + scale_suffix in tensors)
         per_expert = len(projections) + (1 if projections[0] == "gate_up_proj" else 0)
+        if not bases:
+            continue
+        indices = {int(pat.match(b + ".weight").group(1)) for b in bases}
+        if len(indices) != n_experts:
+            raise ValueError(
+                f"{name}: config.json gives {n_experts} experts, but the checkpoint stores {len(indices)} one by one "
+                f"(experts {min(indices)}..{max(indices)})"[:300]
+            )
         if len(bases) != n_experts * per_expert:
             continue
         elem = {"F8_E4M3": E4M3, "F8_E5M2": E5M2}.get(tensors[bases[0] + ".weight"].dtype)
