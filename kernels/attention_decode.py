@@ -46,7 +46,7 @@ from mxq.kernels.attention_rotate import (
     q_rotation_operand,
 )
 from mxq.kernels.common import INTERPRET, mma, mx_round_consts
-from mxq.kernels.launch import call, cdiv, next_pow2
+from mxq.kernels.launch import call, cdiv, next_pow2, on_input_device
 from mxq.kernels.reference import hadamard_block, mx_attention_reference
 from mxq.kernels.registry import KernelPath, Registry
 
@@ -488,6 +488,7 @@ def decode_path(
     return _choose(decode_problem(q, k_data, k_scale, v_data, v_scale, attention_mask, capturing=capturing), variant, kernels)  # fmt: skip
 
 
+@on_input_device
 def mx_attention_decode(
     q: torch.Tensor,
     k_data: torch.Tensor,

@@ -43,6 +43,7 @@ from mxq.kernels.common import (
     mx_round_dequant,
     pow2_f32,
 )
+from mxq.kernels.launch import on_input_device
 from mxq.kernels.toolchain import configure_ptxas
 
 
@@ -164,6 +165,7 @@ def _decode_q_prep_kernel(
     tl.store(CQ + rows[:, None] * DB + tl.arange(0, DB)[None, :], cq)
 
 
+@on_input_device
 def decode_query_blocks(
     q: torch.Tensor, hkv: int, *, gp: int = 8, elem: ElemFormat | str = E4M3, rule: ScaleRule | str = ScaleRule.RCEIL,
     qk_rotation: bool = False, pdl: bool = False, codes: bool = False, launch_pdl: bool = False,

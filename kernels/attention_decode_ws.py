@@ -51,7 +51,7 @@ from mxq.kernels.attention_decode_common import (
 from mxq.kernels.buffers import split_counters
 from mxq.kernels.common import e8m0_to_f32, gdc_launch_dependents, gdc_wait, pdl_ok
 from mxq.kernels.gluon_api import HAVE_GLUON, TensorDescriptor, gl, gluon, hopper
-from mxq.kernels.launch import cdiv, next_pow2
+from mxq.kernels.launch import cdiv, next_pow2, on_input_device
 from mxq.kernels.reference import hadamard_block
 from mxq.kernels.toolchain import configure_ptxas
 
@@ -451,6 +451,7 @@ def tma_boxes(bn: int, d: int, fp8: torch.dtype, wide_v: bool = True, q_dtype: t
     return boxes, [lay([bn, d], f8), flat, v_lay, flat, lay([GP, d], _gl_dtype(q_dtype))]
 
 
+@on_input_device
 def mx_attention_decode_ws(
     q: torch.Tensor,
     k_data: torch.Tensor,

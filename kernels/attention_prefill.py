@@ -54,7 +54,7 @@ from mxq.kernels.common import (
     mx_scaled,
     round_to_elem,
 )
-from mxq.kernels.launch import call, cdiv, next_pow2
+from mxq.kernels.launch import call, cdiv, next_pow2, on_input_device
 from mxq.kernels.quantize import fake_quantize_mx_rows
 from mxq.kernels.reference import hadamard_block
 from mxq.kernels.toolchain import configure_ptxas
@@ -308,6 +308,7 @@ def _quantize_vt_kernel(
     tl.store(sptr, sb, mask=(offs_d < D)[:, None] & (pages < NP)[None, :])
 
 
+@on_input_device
 def quantize_vt_pages(
     v: torch.Tensor, elem: ElemFormat, rule: ScaleRule, *, paged: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -403,6 +404,7 @@ def kv_descriptors(k_mx, vt_mx, block_n):
     return kd, vd
 
 
+@on_input_device
 def mx_attention_prefill(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -30,7 +30,7 @@ import triton.language as tl
 from mxq.formats import E4M3, ElemFormat, ScaleRule
 from mxq.kernels.buffers import persistent
 from mxq.kernels.common import INTERPRET, mma, mx_round_consts, mx_round_dequant
-from mxq.kernels.launch import call, cdiv
+from mxq.kernels.launch import call, cdiv, on_input_device
 from mxq.kernels.reference import hadamard_block, qk_rotation, sylvester_hadamard
 
 LOG2E = 1.4426950408889634
@@ -199,6 +199,7 @@ def q_rotation_operand(d: int, block_d: int, device: torch.device) -> tuple[int,
     return (nb, rot) if rot is not None else (0, rotation_operand(d, block_d, device))
 
 
+@on_input_device
 def rotate_qk_rows(
     x: torch.Tensor, *, round_to: tuple[ElemFormat, ScaleRule] | None = None, block_d: int | None = None
 ) -> torch.Tensor:

@@ -33,6 +33,7 @@ import torch
 
 from mxq.formats import ElemFormat, ScaleRule, as_elem_format, as_scale_rule
 from mxq.kernels import cpu as cpu_path
+from mxq.kernels.launch import on_input_device
 from mxq.kernels.reference import mx_linear_reference
 from mxq.kernels.registry import KernelPath, Registry, kernels_spec
 
@@ -248,6 +249,7 @@ def triton_runs(device: torch.device, spec: str) -> bool:
     return device.type == "cuda" or (INTERPRET and spec != "auto")
 
 
+@on_input_device
 def mx_linear(
     x: torch.Tensor,
     weight: torch.Tensor,

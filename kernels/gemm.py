@@ -48,7 +48,7 @@ from mxq.kernels.common import (
     split_k_plan,
     tma_or_pointer,
 )
-from mxq.kernels.launch import call, next_pow2
+from mxq.kernels.launch import call, next_pow2, on_input_device
 
 # Largest M whose W8A8 may round X inside this kernel (``GemmConfig.quant_x``).
 GEMM_QUANT_MAX_M = 64
@@ -289,6 +289,7 @@ def pick_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
     return GemmConfig(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4, tma_x=True, tma_w=True, deq_bf16=True, **loop)
 
 
+@on_input_device
 def mx_gemm(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -56,6 +56,7 @@ from mxq.kernels.common import (
     split_k_plan,
     tma_or_pointer,
 )
+from mxq.kernels.launch import on_input_device
 from mxq.kernels.quantize import quantize_mx_rows
 from mxq.kernels.toolchain import configure_ptxas
 
@@ -187,6 +188,7 @@ def pick_decode_f8_config(m: int, n: int, k: int, device: torch.device) -> Decod
     return DecodeF8Config(block_n=block_n, kb=kb, num_stages=stages, split_k=split, quant_x=True)
 
 
+@on_input_device
 def mx_decode_gemm(
     x: torch.Tensor,
     weight: torch.Tensor,

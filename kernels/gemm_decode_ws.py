@@ -61,7 +61,7 @@ from mxq.kernels.common import (
     split_k_sizes,
 )
 from mxq.kernels.gluon_api import HAVE_GLUON, TensorDescriptor, gl, gluon, hopper
-from mxq.kernels.launch import Launch, PlanCache, cdiv, descriptor
+from mxq.kernels.launch import Launch, PlanCache, cdiv, descriptor, on_input_device
 from mxq.kernels.quantize import quantize_grid, quantize_launch
 
 BS = 32  # MX block = one fp8 wgmma's K
@@ -418,6 +418,7 @@ def describe(cfg: DecodeWSConfig) -> str:
     return f"bn{cfg.block_n} r{cfg.maxnreg} s{cfg.stages} split{cfg.split_k}" + (" fused-x" if cfg.fuse_x else "")
 
 
+@on_input_device
 def mx_decode_gemm_ws(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mxq.kernels.launch import on_input_device
 from mxq.kernels.toolchain import configure_ptxas
 
 
@@ -52,6 +53,7 @@ def _dot_scaled_kernel(
 _FMT = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
+@on_input_device
 def mx_gemm_dot_scaled(
     x: torch.Tensor,
     x_scale: torch.Tensor | None,

@@ -34,7 +34,7 @@ from mxq.kernels import gluon_api
 from mxq.kernels.buffers import persistent
 from mxq.kernels.common import capability, check_gemm_args, fp8_bits_asm, operands_and_output
 from mxq.kernels.gluon_api import HAVE_GLUON, TensorDescriptor, gl, gluon, hopper
-from mxq.kernels.launch import Launch, PlanCache, cdiv, descriptor
+from mxq.kernels.launch import Launch, PlanCache, cdiv, descriptor, on_input_device
 
 BS = 32  # MX block along K
 
@@ -352,6 +352,7 @@ class _RSPlan:
 _RS_PLANS = PlanCache()
 
 
+@on_input_device
 def mx_prefill_gemm_ws(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -31,7 +31,7 @@ from mxq.kernels.common import (
     split_k_plan,
     tma_or_pointer,
 )
-from mxq.kernels.launch import call, cdiv, next_pow2
+from mxq.kernels.launch import call, cdiv, next_pow2, on_input_device
 
 
 @triton.jit
@@ -139,6 +139,7 @@ def pick_gemv_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig
     return GemvConfig(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, split, cfg.tma_w)
 
 
+@on_input_device
 def mx_gemv(
     x: torch.Tensor,
     weight: torch.Tensor,

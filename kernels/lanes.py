@@ -7,6 +7,8 @@ lane (``dispatch.linear_lane``, kept by ``MXLinear`` per input signature and mad
 through ``mx_linear``) holds the outcome for the Hopper decode GEMM (``gemm_decode_ws``): the plan,
 the int32 view of the weight scales, the weight's expanded descriptor, and the compiled kernels'
 C launchers (``launch.RawLauncher``). Measured in BENCHMARKS.md ("Host time per projection call").
+A lane serves one device (its input signature holds it) and launches with that device current
+(``launch``, "Which device").
 """
 
 from __future__ import annotations
@@ -83,6 +85,9 @@ class DecodeLane:
         return y.view(self.out_shape)
 
     def __call__(self, x: torch.Tensor, x_mx=None) -> torch.Tensor:
+        if self.dev_index != launch.current_device():  # the launch runs in its device's context
+            with torch.cuda.device(self.dev_index):
+                return self(x, x_mx)
         plan = self.plan
         if not (plan.fuse_x or plan.pre) or launch.hooks_attached():
             return self.slow(x, x_mx)

@@ -21,13 +21,26 @@ have chosen another compiled kernel (the GPU tests run with it). ``FAST = False`
 timings) sends every call through the JIT. The interpreter (``TRITON_INTERPRET=1``) always takes
 the JIT path. A call through the JIT first makes the process's ptxas choice
 (``toolchain.configure_ptxas``), before Triton compiles anything.
+
+Which device: Triton launches on the *current* CUDA device and its current stream, whatever
+device the tensors are on, and a compiled kernel's function handle belongs to the device it was
+loaded on. A model split over GPUs (accelerate's ``device_map``: its hooks move the hidden
+states from layer to layer and leave the current device alone) calls the kernels with tensors on
+cuda:1 while cuda:0 is current; launched there, a kernel reads cuda:1's memory from cuda:0
+(peer access), unordered with the stream that wrote it. So the kernel modules' host entry points
+are wrapped in ``on_input_device`` (their first tensor's device made current for the call), and
+the launches that skip those (``Launch.on_device``, the decode lanes) switch by the device index
+they hold; both switch only when another device is current (one device query per call
+otherwise). Plans and ``call``'s launches are kept per device.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 
+import torch
 from torch import Tensor as _Tensor
 
 from mxq.kernels.toolchain import INTERPRET, configure_ptxas
@@ -45,6 +58,26 @@ try:  # the CUDA launcher's own expansion of a host tensor descriptor (Triton 3.
     from triton.backends.nvidia import driver as _nv_driver
 except ImportError:  # pragma: no cover
     _nv_driver = None
+
+
+# The current CUDA device's index: torch's own query, without ``torch.cuda.current_device``'s
+# lazy-initialization check (only asked where a CUDA tensor exists, so CUDA is initialized).
+current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+
+def on_input_device(fn):
+    """``fn(x, ...)`` run with ``x``'s CUDA device current (module doc, "Which device"), switching
+    only when another device is current; a CPU tensor's call runs as it is."""
+
+    @functools.wraps(fn)
+    def run(x, *args, **kwargs):
+        index = x.get_device()
+        if index < 0 or index == current_device():
+            return fn(x, *args, **kwargs)
+        with torch.cuda.device(index):
+            return fn(x, *args, **kwargs)
+
+    return run
 
 
 def cdiv(a: int, b: int) -> int:
@@ -205,10 +238,15 @@ class Launch:
               None, None, None, *full)  # fmt: skip
 
     def on_device(self, grid: tuple[int, ...], dev_index: int, *args) -> None:
-        """``self(grid, *args)`` for a caller that holds its tensors' device index: past the first call
-        the compiled kernel's C launcher directly, without the argument template, the current-device
-        query or the descriptor walk (kernels whose arguments are all in signature order, no host
-        descriptors); anything else through ``__call__``."""
+        """``self(grid, *args)`` for a caller that holds its tensors' device index (-1: not a CUDA
+        device, the interpreter), with that device current (switched to for the call where another
+        is: module doc, "Which device"): past the first call the compiled kernel's C launcher
+        directly, without the argument template or the descriptor walk (kernels whose arguments
+        are all in signature order, no host descriptors); anything else through ``__call__``."""
+        if dev_index >= 0 and dev_index != current_device():
+            with torch.cuda.device(dev_index):
+                self.on_device(grid, dev_index, *args)
+            return
         raw = self.raw
         if raw is None or raw.descs or CHECK or self.template is not None or hooks_attached():
             self(grid, *args)

@@ -41,6 +41,7 @@ import torch
 from mxq.formats import E4M3, ElemFormat, ScaleRule, as_elem_format, as_scale_rule
 from mxq.kernels import reference
 from mxq.kernels.dispatch import triton_runs
+from mxq.kernels.launch import on_input_device
 from mxq.kernels.reference import mx_grouped_linear_reference
 from mxq.kernels.registry import KernelPath, Registry, check_kernels, default_kernels
 
@@ -371,6 +372,7 @@ def _prepare(x, group_end, weight, weight_scale, bias, block_size, block_k, out_
     return x, group_end.contiguous(), weight, weight_scale, bias, y, done
 
 
+@on_input_device
 def mx_grouped_gemm(
     x: torch.Tensor,
     group_end: torch.Tensor,
@@ -416,6 +418,7 @@ def mx_grouped_gemm(
     return y
 
 
+@on_input_device
 def mx_grouped_decode(
     x: torch.Tensor,
     group_end: torch.Tensor,
@@ -461,6 +464,7 @@ def mx_grouped_decode(
     return y
 
 
+@on_input_device
 def gather_mx_rows(
     x: torch.Tensor,
     index: torch.Tensor,
@@ -563,6 +567,7 @@ def check_grouped_args(x, group_end, weight, weight_scale, bias, block_size: int
             raise ValueError(f"mx_grouped_linear: {name} is on {t.device}, x on {x.device}")
 
 
+@on_input_device
 def mx_grouped_linear(
     x: torch.Tensor,
     group_end: torch.Tensor,

@@ -173,7 +173,7 @@ class ProducerPlan:
         self.go = Launch(fn, consts, options)
         self.grid, self.m, self.k, self.out_shape, self.add = grid, m, k, out_shape, add
         self.q_dtype, self.nblk = elem.torch_dtype, k // block_size
-        self.device, self.dev_index = device, device.index or 0
+        self.device, self.dev_index = device, device.index if device.type == "cuda" else -1
 
     def __call__(self, x2: torch.Tensor, w: torch.Tensor | None, r2: torch.Tensor | None, tail: tuple):
         """(rounded values, codes, scales[, the sum]) for rows ``x2`` (``r2``: residual rows, ``w``:

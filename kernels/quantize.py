@@ -38,7 +38,7 @@ from mxq.kernels.common import (
     pow2_f32,
     round_to_elem,
 )
-from mxq.kernels.launch import Launch, call, cdiv
+from mxq.kernels.launch import Launch, call, cdiv, on_input_device
 
 
 @triton.jit
@@ -218,6 +218,7 @@ def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
     return x2
 
 
+@on_input_device
 def quantize_mx_rows(
     x: torch.Tensor,
     elem: ElemFormat | str,
@@ -248,6 +249,7 @@ def quantize_mx_rows(
     return q.view(elem.torch_dtype).reshape(*lead, -1), s.reshape(*lead, nblk)
 
 
+@on_input_device
 def fake_quantize_mx_rows(
     x: torch.Tensor,
     elem: ElemFormat | str,

@@ -13,6 +13,12 @@ Triton kernels never sync the host), so it measures what the weights cost, not t
 
 On a CPU (or with ``cuda_graph=False``) the same step runs eagerly: identical tokens, which the
 tests compare with ``model.generate(do_sample=False)``.
+
+A model spread over several devices (``from_pretrained(..., device_map=...)`` with layers on two
+GPUs, or offloaded to the CPU) is refused with the graph: the step is captured on one device's
+stream, and the other device's work (its layers, accelerate's copies between the devices) is not
+recorded into that graph (capture fails). Such a model decodes with ``cuda_graph=False`` or
+``model.generate()``.
 """
 
 from __future__ import annotations
@@ -20,6 +26,17 @@ from __future__ import annotations
 import contextlib
 
 import torch
+
+
+def _refuse_split(model) -> None:
+    """A one-line error for a model whose parameters are not all on one device (module doc)."""
+    devices = sorted({str(p.device) for p in model.parameters()})
+    if len(devices) > 1:
+        on = ", ".join(devices[:-1]) + " and " + devices[-1]
+        raise ValueError(
+            f"StaticGreedyDecoder: the model's parameters are on {on} (device_map); it captures one CUDA "
+            "graph on one device: load the model on one GPU, or use cuda_graph=False or model.generate()"
+        )
 
 
 class StaticGreedyDecoder:
@@ -42,6 +59,8 @@ class StaticGreedyDecoder:
         self.batch_size = batch_size
         self.max_len = max_len
         self.cuda_graph = self.device.type == "cuda" if cuda_graph is None else cuda_graph
+        if self.cuda_graph:
+            _refuse_split(model)
         if self.cuda_graph and self.device.type != "cuda":
             raise ValueError(f"cuda_graph=True needs a model on a CUDA device, got {self.device}")
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
@@ -68,9 +87,12 @@ class StaticGreedyDecoder:
         self.cache.reset()
         self.seq.zero_()
         self.seq[:, :p] = input_ids
+        pos = torch.arange(p, device=self.device)
+        # positions given, not left to the model: it would add the cache's length, a tensor on the
+        # first layer's device, to positions on the embedding's (two devices under a device_map)
         out = self.model(
-            input_ids=input_ids.to(self.device), past_key_values=self.cache,
-            cache_position=torch.arange(p, device=self.device), use_cache=True, logits_to_keep=1,
+            input_ids=input_ids.to(self.device), past_key_values=self.cache, cache_position=pos,
+            position_ids=pos[None], use_cache=True, logits_to_keep=1,
         )  # fmt: skip
         nxt = out.logits[:, -1].argmax(-1)
         self.seq[:, p] = nxt
@@ -79,7 +101,7 @@ class StaticGreedyDecoder:
 
     def _step(self) -> None:
         out = self.model(
-            input_ids=self.ids, past_key_values=self.cache, cache_position=self.pos,
+            input_ids=self.ids, past_key_values=self.cache, cache_position=self.pos, position_ids=self.pos[None],
             use_cache=True, logits_to_keep=1,
         )  # fmt: skip
         nxt = out.logits[:, -1].argmax(-1)

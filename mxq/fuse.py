@@ -103,7 +103,8 @@ def unfuse_producers(model: nn.Module) -> None:
     """Every producer its module's own forward again (the instance-level forwards ``fuse_producers`` set)."""
     for m in model.modules():
         if "_mxq_feeds" in m.__dict__:
-            del m.__dict__["forward"], m.__dict__["_mxq_feeds"]
+            _restore_forward(m)
+            del m.__dict__["_mxq_feeds"]
 
 
 
@@ -141,7 +142,23 @@ def _mlp_fusable(mlp: nn.Module, gate_up: FusedMXLinear) -> bool:
 def _install(module: nn.Module, forward, feeds: FusedMXLinear) -> None:
     # plain instance attributes (not submodules: the consumer is registered where it lives)
     module.__dict__["_mxq_feeds"] = feeds
-    module.__dict__["forward"] = types.MethodType(forward, module)
+    _set_forward(module, forward)
+
+
+def _set_forward(module: nn.Module, forward) -> None:
+    """``forward`` as the module's own: an instance attribute, or, under an accelerate hook (a model
+    dispatched with ``device_map`` before it was quantized), the forward that hook wraps
+    (``_old_forward``), so the hook keeps moving the module's inputs and weights."""
+    where = "_old_forward" if "_hf_hook" in module.__dict__ and "_old_forward" in module.__dict__ else "forward"
+    module.__dict__[where] = types.MethodType(forward, module)
+
+
+def _restore_forward(module: nn.Module) -> None:
+    """The class's forward again (``_set_forward`` undone), an accelerate hook around it kept."""
+    if "_hf_hook" in module.__dict__ and "_old_forward" in module.__dict__:
+        module.__dict__["_old_forward"] = types.MethodType(type(module).forward, module)
+    else:
+        module.__dict__.pop("forward", None)
 
 
 def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -327,7 +344,7 @@ def fuse_layers(model: nn.Module) -> list[str]:
                 nxt_norm.__dict__["_mxq_ready"] = None  # a plain attribute: set and read like ``FusedMXLinear._given``
             layer.__dict__["_mxq_attn_kw"] = dict(attention_mask=None, position_ids=None, use_cache=False,
                                                   position_embeddings=None, **{cache: None})  # fmt: skip
-            layer.__dict__["forward"] = types.MethodType(_layer_forward, layer)
+            _set_forward(layer, _layer_forward)
             done.append(f"{name}.{i}: add + norm")
     return done
 
@@ -335,7 +352,8 @@ def fuse_layers(model: nn.Module) -> list[str]:
 def unfuse_layers(model: nn.Module) -> None:
     for m in model.modules():
         if "_mxq_next" in m.__dict__:
-            del m.__dict__["forward"], m.__dict__["_mxq_next"], m.__dict__["_mxq_attn_kw"]
+            _restore_forward(m)
+            del m.__dict__["_mxq_next"], m.__dict__["_mxq_attn_kw"]
         m.__dict__.pop("_mxq_ready", None)
 
 
@@ -360,12 +378,15 @@ def _layer_forward(self, hidden_states, *args, **kwargs):
 
 def _plain(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> bool:
     """Whether ``norm`` after ``residual + x`` must run as a module call: another format or dtype
-    than fused for, operands that do not add elementwise, or hooks on the norm to honour."""
+    than fused for, operands that do not add elementwise, hooks on the norm to honour, or a norm
+    whose weight is not on x's device. The last is the next layer's norm on another GPU of a model
+    split by ``device_map`` (or offloaded: its weight on the meta device until its hook loads it):
+    the sum is returned as is, accelerate's hook moves it, and the norm computes on the moved copy."""
     feeds = norm.__dict__.get("_mxq_feeds")
-    return (
-        feeds is None or not _norm_usable(norm, feeds, x) or residual.shape != x.shape or residual.dtype != x.dtype
-        or bool(norm._forward_hooks or norm._forward_pre_hooks)
-    )  # fmt: skip
+    if feeds is None or not _norm_usable(norm, feeds, x) or norm._forward_hooks or norm._forward_pre_hooks:
+        return True
+    w = norm.weight
+    return residual.shape != x.shape or residual.dtype != x.dtype or w.is_meta or w.get_device() != x.get_device()
 
 
 def _add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -411,8 +411,25 @@ def _fusable(layers: list) -> bool:
     return all(
         type(m) is MXLinear and m.in_features == first.in_features and m.elem == first.elem and m.act == first.act
         and m.block_size == first.block_size and m.kernels == first.kernels and m.weight.device == first.weight.device
-        and type(m.weight.data).__name__ != "DTensor" and "forward" not in m.__dict__  # no tensor-parallel hooks
+        and type(m.weight.data).__name__ != "DTensor" and _class_forward(m)
         for m in layers
+    )  # fmt: skip
+
+
+def _class_forward(m: MXLinear) -> bool:
+    """Whether ``m`` computes its class's forward on what it is called with, which the fused group
+    then computes instead: no forward of its own (tensor parallelism installs one), or only the
+    one accelerate's ``dispatch_model`` puts on every module with parameters (``from_pretrained``
+    with a ``device_map`` of several devices does so before mxq fuses), a hook that moves the
+    inputs to the device the weights are resident on. The block holding the siblings has such a
+    hook for that device, so their input is there already and the fused group needs none."""
+    if "forward" not in m.__dict__:
+        return True
+    hook, inner = m.__dict__.get("_hf_hook"), m.__dict__.get("_old_forward")
+    return (
+        type(hook).__name__ == "AlignDevicesHook" and not hook.offload and not hook.io_same_device
+        and hook.execution_device is not None and torch.device(hook.execution_device) == m.weight.device
+        and getattr(inner, "__func__", None) is type(m).forward
     )  # fmt: skip
 
 

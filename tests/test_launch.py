@@ -34,12 +34,37 @@ class FakeJIT:
         return call
 
 
+class FakeDevices:
+    """The current CUDA device as the launches see it (Triton's driver, ``launch.current_device``),
+    and ``torch.cuda.device`` switching it, recorded."""
+
+    def __init__(self):
+        self.current, self.entered = 0, []
+
+    def device(self, index):
+        devices = self
+
+        class Switch:
+            def __enter__(self):
+                devices.entered.append(index)
+                self.prev, devices.current = devices.current, index
+
+            def __exit__(self, *exc):
+                devices.current = self.prev
+
+        return Switch()
+
+
 @pytest.fixture
 def fast(monkeypatch):
     monkeypatch.setattr(L, "FAST", True)
     monkeypatch.setattr(L, "CHECK", False)
-    drv = SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda dev: 1234)
+    devices = FakeDevices()
+    drv = SimpleNamespace(get_current_device=lambda: devices.current, get_current_stream=lambda dev: 1234)
     monkeypatch.setattr(L, "driver", SimpleNamespace(active=drv))
+    monkeypatch.setattr(L, "current_device", lambda: devices.current)
+    monkeypatch.setattr(L.torch.cuda, "device", devices.device)
+    return devices
 
 
 def test_launch_goes_direct_after_the_first_call(fast):
@@ -72,7 +97,9 @@ def test_launch_takes_the_jit_with_hooks_or_when_off(fast, monkeypatch):
 def test_launch_on_device_calls_the_c_launcher_directly(fast, monkeypatch):
     """``on_device``: after the first call, the C launcher with the stream of the given device and
     the arguments as given (constexprs after them); the first call, a launcher that expands host
-    descriptors, or ``MXQ_LAUNCH_CHECK`` go through ``__call__`` (the current device's stream)."""
+    descriptors, or ``MXQ_LAUNCH_CHECK`` go through ``__call__`` (the current device's stream).
+    Every one runs with the given device current (device 0 is current here: switched for the
+    call, and back after it)."""
 
     class Raw:  # a RawLauncher stand-in: ``launch`` is the C launcher, ``__call__`` the general path
         def __init__(self, descs):
@@ -80,9 +107,13 @@ def test_launch_on_device_calls_the_c_launcher_directly(fast, monkeypatch):
 
         def launch(self, *a):
             self.direct.append(a)
+            launched_on.append(fast.current)
 
         def __call__(self, *a):
             self.general.append(a)
+            launched_on.append(fast.current)
+
+    launched_on = []
 
     fn = FakeJIT(["x", "n", "BLOCK"])
     go = L.Launch(fn, {"BLOCK": 32})
@@ -95,12 +126,33 @@ def test_launch_on_device_calls_the_c_launcher_directly(fast, monkeypatch):
     assert raw.direct == [(2, 3, 1, 101, "head", "X2", 6, 32)] and streams == [1] and not raw.general
     go.raw = raw = Raw(((0, None),))  # host descriptors to expand
     go.on_device((4,), 1, "X3", 7)
-    assert not raw.direct and raw.general == [(4, 1, 1, 100, "X3", 7, 32)]
+    assert not raw.direct and raw.general == [(4, 1, 1, 101, "X3", 7, 32)]
     go.raw = raw = Raw(())
     monkeypatch.setattr(L, "CHECK", True)
     monkeypatch.setattr(L.Launch, "_check", lambda self, args: None)
     go.on_device((4,), 1, "X4", 8)
-    assert not raw.direct and raw.general == [(4, 1, 1, 100, "X4", 8, 32)]
+    assert not raw.direct and raw.general == [(4, 1, 1, 101, "X4", 8, 32)]
+    assert fast.entered == [1, 1, 1, 1] and fast.current == 0 and launched_on == [1, 1, 1]
+    go.on_device((4,), 0, "X5", 9)  # on the current device: no switch
+    assert raw.general[-1] == (4, 1, 1, 100, "X5", 9, 32) and fast.entered == [1, 1, 1, 1]
+
+
+def test_on_input_device_switches_only_to_another_device(fast):
+    """A kernel module's entry point runs with its first tensor's device current: switched (and
+    back) for a tensor on another device, as it is on the current one or for a CPU tensor."""
+    seen = []
+    run = L.on_input_device(lambda x, *a, **k: seen.append((fast.current, a, k)) or "out")
+
+    class OnDevice:  # a CUDA tensor as far as ``get_device`` goes
+        def __init__(self, index):
+            self.index = index
+
+        def get_device(self):
+            return self.index
+
+    assert run(OnDevice(1), 2, k=3) == "out" and seen[-1] == (1, (2,), {"k": 3}) and fast.current == 0
+    assert run(OnDevice(0)) == "out" and seen[-1][0] == 0 and fast.entered == [1]
+    assert run(torch.zeros(1)) == "out" and fast.entered == [1]
 
 
 def test_launch_runtime_parameters_among_constexprs(fast):
