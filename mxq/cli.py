@@ -257,6 +257,10 @@ def quantize_cmd(
             stem = Path(model).stem if model else "smollm2-135m-instruct"
             out = Path("out") / f"{stem}-{rec.name}"
         _print_header(model, out)
+        if calibrate:  # what the conversion would refuse, before the calibration's minutes
+            from mxq.convert import check_source
+
+            check_source(model, out, rec, fmt=fmt, device=device, force=force, scale_dtype=scale_dtype)
 
     rec, cplan = _quantize_plan(model, recipe, plan, opts if calibrate else None, plan_out, started)
     warn = lambda m: console.print(f"[yellow]warning:[/] {m}")
@@ -470,10 +474,13 @@ def calibrate_cmd(
     experts_all_tokens: ExpertsAllTokens = False,
 ) -> None:
     """Run calibration text through the bf16 model and write a plan for `mxq quantize --plan`."""
+    from mxq.models import resolve_source
     from mxq.plan import save_plan
     from mxq.recipe import load_recipe
 
-    p = _run_calibration(model, load_recipe(recipe), _calibration_options(locals()))
+    opts = _calibration_options(locals())
+    resolve_source(model)  # a model reference or config.json that cannot work, before the text is read
+    p = _run_calibration(model, load_recipe(recipe), opts)
     save_plan(p, out)
     console.print(f"plan written to {out}")
 

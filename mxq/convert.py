@@ -37,7 +37,7 @@ from mxq.checkpoint import (
 )
 from mxq.config import LayerSelectionError, LinearLayer, native_config, read_config, select_layers
 from mxq.formats import quantize_mx, sqnr_db
-from mxq.models import ModelSource, ModelSourceError, resolve_source
+from mxq.models import ModelSource, ModelSourceError, check_config, resolve_source
 from mxq.progress import progress_bar, stage
 from mxq.recipe import Recipe, TensorSpec, load_recipe
 from mxq.validate import SCALE_DTYPES
@@ -151,6 +151,10 @@ def _open_source(source: str | os.PathLike | None, progress: bool = False) -> tu
             )
         except Exception as e:  # noqa: BLE001 - network/auth errors of many kinds
             raise ConversionError(f"{src.path}: cannot fetch from the Hugging Face hub ({_line(e)}); pass a local directory") from None
+        try:
+            check_config(local)  # a local directory had it from resolve_source
+        except ModelSourceError as e:
+            raise ConversionError(str(e)) from None
         return src, _open_dir(Path(local))
     return src, _open_dir(Path(src.path))
 
@@ -204,20 +208,33 @@ def _skeleton(config):
 
 def _experts_on_disk(info, weights: dict) -> tuple[str, list[str]] | None:
     """Where an experts module's weights are in the source: ("fused", [3-D tensor per projection])
-    or ("per_expert", [2-D tensor names ending in .weight]); None when neither layout is complete.
+    or ("per_expert", [2-D tensor names ending in .weight]); None when neither layout is there.
     Per-expert names are found under the module's decoder layer with any block name (Mixtral's
-    checkpoints say ``block_sparse_moe`` where the model says ``mlp``)."""
+    checkpoints say ``block_sparse_moe`` where the model says ``mlp``). Both layouts at once is
+    refused, as is an incomplete one: the converter would write one and copy the other, and
+    transformers fails to load the two side by side or drops one of them without a word (which
+    one is meant cannot be told). Every
+    check costs what the checkpoint lists, never what the config's expert count says (that count
+    may be wrong: a per-expert name set built from it would be as large as it says)."""
     fused = [f"{info.name}.{p}" for p in info.projections]
-    if all(n in weights for n in fused):
+    layer, _, rest = info.name.rpartition(".")
+    layer = layer.rpartition(".")[0]
+    pat = re.compile(rf"^{re.escape(layer)}\.[^.]+\.{re.escape(rest)}\.(\d+)\.([^.]+)\.weight$")
+    found = sorted(n for n in weights if pat.match(n))
+    present = [n for n in fused if n in weights]
+    if present and found:
+        raise ConversionError(f"{info.name}: the checkpoint holds these experts in two layouts, fused {present[0]} and "
+                              f"per expert {found[0]}; keep one of them")  # fmt: skip
+    if present:
+        if len(present) < len(fused):
+            missing = next(n for n in fused if n not in weights)
+            why = f"the checkpoint's fused experts are incomplete: {present[0]} without {missing}"
+            raise ConversionError(f"{info.name}: {why}")
         for n, (nn_, k) in zip(fused, info.shapes, strict=True):
             want = (info.num_experts, k, nn_) if info.transposed else (info.num_experts, nn_, k)
             if tuple(weights[n][1]) != want:
                 raise ConversionError(f"tensor {n}: shape {list(weights[n][1])}, but the model's config makes it {list(want)}")
         return "fused", fused
-    layer, _, rest = info.name.rpartition(".")
-    layer = layer.rpartition(".")[0]
-    pat = re.compile(rf"^{re.escape(layer)}\.[^.]+\.{re.escape(rest)}\.(\d+)\.([^.]+)\.weight$")
-    found = sorted(n for n in weights if pat.match(n))
     if not found:
         return None
     gated = info.projections[0] == "gate_up_proj"
@@ -231,12 +248,22 @@ def _experts_on_disk(info, weights: dict) -> tuple[str, list[str]] | None:
         if tuple(weights[n][1]) not in shapes:
             raise ConversionError(f"tensor {n}: shape {list(weights[n][1])}, but the model's config makes an expert's "
                                   f"projections {' or '.join(str(list(x)) for x in sorted(shapes))}")  # fmt: skip
-    block = found[0][len(layer) + 1 :].split(".")[0]
-    expected = {f"{layer}.{block}.{rest}.{e}.{p}.weight" for e in range(info.num_experts) for p in projs}
-    missing, extra = sorted(expected - set(found)), sorted(set(found) - expected)
+    prefix = f"{layer}.{found[0][len(layer) + 1 :].split('.')[0]}.{rest}."
+    n_experts, names = info.num_experts, set(found)
+    def outside(n: str) -> bool:  # under another block, or an expert past the config's count
+        return not n.startswith(prefix) or int(pat.match(n).group(1)) >= n_experts
+
+    extra = next((n for n in found if outside(n)), None)
+    missing = None
+    if extra is None and len(found) < n_experts * len(projs):
+        # every name found is an expected one, so one is missing among the first len(found) experts
+        missing = next(f"{prefix}{e}.{p}.weight" for e in range(n_experts) for p in sorted(projs)
+                       if f"{prefix}{e}.{p}.weight" not in names)  # fmt: skip
     if missing or extra or len(projs) != len(info.projections) + gated:
-        why = (f"missing {missing[0]}" if missing else f"{extra[0]} is not one of its {info.num_experts} experts" if extra
+        why = (f"missing {missing}" if missing else f"{extra} is not one of its {n_experts} experts" if extra
                else f"projections {sorted(projs)}, expected {len(info.projections) + gated}")  # fmt: skip
+        if len(experts) != n_experts:
+            why += f" (the model's config makes {n_experts} experts, the checkpoint holds {len(experts)})"
         raise ConversionError(f"{info.name}: the checkpoint's experts are incomplete or inconsistent: {why}")
     return "per_expert", found
 
@@ -284,6 +311,23 @@ def _plan(src: _Source, recipe: Recipe, warn: Callable[[str], None], cplan=None)
     plan.layout = _layout(src, plan, recipe)
     _warn_uncovered(src, plan, structure, moe, heads, emb, warn)
     return plan
+
+
+def _check_format(fmt: str, recipe: Recipe, plan: _Plan) -> None:
+    """What the output format cannot hold of a finished plan, refused before any tensor is
+    converted: compressed-tensors records one format for every layer and stores experts as one
+    Linear per expert, so per-layer formats and fused 3-D experts need --format mxq."""
+    if fmt != "compressed-tensors":
+        return
+    embs = set(plan.embedding.layers()) if plan.embedding is not None else set()
+    if any(w.elem != recipe.weights.elem or (a != recipe.activations and m not in embs) for m, (w, a) in plan.specs.items()):
+        raise ConversionError("--format compressed-tensors: the plan sets per-layer formats, which that layout cannot record; use --format mxq")
+    fused = sorted(m for m, d in plan.experts.items() if d["layout"] == "fused")
+    if fused:
+        raise ConversionError(
+            f"--format compressed-tensors: {fused[0]} holds its experts as fused 3-D tensors, which that layout "
+            "stores only one Linear per expert; use --format mxq"
+        )
 
 
 def _layers_on_disk(structure, moe, weights: dict, warn) -> tuple[list[LinearLayer], dict]:
@@ -483,16 +527,13 @@ def quantize_checkpoint(
     warn = warn or (lambda m: None)
     _check_options(fmt, scale_dtype, device)
     recipe, cplan = _recipe_and_plan(recipe, plan)
-    out = Path(out).expanduser().absolute()
-    if out.exists() and not force:
-        raise ConversionError(f"{out}: already exists (pass --force to replace it)")
-    if fmt == "compressed-tensors":
-        compressed_tensors_config(recipe, [])  # reject what the format cannot hold before any work
+    out = _check_target(out, recipe, fmt, force)
 
     msrc, src = _open_source(source, progress)
     _check_out(out, msrc, force)
     job = _Job(src, recipe, device, allow_nonfinite, warn, cplan, _geometry(src, cplan))
     job.plan = _plan(src, recipe, warn, cplan)
+    _check_format(fmt, recipe, job.plan)
     report = ConversionReport(msrc.display, str(out), recipe.name, fmt, device, kept=dict(sorted(job.plan.kept.items())))
     layout = _scales_stored_as(job.plan.layout, scale_dtype)
 
@@ -525,6 +566,41 @@ def quantize_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return report
+
+
+def check_source(
+    source: str | os.PathLike | None, out: str | os.PathLike, recipe: Recipe | str | None = None, *,
+    fmt: str = "mxq", device: str = "cpu", force: bool = False, scale_dtype: str = "u8",
+) -> None:  # fmt: skip
+    """What ``quantize_checkpoint`` refuses before it converts a tensor, checked without a
+    calibration plan and without writing anything: the options, OUT, the source's config and
+    checkpoint headers, the plan of every output tensor and what the format cannot hold.
+    ``mxq quantize --calibrate`` runs it before calibrating, so that a conversion bound to fail
+    fails before minutes of calibration. A GGUF source is only resolved here (its reader
+    dequantizes the whole file; the calibration loads it next and the conversion plans it)."""
+    _check_options(fmt, scale_dtype, device)
+    recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
+    out = _check_target(out, recipe, fmt, force)
+    try:
+        msrc = resolve_source(source)
+    except ModelSourceError as e:
+        raise ConversionError(str(e)) from None
+    if msrc.kind != "gguf":
+        msrc, src = _open_source(source)
+        plan = _plan(src, recipe, lambda m: None)  # its warnings come with the conversion
+        _check_format(fmt, recipe, plan)
+    _check_out(out, msrc, force)
+
+
+def _check_target(out: str | os.PathLike, recipe: Recipe, fmt: str, force: bool) -> Path:
+    """OUT as an absolute path, refused if it exists (without ``force``); a recipe the format
+    cannot hold is refused here too, before any work."""
+    out = Path(out).expanduser().absolute()
+    if out.exists() and not force:
+        raise ConversionError(f"{out}: already exists (pass --force to replace it)")
+    if fmt == "compressed-tensors":
+        compressed_tensors_config(recipe, [])
+    return out
 
 
 @dataclass
@@ -767,16 +843,8 @@ def _write_configs(
                 shutil.copy2(src.files_dir / f, tmp / f)
     if fmt == "compressed-tensors":
         embs = set(embedding.layers()) if embedding is not None else set()
-        if any(w.elem != recipe.weights.elem or (a != recipe.activations and m not in embs) for m, (w, a) in specs.items()):
-            raise ConversionError("--format compressed-tensors: the plan sets per-layer formats, which that layout cannot record; use --format mxq")
         # a tied head computing with bf16 activations is "ignored": its weight is the embedding's anyway
         ignore = list(kept) + [h for h, (_, a) in tied.items() if a is None]
-        fused = sorted(m for m, d in (experts or {}).items() if d["layout"] == "fused")
-        if fused:
-            raise ConversionError(
-                f"--format compressed-tensors: {fused[0]} holds its experts as fused 3-D tensors, which that layout "
-                "stores only one Linear per expert; use --format mxq"
-            )
         cfg["quantization_config"] = compressed_tensors_config(recipe, ignore, embeddings=bool(embs))
     else:
         layers = dict(specs)

@@ -93,3 +93,84 @@ def test_a_binary_plan_is_named(tiny, tmp_path):
     rc, err = run_cli(["quantize", str(tiny), str(out), "--plan", str(plan)])
     _one_line(rc, err, plan)
     assert "binary" in err and not out.exists()
+
+
+# --- mixtures of experts ----------------------------------------------------------------------------
+
+def _moe_source(tmp_path, family, edit=None):
+    """A tiny ``family`` checkpoint (tests/moe_models.py), its tensors changed by ``edit``."""
+    from moe_models import moe_model
+
+    src = tmp_path / family
+    moe_model(family).save_pretrained(src)
+    if edit is not None:
+        f = src / "model.safetensors"
+        with safe_open(f, "pt") as h:
+            t = {n: h.get_tensor(n) for n in h.keys()}
+        edit(t)
+        save_file(t, f, metadata={"format": "pt"})
+    return src
+
+
+@pytest.mark.parametrize("case", ["both_fused", "one_fused"])
+def test_two_layouts_of_the_same_experts_are_refused(tmp_path, case):
+    """Fused 3-D experts beside the per-expert 2-D tensors of the same layer: transformers fails
+    to load such a source, or drops one layout without a word (the reference, below); mxq quantize
+    used to write it with exit 0 (the output then failed at load). Now it names a tensor of each
+    layout and writes nothing."""
+    from transformers import AutoModelForCausalLM
+
+    fused = "model.layers.0.mlp.experts.gate_up_proj"
+    gate_up = torch.randn(4, 128, 64)  # [E, 2I, H]
+
+    def edit(t):
+        t[fused] = gate_up
+        if case == "both_fused":
+            t["model.layers.0.mlp.experts.down_proj"] = torch.randn(4, 64, 64)
+
+    src = _moe_source(tmp_path, "qwen3_moe", edit)
+    if case == "both_fused":
+        with pytest.raises(AttributeError):
+            AutoModelForCausalLM.from_pretrained(src)
+    else:  # it loads the per-expert tensors and ignores the fused one
+        model = AutoModelForCausalLM.from_pretrained(src)
+        assert not torch.equal(model.model.layers[0].mlp.experts.gate_up_proj.detach(), gate_up)
+    out = tmp_path / "out"
+    rc, err = run_cli(["quantize", str(src), str(out)])
+    _one_line(rc, err, "two layouts", fused, "model.layers.0.mlp.experts.0.down_proj.weight")
+    assert not out.exists() and not _leftovers(tmp_path)
+
+
+def test_incomplete_fused_experts_are_named(tmp_path):
+    """gpt-oss stores its experts fused; one projection missing is named, not kept silently."""
+    gone = "model.layers.1.mlp.experts.down_proj"
+    src = _moe_source(tmp_path, "gpt_oss", lambda t: t.pop(gone))
+    out = tmp_path / "out"
+    rc, err = run_cli(["quantize", str(src), str(out)])
+    _one_line(rc, err, "model.layers.1.mlp.experts.gate_up_proj without " + gone)
+    assert not out.exists() and not _leftovers(tmp_path)
+
+
+@pytest.mark.parametrize("calibrate", [False, True])
+def test_compressed_tensors_refuses_fused_experts_at_planning(tmp_path, monkeypatch, calibrate):
+    """compressed-tensors stores one Linear per expert, so fused 3-D experts (gpt-oss) are refused
+    while planning: no tensor is read, no shard opened, no calibration run."""
+    import mxq.cli
+    import mxq.convert
+
+    src = _moe_source(tmp_path, "gpt_oss")
+    (tmp_path / "text.txt").write_text("calibration text\n")
+
+    def fail(*a, **k):
+        # pytest.fail raises no Exception: the command line's one-line handler does not catch it
+        pytest.fail("work started before the format was checked")
+
+    monkeypatch.setattr(mxq.convert, "read_tensor", fail)
+    monkeypatch.setattr(mxq.convert, "ShardWriter", fail)
+    monkeypatch.setattr(mxq.cli, "_run_calibration", fail)
+    out = tmp_path / "out"
+    cal = ["--calibrate", "--dataset", str(tmp_path / "text.txt")] if calibrate else []
+    rc, err = run_cli(["quantize", str(src), str(out), "--format", "compressed-tensors", *cal])
+    fused = "model.layers.0.mlp.experts holds its experts as fused 3-D tensors"
+    _one_line(rc, err, f"--format compressed-tensors: {fused}")
+    assert not out.exists() and not _leftovers(tmp_path)
