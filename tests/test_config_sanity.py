@@ -71,13 +71,15 @@ def _forbid_work(monkeypatch):
     import transformers
 
     import mxq.checkpoint
+    import mxq.convert  # imported before the patch: it binds read_tensor by name when first imported
 
     def fail(*a, **k):
         pytest.fail("work started before config.json was checked")
 
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", fail)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", fail)
-    monkeypatch.setattr(mxq.checkpoint, "read_tensor", fail)
+    for module in (mxq.checkpoint, mxq.convert):
+        monkeypatch.setattr(module, "read_tensor", fail)
 
 
 # per family: a key and a nonsense value; "count" stands for the family's expert count key

@@ -9,7 +9,8 @@
 * The plan carries the codes: ``mxq quantize --calibrate`` writes them for per-expert checkpoints
   (Qwen3-MoE, Mixtral's w1/w3/w2) and fused transposed ones with biases (gpt-oss), ``mxq.load``
   reads them back, and the config records how many experts got GPTQ.
-* On held-out tokens a calibrated tiny MoE is closer to the bf16 model than the direct cast.
+* On held-out tokens, over several seeds, a calibrated tiny MoE is closer to the bf16 model than the
+  direct cast (each experts module and the logits).
 """
 
 from __future__ import annotations
@@ -324,12 +325,12 @@ def test_plan_expert_codes_are_validated(tmp_path, tokenizer_dir):
 
 # --- held-out tokens ------------------------------------------------------------------------------------
 
-def _correlated(family: str):
+def _correlated(family: str, seed: int = 0):
     """A tiny MoE in bf16 whose activations are correlated as a trained LM's are: token embeddings
     with a decaying spectrum (σᵢ ∝ 1/i). Random weights alone give isotropic activations, where
     no rounding can use correlations between input channels."""
-    model = moe_model(family)
-    g = torch.Generator().manual_seed(42)
+    model = moe_model(family, seed=seed)
+    g = torch.Generator().manual_seed(42 + seed)
     with torch.no_grad():
         emb = model.get_input_embeddings().weight
         h = emb.shape[1]
@@ -343,14 +344,14 @@ def _logits(model, batches) -> torch.Tensor:
         return torch.cat([model(input_ids=b, use_cache=False).logits.float() for b in batches])
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
-def test_calibrated_moe_is_closer_to_bf16_on_held_out_tokens(family):
-    """GPTQ on 16 calibration sequences, output error on 16 others: the logits' relative error to
-    the bf16 model falls below the direct cast's, and below dense-only GPTQ with experts cast
-    directly; each experts module's output on the bf16 model's own held-out inputs too."""
+def _held_out_errors(family: str, seed: int) -> tuple[dict, dict]:
+    """GPTQ on 16 calibration sequences, errors on 16 others, for the model of ``seed``: the logits'
+    relative error to the bf16 model after the direct cast ("direct"), dense-only GPTQ with the
+    experts cast directly ("gptq_dense") and GPTQ everywhere ("gptq"); and each experts module's
+    relative output error on the bf16 model's own held-out inputs, cast directly or GPTQ-rounded."""
     rec = load_recipe("mxfp8")
-    base = _correlated(family)
-    cal, held = _batches(0, 16), _batches(1, 16)
+    base = _correlated(family, seed)
+    cal, held = _batches(2 * seed, 16), _batches(2 * seed + 1, 16)
     ref = _logits(base, held)
     chosen, _ = select_model_layers(base, rec)
     moe = experts_layers(base)
@@ -362,22 +363,63 @@ def test_calibrated_moe_is_closer_to_bf16_on_held_out_tokens(family):
             res = gptq_model(m, cal, specs, progress=False)
         rounded[key] = m
         err[key] = float((_logits(mxq.quantize_model(copy.deepcopy(m), rec), held) - ref).norm() / ref.norm())
-    print(family, "held-out relative logits error", err)
+    # every expert saw enough calibration tokens for GPTQ
     assert res.experts_summary()["nearest"] == {"gate_up_proj": 0, "down_proj": 0}
-    assert err["gptq"] < err["direct"]
-    assert err["gptq"] < err["gptq_dense"]
     calls = {n: [] for n in moe}  # each experts module on the bf16 model's held-out inputs
     hooks = [base.get_submodule(n).register_forward_pre_hook(lambda m, a, n=n: calls[n].append(a)) for n in moe]
     _logits(base, held)
     for h in hooks:
         h.remove()
+    modules = {}
     for n in moe:
         with torch.no_grad():
             want = torch.cat([base.get_submodule(n)(*a).float() for a in calls[n]])
-            e = {k: float((torch.cat([MXExperts.from_experts(rounded[k].get_submodule(n), *every[n])(*a).float() for a in calls[n]])
-                           - want).norm() / want.norm()) for k in ("direct", "gptq")}  # fmt: skip
-        print(family, n, "held-out relative output error", e)
-        assert e["gptq"] < 0.9 * e["direct"], (n, e)
+            modules[n] = {k: float((torch.cat([MXExperts.from_experts(rounded[k].get_submodule(n), *every[n])(*a).float() for a in calls[n]])
+                                    - want).norm() / want.norm()) for k in ("direct", "gptq")}  # fmt: skip
+    return err, modules
+
+
+# Twelve seeds (model, embeddings, calibration and held-out tokens), measured on one x86 machine
+# (AMX, AVX-512) with 1 and 2 threads and with oneDNN and ATen limited to AVX2 (ONEDNN_MAX_CPU_ISA,
+# ATEN_CPU_CAPABILITY: the paths of CPUs without them). These settings move one seed's logits
+# error by up to 2 % (bf16 sums in another order, a token routed elsewhere), the means over the
+# seeds by at most 0.0045 (logits) and 0.0004 (experts modules); the bounds below keep margins of
+# 6 to 17 times that on the logits, over 50 times on the modules:
+#   experts module output, GPTQ / direct cast: every module 0.75-0.87, mean 0.80-0.83;
+#   logits, GPTQ / direct cast, mean: qwen3_moe 0.77, mixtral 0.84, gpt_oss 0.882-0.885;
+#   logits, GPTQ / dense-only GPTQ, mean: qwen3_moe 0.987-0.988 (12 of 12 seeds below 1), gpt_oss
+#   0.936-0.941 (10 of 12), mixtral 0.990-0.993 with single seeds from 0.91 to 1.04 (7 of 12):
+#   for Mixtral the gain over dense-only GPTQ is not shown, one seed is a coin toss (0.03486 vs
+#   0.03468 on another machine was seed 0).
+HELD_OUT_SEEDS = range(12)
+VS_DENSE = {"qwen3_moe": (0.997, 10), "gpt_oss": (0.975, 8)}  # mean ratio below, seeds won at least
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_calibrated_moe_is_closer_to_bf16_on_held_out_tokens(family):
+    """GPTQ per expert is closer to bf16 than the direct cast on held-out tokens, over twelve models:
+    each experts module's output, and the logits; the logits also beat dense-only GPTQ (experts cast
+    directly) where that is robust. One seed decided by half a percent is not a result on tiny
+    random models (bf16 sums differ between CPUs), so every bound has a margin many times the
+    spread measured above."""
+    runs = [_held_out_errors(family, seed) for seed in HELD_OUT_SEEDS]
+    for seed, (err, modules) in zip(HELD_OUT_SEEDS, runs, strict=True):
+        print(family, seed, "held-out relative logits error", err, "experts modules", modules)
+    module = [m["gptq"] / m["direct"] for _, modules in runs for m in modules.values()]
+    assert max(module) < 0.9 and sum(module) / len(module) < 0.87, module
+    vs_direct = [err["gptq"] / err["direct"] for err, _ in runs]
+    assert sum(vs_direct) / len(vs_direct) < 0.93, vs_direct
+    vs_dense = [err["gptq"] / err["gptq_dense"] for err, _ in runs]
+    if family in VS_DENSE:
+        bound, wins = VS_DENSE[family]
+        assert sum(vs_dense) / len(vs_dense) < bound, vs_dense
+        assert sum(r < 1 for r in vs_dense) >= wins, vs_dense
+    else:
+        # Mixtral: not shown. The experts modules' own gain holds (above), but in the logits it is
+        # within what rounding the dense layers and routing flips move them by; what is robust is
+        # that GPTQ on the experts makes them no worse than dense-only GPTQ, on average.
+        assert sum(vs_dense) / len(vs_dense) < 1.02, vs_dense
 
 
 def test_one_expert_hessian_at_a_time(monkeypatch):
