@@ -26,7 +26,14 @@ from transformers.quantizers.auto import (
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from mxq.config import QUANT_METHOD, NativeConfig, checkpoint_format, foreign_to_native, read_config
+from mxq.config import (
+    QUANT_METHOD,
+    NativeConfig,
+    check_moe_config,
+    checkpoint_format,
+    foreign_to_native,
+    read_config,
+)
 from mxq.linear import MXLinear, set_kernels
 
 
@@ -480,6 +487,10 @@ def _from_pretrained(path: str | os.PathLike, dtype: torch.dtype, device_map=Non
         fmt = checkpoint_format(config)
     except ValueError as e:
         raise CheckpointError(f"{os.path.join(path, 'config.json')}: {e}") from None
+    try:  # before transformers builds anything from it: a negative expert count builds dense MLPs
+        check_moe_config(config, os.path.join(path, "config.json"), path)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
     for shard in checkpoint_files(path):  # refuses shards outside the directory before transformers reads any
         read_header(shard)  # and malformed headers, with the rules `mxq inspect` applies
     if fmt != "none":  # the config and the headers now, naming config.json; the data as the quantizer loads

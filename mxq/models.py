@@ -111,115 +111,17 @@ def refuse_remote_code(path: str | os.PathLike) -> dict:
     return cfg
 
 
-# Mixture-of-experts keys of config.json (the families of transformers 5 mxq knows, their aliases
-# included). transformers takes them as given: a negative or zero expert count quietly builds dense
-# MLPs (``num_experts > 0`` decides), a top-k above the count or a zero step fails deep in a forward
-# or a division, and a huge count has every per-expert structure (names, modules) built before any
-# check can look at the checkpoint.
-EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-_TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token")
-_POSITIVE_KEYS = ("moe_intermediate_size", "shared_expert_intermediate_size", "intermediate_size_mlp",
-                  "decoder_sparse_step", "interleave_moe_layer_step", "n_group", "topk_group")  # fmt: skip
-_NON_NEGATIVE_KEYS = ("n_shared_experts", "first_k_dense_replace")
-_LAYER_LIST_KEYS = ("mlp_only_layers", "moe_layers")
-
-
 def check_moe_config(
     cfg: dict, where: str | os.PathLike = "config.json", checkpoint: str | os.PathLike | None = None
 ) -> None:
-    """Refuse mixture-of-experts settings that are nonsense, naming ``where`` (config.json) and the
-    key: expert counts that are not positive integers, a top-k outside 1..experts, non-positive
-    widths and steps, expert groups that do not divide the experts, layer lists with indices the
-    model does not have. A composite config's ``text_config`` is checked the same way. Keys set to
-    null are left to the family (several read null as "no experts"). With ``checkpoint`` (its
-    directory), an expert count is also bounded by the tensors the checkpoint's headers list: each
-    expert needs a tensor of its own (per-expert layout) or a slice of a fused [E, ...] tensor."""
-    counts = _check_moe_keys(cfg, str(where), "")
-    text = cfg.get("text_config")
-    if isinstance(text, dict):
-        counts += _check_moe_keys(text, str(where), "text_config.")
-    if counts and checkpoint is not None:
-        _check_expert_bound(counts, str(where), checkpoint)
-
-
-def _check_moe_keys(cfg: dict, where: str, at: str) -> list[tuple[str, int]]:
-    """``check_moe_config`` on one level of the config; the expert counts it sets, by key."""
-
-    def bad(key: str, expected: str):
-        raise ModelSourceError(f"{where}: {at}{key} is {_shown(cfg[key])}; expected {expected}")
-
-    def is_int(v) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool)  # JSON true is no count
-
-    counts = []
-    for key in EXPERT_COUNT_KEYS:
-        v = cfg.get(key)
-        if v is not None:
-            if not is_int(v) or v < 1:
-                bad(key, "a positive integer (the number of routed experts)")
-            counts.append((at + key, v))
-    most = max((v for _, v in counts), default=None)
-    top_k = f"an integer from 1 to the number of experts ({most})" if most else "a positive integer"
-    for key in _TOP_K_KEYS:
-        v = cfg.get(key)
-        if v is not None and (not is_int(v) or v < 1 or (most is not None and v > most)):
-            bad(key, top_k)
-    for key in _POSITIVE_KEYS:  # ernie4_5_vl_moe: a list of widths
-        v = cfg.get(key)
-        widths = v if isinstance(v, list) and v else [v]
-        if v is not None and not all(is_int(x) and x >= 1 for x in widths):
-            bad(key, "a positive integer")
-    for key in _NON_NEGATIVE_KEYS:
-        v = cfg.get(key)
-        if v is not None and not (is_int(v) and v >= 0):
-            bad(key, "a non-negative integer")
-    groups, routed = cfg.get("n_group"), cfg.get("n_routed_experts")
-    if is_int(groups) and is_int(cfg.get("topk_group")) and cfg["topk_group"] > groups:
-        bad("topk_group", f"at most n_group ({groups})")
-    if is_int(groups) and is_int(routed) and routed % groups:
-        bad("n_group", f"a divisor of n_routed_experts ({routed}): the router makes equal groups")
-    layers = cfg.get("num_hidden_layers")
-    for key in _LAYER_LIST_KEYS:
-        v = cfg.get(key)
-        if v is None:
-            continue
-        if not isinstance(v, list) or not all(is_int(x) for x in v):
-            bad(key, "a list of layer indices")
-        if is_int(layers) and any(not 0 <= x < layers for x in v):
-            bad(key, f"layer indices from 0 to num_hidden_layers - 1 ({layers - 1})")
-    return counts
-
-
-def _check_expert_bound(counts: list[tuple[str, int]], where: str, checkpoint) -> None:
-    """An expert count no larger than the checkpoint can hold: its tensor count (one tensor or more
-    per expert when stored per expert) or the leading size of its largest 3-D tensor (fused
-    [E, N, K]). The headers are bounded by the files' sizes, so this bounds every per-expert
-    structure built later. A checkpoint whose headers cannot be read is left to the reader, which
-    names what is wrong with it."""
-    from mxq.checkpoint import CheckpointError, read_index
+    """``mxq.config.check_moe_config`` (the mixture-of-experts keys of config.json; loading runs it
+    too) with its refusal as a ``ModelSourceError``."""
+    from mxq.config import check_moe_config as check
 
     try:
-        infos = read_index(checkpoint)
-    except (CheckpointError, OSError):
-        return
-    if not infos:
-        return
-    fused = max((i.shape[0] for i in infos.values() if len(i.shape) == 3), default=0)
-    for key, n in counts:
-        if n > max(len(infos), fused):
-            raise ModelSourceError(
-                f"{where}: {key} is {n}, more experts than the checkpoint holds: {len(infos)} tensors, "
-                f"{f'its fused 3-D tensors {fused} experts' if fused else 'none of them a fused 3-D experts tensor'} "
-                "(each expert needs a tensor of its own or a slice of a fused one)"
-            )
-
-
-def _shown(v) -> str:
-    """A config value as config.json spells it (true, null), cut to fit one line."""
-    import json
-
-    s = json.dumps(v)
-    return s if len(s) <= 60 else s[:57] + "..."
+        check(cfg, where, checkpoint)
+    except ValueError as e:
+        raise ModelSourceError(str(e)) from None
 
 
 def load_tokenizer(source: ModelSource | str | None):

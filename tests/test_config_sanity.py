@@ -17,7 +17,8 @@ from cli_helpers import run_cli
 from moe_models import FAMILIES, moe_model
 from safetensors import safe_open
 
-from mxq.models import EXPERT_COUNT_KEYS, ModelSourceError, check_moe_config
+from mxq.config import EXPERT_COUNT_KEYS
+from mxq.models import ModelSourceError, check_moe_config
 
 
 @pytest.fixture(scope="module")

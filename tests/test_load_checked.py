@@ -189,19 +189,27 @@ def test_an_expert_beyond_the_config_is_refused(tmp_path):
     _refused(out, r"experts\.7\.gate_proj")
 
 
-def test_config_and_tensors_that_disagree_are_refused(tmp_path):
-    """config.json saying 8 experts where the tensors hold 4: refused by load and inspect alike."""
-    out, f, t = _native(tmp_path)
+@pytest.mark.parametrize("count", [8, -4, 10**9])
+@pytest.mark.parametrize("layout", ["native", "compressed-tensors"])
+def test_config_and_tensors_that_disagree_are_refused(tmp_path, count, layout):
+    """config.json giving another expert count than the tensors hold (more, a negative count that
+    makes transformers build dense MLPs, a billion): refused by load and inspect alike, in bounded
+    memory (nothing is built per expected expert)."""
+    import resource
 
-    def edit(cfg):
-        key = next(k for k in ("num_experts", "num_local_experts", "n_routed_experts") if k in cfg)
-        cfg[key] = 8
-
-    _rewrite(out, f, t, edit)
-    with pytest.raises((CheckpointError, ValueError), match="experts"):
+    if layout == "native":
+        out, f, t = _native(tmp_path, "mixtral")
+    else:
+        out = tmp_path / "ct"
+        per_expert_checkpoint(out, "mixtral")
+        f, t = _ct_tensors(out)
+    _rewrite(out, f, t, lambda cfg: cfg.__setitem__("num_local_experts", count))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises((CheckpointError, ValueError), match=r"experts|mlp"):
         mxq.load(out)
     rc, err = run_cli(["inspect", str(out)])
-    assert rc != 0 and "experts" in err, err
+    assert rc != 0 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 1 << 20  # KiB: under 1 GiB more
 
 
 def _ct_tensors(ct):
