@@ -516,7 +516,7 @@ def compressed_tensors_layers(path, qc: dict, modules: dict[str, str], tensors: 
             raise ValueError(f"quantization_config config_groups[{gname!r}].targets: expected a list of module names, class names or re: patterns"[:300])
     out: dict[str, TensorSpec | None] = {}
     for name, kind in modules.items():
-        if any(_ct_match(p, name, kind) for p in ignore):
+        if kind not in ("Linear", "Embedding") or any(_ct_match(p, name, kind) for p in ignore):
             continue
         for g in groups.values():
             targets = g.get("targets") or []
@@ -530,7 +530,9 @@ def compressed_tensors_layers(path, qc: dict, modules: dict[str, str], tensors: 
     for n in tensors:
         if n.endswith(".weight_scale") and n[: -len(".weight_scale")] not in out and n[: -len(".weight_scale")] not in claimed:
             mod = n[: -len(".weight_scale")]
-            why = "which the model does not have" if mod not in modules else (
+            kind = modules.get(mod)
+            why = "which the model does not have" if kind is None else (
+                f"but {mod} is a {kind}, not a Linear layer (routers stay in high precision)") if kind not in ("Linear", "Embedding") else (
                 "which the quantization_config's config_groups targets and ignore leave unquantized")
             raise ValueError(f"{path}: tensor {n}: a scale for {mod}, {why}")
     return out

@@ -318,7 +318,8 @@ def after_loading(model: nn.Module, cfg) -> None:
 
 def skeleton_modules(config) -> tuple[dict[str, str], dict[str, str], dict[str, tuple[int, tuple[str, ...]]]]:
     """The Linear and Embedding layers of the model ``config`` describes (name -> "Linear" or
-    "Embedding"; built on the meta device), its ties (head -> input embedding) and its experts
+    "Embedding"; other modules holding a weight matrix, such as routers, by their class name; built on
+    the meta device), its ties (head -> input embedding) and its experts
     modules (name -> (number of experts, projections), ``mxq.experts``)."""
     from transformers import AutoModelForCausalLM
 
@@ -328,9 +329,10 @@ def skeleton_modules(config) -> tuple[dict[str, str], dict[str, str], dict[str, 
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     experts = {n: (e.num_experts, e.projections) for n, e in experts_layers(model).items()}
     kinds = {
-        n: "Embedding" if isinstance(m, nn.Embedding) else "Linear"
-        for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))
-    }  # fmt: skip
+        n: "Embedding" if isinstance(m, nn.Embedding) else "Linear" if isinstance(m, nn.Linear) else type(m).__name__
+        for n, m in model.named_modules()
+        if isinstance(m, (nn.Linear, nn.Embedding)) or getattr(m._parameters.get("weight"), "ndim", 0) == 2
+    }  # fmt: skip  (other modules with a weight matrix, routers: by class name, never a quantization target)
     found = input_embedding(model)
     head = tied_head(model, found[0]) if found is not None else ""
     return kinds, ({head: found[0]} if head else {}), experts

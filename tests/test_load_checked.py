@@ -280,3 +280,20 @@ def test_inspect_refuses_what_load_refuses(tmp_path, edit, layout):
         mxq.load(out)
     rc, err = run_cli(["inspect", str(out)])
     assert rc != 0 and re.search(pattern, err), err
+
+
+def test_a_quantized_router_is_refused_saying_what_it_is(tmp_path):
+    """A compressed-tensors checkpoint whose router carries fp8 codes and a scale: the router is
+    not a Linear (transformers 5 routers are their own modules), and the refusal says so."""
+    ct = tmp_path / "ct"
+    per_expert_checkpoint(ct, "qwen3_moe")
+    f, t = _ct_tensors(ct)
+    r = "model.layers.0.mlp.gate"
+    codes, scales, _ = __import__("foreign_layouts")._mx(t[r + ".weight"])
+    t[r + ".weight"], t[r + ".weight_scale"] = codes, scales
+    save_file(t, f, metadata={"format": "pt"})
+    kind = type(moe_model("qwen3_moe").model.layers[0].mlp.gate).__name__
+    with pytest.raises(ValueError, match=rf"{re.escape(r)} is a {kind}, not a Linear"):
+        mxq.load(ct)
+    rc, err = run_cli(["inspect", str(ct)])
+    assert rc != 0 and f"is a {kind}, not a Linear" in err, err
