@@ -79,6 +79,22 @@ def _rewrite(out, f, tensors, config_edit=None):
         (out / "config.json").write_text(json.dumps(cfg))
 
 
+def _rename_experts(out, f, tensors, names: dict) -> None:
+    """Rewrite a native checkpoint with its per-expert projections renamed (``names``: old -> new),
+    in the tensors and in the quantization_config's ``stored`` names alike."""
+
+    def rename(k: str) -> str:
+        for a, b in names.items():
+            k = k.replace(f".{a}", f".{b}")
+        return k
+
+    def edit(cfg):
+        for d in cfg["quantization_config"]["experts"].values():
+            d["stored"] = [rename(s) for s in d["stored"]]
+
+    _rewrite(out, f, {rename(k) if ".experts." in k else k: v for k, v in tensors.items()}, edit)
+
+
 def test_native_w1_w3_w2_loads_like_gate_up_down(tmp_path):
     """A native checkpoint whose experts carry Mixtral's w1/w3/w2 names: the same bytes as the
     gate/up/down one, the same logits, through mxq.load and from_pretrained."""
@@ -86,18 +102,7 @@ def test_native_w1_w3_w2_loads_like_gate_up_down(tmp_path):
 
     out, f, t = _native(tmp_path)
     want = mxq.load(out, dtype=torch.float32)
-    names = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
-    renamed = {}
-    for k, v in t.items():
-        for a, b in names.items():
-            k = k.replace(f".{a}.", f".{b}.") if ".experts." in k else k
-        renamed[k] = v
-
-    def edit(cfg):
-        for d in cfg["quantization_config"]["experts"].values():
-            d["stored"] = [s.replace("gate_proj", "w1").replace("up_proj", "w3").replace("down_proj", "w2") for s in d["stored"]]
-
-    _rewrite(out, f, renamed, edit)
+    _rename_experts(out, f, t, {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"})
     got = mxq.load(out, dtype=torch.float32)
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     with torch.no_grad():
@@ -131,18 +136,7 @@ def test_experts_under_an_unknown_naming_are_refused(tmp_path):
     """Per-expert tensors under names no family uses: the experts module is refused by name, not
     left on uninitialized memory."""
     out, f, t = _native(tmp_path)
-    ren = {"gate_proj": "fc1", "up_proj": "fc3", "down_proj": "fc2"}
-    renamed = {}
-    for k, v in t.items():
-        for a, b in ren.items():
-            k = k.replace(f".{a}.", f".{b}.") if ".experts." in k else k
-        renamed[k] = v
-
-    def edit(cfg):
-        for d in cfg["quantization_config"]["experts"].values():
-            d["stored"] = [s.replace("gate_proj", "fc1").replace("up_proj", "fc3").replace("down_proj", "fc2") for s in d["stored"]]
-
-    _rewrite(out, f, renamed, edit)
+    _rename_experts(out, f, t, {"gate_proj": "fc1", "up_proj": "fc3", "down_proj": "fc2"})
     _refused(out, r"model\.layers\.0\.mlp\.experts")
 
 
