@@ -15,7 +15,7 @@ from rich.console import Console
 from mxq.models import load_model, resolve_device, resolve_source
 
 eval_app = typer.Typer(
-    help="Evaluate models: perplexity beside a baseline, per-layer SQNR.",
+    help="Evaluate models: perplexity beside a baseline, chat answers beside a baseline, per-layer SQNR.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -270,6 +270,62 @@ def _report_perplexities(results: dict, labels: dict[str, str], dataset: str, dt
             plot, (labels["model"], results["model"]), (labels["baseline"], results["baseline"])
         )
         err.print(f"wrote {plot}")
+
+
+@eval_app.command("chat")
+def chat_cmd(
+    model: str = typer.Argument(..., help=f"Model to check: {MODEL_HELP}."),
+    baseline: str = typer.Option(..., "--baseline", help=f"Reference model that answers the same prompts: {MODEL_HELP}."),
+    prompts: Path | None = typer.Option(
+        None, "--prompts", help="A JSON file of prompts ({\"prompts\": [{id, prompt, expect?}]}); default: mxq's own set."
+    ),
+    limit: int | None = typer.Option(None, "--limit", help="Only the first N prompts."),
+    max_new_tokens: int = typer.Option(24, "--max-new-tokens", help="Longest answer, in tokens."),
+    first: int = typer.Option(8, "--first", help="Tokens compared at the start of each answer."),
+    device: str = typer.Option("auto", "--device", help="auto (cuda if available), cpu or cuda."),
+    kernels: str = typer.Option("auto", "--kernels", help=KERNELS_HELP),
+    out: Path | None = typer.Option(None, "--out", help="Write the report as JSON here."),
+) -> None:
+    """Greedy chat answers of MODEL beside --baseline's: agreement on the first tokens and on the
+    whole answer, which answers contain what the prompt expects, and every prompt where they differ."""
+    from mxq.eval.chat import answer, compare, load_prompts
+    from mxq.eval.report import write_json
+
+    for opt, v in (("--limit", limit), ("--max-new-tokens", max_new_tokens), ("--first", first)):
+        if v is not None and v < 1:
+            raise typer.BadParameter(f"{opt} must be at least 1, got {v}")
+    items = load_prompts(prompts)[:limit]
+    dev, kernels = resolve_device(device), _kernels(kernels)
+    answers = {}
+    for role, source in (("baseline", baseline), ("model", model)):
+        m, tok = _load(source, dev, kernels=kernels)
+        answers[role] = answer(m, tok, items, max_new_tokens, label=f"{role} answering")
+        del m
+        gc.collect()
+    rep = compare(items, answers["baseline"], answers["model"], first)
+    n = len(rep.rows)
+    typer.echo(f"| prompt | first {first} tokens | baseline | model |\n|---|---|---|---|")
+    for r in rep.rows:
+        cells = [r["id"], "same" if r["agree_first"] else "**differ**", _cell(r["baseline"]), _cell(r["model"])]
+        typer.echo("| " + " | ".join(cells) + " |")
+    typer.echo(
+        f"\n{_label(model)} against {_label(baseline)}, {n} prompts, greedy, up to {max_new_tokens} tokens: "
+        f"first {first} tokens agree on {round(rep.agree_first * n)}/{n} ({rep.agree_first:.0%}), whole answers on "
+        f"{round(rep.agree_all * n)}/{n}; answers with what the prompt expects: baseline {rep.right['baseline']}, "
+        f"model {rep.right['model']}"
+    )
+    differ = rep.differing()
+    if differ:
+        typer.echo(f"Differ within the first {first} tokens: " + ", ".join(r["id"] for r in differ))
+    if out is not None:
+        write_json(out, {"model": _label(model), "baseline": _label(baseline), "max_new_tokens": max_new_tokens, **rep.to_json()})
+        err.print(f"wrote {out}")
+
+
+def _cell(text: str, width: int = 80) -> str:
+    """An answer as one markdown table cell."""
+    t = " ".join(text.split()).replace("|", "\\|")
+    return t if len(t) <= width else t[: width - 3] + "..."
 
 
 @eval_app.command("layers")
