@@ -163,7 +163,9 @@ def test_a_huge_count_is_bounded_by_the_checkpoint(tmp_path, monkeypatch, source
         "config.json",
         f"{key} is 1000000000, more experts than the checkpoint holds: {n_tensors} tensors",
     )
-    assert time.perf_counter() - t0 < 30 and peak < 64 * 2**20, (time.perf_counter() - t0, peak)
+    # the bound that matters is memory (the failure was running out of it); the time bound is far above
+    # any machine's spread (the refusal takes well under a second) and only guards against a hang
+    assert time.perf_counter() - t0 < 120 and peak < 64 * 2**20, (time.perf_counter() - t0, peak)
 
 
 def test_a_count_above_the_experts_on_disk_names_the_missing_one(tmp_path, sources):
@@ -187,12 +189,16 @@ def test_expert_names_cost_what_the_checkpoint_lists():
     )
     weights = {f"model.layers.0.mlp.experts.{e}.{p}.weight": ("BF16", (64, 64))
                for e in range(4) for p in ("gate_proj", "up_proj", "down_proj")}  # fmt: skip
-    t0 = time.perf_counter()
-    with pytest.raises(
-        ConversionError, match=r"missing model\.layers\.0\.mlp\.experts\.4\.down_proj\.weight"
-    ):
-        _experts_on_disk(info, weights)
-    assert time.perf_counter() - t0 < 1
+    tracemalloc.start()  # memory, not time, is the proof: a set of the config's size would need terabytes
+    try:
+        with pytest.raises(
+            ConversionError, match=r"missing model\.layers\.0\.mlp\.experts\.4\.down_proj\.weight"
+        ):
+            _experts_on_disk(info, weights)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * 2**20, peak
 
 
 # MoE causal LMs of transformers whose own defaults must pass (no false alarms on real settings)
