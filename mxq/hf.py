@@ -276,7 +276,10 @@ def _per_expert_tensors(model, cfg, files: list, unwritten: set[str]) -> set[str
                         parts.append(read(t, want).view(dtype) if dtype in (torch.uint8, codes.dtype) else read(t, want).to(dtype))
                     full[e] = torch.stack(parts, 1).flatten(0, 1) if interleave and len(parts) == 2 else torch.cat(parts)
                 with torch.no_grad():
-                    _set_scale(param, full)
+                    if param.device.type == "meta":
+                        _set_offloaded(mod, name, attr, full)
+                    else:
+                        _set_scale(param, full)
                 written.add(f"{name}.{attr}")
     return written
 
@@ -340,6 +343,26 @@ def _refuse_unwritten(model, unwritten: set[str], files: list) -> None:
         f"{where}: tensor {first}: not loaded: {type(model).__name__} has it, but the checkpoint holds no tensor for it "
         f"(or one of another shape){more}"
     )
+
+
+def _set_offloaded(mod, name: str, attr: str, full: torch.Tensor) -> None:
+    """An experts module accelerate offloaded (``device_map`` with "cpu"/"disk") holds meta
+    placeholders and its hook brings the weights from a map at each call: the tensor mxq read goes
+    into that map (its in-memory part, which it reads first). A hook without such a map leaves
+    nowhere to put it: refused, naming it."""
+    from mxq.checkpoint import CheckpointError
+
+    hooks = [getattr(mod, "_hf_hook", None)]
+    if hooks[0] is None:
+        return  # a model built on the meta device as a whole (``check_loads``): shapes were checked, nothing to hold
+    hooks += list(getattr(hooks[0], "hooks", ()) or ())
+    for hook in hooks:
+        wm = getattr(hook, "weights_map", None)
+        store = getattr(getattr(wm, "dataset", None), "state_dict", None)
+        if isinstance(store, dict):
+            store[f"{wm.prefix}{attr}"] = full
+            return
+    raise CheckpointError(f"{name}.{attr}: on the meta device with no offloaded weights to hold it; load {name} onto a device")
 
 
 def _set_scale(param: torch.Tensor, full: torch.Tensor) -> None:
