@@ -15,7 +15,7 @@ from rich.console import Console
 from mxq.models import load_model, resolve_device, resolve_source
 
 eval_app = typer.Typer(
-    help="Evaluate models: perplexity beside a baseline, chat answers beside a baseline, per-layer SQNR.",
+    help="Evaluate models: perplexity, chat answers, per-layer SQNR.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
