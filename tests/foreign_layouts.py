@@ -33,7 +33,7 @@ INTERLEAVED = ("gpt_oss",)  # families whose fused gate_up holds gate and up row
 TRANSPOSED = ("gpt_oss", "llama4_text")  # families that store experts [E, K, N] in memory
 
 
-def _mx(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_exact(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[N, K] float -> (fp8 codes, uint8 scales, exact decoded float32 values)."""
     codes, scales = mx_quantize(w.double().numpy().astype(np.float32), "e4m3", "rceil", axis=-1, block_size=32)
     exact = dequantize(codes, scales, "e4m3", tuple(w.shape), -1, 32)
@@ -64,7 +64,7 @@ def per_expert_checkpoint(path, family: str, naming: str = "gate_up_down", conta
                 (slice(0, gu.shape[1] // 2), slice(gu.shape[1] // 2, None))  # fmt: skip
             parts = {gate_n: (gu[e][rows[0]], rows[0], gub), up_n: (gu[e][rows[1]], rows[1], gub), down_n: (dn[e], slice(None), dnb)}
             for name, (w, r, bias) in parts.items():
-                codes, scales, exact = _mx(w)
+                codes, scales, exact = quantize_exact(w)
                 t = f"{layer}.{container}.experts.{e}.{name}"
                 out[t + ".weight"], out[t + ".weight_scale"] = codes, scales
                 (new_dn if name == down_n else new_gu)[e][r] = exact
@@ -76,7 +76,7 @@ def per_expert_checkpoint(path, family: str, naming: str = "gate_up_down", conta
     ignored = re.compile(r"(^lm_head|\.mlp\.gate|\.router)$")
     for name, m in model.named_modules():  # every other Linear, as the config group's "Linear" target says
         if type(m) is torch.nn.Linear and not ignored.search(name):
-            codes, scales, ref[name + ".weight"] = _mx(sd[name + ".weight"])
+            codes, scales, ref[name + ".weight"] = quantize_exact(sd[name + ".weight"])
             out[name + ".weight"], out[name + ".weight_scale"] = codes, scales
     for k, v in sd.items():
         if ".experts." in k or k in out:

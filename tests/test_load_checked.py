@@ -216,7 +216,7 @@ def test_fused_foreign_experts_are_refused_by_name(tmp_path):
     """gpt-oss's fused experts quantized as stored ([E, K, N], blocks along the last axis, as a
     tool quantizing each tensor as it finds it would): refused naming the tensor, never read with
     blocks along the wrong axis."""
-    from foreign_layouts import _mx
+    from foreign_layouts import quantize_exact
 
     ct = tmp_path / "ct"
     per_expert_checkpoint(ct, "gpt_oss", intermediate_size=96)
@@ -226,7 +226,7 @@ def test_fused_foreign_experts_are_refused_by_name(tmp_path):
     for layer in range(2):
         for p in ("gate_up_proj", "down_proj"):
             w = sd[f"model.layers.{layer}.mlp.experts.{p}"]
-            parts = [_mx(w[e]) for e in range(w.shape[0])]
+            parts = [quantize_exact(w[e]) for e in range(w.shape[0])]
             t[f"model.layers.{layer}.mlp.experts.{p}"] = torch.stack([c for c, _, _ in parts])
             t[f"model.layers.{layer}.mlp.experts.{p}_scale"] = torch.stack([s for _, s, _ in parts])
             t[f"model.layers.{layer}.mlp.experts.{p}_bias"] = sd[f"model.layers.{layer}.mlp.experts.{p}_bias"]
@@ -283,7 +283,7 @@ def test_a_quantized_router_is_refused_saying_what_it_is(tmp_path):
     per_expert_checkpoint(ct, "qwen3_moe")
     f, t = _ct_tensors(ct)
     r = "model.layers.0.mlp.gate"
-    codes, scales, _ = __import__("foreign_layouts")._mx(t[r + ".weight"])
+    codes, scales, _ = __import__("foreign_layouts").quantize_exact(t[r + ".weight"])
     t[r + ".weight"], t[r + ".weight_scale"] = codes, scales
     save_file(t, f, metadata={"format": "pt"})
     kind = type(moe_model("qwen3_moe").model.layers[0].mlp.gate).__name__
