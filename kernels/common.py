@@ -134,6 +134,21 @@ def e8m0_to_f32(s):
     return tl.where(si == 255, float("nan"), f)
 
 
+_INTERP_BF16_RNE = tl.constexpr(INTERPRET)
+
+
+@triton.jit
+def to_out(v, OUT: tl.constexpr):
+    """fp32 ``v`` in ``OUT``, rounded to nearest even as the GPU converts. Triton 3.6's interpreter
+    truncates fp32 to bf16, which a chain of roundings (a gate) turns into a bias, so there bf16
+    is rounded from the bits first."""
+    if _INTERP_BF16_RNE and OUT == tl.bfloat16:
+        b = v.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        v = b.to(tl.float32, bitcast=True)
+    return v.to(OUT)
+
+
 @triton.jit
 def pow2_f32(e):
     """2**e as fp32 for integer e in [-126, 127], from bits."""

@@ -57,6 +57,7 @@ try:
         hw_cvt,
         mx_round_dequant,
         tma_or_pointer,
+        to_out,
     )
     from mxq.kernels.launch import call, cdiv, next_pow2
     from mxq.kernels.quantize import fake_quantize_mx_rows
@@ -122,6 +123,28 @@ def _tile(ge_ptr, t, S, E, BM: tl.constexpr, EP2: tl.constexpr):
         end = tl.where(t < total, tl.sum(tl.where(sel, ends, 0), axis=0), S)
         kind = tl.where(t < total, 0, tl.where(tail < S, 1, 2))
     return e, row0, end, kind
+
+
+# gate kinds of ``glu`` (``GATE`` in the kernels)
+GATE_NONE, GATE_SILU, GATE_GPT_OSS = 0, 1, 2
+
+
+@jit
+def glu(g, u, OUT: tl.constexpr, GATE: tl.constexpr, alpha, limit):
+    """The family's gate on one tile of gate and up products (fp32), rounded to ``OUT`` after every
+    step as the model's own gate on the projection's ``OUT`` output computes it: 1 SiLU(g)·u;
+    2 gpt-oss's (clamp(u, ±limit) + 1)·g'·σ(α·g') with g' = min(g, limit)."""
+    g = to_out(g, OUT).to(tl.float32)
+    u = to_out(u, OUT).to(tl.float32)
+    if GATE == 1:
+        a = to_out(g / (1.0 + tl.exp(-g)), OUT).to(tl.float32)
+    else:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        z = to_out(g * alpha, OUT).to(tl.float32)
+        a = to_out(g * to_out(1.0 / (1.0 + tl.exp(-z)), OUT).to(tl.float32), OUT).to(tl.float32)
+        u = to_out(u + 1.0, OUT).to(tl.float32)
+    return to_out(a * u, OUT)
 
 
 @jit
@@ -200,20 +223,26 @@ def _grouped_gemm_kernel(
     # The bias goes in while acc is in the MMA layout (as gemm.py: after tl.trans it gave garbage).
     if HAS_BIAS:
         acc += tl.load(b_ptr + e64 * N + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
-    tl.store(y_ptr + y_offs, tl.trans(acc.to(y_ptr.dtype.element_ty)), mask=mask)
+    tl.store(y_ptr + y_offs, tl.trans(to_out(acc, y_ptr.dtype.element_ty)), mask=mask)
 
 
 @jit
 def _grouped_decode_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ge_ptr,
-    S, N, K, E,
-    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ge_ptr, idx_ptr,
+    S, N, K, E, UO,
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_ym, alpha, limit,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr, EP2: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, QUANT: tl.constexpr, NUM_STAGES: tl.constexpr,
     EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
     RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr,
+    GATE: tl.constexpr, GS: tl.constexpr, X_IDX: tl.constexpr,
 ):  # fmt: skip
-    """Y tile [BM rows, BN] of one expert on CUDA cores; programs of absent tiles load nothing."""
+    """Y tile [BM rows, BN] of one expert on CUDA cores; programs of absent tiles load nothing.
+
+    ``GATE`` (``_glu``): the gate-up projection with the family's gate in the epilogue. Y's column
+    j reads weight rows j·GS (gate) and j·GS + UO (up): [gate | up] halves (GS 1, UO = N) or
+    gpt-oss's interleaved rows (GS 2, UO 1). ``X_IDX``: sorted row r reads X row idx[r] (the
+    token), so the gather costs no launch."""
     pid_n = tl.program_id(0)
     t = tl.program_id(1)
     e, row0, row_end, kind = _tile(ge_ptr, t, S, E, BM, EP2)
@@ -231,15 +260,22 @@ def _grouped_decode_kernel(
     # W as [BN, NB, BS] straight from memory: each thread holds 16 codes of one block, so a block's
     # sum is in-thread adds and one shuffle (a reshaped 2-D tile put a block across 16 lanes).
     kk = offs_b[:, None] * BS + tl.arange(0, BS)[None, :]
-    rn = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    rn = tl.where(offs_n < N, offs_n, 0).to(tl.int64) * GS
+    ru = rn + UO  # GATE: the up rows
     e64 = e.to(tl.int64)
     w_ptrs = w_ptr + e64 * stride_we + rn[:, None, None] * stride_wn + kk[None, :, :]
     s_ptrs = s_ptr + e64 * stride_se + rn[:, None] * stride_sn + offs_b[None, :]
+    wu_ptrs = w_ptr + e64 * stride_we + ru[:, None, None] * stride_wn + kk[None, :, :]
+    su_ptrs = s_ptr + e64 * stride_se + ru[:, None] * stride_sn + offs_b[None, :]
     if BM == 1:  # the accumulator stays in the layout of the block sums
         acc = tl.zeros((BN, NB), dtype=tl.float32)
     else:
         acc = tl.zeros((BM, BN, NB), dtype=tl.float32)
+    acc_u = acc
     offs_r = tl.arange(0, BM)
+    xrows = offs_m
+    if X_IDX:
+        xrows = tl.load(idx_ptr + offs_m, mask=offs_m < row_end, other=0)
     for i in tl.range(tl.cdiv(K, BK), num_stages=NUM_STAGES):
         k = i * BK
         kmask = (k + kk) < K
@@ -251,9 +287,19 @@ def _grouped_decode_kernel(
             sc = tl.load(s_ptrs + i * NB, mask=((k + offs_b * BS) < K)[None, :], other=127)
         wf = w.to(tl.float32)
         sf = e8m0_to_f32(sc)
+        if GATE:
+            if EVEN_K:
+                wuf = tl.load(wu_ptrs + k).to(tl.float32)
+                suf = e8m0_to_f32(tl.load(su_ptrs + i * NB))
+            else:
+                wuf = tl.load(wu_ptrs + k, mask=kmask[None, :, :], other=0.0).to(tl.float32)
+                suf = e8m0_to_f32(tl.load(su_ptrs + i * NB, mask=((k + offs_b * BS) < K)[None, :], other=127))
         for m in tl.static_range(BM):
             row = row0 + m
-            xm = tl.load(x_ptr + row.to(tl.int64) * stride_xm + k + kk, mask=kmask & (row < row_end), other=0.0)
+            xrow = row
+            if X_IDX:
+                xrow = tl.sum(tl.where(offs_r == m, xrows, 0), axis=0)
+            xm = tl.load(x_ptr + xrow.to(tl.int64) * stride_xm + k + kk, mask=kmask & (row < row_end), other=0.0)
             xm = xm.to(tl.float32)[None, :, :]
             if QUANT:
                 xm = mx_round_dequant(xm, EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8)
@@ -263,13 +309,25 @@ def _grouped_decode_kernel(
                 acc += p
             else:
                 acc = tl.where(offs_r[:, None, None] == m, acc + p[None, :, :], acc)
+            if GATE:
+                pu = tl.sum(wuf * xm, axis=2) * suf
+                if BM == 1:
+                    acc_u += pu
+                else:
+                    acc_u = tl.where(offs_r[:, None, None] == m, acc_u + pu[None, :, :], acc_u)
     if BM == 1:
         out = tl.sum(acc, axis=1)[None, :]
+        out_u = tl.sum(acc_u, axis=1)[None, :]
     else:
         out = tl.sum(acc, axis=2)
+        out_u = tl.sum(acc_u, axis=2)
     if HAS_BIAS:
-        out += tl.load(b_ptr + e64 * N + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + y_offs, out.to(y_ptr.dtype.element_ty), mask=mask)
+        out += tl.load(b_ptr + e64 * stride_be + rn, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        if GATE:
+            out_u += tl.load(b_ptr + e64 * stride_be + ru, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    if GATE:
+        out = glu(out, out_u, y_ptr.dtype.element_ty, GATE, alpha, limit)
+    tl.store(y_ptr + y_offs, to_out(out.to(tl.float32), y_ptr.dtype.element_ty), mask=mask)
 
 
 @jit
@@ -452,13 +510,13 @@ def mx_grouped_decode(
     ae = act_elem or E4M3
     call(
         _grouped_decode_kernel, (cdiv(n, cfg.block_n), tiles),
-        (x, weight, weight_scale, bias if bias is not None else weight_scale, y, group_end,
-         s, n, k, e, x.stride(0), weight.stride(0), weight.stride(1), weight_scale.stride(0), weight_scale.stride(1),
-         y.stride(0)),
+        (x, weight, weight_scale, bias if bias is not None else weight_scale, y, group_end, group_end,
+         s, n, k, e, 0, x.stride(0), weight.stride(0), weight.stride(1), weight_scale.stride(0), weight_scale.stride(1),
+         n, y.stride(0), 0.0, 0.0),
         dict(BM=bm, BN=cfg.block_n, BK=cfg.block_k, BS=block_size, EP2=max(16, next_pow2(e)),
              HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, QUANT=act_elem is not None,
              EMAX=ae.emax, MBITS=ae.mbits, MAXN=ae.max_normal, EMIN=1 - ae.bias, RULE=RULE_ID[act_rule],
-             HW_CVT=hw_cvt(x.device), FP8=fp8_dtype(ae)),
+             HW_CVT=hw_cvt(x.device), FP8=fp8_dtype(ae), GATE=GATE_NONE, GS=1, X_IDX=False),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return y

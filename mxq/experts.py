@@ -28,6 +28,7 @@ from torch import nn
 
 from mxq.formats import MXTensor, ScaleRule, quantize_mx
 from mxq.linear import TIED_TO_EMBEDDING
+from mxq.kernels.registry import kernels_spec
 from mxq.recipe import TensorSpec
 
 GATED, UNGATED = ("gate_up_proj", "down_proj"), ("up_proj", "down_proj")
@@ -123,6 +124,50 @@ def _mx_grouped_linear_fake(x, group_end, weight, weight_scale, bias, act_elem, 
     return x.new_empty(x.shape[0], weight.shape[1])
 
 
+def _moe_experts(x, top_k_index, top_k_weights, w1, s1, b1, w2, s2, b2, gate: int, alpha: float, limit: float,
+                 act_elem: str, act_rule: str, block_size: int) -> torch.Tensor:  # fmt: skip
+    from mxq.formats import as_elem_format, as_scale_rule
+    from mxq.kernels.moe_block import GATE_GPT_OSS, ExpertsWeights, experts_forward
+
+    ex = ExpertsWeights(w1, s1, b1, w2, s2, b2, gate, gate == GATE_GPT_OSS, alpha, limit,
+                        as_elem_format(act_elem) if act_elem else None, as_scale_rule(act_rule), block_size)  # fmt: skip
+    return experts_forward(x, top_k_index, top_k_weights, ex)
+
+
+@torch.library.custom_op("mxq::mx_moe_experts", mutates_args=())
+def mx_moe_experts_op(
+    x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor,
+    b1: torch.Tensor | None, w2: torch.Tensor, s2: torch.Tensor, b2: torch.Tensor | None, gate: int, alpha: float,
+    limit: float, act_elem: str, act_rule: str, block_size: int,
+) -> torch.Tensor:  # fmt: skip
+    """The fused experts block (``mxq.kernels.moe_block.experts_forward``) as a torch custom op."""
+    return _moe_experts(x, top_k_index, top_k_weights, w1, s1, b1, w2, s2, b2, gate, alpha, limit, act_elem,
+                        act_rule, block_size)  # fmt: skip
+
+
+@mx_moe_experts_op.register_fake
+def _mx_moe_experts_fake(x, top_k_index, top_k_weights, w1, s1, b1, w2, s2, b2, gate, alpha, limit, act_elem, act_rule,
+                         block_size):  # fmt: skip
+    return x.new_empty(x.shape)
+
+
+def _gate_kind(source: nn.Module, gate, projections) -> int:
+    """The fused block's name for the family's gate: SiLU(gate)·up on [gate | up] halves (transformers'
+    default gate with a SiLU activation), gpt-oss's clamped GLU, or 0: a gate the block does not know
+    (the module then runs its per-projection path with the family's own gate)."""
+    from mxq.kernels.moe_block import GATE_GPT_OSS, GATE_NONE, GATE_SILU
+
+    if projections != GATED:
+        return GATE_NONE
+    name = getattr(gate, "__qualname__", "")
+    if name == "GptOssExperts._apply_gate" and all(isinstance(getattr(source, a, None), float | int) for a in ("alpha", "limit")):
+        return GATE_GPT_OSS
+    act = source._modules.get("act_fn")
+    if (gate is None or name == "_default_apply_gate") and type(act).__name__ in ("SiLUActivation", "SiLU"):
+        return GATE_SILU
+    return GATE_NONE
+
+
 class MXExperts(nn.Module):
     """The routed experts of one MoE layer in MX (module doc): ``<proj>`` fp8 [E, N, K] and
     ``<proj>_scale`` uint8 [E, N, K/32] for each projection, ``<proj>_bias`` [E, N] where the
@@ -149,6 +194,7 @@ class MXExperts(nn.Module):
                 setattr(self, k, v)
         if "act_fn" in source._modules:
             self.act_fn = source._modules["act_fn"]
+        self.gate_kind = _gate_kind(source, gate, info.projections)  # the fused block's gate (or none)
         device = next(iter(source.parameters())).device
         for p, (n, k) in zip(info.projections, info.shapes, strict=True):
             if k % block_size:
@@ -216,6 +262,8 @@ class MXExperts(nn.Module):
             rows = hidden_states.shape[0] // self.num_experts
             ends = torch.arange(1, self.num_experts + 1, device=hidden_states.device, dtype=torch.int32) * rows
             return self.experts(hidden_states, ends)
+        if self.gate_kind and self._block_runs(hidden_states):
+            return self._block(hidden_states, top_k_index, top_k_weights)
         tokens, top_k = top_k_index.shape
         ids = top_k_index.reshape(-1)
         order = torch.argsort(ids, stable=True)  # rows of one expert stay in token order
@@ -229,6 +277,27 @@ class MXExperts(nn.Module):
         out = torch.zeros(tokens, y.shape[-1], dtype=torch.float32, device=y.device)
         out.index_add_(0, token_of_row, y.to(torch.float32) * w[:, None])
         return out.to(hidden_states.dtype)
+
+    def _block_runs(self, x: torch.Tensor) -> bool:
+        """Whether the fused block (``mxq.kernels.moe_block``) runs this call: its path is admitted
+        by ``kernels`` and supports the input (host facts only)."""
+        from mxq.kernels.moe_block import BLOCK, BlockProblem
+
+        spec = kernels_spec(self.kernels)
+        return BLOCK.choose(BlockProblem(x.device, x.dtype, self.gate_kind, self.block_size, self.act, spec), spec).name != "reference"
+
+    def _block(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """Routing to combine in the fused block's few launches (under ``torch.compile`` the custom op
+        ``mxq::mx_moe_experts``, opaque to the compiler)."""
+        up, down = self.projections
+        w = (getattr(self, up), getattr(self, up + SCALE_SUFFIX), getattr(self, up + "_bias", None),
+             getattr(self, down), getattr(self, down + SCALE_SUFFIX), getattr(self, down + "_bias", None))  # fmt: skip
+        a = self.act
+        gate = (self.gate_kind, float(getattr(self, "alpha", 0.0)), float(getattr(self, "limit", 0.0)))
+        act = (a.elem.name if a is not None else "", a.scale_rule.value if a is not None else "rceil", self.block_size)
+        if torch.compiler.is_compiling():
+            return mx_moe_experts_op(x, top_k_index, top_k_weights, *w, *gate, *act)
+        return _moe_experts(x, top_k_index, top_k_weights, *w, *gate, *act)
 
     def _gather(self, x: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """The token rows in expert order; for a W8A8 prefill on the GPU already MX-rounded, in the

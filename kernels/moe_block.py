@@ -1,0 +1,464 @@
+"""The routed experts of one MoE layer in at most six launches: ``experts_forward``.
+
+``MXExperts.forward`` takes the router's choice (``top_k_index`` [T, k], ``top_k_weights``) and
+returns the weighted sum of the chosen experts' outputs per token. Here that is:
+
+1. ``_route_count_kernel`` (prefill only) and ``_route_sort_kernel``: a stable counting sort of
+   the T·k (token, slot) pairs by expert. It writes ``pos`` (each pair's sorted row), ``token``
+   (each sorted row's token) and ``group_end`` [E] (each expert's cumulative row end). An index
+   outside [0, E) means "no expert": such rows sort past ``group_end[-1]`` and come out zero.
+2. Prefill: ``gather_mx_rows`` puts X's rows in sorted order, MX-rounded for W8A8.
+3. The gate-up grouped GEMM with the family's gate in its epilogue (``glu``: SiLU·up on
+   [gate | up] halves, or gpt-oss's clamped GLU on interleaved rows, biases included), writing the
+   down projection's input, MX-rounded for W8A8 (prefill: ``_grouped_glu_kernel`` on tensor cores;
+   decode: ``moe._grouped_decode_kernel`` with ``GATE``, reading X through ``token``, no gather).
+4. The down grouped GEMM (``moe``'s prefill or decode kernel).
+5. ``_combine_kernel``: out[t] = Σ_j y[pos[t, j]] · w[t, j] in fp32, in slot order (deterministic;
+   no float32 [T·k, H] temporary, no ``index_add_``).
+
+It is the function of ``MXExperts``' reference forward (sort, per-expert products, the family's
+gate on the projection's output dtype, the down product, the fp32 weighted sum): the gate rounds
+to the output dtype after every step as the model's own gate does. A plan per input signature
+holds the compiled kernels' launchers (``launch.Launch``); shapes alone choose every grid, so a
+call never syncs and can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from mxq.formats import E4M3, ElemFormat, ScaleRule
+from mxq.kernels import launch
+from mxq.kernels.dispatch import triton_runs
+from mxq.kernels.launch import PlanCache, cdiv, next_pow2
+from mxq.kernels.registry import KernelPath, Registry
+
+try:
+    import triton.language as tl
+
+    from mxq.kernels.common import INTERPRET, RULE_ID, e8m0_to_f32, fp8_dtype, hw_cvt, mx_round_dequant, to_out
+    from mxq.kernels.launch import Launch
+    from mxq.kernels.moe import (
+        GATE_GPT_OSS,
+        GATE_NONE,
+        GATE_SILU,
+        HAS_TRITON,
+        _gather_rows_kernel,
+        _grouped_decode_kernel,
+        _grouped_gemm_kernel,
+        _tile,
+        glu,
+        jit,
+        pick_grouped_decode_config,
+        pick_grouped_gemm_config,
+    )
+    from mxq.kernels.common import TensorDescriptor
+    from mxq.kernels.toolchain import wgmma_async_ok
+except ImportError:  # no triton: MXExperts keeps its reference forward
+    HAS_TRITON = False
+    GATE_NONE, GATE_SILU, GATE_GPT_OSS = 0, 1, 2
+
+    def jit(fn):
+        return fn
+
+
+# Largest number of sorted rows (tokens x top-k) the decode kernels take; above, the prefill ones.
+DECODE_MAX_ROWS = 64
+SORT_CHUNK = 1024  # sorted pairs per program of the two-launch sort (prefill)
+
+
+@jit
+def _buckets(ids_ptr, offs, S, E):
+    """Each pair's bucket: its expert, E for an index outside [0, E), -1 past S (matches none)."""
+    valid = offs < S
+    ids = tl.load(ids_ptr + offs, mask=valid, other=0)
+    return tl.where(valid, tl.where((ids >= 0) & (ids < E), ids, E), -1).to(tl.int32)
+
+
+@jit
+def _route_count_kernel(ids_ptr, counts_ptr, S, E, C: tl.constexpr, SUB: tl.constexpr, EP2: tl.constexpr):
+    """counts[p, b]: the pairs of chunk p (C pairs) in bucket b."""
+    p = tl.program_id(0)
+    be = tl.arange(0, EP2)
+    cnt = tl.zeros((EP2,), tl.int32)
+    for s0 in range(0, C, SUB):
+        b = _buckets(ids_ptr, p * C + s0 + tl.arange(0, SUB), S, E)
+        cnt += tl.sum((b[:, None] == be[None, :]).to(tl.int32), axis=0)
+    tl.store(counts_ptr + p * EP2 + be, cnt)
+
+
+@jit
+def _route_sort_kernel(
+    ids_ptr, counts_ptr, pos_ptr, tok_ptr, ge_ptr, S, E, P, TOPK,
+    C: tl.constexpr, SUB: tl.constexpr, EP2: tl.constexpr, PB: tl.constexpr, ONE: tl.constexpr,
+):  # fmt: skip
+    """Stable counting sort of chunk p: pair i of bucket b goes to start[b] + (pairs of bucket b
+    before it). ``ONE``: the whole input is this chunk (no counts buffer)."""
+    p = tl.program_id(0)
+    be = tl.arange(0, EP2)
+    total = tl.zeros((EP2,), tl.int32)
+    before = tl.zeros((EP2,), tl.int32)
+    if ONE:
+        for s0 in range(0, C, SUB):
+            b = _buckets(ids_ptr, s0 + tl.arange(0, SUB), S, E)
+            total += tl.sum((b[:, None] == be[None, :]).to(tl.int32), axis=0)
+    else:
+        for q0 in range(0, P, PB):
+            q = q0 + tl.arange(0, PB)
+            tile = tl.load(counts_ptr + q[:, None] * EP2 + be[None, :], mask=(q < P)[:, None], other=0)
+            total += tl.sum(tile, axis=0)
+            before += tl.sum(tl.where((q < p)[:, None], tile, 0), axis=0)
+    ends = tl.cumsum(total, axis=0)
+    base = ends - total + before
+    for s0 in range(0, C, SUB):
+        offs = p * C + s0 + tl.arange(0, SUB)
+        b = _buckets(ids_ptr, offs, S, E)
+        oh = (b[:, None] == be[None, :]).to(tl.int32)
+        rank = tl.cumsum(oh, axis=0) - 1 + base[None, :]
+        r = tl.sum(oh * rank, axis=1)
+        valid = offs < S
+        tl.store(pos_ptr + offs, r, mask=valid)
+        tl.store(tok_ptr + r, offs // TOPK, mask=valid)
+        base += tl.sum(oh, axis=0)
+    if p == 0:
+        tl.store(ge_ptr + be, ends, mask=be < E)
+
+
+@jit
+def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, H, stride_ym, stride_om, TOPK: tl.constexpr, BH: tl.constexpr):
+    """out[t] = Σ_j fp32(y[pos[t·k + j]]) · w[t, j], slot by slot."""
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BH + tl.arange(0, BH)
+    m = cols < H
+    acc = tl.zeros((BH,), tl.float32)
+    for j in tl.static_range(TOPK):
+        r = tl.load(pos_ptr + t * TOPK + j).to(tl.int64)
+        wj = tl.load(w_ptr + t * TOPK + j).to(tl.float32)
+        acc += tl.load(y_ptr + r * stride_ym + cols, mask=m, other=0.0).to(tl.float32) * wj
+    tl.store(out_ptr + t.to(tl.int64) * stride_om + cols, to_out(acc, out_ptr.dtype.element_ty), mask=m)
+
+
+@jit
+def _deq(w, sc, BN: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr, DEQ_BF16: tl.constexpr):
+    """A [BN, NB·BS] fp8 tile times its E8M0 scales (exact; bf16 where the dot is bf16)."""
+    if DEQ_BF16:
+        wf = tl.reshape(w.to(tl.bfloat16), (BN, NB, BS)) * e8m0_to_f32(sc).to(tl.bfloat16)[:, :, None]
+    else:
+        wf = tl.reshape(w.to(tl.float32), (BN, NB, BS)) * e8m0_to_f32(sc)[:, :, None]
+    return tl.reshape(wf, (BN, NB * BS))
+
+
+@jit
+def _grouped_glu_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ge_ptr,
+    S, N, K, E, T, UO, NG, UROW, UCOL,
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_ym, alpha, limit,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr, EP2: tl.constexpr,
+    GROUP: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr, TMA_X: tl.constexpr, TMA_W: tl.constexpr, DEQ_BF16: tl.constexpr,
+    ZERO_DOT: tl.constexpr, GATE: tl.constexpr, GS: tl.constexpr, QUANT_OUT: tl.constexpr,
+    EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
+    RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr,
+):  # fmt: skip
+    """``moe._grouped_gemm_kernel`` for the gate-up projection: Yᵀ [BN columns, BM rows] of
+    ``glu(gate, up)``, from weight rows j·GS and j·GS + UO of output column j (as the decode kernel
+    reads them); the TMA view of W holds NG rows per expert, the up tile at (+UROW, +UCOL) from the
+    gate tile. ``QUANT_OUT``: the result MX-rounded along its columns (the down projection's K)."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BN)
+    per_group = GROUP * num_n
+    first_t = (pid // per_group) * GROUP
+    group_t = tl.minimum(T - first_t, GROUP)
+    t = first_t + (pid % per_group) % group_t
+    pid_n = (pid % per_group) // group_t
+    e, row0, row_end, kind = _tile(ge_ptr, t, S, E, BM, EP2)
+    if kind == 2:
+        return
+    offs_m = row0 + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mask = (offs_m < row_end)[:, None] & (offs_n < N)[None, :]
+    y_offs = offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    if kind == 1:
+        tl.store(y_ptr + y_offs, tl.zeros((BM, BN), y_ptr.dtype.element_ty), mask=mask)
+        return
+    NB: tl.constexpr = BK // BS
+    offs_k = tl.arange(0, BK)
+    offs_b = tl.arange(0, NB)
+    rn = tl.where(offs_n < N, offs_n, 0).to(tl.int64) * GS
+    ru = rn + UO
+    rm = tl.where(offs_m < S, offs_m, 0).to(tl.int64)
+    e64 = e.to(tl.int64)
+    s_ptrs = s_ptr + e64 * stride_se + rn[:, None] * stride_sn + offs_b[None, :]
+    su_ptrs = s_ptr + e64 * stride_se + ru[:, None] * stride_sn + offs_b[None, :]
+    w_ptrs = w_ptr
+    wu_ptrs = w_ptr
+    x_ptrs = x_ptr
+    if not TMA_W:
+        w_ptrs = w_ptr + e64 * stride_we + rn[:, None] * stride_wn + offs_k[None, :]
+        wu_ptrs = w_ptr + e64 * stride_we + ru[:, None] * stride_wn + offs_k[None, :]
+    if not TMA_X:
+        x_ptrs = x_ptr + rm[None, :] * stride_xm + offs_k[:, None]
+    w_row = e * NG + pid_n * BN
+    smask = (offs_b * BS < K)[None, :]
+    sc_next = tl.load(s_ptrs, mask=smask, other=127)
+    scu_next = tl.load(su_ptrs, mask=smask, other=127)
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    acc_u = tl.zeros((BN, BM), dtype=tl.float32)
+    if ZERO_DOT:  # as in moe._grouped_gemm_kernel: a wgmma defines the accumulators
+        acc = tl.dot(tl.zeros((BN, BK), DOT), tl.zeros((BK, BM), DOT), acc, input_precision=PRECISION)
+        acc_u = tl.dot(tl.zeros((BN, BK), DOT), tl.zeros((BK, BM), DOT), acc_u, input_precision=PRECISION)
+    for i in range(tl.cdiv(K, BK)):
+        k = i * BK
+        if TMA_W:
+            w = w_ptr.load([w_row, k])
+            wu = w_ptr.load([w_row + UROW, k + UCOL])
+        elif EVEN_K:
+            w = tl.load(w_ptrs + k)
+            wu = tl.load(wu_ptrs + k)
+        else:
+            kmask = ((k + offs_k) < K)[None, :]
+            w = tl.load(w_ptrs + k, mask=kmask, other=0.0)
+            wu = tl.load(wu_ptrs + k, mask=kmask, other=0.0)
+        if TMA_X:
+            xt = tl.trans(x_ptr.load([row0, k]))
+        elif EVEN_K:
+            xt = tl.load(x_ptrs + k)
+        else:
+            xt = tl.load(x_ptrs + k, mask=((k + offs_k) < K)[:, None], other=0.0)
+        sc = sc_next
+        scu = scu_next
+        nmask = ((k + BK + offs_b * BS) < K)[None, :]
+        sc_next = tl.load(s_ptrs + (i + 1) * NB, mask=nmask, other=127)
+        scu_next = tl.load(su_ptrs + (i + 1) * NB, mask=nmask, other=127)
+        xd = xt.to(DOT)
+        acc = tl.dot(_deq(w, sc, BN, NB, BS, DEQ_BF16).to(DOT), xd, acc, input_precision=PRECISION)
+        acc_u = tl.dot(_deq(wu, scu, BN, NB, BS, DEQ_BF16).to(DOT), xd, acc_u, input_precision=PRECISION)
+    if HAS_BIAS:  # in the MMA layout, before any transpose (moe._grouped_gemm_kernel)
+        acc += tl.load(b_ptr + e64 * stride_be + rn, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
+        acc_u += tl.load(b_ptr + e64 * stride_be + ru, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
+    h = tl.trans(glu(acc, acc_u, y_ptr.dtype.element_ty, GATE, alpha, limit).to(tl.float32))
+    if QUANT_OUT:
+        h = tl.reshape(mx_round_dequant(tl.reshape(h, (BM, BN // BS, BS)), EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8),
+                       (BM, BN))  # fmt: skip
+    tl.store(y_ptr + y_offs, to_out(h, y_ptr.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExpertsWeights:
+    """What the fused block reads of an ``MXExperts``: gate-up and down codes [E, N, K], scales
+    [E, N, K/bs], biases [E, N] or None; the gate (``GATE_*``), its row rule (GS, UO: module doc
+    of ``moe._grouped_decode_kernel``) and gpt-oss's alpha and limit; the activations' MX format
+    (None: W8A16) and rule."""
+
+    w1: torch.Tensor
+    s1: torch.Tensor
+    b1: torch.Tensor | None
+    w2: torch.Tensor
+    s2: torch.Tensor
+    b2: torch.Tensor | None
+    gate: int
+    interleaved: bool
+    alpha: float
+    limit: float
+    act_elem: ElemFormat | None
+    act_rule: ScaleRule
+    block_size: int
+
+
+def _rounding(ae: ElemFormat | None, rule: ScaleRule, device) -> dict:
+    ae2 = ae or E4M3
+    return dict(EMAX=ae2.emax, MBITS=ae2.mbits, MAXN=ae2.max_normal, EMIN=1 - ae2.bias, RULE=RULE_ID[rule],
+                HW_CVT=hw_cvt(device), FP8=fp8_dtype(ae2))  # fmt: skip
+
+
+class BlockPlan:
+    """One input signature's launches (module doc): which kernels, their tiles and grids."""
+
+    def __init__(self, x: torch.Tensor, k_top: int, ex: ExpertsWeights):
+        t, h = x.shape
+        e, n1, _ = ex.w1.shape
+        i = n1 // 2
+        self.t, self.k_top, self.h, self.i, self.e = t, k_top, h, i, e
+        s = self.s = t * k_top
+        dev = x.device
+        self.dev_index = x.get_device() if x.device.type == "cuda" else -1
+        self.decode = s <= DECODE_MAX_ROWS
+        self.ep2 = ep2 = max(16, next_pow2(e + 1))
+        sub = max(8, min(64, 4096 // ep2))
+        self.chunk = max(sub, next_pow2(s)) if s <= SORT_CHUNK else SORT_CHUNK
+        self.parts = cdiv(s, self.chunk)
+        self.count = Launch(_route_count_kernel, dict(C=self.chunk, SUB=sub, EP2=ep2), dict(num_warps=8))
+        self.sort = Launch(_route_sort_kernel, dict(C=self.chunk, SUB=sub, EP2=ep2, PB=8, ONE=self.parts == 1),
+                           dict(num_warps=8))  # fmt: skip
+        self.bh = min(1024, max(16, next_pow2(h)))
+        self.combine = Launch(_combine_kernel, dict(TOPK=k_top, BH=self.bh), dict(num_warps=4))
+        w8a8 = ex.act_elem is not None
+        rnd = _rounding(ex.act_elem, ex.act_rule, dev)
+        bs = ex.block_size
+        gate_rows = dict(GS=2 if ex.interleaved else 1)
+        if self.decode:
+            c1 = pick_grouped_decode_config(s, e, i, h, dev, w8a8=w8a8)
+            c2 = pick_grouped_decode_config(s, e, h, i, dev, w8a8=w8a8)
+            self.c1, self.c2 = c1, c2
+
+            def dec(c, k, has_bias, gate, x_idx):
+                return Launch(_grouped_decode_kernel, dict(
+                    BM=c.block_m, BN=c.block_n, BK=c.block_k, BS=bs, EP2=max(16, next_pow2(e)), HAS_BIAS=has_bias,
+                    EVEN_K=k % c.block_k == 0, QUANT=w8a8, NUM_STAGES=c.num_stages, **rnd, GATE=gate,
+                    GS=gate_rows["GS"] if gate else 1, X_IDX=x_idx), dict(num_warps=c.num_warps))  # fmt: skip
+
+            self.g1 = dec(c1, h, ex.b1 is not None, ex.gate, True)
+            self.g2 = dec(c2, i, ex.b2 is not None, GATE_NONE, False)
+            self.tiles1 = s if c1.block_m == 1 else cdiv(s, c1.block_m) + min(s, e)
+            self.tiles2 = s if c2.block_m == 1 else cdiv(s, c2.block_m) + min(s, e)
+            return
+        interp = INTERPRET or dev.type != "cuda"
+        # bf16 X: bf16 dots (exact products); otherwise fp32 rows and fp32 FMA dots, exact as well
+        exact32 = interp or x.dtype != torch.bfloat16
+        xdt = torch.float32 if exact32 else torch.bfloat16
+        c2 = pick_grouped_gemm_config(s, e, h, i, xdt, dev)
+        if interp:
+            c1 = type(c2)(16, 32, 64, num_warps=4, num_stages=1, tma=False)
+        elif exact32:
+            c1 = type(c2)(64, 32, 32, num_warps=4, num_stages=3, deq_bf16=False)
+        else:  # two accumulators: the 256-row tile's registers do not fit; 64 columns a half
+            c1 = type(c2)(128, 64, 64, num_warps=8, num_stages=4)
+        self.c1, self.c2 = c1, c2
+        dot, prec = (tl.float32, "ieee") if exact32 else (tl.bfloat16, "tf32")
+        self.xdtype = xdt  # the rows the tensor-core kernels read
+        zero = not interp and wgmma_async_ok()
+        self.gather = Launch(_gather_rows_kernel, dict(
+            BR=8, BK=max(bs, min(512, next_pow2(h))), BS=bs, QUANT=w8a8, **rnd), dict(num_warps=4))  # fmt: skip
+        self.tma = tma = c1.tma and c2.tma and not interp and TensorDescriptor is not None
+        common = dict(BS=bs, EP2=max(16, next_pow2(e)), GROUP=c1.group, DOT=dot, PRECISION=prec, ZERO_DOT=zero)
+        self.g1 = Launch(_grouped_glu_kernel, dict(
+            BM=c1.block_m, BN=c1.block_n, BK=c1.block_k, HAS_BIAS=ex.b1 is not None, EVEN_K=h % c1.block_k == 0,
+            TMA_X=tma, TMA_W=tma, DEQ_BF16=dot == tl.bfloat16, GATE=ex.gate, QUANT_OUT=w8a8, **gate_rows, **rnd,
+            **common), dict(num_warps=c1.num_warps, num_stages=c1.num_stages))  # fmt: skip
+        self.g2 = Launch(_grouped_gemm_kernel, dict(
+            BM=c2.block_m, BN=c2.block_n, BK=c2.block_k, HAS_BIAS=ex.b2 is not None, EVEN_K=i % c2.block_k == 0,
+            TMA_X=tma, TMA_W=tma, DEQ_BF16=dot == tl.bfloat16, **{**common, "GROUP": c2.group}),
+            dict(num_warps=c2.num_warps, num_stages=c2.num_stages))  # fmt: skip
+        self.tiles1 = cdiv(s, c1.block_m) + min(s, e)
+        self.tiles2 = cdiv(s, c2.block_m) + min(s, e)
+
+    def __call__(self, x, ids, weights, ex: ExpertsWeights) -> torch.Tensor:
+        s, e, h, i, dev = self.s, self.e, self.h, self.i, self.dev_index
+        dv = x.device
+        pos = torch.empty(s, dtype=torch.int32, device=dv)
+        tok = torch.empty(s, dtype=torch.int32, device=dv)
+        ge = torch.empty(e, dtype=torch.int32, device=dv)
+        if self.parts > 1:
+            counts = torch.empty((self.parts, self.ep2), dtype=torch.int32, device=dv)
+            self.count.on_device((self.parts,), dev, ids, counts, s, e)
+        else:
+            counts = pos
+        self.sort.on_device((self.parts,), dev, ids, counts, pos, tok, ge, s, e, self.parts, self.k_top)
+        w1, s1, w2, s2 = ex.w1, ex.s1, ex.w2, ex.s2
+        b1 = ex.b1 if ex.b1 is not None else s1
+        b2 = ex.b2 if ex.b2 is not None else s2
+        uo = 1 if ex.interleaved else i
+        hid = torch.empty((s, i), dtype=x.dtype, device=dv)
+        y = torch.empty((s, h), dtype=x.dtype, device=dv)
+        if self.decode:
+            c1, c2 = self.c1, self.c2
+            self.g1.on_device((cdiv(i, c1.block_n), self.tiles1), dev,
+                              x, w1, s1, b1, hid, ge, tok, s, i, h, e, uo, x.stride(0), w1.stride(0), w1.stride(1),
+                              s1.stride(0), s1.stride(1), b1.stride(0) if ex.b1 is not None else 0, hid.stride(0),
+                              ex.alpha, ex.limit)  # fmt: skip
+            self.g2.on_device((cdiv(h, c2.block_n), self.tiles2), dev,
+                              hid, w2, s2, b2, y, ge, ge, s, h, i, e, 0, hid.stride(0), w2.stride(0), w2.stride(1),
+                              s2.stride(0), s2.stride(1), h, y.stride(0), 0.0, 0.0)  # fmt: skip
+        else:
+            c1, c2 = self.c1, self.c2
+            xs = torch.empty((s, h), dtype=self.xdtype, device=dv)
+            self.gather.on_device((cdiv(s, 8), cdiv(h, self.gather.consts["BK"])), dev,
+                                  x, tok, xs, s, h, x.stride(0), xs.stride(0))  # fmt: skip
+            if ex.interleaved:
+                ng, urow, ucol = i, 0, h
+                w1v = w1.view(e * i, 2 * h)
+            else:
+                ng, urow, ucol = 2 * i, i, 0
+                w1v = w1.view(e * 2 * i, h)
+            if self.tma:
+                xa = launch.descriptor(TensorDescriptor, xs, [s, h], [h, 1], [c1.block_m, c1.block_k])
+                wa = launch.descriptor(TensorDescriptor, w1v, list(w1v.shape), [w1v.stride(0), 1], [c1.block_n, c1.block_k])
+            else:
+                xa, wa = xs, w1
+            self.g1.on_device((self.tiles1 * cdiv(i, c1.block_n),), dev,
+                              xa, wa, s1, b1, hid, ge, s, i, h, e, self.tiles1, uo, ng, urow, ucol,
+                              xs.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1),
+                              b1.stride(0) if ex.b1 is not None else 0, hid.stride(0), ex.alpha, ex.limit)  # fmt: skip
+            hin = hid if hid.dtype == self.xdtype else hid.to(self.xdtype)
+            if self.tma:
+                ha = launch.descriptor(TensorDescriptor, hin, [s, i], [i, 1], [c2.block_m, c2.block_k])
+                w2v = w2.view(e * h, i)
+                wa2 = launch.descriptor(TensorDescriptor, w2v, [e * h, i], [i, 1], [c2.block_n, c2.block_k])
+            else:
+                ha, wa2 = hin, w2
+            self.g2.on_device((self.tiles2 * cdiv(h, c2.block_n),), dev,
+                              ha, wa2, s2, b2, y, ge, s, h, i, e, self.tiles2, hin.stride(0), w2.stride(0),
+                              w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0))  # fmt: skip
+        out = torch.empty((self.t, h), dtype=x.dtype, device=dv)
+        self.combine.on_device((self.t, cdiv(h, self.bh)), dev, y, pos, weights, out, h, y.stride(0), out.stride(0))
+        return out
+
+
+PLANS = PlanCache(256)
+
+
+class BlockProblem(NamedTuple):
+    """One experts call as the registry sees it (host facts; hashable)."""
+
+    device: torch.device
+    x_dtype: torch.dtype
+    gate: int  # GATE_*
+    block_size: int
+    act: object  # the activations' TensorSpec, None for W8A16
+    spec: str  # the kernels spec (a path named on a CPU runs in the interpreter)
+
+
+def _block_supports(p: BlockProblem) -> bool:
+    return (HAS_TRITON and p.gate != GATE_NONE and triton_runs(p.device, p.spec)
+            and p.x_dtype in (torch.bfloat16, torch.float16, torch.float32) and p.block_size in (16, 32, 64)
+            and (p.act is None or p.act.scale_rule is not ScaleRule.MSE))  # fmt: skip
+
+
+def _not_here(*args):
+    raise AssertionError("the experts module runs its own paths: BLOCK only chooses")
+
+
+# The fused block, or "reference": the experts module's per-projection path (``GROUPED`` per
+# projection, the family's gate in torch), which takes the named grouped paths.
+BLOCK = Registry("moe block", [
+    KernelPath("moe_block", "fused experts block: sort, gate-up + gate, down, combine in <= 6 launches",
+               _block_supports, _not_here),
+    KernelPath("reference", "per-projection grouped GEMMs, the family's gate and the combine in torch",
+               lambda p: True, _not_here),
+])  # fmt: skip
+
+
+def experts_forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, ex: ExpertsWeights) -> torch.Tensor:
+    """The experts' weighted sum per token (module doc): x [T, H], ``top_k_index`` [T, k] (any
+    integer dtype), ``top_k_weights`` [T, k] -> [T, H] in x's dtype."""
+    x = x if x.is_contiguous() else x.contiguous()
+    ids = top_k_index if top_k_index.is_contiguous() else top_k_index.contiguous()
+    w = top_k_weights if top_k_weights.is_contiguous() else top_k_weights.contiguous()
+    t, k_top = ids.shape
+    if t == 0:
+        return x.new_zeros(x.shape)
+    key = (t, k_top, tuple(x.shape), x.dtype, x.device, ids.dtype, w.dtype, x.data_ptr() % 16 == 0,
+           ex.w1.shape, ex.w2.shape, ex.w1.dtype, ex.b1 is not None, ex.b2 is not None, ex.gate, ex.interleaved,
+           ex.act_elem, ex.act_rule, ex.block_size)  # fmt: skip
+    plan = PLANS.get(key)
+    if plan is None:
+        plan = PLANS.put(key, BlockPlan(x, k_top, ex))
+    return plan(x, ids, w, ex)

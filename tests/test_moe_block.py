@@ -1,0 +1,152 @@
+"""The fused experts block (``mxq.kernels.moe_block``) against independent references: the sort
+against torch's stable argsort, the combine against an fp32 sum, and the whole block against
+``MXExperts``' per-projection reference path, for every family the block knows (SiLU on [gate | up]
+halves, gpt-oss's clamped GLU on interleaved rows with biases), W8A8 and W8A16, at decode and
+prefill sizes (the interpreter on a CPU, the kernels on a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from moe_models import FAMILIES, moe_model
+
+import mxq
+from mxq.experts import MXExperts
+from mxq.kernels import moe_block
+from mxq.kernels.moe_block import BLOCK, DECODE_MAX_ROWS, GATE_GPT_OSS, GATE_NONE, GATE_SILU
+
+pytestmark = pytest.mark.skipif(not moe_block.HAS_TRITON, reason="needs triton")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _sort(ids: torch.Tensor, e: int, k_top: int):
+    """The block's sort on its own: a plan's count and sort launches."""
+    s = ids.numel()
+    chunk = max(8, 1 << (s - 1).bit_length()) if s <= moe_block.SORT_CHUNK else moe_block.SORT_CHUNK
+    parts = -(-s // chunk)
+    ep2 = max(16, 1 << e.bit_length())
+    sub = max(8, min(64, 4096 // ep2))
+    pos = torch.empty(s, dtype=torch.int32, device=ids.device)
+    tok = torch.empty(s, dtype=torch.int32, device=ids.device)
+    ge = torch.empty(e, dtype=torch.int32, device=ids.device)
+    counts = torch.empty((parts, ep2), dtype=torch.int32, device=ids.device)
+    flat = ids.reshape(-1).contiguous()
+    if parts > 1:
+        moe_block._route_count_kernel[(parts,)](flat, counts, s, e, C=chunk, SUB=sub, EP2=ep2)
+    moe_block._route_sort_kernel[(parts,)](flat, counts, pos, tok, ge, s, e, parts, k_top, C=chunk, SUB=sub, EP2=ep2,
+                                           PB=8, ONE=parts == 1)  # fmt: skip
+    return pos, tok, ge
+
+
+@pytest.mark.parametrize("tokens,e,k_top", [(1, 4, 2), (37, 5, 3), (700, 7, 2), (300, 130, 8)])
+def test_sort_is_torchs_stable_argsort(tokens, e, k_top):
+    """Rows sorted by expert, each expert's rows in token order; indices outside [0, E) sort last
+    and are in no expert's group (the sort of 1400 and 2400 pairs runs in several chunks)."""
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.randint(-1, e + 1, (tokens, k_top), generator=g)  # -1 and E: no expert
+    pos, tok, ge = _sort(ids.to(DEV), e, k_top)
+    flat = ids.reshape(-1)
+    bucket = torch.where((flat >= 0) & (flat < e), flat, e)
+    order = torch.argsort(bucket, stable=True)
+    want_pos = torch.empty_like(order)
+    want_pos[order] = torch.arange(flat.numel())
+    assert torch.equal(pos.cpu().long(), want_pos)
+    assert torch.equal(tok.cpu().long(), order // k_top)
+    assert torch.equal(ge.cpu().long(), torch.cumsum(torch.bincount(bucket, minlength=e + 1)[:e], 0))
+
+
+def _experts(family: str, recipe: str, dtype=torch.float32) -> MXExperts:
+    model = mxq.quantize_model(moe_model(family, seed=5, dtype=dtype).to(DEV), recipe)
+    return next(m for m in model.modules() if isinstance(m, MXExperts))
+
+
+def _biases_to(mod, dtype):
+    for p in mod.parameters():  # the fp8 codes and uint8 scales stay
+        if p.dtype in (torch.float32, torch.bfloat16):
+            p.data = p.data.to(dtype)
+
+
+def _call(mod, x, idx, w, kernels):
+    mod.kernels = kernels
+    with torch.no_grad():
+        return mod(x, idx, w)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8-w8a16"])
+@pytest.mark.parametrize("tokens", [1, 3, DECODE_MAX_ROWS // 2 + 7])  # decode kernels; prefill kernels
+def test_block_is_the_reference_path(family, recipe, tokens):
+    """float32 activations: the two paths differ only in accumulation order (and, rarely, an MX
+    rounding of the gate's output that such a difference moves across a boundary)."""
+    mod = _experts(family, recipe)
+    assert mod.gate_kind == (GATE_GPT_OSS if family == "gpt_oss" else GATE_SILU)
+    g = torch.Generator().manual_seed(tokens)
+    h, e = mod.gate_up_proj.shape[2], mod.num_experts
+    x = torch.randn(tokens, h, generator=g).to(DEV)
+    idx = torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(tokens)]).to(DEV)
+    if tokens > 2:
+        idx[1, 0] = e  # a slot routed nowhere (expert parallelism's mark): contributes nothing
+    w = torch.rand(tokens, 2, generator=g).to(DEV)
+    got = _call(mod, x, idx, w, "moe_block")
+    want = _call(mod, x, idx, w, "reference")
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert ((got - want).norm() / want.norm()) < 1e-3
+    if tokens > 2:  # the slot routed nowhere adds nothing: the same token with a zero weight there
+        w2 = w.clone()
+        w2[1, 0] = 0
+        idx2 = idx.clone()
+        idx2[1, 0] = 0
+        assert torch.allclose(_call(mod, x, idx2, w2, "moe_block")[1], got[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_block_bf16_no_worse_than_the_reference_path(family):
+    """bf16 activations: the block's distance to the float32 computation of the same quantized
+    experts is within 1.5x the bf16 reference path's (the gate rounds to bf16 after every step as
+    the model's gate on a bf16 projection output does; both round the down projection's input)."""
+    mod = _experts(family, "mxfp8-w8a16", torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 64, generator=g).to(DEV, torch.bfloat16)
+    idx = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(40)]).to(DEV)
+    w = torch.rand(40, 2, generator=g).to(DEV, torch.bfloat16)
+    for tokens in (3, 40):  # decode and prefill kernels
+        a = (x[:tokens], idx[:tokens], w[:tokens])
+        got, ref = _call(mod, *a, "moe_block").float(), _call(mod, *a, "reference").float()
+        _biases_to(mod, torch.float32)
+        exact = _call(mod, a[0].float(), a[1], a[2].float(), "reference")
+        _biases_to(mod, torch.bfloat16)
+        err_got, err_ref = (got - exact).norm() / exact.norm(), (ref - exact).norm() / exact.norm()
+        assert err_got <= 1.5 * err_ref + 1e-3, (tokens, err_got, err_ref)
+
+
+def test_block_is_chosen_only_where_it_runs():
+    """auto on a CPU: the reference (no interpreter unless a path is named); an unknown gate: the
+    per-projection path whatever the spec."""
+    mod = _experts("qwen3_moe", "mxfp8")
+    p = moe_block.BlockProblem(torch.device("cpu"), torch.float32, mod.gate_kind, 32, mod.act, "auto")
+    assert BLOCK.choose(p, "auto").name == "reference"
+    assert BLOCK.choose(p._replace(spec="moe_block"), "moe_block").name == ("moe_block" if moe_block.INTERPRET else "reference")
+    assert BLOCK.choose(p._replace(gate=GATE_NONE, spec="moe_block"), "moe_block").name == "reference"
+    assert BLOCK.choose(p._replace(device=torch.device("cuda"), spec="auto"), "auto").name == "moe_block"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_knows_its_gate(family):
+    """The seven families with transformers' default SiLU gate and gpt-oss get the fused block;
+    Llama 4 is called with its tokens already routed (its experts run the per-projection path)."""
+    mod = _experts(family, "mxfp8")
+    want = {"gpt_oss": GATE_GPT_OSS}.get(family, GATE_SILU)
+    assert mod.gate_kind == want
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_model_logits_through_the_block(family):
+    """The whole model (router, shared experts, the block) against the reference path."""
+    model = mxq.quantize_model(moe_model(family, seed=1).to(DEV))
+    ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(2)).to(DEV)
+    with torch.no_grad():
+        mxq.set_kernels(model, "moe_block")
+        fast = model(ids).logits.float()
+        mxq.set_kernels(model, "reference")
+        ref = model(ids).logits.float()
+    assert ((fast - ref).norm() / ref.norm()) < 1e-3
