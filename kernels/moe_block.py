@@ -46,6 +46,8 @@ try:
         GATE_NONE,
         GATE_SILU,
         HAS_TRITON,
+        GroupedDecodeConfig,
+        GroupedGemmConfig,
         _gather_rows_kernel,
         _grouped_decode_kernel,
         _grouped_gemm_kernel,
@@ -279,6 +281,48 @@ def _rounding(ae: ElemFormat | None, rule: ScaleRule, device) -> dict:
                 HW_CVT=hw_cvt(device), FP8=fp8_dtype(ae2))  # fmt: skip
 
 
+def pick_decode_configs(s: int, e: int, i: int, h: int, device: torch.device, w8a8: bool):
+    """Tiles of the two decode launches: one row per tile (row blocks of 2-8 were slower on an H100
+    at every batch measured), 16 output columns a program for gate-up (two weight streams: more
+    programs on the SMs), 64 with 8 warps for down (kernels/NOTES.md, "MoE: the fused block")."""
+    if INTERPRET or device.type != "cuda":
+        return pick_grouped_decode_config(s, e, i, h, device, w8a8), pick_grouped_decode_config(s, e, h, i, device, w8a8)
+    return GroupedDecodeConfig(1, 16, 256, num_warps=4), GroupedDecodeConfig(1, 64, 256, num_warps=8)
+
+
+def _rows_per_expert(s: int, e: int) -> int:
+    return -(-s // max(1, min(s, e)))
+
+
+def pick_glu_config(s: int, e: int, n: int, k: int, x_dtype: torch.dtype, device: torch.device) -> GroupedGemmConfig:
+    """Tiles of ``_grouped_glu_kernel`` (two accumulators: 64 columns a half). The row tile follows
+    the rows per active expert: at a few rows each, 16-row tiles load 8x less padding than 128-row
+    ones (H100, Qwen3-30B-A3B widths: 273 against 598 µs a layer at 32 tokens)."""
+    if INTERPRET or device.type != "cuda":
+        return GroupedGemmConfig(16, 32, 64, num_warps=4, num_stages=1, tma=False)
+    if x_dtype != torch.bfloat16:
+        return GroupedGemmConfig(64, 32, 32, num_warps=4, num_stages=3, deq_bf16=False)
+    r = _rows_per_expert(s, e)
+    if r <= 8:
+        return GroupedGemmConfig(16, 64, 64, num_warps=4, num_stages=4)
+    if r < 256:
+        return GroupedGemmConfig(64, 64, 64, num_warps=4, num_stages=4)
+    return GroupedGemmConfig(128, 64, 64, num_warps=8, num_stages=4)
+
+
+def pick_down_config(s: int, e: int, n: int, k: int, x_dtype: torch.dtype, device: torch.device) -> GroupedGemmConfig:
+    """Tiles of the down projection's grouped GEMM: row tiles by rows per expert as for gate-up,
+    ``moe.pick_grouped_gemm_config`` from 64 rows an expert."""
+    if INTERPRET or device.type != "cuda" or x_dtype != torch.bfloat16:
+        return pick_grouped_gemm_config(s, e, n, k, x_dtype, device)
+    r = _rows_per_expert(s, e)
+    if r <= 8:
+        return GroupedGemmConfig(16, 128, 64, num_warps=4, num_stages=4)
+    if r <= 64:
+        return GroupedGemmConfig(64, 128, 64, num_warps=8, num_stages=4)
+    return pick_grouped_gemm_config(s, e, n, k, x_dtype, device)
+
+
 class BlockPlan:
     """One input signature's launches (module doc): which kernels, their tiles and grids."""
 
@@ -305,8 +349,7 @@ class BlockPlan:
         bs = ex.block_size
         gate_rows = dict(GS=2 if ex.interleaved else 1)
         if self.decode:
-            c1 = pick_grouped_decode_config(s, e, i, h, dev, w8a8=w8a8)
-            c2 = pick_grouped_decode_config(s, e, h, i, dev, w8a8=w8a8)
+            c1, c2 = pick_decode_configs(s, e, i, h, dev, w8a8)
             self.c1, self.c2 = c1, c2
 
             def dec(c, k, has_bias, gate, x_idx):
@@ -324,13 +367,7 @@ class BlockPlan:
         # bf16 X: bf16 dots (exact products); otherwise fp32 rows and fp32 FMA dots, exact as well
         exact32 = interp or x.dtype != torch.bfloat16
         xdt = torch.float32 if exact32 else torch.bfloat16
-        c2 = pick_grouped_gemm_config(s, e, h, i, xdt, dev)
-        if interp:
-            c1 = type(c2)(16, 32, 64, num_warps=4, num_stages=1, tma=False)
-        elif exact32:
-            c1 = type(c2)(64, 32, 32, num_warps=4, num_stages=3, deq_bf16=False)
-        else:  # two accumulators: the 256-row tile's registers do not fit; 64 columns a half
-            c1 = type(c2)(128, 64, 64, num_warps=8, num_stages=4)
+        c1, c2 = pick_glu_config(s, e, i, h, xdt, dev), pick_down_config(s, e, h, i, xdt, dev)
         self.c1, self.c2 = c1, c2
         dot, prec = (tl.float32, "ieee") if exact32 else (tl.bfloat16, "tf32")
         self.xdtype = xdt  # the rows the tensor-core kernels read
