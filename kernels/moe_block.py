@@ -39,7 +39,16 @@ from mxq.kernels.registry import KernelPath, Registry
 try:
     import triton.language as tl
 
-    from mxq.kernels.common import INTERPRET, RULE_ID, e8m0_to_f32, fp8_dtype, hw_cvt, mx_round_dequant, to_out
+    from mxq.kernels.common import (
+        INTERPRET,
+        RULE_ID,
+        TensorDescriptor,
+        e8m0_to_f32,
+        fp8_dtype,
+        hw_cvt,
+        mx_round_dequant,
+        to_out,
+    )
     from mxq.kernels.launch import Launch
     from mxq.kernels.moe import (
         GATE_GPT_OSS,
@@ -57,7 +66,6 @@ try:
         pick_grouped_decode_config,
         pick_grouped_gemm_config,
     )
-    from mxq.kernels.common import TensorDescriptor
     from mxq.kernels.toolchain import wgmma_async_ok
 except ImportError:  # no triton: MXExperts keeps its reference forward
     HAS_TRITON = False

@@ -67,13 +67,16 @@ def _kernels(spec: str) -> str:
 
 
 def _load(source: str, device, dtype=None, kernels: str | None = None, fuse: bool = True, tokenizer: bool = True):
+    from mxq.models import runtime
     from mxq.progress import stage
 
     with stage(f"loading {_label(source)}"):
         kw = {"dtype": dtype} if dtype is not None else {}
         if not tokenizer:
             kw["tokenizer"] = False
-        return load_model(source, device=device, kernels=kernels, fuse=fuse, **kw)
+        got = load_model(source, device=device, kernels=kernels, fuse=fuse, **kw)
+    err.print(f"{_label(source)} runs on {runtime(got[0])}", highlight=False)
+    return got
 
 
 def _tokenizer(source: str):

@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from mxq.formats import MXTensor, ScaleRule, quantize_mx
-from mxq.linear import TIED_TO_EMBEDDING
 from mxq.kernels.registry import kernels_spec
+from mxq.linear import TIED_TO_EMBEDDING
 from mxq.recipe import TensorSpec
 
 GATED, UNGATED = ("gate_up_proj", "down_proj"), ("up_proj", "down_proj")

@@ -148,9 +148,12 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM
 
-    import mxq.hf  # noqa: F401  (registers quant_method "mxq" with transformers)
+    import mxq.hf  # registers quant_method "mxq" with transformers
 
     src = source if isinstance(source, ModelSource) else resolve_source(source)
+    if mx_format(src) != "none":  # every MXFP8 layout mxq reads runs on mxq's layers and kernels, checked
+        model = mxq.hf.load(src.path, device=device, dtype=dtype, kernels=kernels, fuse=fuse)
+        return model, (load_tokenizer(src) if tokenizer else None)
     try:
         model = AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype, **src.hf_kwargs)
     except OSError as e:
@@ -166,6 +169,42 @@ def load_model(
         set_kernels(model, kernels)
     tok = load_tokenizer(src) if tokenizer else None
     return model, tok
+
+
+def mx_format(src: ModelSource) -> str:
+    """The MXFP8 layout of a local checkpoint directory ("mxq", "compressed-tensors", "transformers"
+    as ``mxq.config.checkpoint_format`` names them), "none" for anything else (a plain model, GGUF,
+    a hub id). Such a checkpoint loads through ``mxq.load``: otherwise transformers would hand a
+    compressed-tensors one to its own quantizer, which decompresses it to bf16 and rounds
+    activations by its own rule (another runtime than the one users get from mxq)."""
+    from mxq.config import checkpoint_format, read_config
+
+    if src.kind != "dir" or src.gguf_file or not os.path.isfile(os.path.join(src.path, "config.json")):
+        return "none"
+    try:
+        return checkpoint_format(read_config(src.path))
+    except ValueError:  # an unknown quantization_config: transformers' load reports it
+        return "none"
+
+
+def runtime(model) -> str:
+    """Which runtime computes ``model``, in one line: mxq's MX layers (how many, and the kernels spec
+    they run with) or transformers' own modules (the weights' dtype, or its quantizer's method)."""
+    from mxq.experts import MXExperts
+    from mxq.kernels.registry import default_kernels
+    from mxq.linear import MXLinear
+
+    mx = [m for m in model.modules() if isinstance(m, MXLinear | MXExperts)]
+    if mx:
+        n_lin = sum(isinstance(m, MXLinear) for m in mx)
+        spec = next((m.kernels for m in mx if getattr(m, "kernels", None)), None) or default_kernels()
+        dev = next(model.parameters()).device
+        return f"mxq: {n_lin} MXLinear and {len(mx) - n_lin} MXExperts layers, kernels {spec} on {dev}"
+    qc = getattr(getattr(model, "config", None), "quantization_config", None)
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    if method:
+        return f"transformers: its {method} quantizer"
+    return f"transformers: {next(model.parameters()).dtype} weights, no MX layers"
 
 
 def resolve_device(device: str) -> torch.device:

@@ -740,3 +740,37 @@ def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     assert cache_dir() == tmp_path / "home" / ".cache" / "mxq" / "ppl"
     monkeypatch.setenv("MXQ_PPL_CACHE", "off")
     assert cache_dir() is None
+
+
+def test_harness_runs_every_mx_layout_on_mxq(tmp_path, tok):
+    """``mxq eval`` loads an MXFP8 checkpoint of any layout mxq reads through mxq's own loader: a
+    compressed-tensors one runs on MXLinear layers (transformers' quantizer would decompress it to
+    bf16 and round activations by its own rule), its logits those of ``mxq.load``, and the CLI says
+    which runtime ran each model."""
+    import mxq
+    from mxq.cli_eval import eval_app
+    from mxq.convert import quantize_checkpoint
+    from mxq.linear import MXLinear
+    from mxq.models import load_model, runtime
+
+    src = tmp_path / "src"
+    tiny_llama().save_pretrained(src)
+    tok.save_pretrained(src)
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
+    for fmt in ("compressed-tensors", "mxq"):
+        out = tmp_path / fmt
+        quantize_checkpoint(src, out, "mxfp8", fmt=fmt, progress=False)
+        model, _ = load_model(str(out), dtype=torch.float32, tokenizer=False)
+        assert sum(isinstance(m, MXLinear) for m in model.modules()) == 8  # 2 layers x (qkv, o, gate_up, down): mxq.fuse
+        assert runtime(model).startswith("mxq: 8 MXLinear and 0 MXExperts layers")
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, mxq.load(out, dtype=torch.float32)(ids).logits)
+    assert runtime(tiny_llama()) == "transformers: torch.float32 weights, no MX layers"
+    data = tmp_path / "corpus.txt"
+    data.write_text("\n\n".join(TEXT_DOCS))
+    app = typer.Typer()
+    app.add_typer(eval_app, name="eval")
+    res = CliRunner().invoke(app, ["eval", "ppl", str(tmp_path / "compressed-tensors"), "--dataset", str(data),
+                                   "--seq-len", str(SEQ), "--max-windows", "2", "--device", "cpu", "--dtype", "float32"])
+    assert res.exit_code == 0, res.output
+    assert "runs on mxq: 8 MXLinear" in res.output

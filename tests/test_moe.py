@@ -349,7 +349,9 @@ def test_gpu_experts_fast_path_against_the_reference(recipe, tokens):
         model = mxq.quantize_model(moe_model(family).cuda(), recipe)
         ids = torch.randint(0, 256, (1, tokens), device="cuda")
         if recipe == "mxfp8":  # W8A8: each experts call on the inputs the fast forward gave it
-            from test_moe_block import captured_experts_calls  # (model logits: test_moe_block's docstring)
+            from test_moe_block import (
+                captured_experts_calls,  # (model logits: test_moe_block's docstring)
+            )
 
             for m, (x, idx, w), out in captured_experts_calls(model, ids):
                 m.kernels = "reference"
