@@ -149,6 +149,28 @@ def to_out(v, OUT: tl.constexpr):
     return v.to(OUT)
 
 
+# gate kinds of ``glu`` (``GATE`` in the MoE kernels)
+GATE_NONE, GATE_SILU, GATE_GPT_OSS = 0, 1, 2
+
+
+@triton.jit
+def glu(g, u, OUT: tl.constexpr, GATE: tl.constexpr, alpha, limit):
+    """The family's gate on one tile of gate and up products (fp32), rounded to ``OUT`` after every
+    step as the model's own gate on the projection's ``OUT`` output computes it: 1 SiLU(g)·u;
+    2 gpt-oss's (clamp(u, ±limit) + 1)·g'·σ(α·g') with g' = min(g, limit)."""
+    g = to_out(g, OUT).to(tl.float32)
+    u = to_out(u, OUT).to(tl.float32)
+    if GATE == 1:
+        a = to_out(g / (1.0 + tl.exp(-g)), OUT).to(tl.float32)
+    else:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        z = to_out(g * alpha, OUT).to(tl.float32)
+        a = to_out(g * to_out(1.0 / (1.0 + tl.exp(-z)), OUT).to(tl.float32), OUT).to(tl.float32)
+        u = to_out(u + 1.0, OUT).to(tl.float32)
+    return to_out(a * u, OUT)
+
+
 @triton.jit
 def pow2_f32(e):
     """2**e as fp32 for integer e in [-126, 127], from bits."""

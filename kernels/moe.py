@@ -50,10 +50,12 @@ try:
     import triton.language as tl
 
     from mxq.kernels.common import (
+        GATE_NONE,
         INTERPRET,
         RULE_ID,
         e8m0_to_f32,
         fp8_dtype,
+        glu,
         hw_cvt,
         mx_round_dequant,
         tma_or_pointer,
@@ -123,28 +125,6 @@ def _tile(ge_ptr, t, S, E, BM: tl.constexpr, EP2: tl.constexpr):
         end = tl.where(t < total, tl.sum(tl.where(sel, ends, 0), axis=0), S)
         kind = tl.where(t < total, 0, tl.where(tail < S, 1, 2))
     return e, row0, end, kind
-
-
-# gate kinds of ``glu`` (``GATE`` in the kernels)
-GATE_NONE, GATE_SILU, GATE_GPT_OSS = 0, 1, 2
-
-
-@jit
-def glu(g, u, OUT: tl.constexpr, GATE: tl.constexpr, alpha, limit):
-    """The family's gate on one tile of gate and up products (fp32), rounded to ``OUT`` after every
-    step as the model's own gate on the projection's ``OUT`` output computes it: 1 SiLU(g)·u;
-    2 gpt-oss's (clamp(u, ±limit) + 1)·g'·σ(α·g') with g' = min(g, limit)."""
-    g = to_out(g, OUT).to(tl.float32)
-    u = to_out(u, OUT).to(tl.float32)
-    if GATE == 1:
-        a = to_out(g / (1.0 + tl.exp(-g)), OUT).to(tl.float32)
-    else:
-        g = tl.minimum(g, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
-        z = to_out(g * alpha, OUT).to(tl.float32)
-        a = to_out(g * to_out(1.0 / (1.0 + tl.exp(-z)), OUT).to(tl.float32), OUT).to(tl.float32)
-        u = to_out(u + 1.0, OUT).to(tl.float32)
-    return to_out(a * u, OUT)
 
 
 @jit
@@ -239,7 +219,7 @@ def _grouped_decode_kernel(
 ):  # fmt: skip
     """Y tile [BM rows, BN] of one expert on CUDA cores; programs of absent tiles load nothing.
 
-    ``GATE`` (``_glu``): the gate-up projection with the family's gate in the epilogue. Y's column
+    ``GATE`` (``common.glu``): the gate-up projection with the family's gate in the epilogue. Y's column
     j reads weight rows j·GS (gate) and j·GS + UO (up): [gate | up] halves (GS 1, UO = N) or
     gpt-oss's interleaved rows (GS 2, UO 1). ``X_IDX``: sorted row r reads X row idx[r] (the
     token), so the gather costs no launch."""

@@ -40,20 +40,21 @@ try:
     import triton.language as tl
 
     from mxq.kernels.common import (
+        GATE_GPT_OSS,
+        GATE_NONE,
+        GATE_SILU,
         INTERPRET,
         RULE_ID,
         TensorDescriptor,
         e8m0_to_f32,
         fp8_dtype,
+        glu,
         hw_cvt,
         mx_round_dequant,
         to_out,
     )
     from mxq.kernels.launch import Launch
     from mxq.kernels.moe import (
-        GATE_GPT_OSS,
-        GATE_NONE,
-        GATE_SILU,
         HAS_TRITON,
         GroupedDecodeConfig,
         GroupedGemmConfig,
@@ -61,7 +62,6 @@ try:
         _grouped_decode_kernel,
         _grouped_gemm_kernel,
         _tile,
-        glu,
         jit,
         pick_grouped_decode_config,
         pick_grouped_gemm_config,
