@@ -1,6 +1,7 @@
 """End-to-end speed and memory as users meet them: a bf16 model and its MXFP8 quantization.
 
     python -m mxq.eval.bench_e2e --shape llama3-8b --out e2e-8b.json        # random weights, on the GPU
+    python -m mxq.eval.bench_e2e --shape gpt-oss-20b --out e2e-gpt-oss.json # gpt-oss-20b widths, random weights
     python -m mxq.eval.bench_e2e --model default --out e2e-smollm2.json     # SmolLM2-135M (embedded)
 
 Each model runs in a fresh process (a worker: ``--worker bf16`` or ``--worker mxfp8``; the
@@ -9,7 +10,10 @@ compiled kernels, allocator state or CUDA graphs. Through the calls a user makes
 
 * weights: bytes of parameters and buffers;
 * prefill: ``model(ids)`` (logits for every position, no cache) at ``--seq-len`` tokens per
-  sequence, batch ``--prefill-batch``: tokens/s (median of timed runs) and peak memory;
+  sequence, batch ``--prefill-batch``: tokens/s (median of timed runs) and peak memory; one
+  forward's host time (the call until it returns, the device idle before it) and device time (CUDA
+  events), the host time per MoE layer (modules holding routed experts), and the kernel launches of
+  one forward (``torch.profiler``, counted last; ``--no-launch-count`` skips it);
 * ``model.generate(ids, cache_implementation="static")`` at each ``--batch``, ``--new-tokens``
   after a ``--prompt-len`` prompt (on CUDA transformers compiles the forward and replays CUDA
   graphs): decode tokens/s = B * n / (t(1 + n) - t(1)), after warm-up calls of both lengths (the longer first: one static cache shape and graph serve both);
@@ -31,8 +35,8 @@ each figure. ``--profile`` adds, per static-cache batch, where a decode step goe
 kernels per step, the top kernels). ``--roles`` picks the models (bf16, mxfp8, bf16-grouped: bf16 with
 mxq's attention without repeated K/V); ``--merge`` joins partial runs into one table.
 
-The driver prints a markdown table of MXFP8 / bf16 ratios (> 1: MXFP8 faster; for memory the
-fraction of bf16) and writes JSON. On a CPU (``--device cpu``) it runs without graphs or
+The driver prints a markdown table of MXFP8 / bf16 ratios (> 1: MXFP8 faster; for memory, times and
+launch counts the fraction of bf16) and writes JSON. On a CPU (``--device cpu``) it runs without graphs or
 compilation (tests use a tiny shape there); figures worth reporting come from a GPU.
 """
 
@@ -54,6 +58,9 @@ import time
 import torch
 
 ROLES = ("bf16", "mxfp8", "bf16-grouped")
+# openai/gpt-oss-20b's rope_scaling (YaRN) and rope_theta, as transformers 5 reads them (``rope_parameters``)
+GPT_OSS_ROPE = dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                    original_max_position_embeddings=4096)  # fmt: skip
 WORKERS = (*ROLES, "prepare")  # "prepare": write the --checkpoint-dir checkpoints
 SHAPES = {
     # Llama-3-8B (random weights, for speed only) and a tiny one for tests.
@@ -73,6 +80,19 @@ SHAPES = {
                      num_experts=8, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=1024,
                      decoder_sparse_step=1, mlp_only_layers=[]),
+    # gpt-oss-20b (all 24 layers; 32 experts top-4 with biases, interleaved gate/up and a clamped GLU; attention
+    # with sinks, alternating 128-token sliding-window and full layers, YaRN rope) as openai/gpt-oss-20b's
+    # config.json has it, and a tiny one of the same family. transformers runs its attention eagerly (no sdpa).
+    "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_local_experts=32,
+                        num_experts_per_tok=4, num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8,
+                        head_dim=64, vocab_size=201088, max_position_embeddings=131072, sliding_window=128,
+                        layer_types=["sliding_attention", "full_attention"] * 12, rope_parameters=GPT_OSS_ROPE,
+                        attention_bias=True, rms_norm_eps=1e-5, router_aux_loss_coef=0.9),
+    "tiny-gpt-oss": dict(model_type="gpt_oss", hidden_size=128, intermediate_size=128, num_local_experts=4,
+                         num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=32, vocab_size=512, max_position_embeddings=131072, sliding_window=8,
+                         layer_types=["sliding_attention", "full_attention"], rope_parameters=GPT_OSS_ROPE,
+                         attention_bias=True, rms_norm_eps=1e-5),
 }  # fmt: skip
 
 
@@ -133,12 +153,16 @@ def weight_bytes(model) -> int:
 def build_random(shape: str, device: torch.device, seed: int = 0):
     """A bf16 model of ``shape`` with random weights (transformers' initialisation), built directly on
     ``device`` (Llama unless the shape names another ``model_type``). Mixtures of experts run their
-    bf16 experts with transformers' fastest implementation here (``grouped_mm``)."""
+    bf16 experts with transformers' fastest implementation here (``grouped_mm``; transformers 5.17's
+    default too). Biases that transformers initialises to zero (gpt-oss: attention and experts) are
+    drawn like the weights (normal, ``initializer_range``), so the quantized model's bias paths count
+    in the logits check; every weight is finite (gpt-oss's 3-D experts parameters are drawn by its own
+    ``_init_weights``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     kw = dict(SHAPES[shape])
     cfg = AutoConfig.for_model(kw.pop("model_type", "llama"), **kw, tie_word_embeddings=False)
-    if "num_experts" in kw:
+    if getattr(cfg, "num_experts", None):  # Qwen3-MoE's num_experts, gpt-oss's num_local_experts (aliased)
         cfg._experts_implementation = "grouped_mm"
     torch.manual_seed(seed)
     prev = torch.get_default_dtype()
@@ -148,24 +172,88 @@ def build_random(shape: str, device: torch.device, seed: int = 0):
             model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     finally:
         torch.set_default_dtype(prev)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") and not p.any():
+                p.normal_(0.0, getattr(cfg, "initializer_range", 0.02))
+        bad = [name for name, p in model.named_parameters() if not torch.isfinite(p).all()]
+    if bad:
+        raise RuntimeError(f"build_random({shape!r}): non-finite initial weights in {bad[:5]}")
     return model.eval()
 
 
+def moe_layers(model) -> int:
+    """Modules holding routed experts (``mxq.experts.is_experts``: transformers' 3-D experts or
+    ``MXExperts``), one per MoE layer; 0 for a dense model."""
+    from mxq.experts import is_experts
+
+    return sum(1 for m in model.modules() if is_experts(m))
+
+
+def prefill_ids(model, batch: int, seq_len: int) -> torch.Tensor:
+    """The prefill's token ids (the same in every process and every call that counts them)."""
+    g = torch.Generator().manual_seed(seq_len)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq_len), generator=g)
+    return ids.to(next(model.parameters()).device)
+
+
 def bench_prefill(model, batch: int, seq_len: int, reps: int) -> dict:
+    """``model(ids)`` at ``batch`` x ``seq_len`` tokens (no cache), the median of ``reps`` calls after
+    a warm-up. Each call starts with the device idle (synchronized) and gives two times:
+
+    * ``device_s`` (= ``median_s``, which tokens/s is computed from): CUDA events recorded before
+      the call and after it returns, i.e. until the device has finished the forward;
+    * ``host_s``: wall time from the call until it returns to Python, stopped before synchronizing:
+      what the host spends issuing one forward. When it is near ``device_s`` the device waits on
+      the host. ``host_s_per_moe_layer``: ``host_s`` / ``moe_layers`` (None for a dense model), a
+      decoder layer's share when every layer is MoE; ``bench_moe --layer`` gives the experts' own.
+
+    On a CPU both are the wall time of the call."""
     device = next(model.parameters()).device
-    vocab = model.config.vocab_size
-    ids = torch.randint(0, vocab, (batch, seq_len), device=device)
+    ids = prefill_ids(model, batch, seq_len)
+    cuda = device.type == "cuda"
     with torch.inference_mode():
         model(ids, use_cache=False)  # warm-up (kernel compilation, autotune)
         _reset_peak(device)
-        times = []
+        host, dev = [], []
         for _ in range(reps):
-            with _Timer(device) as t:
-                model(ids, use_cache=False)
-            times.append(t.s)
-    med = statistics.median(times)
+            _sync(device)  # the device idle before the call: the host time is the host's alone
+            if cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+            t0 = time.perf_counter()
+            model(ids, use_cache=False)
+            host.append(time.perf_counter() - t0)
+            if cuda:
+                b.record()
+                b.synchronize()
+                dev.append(a.elapsed_time(b) / 1e3)
+            else:
+                dev.append(host[-1])
+    med, host_s, n_moe = statistics.median(dev), statistics.median(host), moe_layers(model)
     return dict(batch=batch, seq_len=seq_len, reps=reps, median_s=med, tokens_per_s=batch * seq_len / med,
+                device_s=med, host_s=host_s, moe_layers=n_moe, host_s_per_moe_layer=host_s / n_moe if n_moe else None,
                 peak_bytes=_peak(device))  # fmt: skip
+
+
+def count_launches(model, batch: int, seq_len: int) -> dict | None:
+    """Device work of one prefill forward (``prefill_ids``), from ``torch.profiler``'s CUDA activity:
+    ``kernels`` (kernel launches) and ``copies`` (memcpy/memset). None off CUDA. ``measure`` calls it
+    after every timed figure, so the profiler cannot perturb them."""
+    if next(model.parameters()).device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = prefill_ids(model, batch, seq_len)
+    with torch.inference_mode():
+        model(ids, use_cache=False)  # the same calls as the profiled one, compiled and planned
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            model(ids, use_cache=False)
+            torch.cuda.synchronize()
+    ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    copies = sum(1 for e in ev if e.name.startswith(("Memcpy", "Memset")))
+    return dict(kernels=len(ev) - copies, copies=copies)
 
 
 def bench_decode_static(
@@ -297,8 +385,10 @@ def measure(model, label: str, a, device: torch.device) -> dict:
         int(torch.cuda.memory_allocated(device)) if device.type == "cuda" else None
     )
     print(f"[{label}] weights {res['weight_bytes'] / 2**30:.2f} GiB", flush=True)
-    res["prefill"] = bench_prefill(model, a.prefill_batch, a.seq_len, a.reps)
-    print(f"[{label}] prefill {res['prefill']['tokens_per_s']:.0f} tok/s", flush=True)
+    res["prefill"] = pf = bench_prefill(model, a.prefill_batch, a.seq_len, a.reps)
+    per_moe = f", {1e3 * pf['host_s_per_moe_layer']:.2f} ms host per MoE layer ({pf['moe_layers']})" if pf["moe_layers"] else ""
+    print(f"[{label}] prefill {pf['tokens_per_s']:.0f} tok/s: host {1e3 * pf['host_s']:.1f} ms, device {1e3 * pf['device_s']:.1f} ms "
+          f"a forward{per_moe}", flush=True)  # fmt: skip
     res["decode"] = []
     for b in [] if a.no_static_generate else a.batch:
         try:
@@ -351,6 +441,14 @@ def measure(model, label: str, a, device: torch.device) -> dict:
                 if r["mode"] in toks:
                     r["tokens_match_eager"] = bool(torch.equal(toks[r["mode"]], toks["static eager"]))
         res["decode"] += rows
+    if not a.no_launch_count:  # last: the profiler starts after every timed figure
+        try:
+            pf["launches"] = count_launches(model, a.prefill_batch, a.seq_len)
+        except Exception as e:  # noqa: BLE001 - recorded; the timed figures stand
+            pf["launches_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        if pf.get("launches"):
+            n = pf["launches"]
+            print(f"[{label}] prefill: {n['kernels']} kernel launches, {n['copies']} copies a forward", flush=True)
     return res
 
 
@@ -358,8 +456,13 @@ def _ratio(q, b):
     return q / b if isinstance(q, (int, float)) and isinstance(b, (int, float)) and b else None
 
 
+def _scaled(v, scale: float):
+    return v * scale if isinstance(v, (int, float)) else None
+
+
 def summary_rows(res: dict) -> list[dict]:
-    """Metric rows: bf16 value, MXFP8 value, ratio (MXFP8 / bf16)."""
+    """Metric rows: bf16 value, MXFP8 value, ratio (MXFP8 / bf16: for speeds > 1 is MXFP8 faster; for
+    memory, times and launch counts it is MXFP8's fraction of bf16)."""
     b, q = res["bf16"], res["mxfp8"]
     rows = [
         dict(
@@ -374,6 +477,15 @@ def summary_rows(res: dict) -> list[dict]:
             mxfp8=pq["tokens_per_s"],
         )
     )
+    # one forward's host and device time, host time per MoE layer, kernel launches (runs before these
+    # figures existed have none: their rows are left out)
+    for metric, key, scale in (("prefill host ms / forward", "host_s", 1e3), ("prefill device ms / forward", "device_s", 1e3),
+                               ("prefill host ms / MoE layer", "host_s_per_moe_layer", 1e3)):
+        if pb.get(key) is not None or pq.get(key) is not None:
+            rows.append(dict(metric=metric, bf16=_scaled(pb.get(key), scale), mxfp8=_scaled(pq.get(key), scale)))
+    if pb.get("launches") or pq.get("launches"):
+        rows.append(dict(metric="prefill kernel launches / forward", bf16=(pb.get("launches") or {}).get("kernels"),
+                         mxfp8=(pq.get("launches") or {}).get("kernels")))
     if pb["peak_bytes"] is not None:
         rows.append(
             dict(
@@ -561,7 +673,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group()
     src.add_argument(
-        "--shape", choices=sorted(SHAPES), help="random-weight shape: Llama, or a Qwen3 mixture of experts (default llama3-8b)"
+        "--shape", choices=sorted(SHAPES),
+        help="random-weight shape: Llama, or a Qwen3 or gpt-oss mixture of experts (default llama3-8b)"
     )
     src.add_argument("--model", help="a model mxq can load (HF dir, hub id, .gguf, 'default')")
     p.add_argument("--recipe", default="mxfp8")
@@ -585,6 +698,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-static-generate", action="store_true", help="skip generate(cache_implementation=\"static\")")
     p.add_argument("--profile", action="store_true",
                    help="profile the static-cache generate() decode: device-busy vs wall time per step, kernels per step, top kernels")
+    p.add_argument("--no-launch-count", action="store_true",
+                   help="skip counting the kernel launches of one prefill forward (torch.profiler, CUDA only; by default "
+                        "once per worker, after every timed figure, so it costs a few seconds and perturbs no timing)")
     p.add_argument("--no-fuse", action="store_true", help="the quantized model as transformers builds it: no fused projections, producers or grouped attention (mxq.fuse)")
     p.add_argument("--eager-decoder", action="store_true", help="also time the StaticGreedyDecoder step without a graph")
     p.add_argument("--roles", default="bf16,mxfp8",

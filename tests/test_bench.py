@@ -142,3 +142,139 @@ def test_bench_e2e_merge_adds_pairs(tmp_path):
     d1b = base["bf16"]["decode"][1]
     row = next(r for r in res["summary"] if r["metric"] == f"decode tok/s B={d1b['batch']} {d1b['mode']}")
     assert row["pairs"] == 3 and row["bf16"] == pytest.approx(d1b["tokens_per_s"])
+
+
+# --- the MoE benchmarks' new modes, on a CPU at tiny widths --------------------------------------
+
+LAYER_TINY = ["--experts", "8", "--top-k", "2", "--hidden", "96", "--width", "64", "--device", "cpu"]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gpt-oss"])
+def test_bench_moe_layer_on_cpu(tmp_path, family):
+    """``bench_moe --layer``: transformers' experts module and its MXExperts (W8A16, W8A8) run on the
+    same routing at every token count, each checked against the fp32 reference of its dequantized
+    weights, and every figure the table prints is in the JSON (times: the CPU's wall time)."""
+    from mxq.eval import bench_moe
+
+    out = tmp_path / "layer.json"
+    assert bench_moe.main(["--layer", "--family", family, *LAYER_TINY, "--layer-tokens", "1,5,40", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["layer"] == dict(experts=8, top_k=2, hidden=96, width=64, bias=family == "gpt-oss")
+    assert [r["tokens"] for r in res["layer_rows"]] == [1, 5, 40] and not res["failed"]
+    for r in res["layer_rows"]:
+        for role in ("w8a16", "w8a8"):
+            assert r[f"{role}_relerr"] < 1e-2, r  # bf16 output rounding: ~2e-3
+            assert 0 < r[f"{role}_vs_bf16"] < 0.2, r  # the quantization moves the output, a little
+        for role in ("bf16", "w8a16", "w8a8"):
+            assert r[f"{role}_us"] > 0 and r[f"{role}_host_us"] > 0
+        # bytes at decode sizes: the active experts' codes + scales (+ biases), X and Y
+        per_expert = 3 * 64 * 96 * (1 + 1 / 32) + (2 * (2 * 64 + 96) if family == "gpt-oss" else 0)
+        assert r["mxq_bytes"] == pytest.approx(r["active_experts"] * per_expert + 4 * r["tokens"] * 96)
+        assert 1 <= r["active_experts"] <= min(8, 2 * r["tokens"])
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gpt-oss"])
+def test_bench_moe_layer_reference_is_the_family_layer(family):
+    """The reference that judges mxq, fed the bf16 module's own weights, gives transformers' own
+    output for the layer (its gate and layout, gpt-oss's interleaved columns and biases included)."""
+    from mxq.eval import bench_moe
+
+    dev = torch.device("cpu")
+    m = bench_moe.build_experts_layer(family, 8, 2, 96, 64, dev, seed=1)
+    x, idx, w = bench_moe.layer_inputs(12, 8, 2, 96, torch.Generator().manual_seed(2), dev)
+    t = family == "gpt-oss"  # gpt-oss stores [E, K, N]
+    canon = lambda p: (p.transpose(1, 2) if t else p).float()
+    bias = lambda n: m._parameters[n].float() if n in m._parameters else None
+    weights = (canon(m.gate_up_proj), bias("gate_up_proj_bias"), canon(m.down_proj), bias("down_proj_bias"))
+    with torch.inference_mode():
+        ref = bench_moe.layer_reference(weights, family, x, idx, w, 1.702, 7.0, None)
+        got = m(x, idx, w).float()
+    assert m.config._experts_implementation == "grouped_mm"
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-2
+    if t:  # the biases count: without them the layer is another
+        assert m.gate_up_proj_bias.abs().max() > 0 and m.down_proj_bias.abs().max() > 0
+
+
+def test_bench_moe_layer_fails_loudly(tmp_path, monkeypatch, capsys):
+    """A layer that disagrees with the reference (here: the reference's gate changed) is a FAIL, exit 1,
+    and nothing is timed."""
+    from mxq.eval import bench_moe
+
+    gate = bench_moe.family_gate
+    monkeypatch.setattr(bench_moe, "family_gate", lambda *a: gate(*a) * 1.1)
+    out = tmp_path / "layer.json"
+    assert bench_moe.main(["--layer", "--family", "qwen3", *LAYER_TINY, "--layer-tokens", "3", "--out", str(out)]) == 1
+    assert "FAIL qwen3 T=3 w8a16" in capsys.readouterr().out
+    res = json.loads(out.read_text())
+    assert res["failed"] and "bf16_us" not in res["layer_rows"][0]
+
+
+def test_bench_e2e_gpt_oss_shapes(tmp_path):
+    """``--shape tiny-gpt-oss`` through the whole bench path on a CPU (build, the recipe's quantization,
+    the logits check, prefill with host/device time per forward and per MoE layer, decode), and the
+    ``gpt-oss-20b`` shape is gpt-oss-20b (its parameter count, attention pattern and rope)."""
+    import subprocess
+    import sys
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from mxq.eval import bench_e2e
+
+    kw = dict(bench_e2e.SHAPES["gpt-oss-20b"])
+    cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
+    with torch.device("meta"):
+        big = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    assert 20.8e9 < sum(p.numel() for p in big.parameters()) < 21.0e9  # openai/gpt-oss-20b: 20.9 B
+    assert cfg.layer_types == ["sliding_attention", "full_attention"] * 12 and cfg.sliding_window == 128
+    assert cfg.rope_parameters["rope_type"] == "yarn" and cfg.rope_parameters["rope_theta"] == 150000.0
+    assert (cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size, cfg.head_dim) == (32, 4, 2880, 64)
+
+    tiny = bench_e2e.build_random("tiny-gpt-oss", torch.device("cpu"))
+    assert tiny.config._experts_implementation == "grouped_mm" and bench_e2e.moe_layers(tiny) == 2
+    biases = [p for n, p in tiny.named_parameters() if n.endswith("bias")]
+    assert biases and all(p.abs().max() > 0 for p in biases)  # drawn, not transformers' zeros
+    out = tmp_path / "e2e.json"
+    cmd = [sys.executable, "-m", "mxq.eval.bench_e2e", "--shape", "tiny-gpt-oss", "--device", "cpu", "--seq-len", "16",
+           "--batch", "1", "--new-tokens", "4", "--prompt-len", "8", "--reps", "2", "--no-graph", "--no-generate",
+           "--out", str(out)]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "OMP_NUM_THREADS": "2"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["config"]["num_experts"] == 4 and res["check"]["logits_finite"] and res["check"]["logits_rel_err_vs_bf16"] < 0.2
+    for role in ("bf16", "mxfp8"):
+        pf = res[role]["prefill"]
+        assert pf["moe_layers"] == 2 and pf["host_s"] > 0 and pf["device_s"] == pf["median_s"] > 0
+        assert pf["host_s_per_moe_layer"] == pytest.approx(pf["host_s"] / 2)
+        assert pf["launches"] is None  # counted on CUDA only
+        assert all(d.get("tokens_per_s", 0) > 0 for d in res[role]["decode"]), res[role]["decode"]
+    rows = {row["metric"]: row for row in res["summary"]}
+    assert 0 < rows["weights (GiB)"]["ratio"] < 1
+    for metric in ("prefill host ms / forward", "prefill device ms / forward", "prefill host ms / MoE layer"):
+        assert rows[metric]["bf16"] > 0 and rows[metric]["mxfp8"] > 0 and f"| {metric} |" in r.stdout
+    assert "prefill kernel launches / forward" not in rows
+
+
+def test_bench_e2e_prefill_rows():
+    """The prefill's host/device time per forward, host time per MoE layer and launch count are table
+    rows (ratios as MXFP8's fraction of bf16); a dense model has no per-MoE-layer row, and a run
+    recorded before these figures existed has none of them."""
+    from mxq.eval import bench_e2e
+
+    def role(host, dev, moe, kernels):
+        return dict(weight_bytes=2**30, decode=[], prefill=dict(
+            batch=1, seq_len=2048, tokens_per_s=2048 / dev, peak_bytes=None, host_s=host, device_s=dev, moe_layers=moe,
+            host_s_per_moe_layer=host / moe if moe else None, launches=dict(kernels=kernels, copies=3)))  # fmt: skip
+
+    rows = {r["metric"]: r for r in bench_e2e.summary_rows(dict(bf16=role(0.02, 0.04, 16, 400), mxfp8=role(0.03, 0.03, 16, 300)))}
+    host = rows["prefill host ms / forward"]
+    assert host["bf16"] == pytest.approx(20) and host["ratio"] == pytest.approx(1.5)
+    assert rows["prefill device ms / forward"]["mxfp8"] == pytest.approx(30)
+    assert rows["prefill host ms / MoE layer"]["mxfp8"] == pytest.approx(30 / 16)
+    assert rows["prefill kernel launches / forward"]["ratio"] == pytest.approx(0.75)
+    dense = {r["metric"] for r in bench_e2e.summary_rows(dict(bf16=role(0.02, 0.04, 0, 1), mxfp8=role(0.03, 0.03, 0, 1)))}
+    assert "prefill host ms / forward" in dense and "prefill host ms / MoE layer" not in dense
+    old = dict(bf16=role(0.02, 0.04, 1, 1), mxfp8=role(0.03, 0.03, 1, 1))
+    for r in old.values():
+        for k in ("host_s", "device_s", "moe_layers", "host_s_per_moe_layer", "launches"):
+            del r["prefill"][k]
+    assert not [r for r in bench_e2e.summary_rows(old) if "/ forward" in r["metric"] or "MoE layer" in r["metric"]]
