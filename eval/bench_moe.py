@@ -434,7 +434,7 @@ def _fused_block(q, x) -> bool | None:
     """Whether mxq's fused experts block (``mxq.kernels.moe_block``) runs this call; None where the
     module cannot say (informative only)."""
     try:
-        return bool(q.gate_kind and q._block_runs(x))
+        return bool(q.gate_kind and q.block_runs(x))
     except Exception:  # noqa: BLE001
         return None
 

@@ -262,7 +262,7 @@ class MXExperts(nn.Module):
             rows = hidden_states.shape[0] // self.num_experts
             ends = torch.arange(1, self.num_experts + 1, device=hidden_states.device, dtype=torch.int32) * rows
             return self.experts(hidden_states, ends)
-        if self.gate_kind and self._block_runs(hidden_states):
+        if self.block_runs(hidden_states):
             return self._block(hidden_states, top_k_index, top_k_weights)
         tokens, top_k = top_k_index.shape
         ids = top_k_index.reshape(-1)
@@ -278,11 +278,13 @@ class MXExperts(nn.Module):
         out.index_add_(0, token_of_row, y.to(torch.float32) * w[:, None])
         return out.to(hidden_states.dtype)
 
-    def _block_runs(self, x: torch.Tensor) -> bool:
-        """Whether the fused block (``mxq.kernels.moe_block``) runs this call: its path is admitted
-        by ``kernels`` and supports the input (host facts only)."""
+    def block_runs(self, x: torch.Tensor) -> bool:
+        """Whether the fused block (``mxq.kernels.moe_block``) runs a call on ``x``: the family's gate
+        is one it knows, its path is admitted by ``kernels`` and supports the input (host facts only)."""
         from mxq.kernels.moe_block import BLOCK, BlockProblem
 
+        if not self.gate_kind:
+            return False
         spec = kernels_spec(self.kernels)
         return BLOCK.choose(BlockProblem(x.device, x.dtype, self.gate_kind, self.block_size, self.act, spec), spec).name != "reference"
 

@@ -170,3 +170,16 @@ def test_model_experts_calls_through_the_block(family, recipe):
         with torch.no_grad():
             ref = m(x, idx, w)
         assert ((out - ref).norm() / ref.norm()) < 1e-5
+
+
+def test_block_compiles_as_one_custom_op():
+    """Under torch.compile the block is the custom op ``mxq::mx_moe_experts``: the MoE layer traces
+    with fullgraph (no graph break, no host sync) and computes what the eager block computes."""
+    model = mxq.quantize_model(moe_model("qwen3_moe", seed=3).to(DEV))
+    mxq.set_kernels(model, "moe_block")
+    block = model.model.layers[1].mlp
+    x = torch.randn(1, 9, 64, generator=torch.Generator().manual_seed(4)).to(DEV)
+    with torch.no_grad():
+        want = block(x)
+        got = torch.compile(block, fullgraph=True, backend="eager")(x)
+    assert torch.equal(got, want)
