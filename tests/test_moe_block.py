@@ -38,7 +38,7 @@ def _sort(ids: torch.Tensor, e: int, k_top: int):
     return pos, tok, ge
 
 
-@pytest.mark.parametrize("tokens,e,k_top", [(1, 4, 2), (37, 5, 3), (700, 7, 2), (300, 130, 8)])
+@pytest.mark.parametrize("tokens,e,k_top", [(1, 4, 2), (37, 5, 3), (700, 7, 2), (300, 130, 8), (200, 256, 8)])
 def test_sort_is_torchs_stable_argsort(tokens, e, k_top):
     """Rows sorted by expert, each expert's rows in token order; indices outside [0, E) sort last
     and are in no expert's group (the sort of 1400 and 2400 pairs runs in several chunks)."""
