@@ -25,6 +25,7 @@ call never syncs and can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -495,6 +496,9 @@ def experts_forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: t
     """The experts' weighted sum per token (module doc): x [T, H], ``top_k_index`` [T, k] (any
     integer dtype), ``top_k_weights`` [T, k] -> [T, H] in x's dtype."""
     x = x if x.is_contiguous() else x.contiguous()
+    if not all(t is None or t.is_contiguous() for t in (ex.w1, ex.s1, ex.b1, ex.w2, ex.s2, ex.b2)):
+        ex = dataclasses.replace(ex, **{f: getattr(ex, f).contiguous() for f in ("w1", "s1", "b1", "w2", "s2", "b2")
+                                        if getattr(ex, f) is not None})  # a strided view (a shard): copied
     ids = top_k_index if top_k_index.is_contiguous() else top_k_index.contiguous()
     w = top_k_weights if top_k_weights.is_contiguous() else top_k_weights.contiguous()
     t, k_top = ids.shape

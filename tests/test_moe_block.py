@@ -183,3 +183,18 @@ def test_block_compiles_as_one_custom_op():
         want = block(x)
         got = torch.compile(block, fullgraph=True, backend="eager")(x)
     assert torch.equal(got, want)
+
+
+def test_strided_weights_are_read_as_the_contiguous_ones():
+    """Weights that are strided views (a shard of another tensor) give the contiguous weights' result."""
+    mod = _experts("qwen3_moe", "mxfp8")
+    ex = moe_block.ExpertsWeights(mod.gate_up_proj, mod.gate_up_proj_scale, None, mod.down_proj, mod.down_proj_scale, None,
+                                  GATE_SILU, False, 0.0, 0.0, mod.act.elem, mod.act.scale_rule, 32)  # fmt: skip
+    wide = torch.cat([mod.down_proj.view(torch.uint8), mod.down_proj.view(torch.uint8)], dim=2)
+    strided = moe_block.ExpertsWeights(**{**ex.__dict__, "w2": wide[:, :, :64].view(mod.down_proj.dtype)})
+    assert not strided.w2.is_contiguous()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 64, generator=g).to(DEV)
+    idx = torch.tensor([[0, 1], [2, 3], [1, 2]]).to(DEV)
+    w = torch.rand(3, 2, generator=g).to(DEV)
+    assert torch.equal(moe_block.experts_forward(x, idx, w, strided), moe_block.experts_forward(x, idx, w, ex))
