@@ -128,6 +128,26 @@ def _tile(ge_ptr, t, S, E, BM: tl.constexpr, EP2: tl.constexpr):
 
 
 @jit
+def _grouped_order(pid, N, T, BN: tl.constexpr, GROUP: tl.constexpr):
+    """Program ``pid``'s (row tile, N tile): GROUP consecutive row tiles (a few experts) under every
+    N tile, so that their weight panels and X rows stay in L2 while the group runs."""
+    per_group = GROUP * tl.cdiv(N, BN)
+    first_t = (pid // per_group) * GROUP
+    group_t = tl.minimum(T - first_t, GROUP)
+    return first_t + (pid % per_group) % group_t, (pid % per_group) // group_t
+
+
+@jit
+def _out_tile(row0, row_end, pid_n, N, stride_ym, BM: tl.constexpr, BN: tl.constexpr):
+    """The output tile's rows, columns, store mask (rows before ``row_end``, columns inside N) and
+    offsets into Y."""
+    offs_m = row0 + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mask = (offs_m < row_end)[:, None] & (offs_n < N)[None, :]
+    return offs_m, offs_n, mask, offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+
+
+@jit
 def _grouped_gemm_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ge_ptr,
     S, N, K, E, T,
@@ -138,22 +158,11 @@ def _grouped_gemm_kernel(
     ZERO_DOT: tl.constexpr,
 ):  # fmt: skip
     """Yᵀ tile [BN weight rows, BM sorted rows] of one expert over the whole K."""
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BN)
-    # GROUP consecutive row tiles (a few experts) under every N tile: their weight panels and X
-    # rows stay in L2 while the group runs.
-    per_group = GROUP * num_n
-    first_t = (pid // per_group) * GROUP
-    group_t = tl.minimum(T - first_t, GROUP)
-    t = first_t + (pid % per_group) % group_t
-    pid_n = (pid % per_group) // group_t
+    t, pid_n = _grouped_order(tl.program_id(0), N, T, BN, GROUP)
     e, row0, row_end, kind = _tile(ge_ptr, t, S, E, BM, EP2)
     if kind == 2:
         return
-    offs_m = row0 + tl.arange(0, BM)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    mask = (offs_m < row_end)[:, None] & (offs_n < N)[None, :]
-    y_offs = offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    offs_m, offs_n, mask, y_offs = _out_tile(row0, row_end, pid_n, N, stride_ym, BM, BN)
     if kind == 1:
         tl.store(y_ptr + y_offs, tl.zeros((BM, BN), y_ptr.dtype.element_ty), mask=mask)
         return
@@ -228,10 +237,7 @@ def _grouped_decode_kernel(
     e, row0, row_end, kind = _tile(ge_ptr, t, S, E, BM, EP2)
     if kind == 2:
         return
-    offs_m = row0 + tl.arange(0, BM)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    mask = (offs_m < row_end)[:, None] & (offs_n < N)[None, :]
-    y_offs = offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    offs_m, offs_n, mask, y_offs = _out_tile(row0, row_end, pid_n, N, stride_ym, BM, BN)
     if kind == 1:
         tl.store(y_ptr + y_offs, tl.zeros((BM, BN), y_ptr.dtype.element_ty), mask=mask)
         return

@@ -62,6 +62,8 @@ try:
         _gather_rows_kernel,
         _grouped_decode_kernel,
         _grouped_gemm_kernel,
+        _grouped_order,
+        _out_tile,
         _tile,
         jit,
         pick_grouped_decode_config,
@@ -178,20 +180,11 @@ def _grouped_glu_kernel(
     ``glu(gate, up)``, from weight rows j·GS and j·GS + UO of output column j (as the decode kernel
     reads them); the TMA view of W holds NG rows per expert, the up tile at (+UROW, +UCOL) from the
     gate tile. ``QUANT_OUT``: the result MX-rounded along its columns (the down projection's K)."""
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BN)
-    per_group = GROUP * num_n
-    first_t = (pid // per_group) * GROUP
-    group_t = tl.minimum(T - first_t, GROUP)
-    t = first_t + (pid % per_group) % group_t
-    pid_n = (pid % per_group) // group_t
+    t, pid_n = _grouped_order(tl.program_id(0), N, T, BN, GROUP)
     e, row0, row_end, kind = _tile(ge_ptr, t, S, E, BM, EP2)
     if kind == 2:
         return
-    offs_m = row0 + tl.arange(0, BM)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    mask = (offs_m < row_end)[:, None] & (offs_n < N)[None, :]
-    y_offs = offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    offs_m, offs_n, mask, y_offs = _out_tile(row0, row_end, pid_n, N, stride_ym, BM, BN)
     if kind == 1:
         tl.store(y_ptr + y_offs, tl.zeros((BM, BN), y_ptr.dtype.element_ty), mask=mask)
         return
