@@ -224,17 +224,25 @@ def _grouped_decode_kernel(
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, QUANT: tl.constexpr, NUM_STAGES: tl.constexpr,
     EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
     RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr,
-    GATE: tl.constexpr, GS: tl.constexpr, X_IDX: tl.constexpr,
+    GATE: tl.constexpr, GS: tl.constexpr, X_IDX: tl.constexpr, DIRECT: tl.constexpr = False, TOPK: tl.constexpr = 1,
 ):  # fmt: skip
     """Y tile [BM rows, BN] of one expert on CUDA cores; programs of absent tiles load nothing.
 
     ``GATE`` (``common.glu``): the gate-up projection with the family's gate in the epilogue. Y's column
     j reads weight rows j·GS (gate) and j·GS + UO (up): [gate | up] halves (GS 1, UO = N) or
     gpt-oss's interleaved rows (GS 2, UO 1). ``X_IDX``: sorted row r reads X row idx[r] (the
-    token), so the gather costs no launch."""
+    token), so the gather costs no launch. ``DIRECT`` (BM 1, no sort): row r is the router's slot r,
+    its expert idx[r] (the ``top_k_index`` as stored; outside [0, E): a zero row) and its X row
+    r // TOPK."""
     pid_n = tl.program_id(0)
     t = tl.program_id(1)
-    e, row0, row_end, kind = _tile(ge_ptr, t, S, E, BM, EP2)
+    if DIRECT:
+        ed = tl.load(idx_ptr + t).to(tl.int64)
+        e = tl.where((ed >= 0) & (ed < E), ed, 0).to(tl.int32)
+        row0, row_end = t, t + 1
+        kind = tl.where((ed >= 0) & (ed < E), 0, 1)
+    else:
+        e, row0, row_end, kind = _tile(ge_ptr, t, S, E, BM, EP2)
     if kind == 2:
         return
     offs_m, offs_n, mask, y_offs = _out_tile(row0, row_end, pid_n, N, stride_ym, BM, BN)
@@ -260,7 +268,9 @@ def _grouped_decode_kernel(
     acc_u = acc
     offs_r = tl.arange(0, BM)
     xrows = offs_m
-    if X_IDX:
+    if DIRECT:
+        xrows = offs_m // TOPK
+    elif X_IDX:
         xrows = tl.load(idx_ptr + offs_m, mask=offs_m < row_end, other=0)
     for i in tl.range(tl.cdiv(K, BK), num_stages=NUM_STAGES):
         k = i * BK
@@ -283,7 +293,9 @@ def _grouped_decode_kernel(
         for m in tl.static_range(BM):
             row = row0 + m
             xrow = row
-            if X_IDX:
+            if DIRECT:
+                xrow = row // TOPK
+            elif X_IDX:
                 xrow = tl.sum(tl.where(offs_r == m, xrows, 0), axis=0)
             xm = tl.load(x_ptr + xrow.to(tl.int64) * stride_xm + k + kk, mask=kmask & (row < row_end), other=0.0)
             xm = xm.to(tl.float32)[None, :, :]

@@ -80,6 +80,7 @@ except ImportError:  # no triton: MXExperts keeps its reference forward
 
 # Largest number of sorted rows (tokens x top-k) the decode kernels take; above, the prefill ones.
 DECODE_MAX_ROWS = 64
+DIRECT_MAX_TOKENS = 1  # decode without the sort up to this many tokens (BlockPlan)
 SORT_CHUNK = 1024  # sorted pairs per program of the two-launch sort (prefill)
 
 
@@ -152,6 +153,61 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, H, stride_ym, stride_om, TOP
         wj = tl.load(w_ptr + t * TOPK + j).to(tl.float32)
         acc += tl.load(y_ptr + r * stride_ym + cols, mask=m, other=0.0).to(tl.float32) * wj
     tl.store(out_ptr + t.to(tl.int64) * stride_om + cols, to_out(acc, out_ptr.dtype.element_ty), mask=m)
+
+
+@jit
+def _down_combine_kernel(
+    h_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ids_ptr, pos_ptr, rw_ptr,
+    N, K, E, stride_hm, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_om,
+    TOPK: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr, QUANT: tl.constexpr, NUM_STAGES: tl.constexpr, SORTED: tl.constexpr,
+    EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
+    RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr,
+):  # fmt: skip
+    """Decode: the down projection and the combine in one launch. Program (n tile, token t):
+    out[t] = Σ_j fp32(y_j) · w[t, j] in slot order, y_j = h[row_j] · W[e_j]ᵀ + b[e_j] rounded to
+    the output dtype (the value ``_combine_kernel`` reads), e_j = ids[t·k + j], row_j its row of h
+    (``pos`` where h is in sorted order). A slot outside [0, E) adds nothing. W as in
+    ``moe._grouped_decode_kernel``'s one-row tiles; h MX-rounded as loaded for W8A8."""
+    pid_n = tl.program_id(0)
+    t = tl.program_id(1)
+    NB: tl.constexpr = BK // BS
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_b = tl.arange(0, NB)
+    kk = offs_b[:, None] * BS + tl.arange(0, BS)[None, :]
+    rn = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    total = tl.zeros((BN,), tl.float32)
+    for j in range(TOPK):
+        slot = t * TOPK + j
+        ej = tl.load(ids_ptr + slot).to(tl.int64)
+        if (ej >= 0) & (ej < E):
+            row = slot.to(tl.int64)
+            if SORTED:
+                row = tl.load(pos_ptr + slot).to(tl.int64)
+            w_ptrs = w_ptr + ej * stride_we + rn[:, None, None] * stride_wn + kk[None, :, :]
+            s_ptrs = s_ptr + ej * stride_se + rn[:, None] * stride_sn + offs_b[None, :]
+            acc = tl.zeros((BN, NB), dtype=tl.float32)
+            for i in tl.range(tl.cdiv(K, BK), num_stages=NUM_STAGES):
+                k = i * BK
+                kmask = (k + kk) < K
+                if EVEN_K:
+                    w = tl.load(w_ptrs + k)
+                    sc = tl.load(s_ptrs + i * NB)
+                    hm = tl.load(h_ptr + row * stride_hm + k + kk)
+                else:
+                    w = tl.load(w_ptrs + k, mask=kmask[None, :, :], other=0.0)
+                    sc = tl.load(s_ptrs + i * NB, mask=((k + offs_b * BS) < K)[None, :], other=127)
+                    hm = tl.load(h_ptr + row * stride_hm + k + kk, mask=kmask, other=0.0)
+                hm = hm.to(tl.float32)[None, :, :]
+                if QUANT:
+                    hm = mx_round_dequant(hm, EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8)
+                acc += tl.sum(w.to(tl.float32) * hm, axis=2) * e8m0_to_f32(sc)
+            y = tl.sum(acc, axis=1)
+            if HAS_BIAS:
+                y += tl.load(b_ptr + ej * stride_be + rn, mask=offs_n < N, other=0.0).to(tl.float32)
+            y = to_out(y, out_ptr.dtype.element_ty).to(tl.float32)
+            total += y * tl.load(rw_ptr + slot).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * stride_om + offs_n, to_out(total, out_ptr.dtype.element_ty), mask=offs_n < N)
 
 
 @jit
@@ -284,12 +340,14 @@ def _rounding(ae: ElemFormat | None, rule: ScaleRule, device) -> dict:
 
 
 def pick_decode_configs(s: int, e: int, i: int, h: int, device: torch.device, w8a8: bool):
-    """Tiles of the two decode launches: one row per tile (row blocks of 2-8 were slower on an H100
-    at every batch measured), 16 output columns a program for gate-up (two weight streams: more
-    programs on the SMs), 64 with 8 warps for down (kernels/NOTES.md, "MoE: the fused block")."""
+    """Tiles of the two decode launches: gate-up one row per tile (row blocks of 2-8 were slower on
+    an H100 at every batch measured), 16 output columns a program (two weight streams: more programs
+    on the SMs); the down-combine kernel's output columns per program, K step, warps and stages
+    (kernels/NOTES.md, "MoE: the fused block")."""
     if INTERPRET or device.type != "cuda":
-        return pick_grouped_decode_config(s, e, i, h, device, w8a8), pick_grouped_decode_config(s, e, h, i, device, w8a8)
-    return GroupedDecodeConfig(1, 16, 256, num_warps=4), GroupedDecodeConfig(1, 64, 256, num_warps=8)
+        c1 = pick_grouped_decode_config(s, e, i, h, device, w8a8)
+        return dataclasses.replace(c1, block_m=1), GroupedDecodeConfig(1, 16, 64, num_warps=4, num_stages=1)
+    return GroupedDecodeConfig(1, 16, 256, num_warps=4), GroupedDecodeConfig(1, 16, 256, num_warps=4, num_stages=4)
 
 
 def _rows_per_expert(s: int, e: int) -> int:
@@ -353,17 +411,17 @@ class BlockPlan:
         if self.decode:
             c1, c2 = pick_decode_configs(s, e, i, h, dev, w8a8)
             self.c1, self.c2 = c1, c2
-
-            def dec(c, k, has_bias, gate, x_idx):
-                return Launch(_grouped_decode_kernel, dict(
-                    BM=c.block_m, BN=c.block_n, BK=c.block_k, BS=bs, EP2=max(16, next_pow2(e)), HAS_BIAS=has_bias,
-                    EVEN_K=k % c.block_k == 0, QUANT=w8a8, NUM_STAGES=c.num_stages, **rnd, GATE=gate,
-                    GS=gate_rows["GS"] if gate else 1, X_IDX=x_idx), dict(num_warps=c.num_warps))  # fmt: skip
-
-            self.g1 = dec(c1, h, ex.b1 is not None, ex.gate, True)
-            self.g2 = dec(c2, i, ex.b2 is not None, GATE_NONE, False)
-            self.tiles1 = s if c1.block_m == 1 else cdiv(s, c1.block_m) + min(s, e)
-            self.tiles2 = s if c2.block_m == 1 else cdiv(s, c2.block_m) + min(s, e)
+            # one token: its k slots are k distinct experts, so no sort (the slots are the rows)
+            self.direct = t <= DIRECT_MAX_TOKENS
+            self.g1 = Launch(_grouped_decode_kernel, dict(
+                BM=1, BN=c1.block_n, BK=c1.block_k, BS=bs, EP2=max(16, next_pow2(e)), HAS_BIAS=ex.b1 is not None,
+                EVEN_K=h % c1.block_k == 0, QUANT=w8a8, NUM_STAGES=c1.num_stages, **rnd, GATE=ex.gate,
+                GS=gate_rows["GS"], X_IDX=not self.direct, DIRECT=self.direct, TOPK=k_top),
+                dict(num_warps=c1.num_warps))  # fmt: skip
+            self.g2 = Launch(_down_combine_kernel, dict(
+                TOPK=k_top, BN=c2.block_n, BK=c2.block_k, BS=bs, HAS_BIAS=ex.b2 is not None,
+                EVEN_K=i % c2.block_k == 0, QUANT=w8a8, NUM_STAGES=c2.num_stages, SORTED=not self.direct, **rnd),
+                dict(num_warps=c2.num_warps))  # fmt: skip
             return
         interp = INTERPRET or dev.type != "cuda"
         # bf16 X: bf16 dots (exact products); otherwise fp32 rows and fp32 FMA dots, exact as well
@@ -389,63 +447,82 @@ class BlockPlan:
         self.tiles1 = cdiv(s, c1.block_m) + min(s, e)
         self.tiles2 = cdiv(s, c2.block_m) + min(s, e)
 
+    def _sort(self, ids):
+        """The counting sort (one launch; two from ``SORT_CHUNK`` pairs): pos, token, group_end."""
+        dv, dev = ids.device, self.dev_index
+        pos = torch.empty(self.s, dtype=torch.int32, device=dv)
+        tok = torch.empty(self.s, dtype=torch.int32, device=dv)
+        ge = torch.empty(self.e, dtype=torch.int32, device=dv)
+        if self.parts > 1:
+            counts = torch.empty((self.parts, self.ep2), dtype=torch.int32, device=dv)
+            self.count.on_device((self.parts,), dev, ids, counts, self.s, self.e)
+        else:
+            counts = pos
+        self.sort.on_device((self.parts,), dev, ids, counts, pos, tok, ge, self.s, self.e, self.parts, self.k_top)
+        return pos, tok, ge
+
+    def _decode(self, x, ids, weights, ex: ExpertsWeights) -> torch.Tensor:
+        """Decode: (the sort,) gate-up with the gate, then down with the combine: 2-3 launches."""
+        s, h, i, dev, c1, c2 = self.s, self.h, self.i, self.dev_index, self.c1, self.c2
+        if self.direct:
+            pos = ge = idx = ids
+        else:
+            pos, idx, ge = self._sort(ids)
+        b1 = ex.b1 if ex.b1 is not None else ex.s1
+        b2 = ex.b2 if ex.b2 is not None else ex.s2
+        hid = torch.empty((s, i), dtype=x.dtype, device=x.device)
+        self.g1.on_device((cdiv(i, c1.block_n), s), dev,
+                          x, ex.w1, ex.s1, b1, hid, ge, idx, s, i, h, self.e, 1 if ex.interleaved else i, x.stride(0),
+                          ex.w1.stride(0), ex.w1.stride(1), ex.s1.stride(0), ex.s1.stride(1),
+                          ex.b1.stride(0) if ex.b1 is not None else 0, hid.stride(0), ex.alpha, ex.limit)  # fmt: skip
+        out = torch.empty((self.t, h), dtype=x.dtype, device=x.device)
+        self.g2.on_device((cdiv(h, c2.block_n), self.t), dev,
+                          hid, ex.w2, ex.s2, b2, out, ids, pos, weights, h, i, self.e, hid.stride(0), ex.w2.stride(0),
+                          ex.w2.stride(1), ex.s2.stride(0), ex.s2.stride(1),
+                          ex.b2.stride(0) if ex.b2 is not None else 0, out.stride(0))  # fmt: skip
+        return out
+
     def __call__(self, x, ids, weights, ex: ExpertsWeights) -> torch.Tensor:
         s, e, h, i, dev = self.s, self.e, self.h, self.i, self.dev_index
         dv = x.device
-        pos = torch.empty(s, dtype=torch.int32, device=dv)
-        tok = torch.empty(s, dtype=torch.int32, device=dv)
-        ge = torch.empty(e, dtype=torch.int32, device=dv)
-        if self.parts > 1:
-            counts = torch.empty((self.parts, self.ep2), dtype=torch.int32, device=dv)
-            self.count.on_device((self.parts,), dev, ids, counts, s, e)
-        else:
-            counts = pos
-        self.sort.on_device((self.parts,), dev, ids, counts, pos, tok, ge, s, e, self.parts, self.k_top)
+        if self.decode:
+            return self._decode(x, ids, weights, ex)
+        pos, tok, ge = self._sort(ids)
         w1, s1, w2, s2 = ex.w1, ex.s1, ex.w2, ex.s2
         b1 = ex.b1 if ex.b1 is not None else s1
         b2 = ex.b2 if ex.b2 is not None else s2
         uo = 1 if ex.interleaved else i
         hid = torch.empty((s, i), dtype=x.dtype, device=dv)
         y = torch.empty((s, h), dtype=x.dtype, device=dv)
-        if self.decode:
-            c1, c2 = self.c1, self.c2
-            self.g1.on_device((cdiv(i, c1.block_n), self.tiles1), dev,
-                              x, w1, s1, b1, hid, ge, tok, s, i, h, e, uo, x.stride(0), w1.stride(0), w1.stride(1),
-                              s1.stride(0), s1.stride(1), b1.stride(0) if ex.b1 is not None else 0, hid.stride(0),
-                              ex.alpha, ex.limit)  # fmt: skip
-            self.g2.on_device((cdiv(h, c2.block_n), self.tiles2), dev,
-                              hid, w2, s2, b2, y, ge, ge, s, h, i, e, 0, hid.stride(0), w2.stride(0), w2.stride(1),
-                              s2.stride(0), s2.stride(1), h, y.stride(0), 0.0, 0.0)  # fmt: skip
+        c1, c2 = self.c1, self.c2
+        xs = torch.empty((s, h), dtype=self.xdtype, device=dv)
+        self.gather.on_device((cdiv(s, 8), cdiv(h, self.gather.consts["BK"])), dev,
+                              x, tok, xs, s, h, x.stride(0), xs.stride(0))  # fmt: skip
+        if ex.interleaved:
+            ng, urow, ucol = i, 0, h
+            w1v = w1.view(e * i, 2 * h)
         else:
-            c1, c2 = self.c1, self.c2
-            xs = torch.empty((s, h), dtype=self.xdtype, device=dv)
-            self.gather.on_device((cdiv(s, 8), cdiv(h, self.gather.consts["BK"])), dev,
-                                  x, tok, xs, s, h, x.stride(0), xs.stride(0))  # fmt: skip
-            if ex.interleaved:
-                ng, urow, ucol = i, 0, h
-                w1v = w1.view(e * i, 2 * h)
-            else:
-                ng, urow, ucol = 2 * i, i, 0
-                w1v = w1.view(e * 2 * i, h)
-            if self.tma:
-                xa = launch.descriptor(TensorDescriptor, xs, [s, h], [h, 1], [c1.block_m, c1.block_k])
-                wa = launch.descriptor(TensorDescriptor, w1v, list(w1v.shape), [w1v.stride(0), 1], [c1.block_n, c1.block_k])
-            else:
-                xa, wa = xs, w1
-            self.g1.on_device((self.tiles1 * cdiv(i, c1.block_n),), dev,
-                              xa, wa, s1, b1, hid, ge, s, i, h, e, self.tiles1, uo, ng, urow, ucol,
-                              xs.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1),
-                              b1.stride(0) if ex.b1 is not None else 0, hid.stride(0), ex.alpha, ex.limit)  # fmt: skip
-            hin = hid if hid.dtype == self.xdtype else hid.to(self.xdtype)
-            if self.tma:
-                ha = launch.descriptor(TensorDescriptor, hin, [s, i], [i, 1], [c2.block_m, c2.block_k])
-                w2v = w2.view(e * h, i)
-                wa2 = launch.descriptor(TensorDescriptor, w2v, [e * h, i], [i, 1], [c2.block_n, c2.block_k])
-            else:
-                ha, wa2 = hin, w2
-            self.g2.on_device((self.tiles2 * cdiv(h, c2.block_n),), dev,
-                              ha, wa2, s2, b2, y, ge, s, h, i, e, self.tiles2, hin.stride(0), w2.stride(0),
-                              w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0))  # fmt: skip
+            ng, urow, ucol = 2 * i, i, 0
+            w1v = w1.view(e * 2 * i, h)
+        if self.tma:
+            xa = launch.descriptor(TensorDescriptor, xs, [s, h], [h, 1], [c1.block_m, c1.block_k])
+            wa = launch.descriptor(TensorDescriptor, w1v, list(w1v.shape), [w1v.stride(0), 1], [c1.block_n, c1.block_k])
+        else:
+            xa, wa = xs, w1
+        self.g1.on_device((self.tiles1 * cdiv(i, c1.block_n),), dev,
+                          xa, wa, s1, b1, hid, ge, s, i, h, e, self.tiles1, uo, ng, urow, ucol,
+                          xs.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1),
+                          b1.stride(0) if ex.b1 is not None else 0, hid.stride(0), ex.alpha, ex.limit)  # fmt: skip
+        hin = hid if hid.dtype == self.xdtype else hid.to(self.xdtype)
+        if self.tma:
+            ha = launch.descriptor(TensorDescriptor, hin, [s, i], [i, 1], [c2.block_m, c2.block_k])
+            w2v = w2.view(e * h, i)
+            wa2 = launch.descriptor(TensorDescriptor, w2v, [e * h, i], [i, 1], [c2.block_n, c2.block_k])
+        else:
+            ha, wa2 = hin, w2
+        self.g2.on_device((self.tiles2 * cdiv(h, c2.block_n),), dev,
+                          ha, wa2, s2, b2, y, ge, s, h, i, e, self.tiles2, hin.stride(0), w2.stride(0),
+                          w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0))  # fmt: skip
         out = torch.empty((self.t, h), dtype=x.dtype, device=dv)
         self.combine.on_device((self.t, cdiv(h, self.bh)), dev, y, pos, weights, out, h, y.stride(0), out.stride(0))
         return out

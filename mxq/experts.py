@@ -266,10 +266,11 @@ class MXExperts(nn.Module):
             return self._block(hidden_states, top_k_index, top_k_weights)
         tokens, top_k = top_k_index.shape
         ids = top_k_index.reshape(-1)
+        ids = torch.where((ids >= 0) & (ids < self.num_experts), ids, self.num_experts)  # outside: no expert
         order = torch.argsort(ids, stable=True)  # rows of one expert stay in token order
         token_of_row = order // top_k
         counts = torch.zeros(self.num_experts + 1, dtype=torch.int32, device=ids.device)
-        counts.scatter_add_(0, ids.clamp(0, self.num_experts).to(torch.int64), torch.ones_like(ids, dtype=torch.int32))
+        counts.scatter_add_(0, ids.to(torch.int64), torch.ones_like(ids, dtype=torch.int32))
         group_end = torch.cumsum(counts[: self.num_experts], 0, dtype=torch.int32)  # ids >= E (sentinels) fall past the end
         xs, rounded = self._gather(hidden_states, token_of_row)
         y = self.experts(xs, group_end, rounded)
