@@ -80,7 +80,7 @@ except ImportError:  # no triton: MXExperts keeps its reference forward
 
 # Largest number of sorted rows (tokens x top-k) the decode kernels take; above, the prefill ones.
 DECODE_MAX_ROWS = 64
-DIRECT_MAX_TOKENS = 1  # decode without the sort up to this many tokens (BlockPlan)
+DIRECT_MAX_TOKENS = 4  # decode without the sort up to this many tokens (BlockPlan)
 SORT_CHUNK = 1024  # sorted pairs per program of the two-launch sort (prefill)
 
 
@@ -347,7 +347,10 @@ def pick_decode_configs(s: int, e: int, i: int, h: int, device: torch.device, w8
     if INTERPRET or device.type != "cuda":
         c1 = pick_grouped_decode_config(s, e, i, h, device, w8a8)
         return dataclasses.replace(c1, block_m=1), GroupedDecodeConfig(1, 16, 64, num_warps=4, num_stages=1)
-    return GroupedDecodeConfig(1, 16, 256, num_warps=4), GroupedDecodeConfig(1, 16, 256, num_warps=4, num_stages=4)
+    c1 = GroupedDecodeConfig(1, 16, 256, num_warps=4)
+    if s <= 8:  # one token (top-8 or less): the fewest columns, the most programs (8 x 256 tiles, 4 warps)
+        return c1, GroupedDecodeConfig(1, 8, 256, num_warps=4, num_stages=4)
+    return c1, GroupedDecodeConfig(1, 32, 256, num_warps=8, num_stages=4)
 
 
 def _rows_per_expert(s: int, e: int) -> int:
@@ -411,7 +414,7 @@ class BlockPlan:
         if self.decode:
             c1, c2 = pick_decode_configs(s, e, i, h, dev, w8a8)
             self.c1, self.c2 = c1, c2
-            # one token: its k slots are k distinct experts, so no sort (the slots are the rows)
+            # a few tokens: no sort (the slots are the rows; a repeated expert is read again, from L2)
             self.direct = t <= DIRECT_MAX_TOKENS
             self.g1 = Launch(_grouped_decode_kernel, dict(
                 BM=1, BN=c1.block_n, BK=c1.block_k, BS=bs, EP2=max(16, next_pow2(e)), HAS_BIAS=ex.b1 is not None,
