@@ -39,6 +39,39 @@ def _refuse_split(model) -> None:
         )
 
 
+def _eager_mask_on_device(*args, dtype: torch.dtype = torch.float32, **kwargs):
+    """transformers' ``eager_mask`` (the additive mask of eager attention: gpt-oss, models with
+    attention sinks) with the same values, its 0 made on the device: the original copies it from
+    the host, which a CUDA graph cannot capture and ``torch.compile`` cannot trace."""
+    from transformers import masking_utils
+
+    kwargs.pop("allow_is_causal_skip", None)
+    mask = masking_utils.sdpa_mask(*args, allow_is_causal_skip=False, **kwargs)
+    if mask is None:
+        return None
+    return torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), torch.finfo(dtype).min)
+
+
+@contextlib.contextmanager
+def _capturable_masks():
+    """While the step runs, eager attention's mask comes from ``_eager_mask_on_device`` (a local
+    override of transformers' mask table, put back after; one another took first is kept)."""
+    try:
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS as table
+    except ImportError:
+        yield
+        return
+    local = getattr(table, "_local_mapping", None)
+    if not isinstance(local, dict) or "eager" in local:
+        yield
+        return
+    local["eager"] = _eager_mask_on_device
+    try:
+        yield
+    finally:
+        local.pop("eager", None)
+
+
 class StaticGreedyDecoder:
     def __init__(
         self,
@@ -139,7 +172,7 @@ class StaticGreedyDecoder:
         )
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        with ctx:
+        with ctx, _capturable_masks():
             for _ in range(steps):
                 restore()
                 self._step_fn()
@@ -152,7 +185,7 @@ class StaticGreedyDecoder:
         """Capture the step as a CUDA graph (call after ``prefill``)."""
         self.warm_up()
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):  # records the step without running it
+        with torch.cuda.graph(self.graph), _capturable_masks():  # records the step without running it
             self._step_fn()
 
     @torch.inference_mode()
@@ -160,7 +193,8 @@ class StaticGreedyDecoder:
         if self.graph is not None:
             self.graph.replay()
         else:
-            self._step_fn()
+            with _capturable_masks():
+                self._step_fn()
 
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:

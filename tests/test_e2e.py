@@ -29,6 +29,13 @@ def _llama(seed=0, vocab=211):
     return LlamaForCausalLM(cfg).eval()
 
 
+def _llama_eager(seed=3):
+    """Eager attention: its additive mask comes from ``decode._eager_mask_on_device`` in the decoder."""
+    m = _llama(seed)
+    m.config._attn_implementation = "eager"
+    return m
+
+
 def _qwen(seed=1):
     torch.manual_seed(seed)
     cfg = Qwen2Config(hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=6,
@@ -47,7 +54,8 @@ def _reference_tokens(model, ids, n):
 
 
 @pytest.mark.parametrize(
-    "build,recipe", [(_llama, None), (_llama, "mxfp8"), (_llama, "mxfp8-w8a16"), (_qwen, "mxfp8")]
+    "build,recipe",
+    [(_llama, None), (_llama, "mxfp8"), (_llama, "mxfp8-w8a16"), (_qwen, "mxfp8"), (_llama_eager, "mxfp8")],
 )
 def test_static_decoder_matches_generate(build, recipe):
     model = build()
@@ -81,6 +89,29 @@ def test_static_decoder_compiled_step_matches_generate():
     for _ in range(8):
         dec.step()
     assert torch.equal(dec.seq[:, :16], _reference_tokens(model, ids, 9))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 4])
+def test_eager_mask_on_device_is_transformers_eager_mask(dtype, window):
+    """The decoder's capturable eager mask equals transformers' own, value for value (padding,
+    offsets, a sliding window)."""
+    from transformers import masking_utils as mu
+
+    from mxq.decode import _capturable_masks, _eager_mask_on_device
+
+    g = torch.Generator().manual_seed(11)
+    pad = torch.rand(3, 17, generator=g) > 0.2
+    fn = mu.causal_mask_function if window is None else mu.sliding_window_causal_mask_function(window)
+    kw = dict(batch_size=3, q_length=5, kv_length=17, q_offset=12, kv_offset=0, mask_function=fn,
+              attention_mask=pad, dtype=dtype, device="cpu")  # fmt: skip
+    want = mu.eager_mask(**kw)
+    got = _eager_mask_on_device(**kw)
+    assert got.dtype == want.dtype == dtype and torch.equal(got, want)
+    assert mu.ALL_MASK_ATTENTION_FUNCTIONS["eager"] is mu.eager_mask
+    with _capturable_masks():
+        assert mu.ALL_MASK_ATTENTION_FUNCTIONS["eager"] is _eager_mask_on_device
+    assert mu.ALL_MASK_ATTENTION_FUNCTIONS["eager"] is mu.eager_mask  # put back
 
 
 def test_static_decoder_errors():
