@@ -24,6 +24,7 @@ recorded into that graph (capture fails). Such a model decodes with ``cuda_graph
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -39,14 +40,13 @@ def _refuse_split(model) -> None:
         )
 
 
-def _eager_mask_on_device(*args, dtype: torch.dtype = torch.float32, **kwargs):
+def _eager_mask_on_device(sdpa_mask, *args, dtype: torch.dtype = torch.float32, **kwargs):
     """transformers' ``eager_mask`` (the additive mask of eager attention: gpt-oss, models with
     attention sinks) with the same values, its 0 made on the device: the original copies it from
-    the host, which a CUDA graph cannot capture and ``torch.compile`` cannot trace."""
-    from transformers import masking_utils
-
+    the host, which a CUDA graph cannot capture and ``torch.compile`` cannot trace. ``sdpa_mask``:
+    transformers' boolean mask (bound by ``_capturable_masks``: no import inside a traced step)."""
     kwargs.pop("allow_is_causal_skip", None)
-    mask = masking_utils.sdpa_mask(*args, allow_is_causal_skip=False, **kwargs)
+    mask = sdpa_mask(*args, allow_is_causal_skip=False, **kwargs)
     if mask is None:
         return None
     return torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), torch.finfo(dtype).min)
@@ -58,6 +58,7 @@ def _capturable_masks():
     override of transformers' mask table, put back after; one another took first is kept)."""
     try:
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS as table
+        from transformers.masking_utils import sdpa_mask
     except ImportError:
         yield
         return
@@ -65,7 +66,7 @@ def _capturable_masks():
     if not isinstance(local, dict) or "eager" in local:
         yield
         return
-    local["eager"] = _eager_mask_on_device
+    local["eager"] = functools.partial(_eager_mask_on_device, sdpa_mask)
     try:
         yield
     finally:

@@ -77,10 +77,11 @@ def test_static_decoder_matches_generate(build, recipe):
     assert torch.equal(dec.seq[:, :12], _reference_tokens(model, ids2, 7))
 
 
-def test_static_decoder_compiled_step_matches_generate():
+@pytest.mark.parametrize("build", [_llama, _llama_eager])
+def test_static_decoder_compiled_step_matches_generate(build):
     """The step compiled with fullgraph=True (dynamo; the eager backend here) gives the same tokens."""
     torch._dynamo.reset()
-    model = _llama(seed=2)
+    model = build(seed=2)
     mxq.quantize_model(model, "mxfp8")
     ids = torch.randint(0, model.config.vocab_size, (2, 7))
     dec = StaticGreedyDecoder(model, batch_size=2, max_len=24, compile="eager")
@@ -106,11 +107,11 @@ def test_eager_mask_on_device_is_transformers_eager_mask(dtype, window):
     kw = dict(batch_size=3, q_length=5, kv_length=17, q_offset=12, kv_offset=0, mask_function=fn,
               attention_mask=pad, dtype=dtype, device="cpu")  # fmt: skip
     want = mu.eager_mask(**kw)
-    got = _eager_mask_on_device(**kw)
+    got = _eager_mask_on_device(mu.sdpa_mask, **kw)
     assert got.dtype == want.dtype == dtype and torch.equal(got, want)
     assert mu.ALL_MASK_ATTENTION_FUNCTIONS["eager"] is mu.eager_mask
     with _capturable_masks():
-        assert mu.ALL_MASK_ATTENTION_FUNCTIONS["eager"] is _eager_mask_on_device
+        assert mu.ALL_MASK_ATTENTION_FUNCTIONS["eager"].func is _eager_mask_on_device
     assert mu.ALL_MASK_ATTENTION_FUNCTIONS["eager"] is mu.eager_mask  # put back
 
 
