@@ -1,4 +1,4 @@
-"""The routed experts of one MoE layer in at most six launches: ``experts_forward``.
+"""The routed experts of one MoE layer in two to six launches: ``experts_forward``.
 
 ``MXExperts.forward`` takes the router's choice (``top_k_index`` [T, k], ``top_k_weights``) and
 returns the weighted sum of the chosen experts' outputs per token. Here that is:
@@ -15,6 +15,9 @@ returns the weighted sum of the chosen experts' outputs per token. Here that is:
 4. The down grouped GEMM (``moe``'s prefill or decode kernel).
 5. ``_combine_kernel``: out[t] = Σ_j y[pos[t, j]] · w[t, j] in fp32, in slot order (deterministic;
    no float32 [T·k, H] temporary, no ``index_add_``).
+
+Decode (T·k <= ``DECODE_MAX_ROWS``) runs 4 and 5 as one kernel, ``_down_combine_kernel``, and up to
+``DIRECT_MAX_TOKENS`` tokens skips the sort (the router's slots are the rows): 2 launches at one token.
 
 It is the function of ``MXExperts``' reference forward (sort, per-expert products, the family's
 gate on the projection's output dtype, the down product, the fp32 weighted sum): the gate rounds
