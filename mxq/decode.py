@@ -73,6 +73,22 @@ def _capturable_masks():
         local.pop("eager", None)
 
 
+def _full_length_cache(cache, max_len: int):
+    """``cache`` with each static sliding-window layer replaced by a full-length static layer. Once
+    full, transformers' sliding layer counts in a Python int and indexes with a host-made tensor: a
+    CUDA graph would freeze the branch and cannot capture the copy, and ``torch.compile`` cannot trace
+    it. With every position kept, the model's sliding-window mask (built from the config's window for
+    those layers) hides the same keys: the same attention, max_len keys read instead of the window."""
+    from transformers.cache_utils import StaticLayer
+
+    layers = getattr(cache, "layers", None)
+    if isinstance(layers, list):
+        for i, layer in enumerate(layers):
+            if getattr(layer, "is_sliding", False) and isinstance(layer, StaticLayer):
+                layers[i] = StaticLayer(max_cache_len=max_len)
+    return cache
+
+
 class StaticGreedyDecoder:
     def __init__(
         self,
@@ -97,7 +113,7 @@ class StaticGreedyDecoder:
             _refuse_split(model)
         if self.cuda_graph and self.device.type != "cuda":
             raise ValueError(f"cuda_graph=True needs a model on a CUDA device, got {self.device}")
-        self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+        self.cache = _full_length_cache(StaticCache(config=model.config, max_cache_len=max_len), max_len)
         self.seq = torch.zeros(batch_size, max_len, dtype=torch.long, device=self.device)
         self.ids = torch.zeros(batch_size, 1, dtype=torch.long, device=self.device)
         self.pos = torch.zeros(1, dtype=torch.long, device=self.device)  # position of self.ids

@@ -92,6 +92,30 @@ def test_static_decoder_compiled_step_matches_generate(build):
     assert torch.equal(dec.seq[:, :16], _reference_tokens(model, ids, 9))
 
 
+@pytest.mark.parametrize("recipe", [None, "mxfp8"])
+def test_static_decoder_past_a_sliding_window(recipe):
+    """gpt-oss (sliding and full layers, eager attention with sinks) decoded well past its 4-token
+    window: the decoder's full-length cache and the model's window mask give generate()'s tokens."""
+    from moe_models import moe_model
+
+    model = moe_model("gpt_oss", seed=4, sliding_window=4).eval()
+    if recipe:
+        mxq.quantize_model(model, recipe)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, model.config.vocab_size, (2, 6), generator=g)
+    dec = StaticGreedyDecoder(model, batch_size=2, max_len=24)
+    assert not any(getattr(layer, "is_sliding", False) for layer in dec.cache.layers)
+    want = _reference_tokens(model, ids, 12)
+    assert torch.equal(dec.generate(ids, 12), want)
+    torch._dynamo.reset()
+    compiled = StaticGreedyDecoder(model, batch_size=2, max_len=24, compile="eager")  # fullgraph
+    compiled.prefill(ids)
+    compiled.warm_up()
+    for _ in range(11):
+        compiled.step()
+    assert torch.equal(compiled.seq[:, :18], want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 4])
 def test_eager_mask_on_device_is_transformers_eager_mask(dtype, window):
