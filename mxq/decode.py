@@ -14,6 +14,10 @@ Triton kernels never sync the host), so it measures what the weights cost, not t
 On a CPU (or with ``cuda_graph=False``) the same step runs eagerly: identical tokens, which the
 tests compare with ``model.generate(do_sample=False)``.
 
+Two transformers pieces are swapped for capturable ones with the same values: sliding-window layers get
+a full-length static cache (``_full_length_cache``), and eager attention's additive mask is made on the
+device (``_capturable_masks``). gpt-oss needs both.
+
 A model spread over several devices (``from_pretrained(..., device_map=...)`` with layers on two
 GPUs, or offloaded to the CPU) is refused with the graph: the step is captured on one device's
 stream, and the other device's work (its layers, accelerate's copies between the devices) is not
