@@ -13,7 +13,14 @@ from moe_models import FAMILIES, moe_model
 import mxq
 from mxq.experts import MXExperts
 from mxq.kernels import moe_block
-from mxq.kernels.moe_block import BLOCK, DECODE_MAX_ROWS, GATE_GPT_OSS, GATE_NONE, GATE_SILU
+from mxq.kernels.moe_block import (
+    BLOCK,
+    DECODE_MAX_ROWS,
+    DIRECT_MAX_TOKENS,
+    GATE_GPT_OSS,
+    GATE_NONE,
+    GATE_SILU,
+)
 
 pytestmark = pytest.mark.skipif(not moe_block.HAS_TRITON, reason="needs triton")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -74,7 +81,7 @@ def _call(mod, x, idx, w, kernels):
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 @pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8-w8a16"])
-@pytest.mark.parametrize("tokens", [1, 3, DECODE_MAX_ROWS // 2 + 7])  # decode unsorted, sorted; prefill
+@pytest.mark.parametrize("tokens", [1, 3, DIRECT_MAX_TOKENS + 5, DECODE_MAX_ROWS // 2 + 7])  # decode unsorted, sorted; prefill
 def test_block_is_the_reference_path(family, recipe, tokens):
     """float32 activations: the two paths differ only in accumulation order (and, rarely, an MX
     rounding of the gate's output that such a difference moves across a boundary)."""
