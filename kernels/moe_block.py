@@ -62,7 +62,6 @@ try:
         HAS_TRITON,
         GroupedDecodeConfig,
         GroupedGemmConfig,
-        _gather_rows_kernel,
         _grouped_decode_kernel,
         _grouped_gemm_kernel,
         _grouped_order,
@@ -72,6 +71,7 @@ try:
         pick_grouped_decode_config,
         pick_grouped_gemm_config,
     )
+    from mxq.kernels.moe_gather import _gather_rows_kernel
     from mxq.kernels.toolchain import wgmma_async_ok
 except ImportError:  # no triton: MXExperts keeps its reference forward
     HAS_TRITON = False

@@ -63,7 +63,7 @@ ScaleSearch = Annotated[bool, typer.Option(
 SensSamples = Annotated[int, typer.Option("--sensitivity-samples", help="Windows for the per-layer KL.")]
 SensSeqLen = Annotated[int, typer.Option("--sensitivity-seq-len", help="Tokens per KL window.")]
 DATASET_HELP = "Calibration text: wikitext2, pydoc, or a .txt/.jsonl/.parquet file."
-Rounding = Annotated[str, typer.Option("--rounding", help="Weight codes: gptq or nearest (direct cast).")]
+Rounding = Annotated[str, typer.Option("--rounding", help="Weight codes: gptq, signround (each layer's codes tuned against its output) or nearest (direct cast).")]
 ExpertsAllTokens = Annotated[bool, typer.Option(
     "--experts-all-tokens", help="GPTQ: every routed expert learns from every token.")]
 
@@ -378,6 +378,10 @@ def _run_calibration(model: str | None, rec: Recipe, opts: CalibrationOptions) -
         from mxq.gptq import round_plan
 
         round_plan(m, p, cal.batches, experts_all_tokens=opts.experts_all_tokens)
+    elif opts.rounding == "signround":
+        from mxq.signround import signround_plan
+
+        signround_plan(m, p, cal.batches)
     else:
         p.choices["rounding"] = "nearest"
     _print_plan(p)
@@ -395,8 +399,8 @@ def _checked_calibration(opts: CalibrationOptions, rec: Recipe) -> CalibrationOp
         raise typer.BadParameter("--keep-bf16, --max-dppl and --keep-bytes must not be negative")
     if opts.rounding not in ROUNDINGS:
         raise typer.BadParameter(f"--rounding {opts.rounding!r}: expected one of {', '.join(ROUNDINGS)}")
-    if opts.rounding == "gptq" and rec.weights.scale_rule.value not in ("rceil", "mse"):
-        raise typer.BadParameter(f"--rounding gptq: recipe {rec.name!r} uses scale_rule {rec.weights.scale_rule.value!r}; gptq takes rceil or mse (or pass --rounding nearest)")
+    if opts.rounding in ("gptq", "signround") and rec.weights.scale_rule.value not in ("rceil", "mse"):
+        raise typer.BadParameter(f"--rounding {opts.rounding}: recipe {rec.name!r} uses scale_rule {rec.weights.scale_rule.value!r}; {opts.rounding} takes rceil or mse (or pass --rounding nearest)")
     if opts.experts_all_tokens and opts.rounding != "gptq":
         raise typer.BadParameter("--experts-all-tokens goes with --rounding gptq")
     if opts.keep_bytes is None and not opts.keep_bf16 and opts.max_dppl is None:

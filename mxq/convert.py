@@ -644,10 +644,10 @@ def _recipe_and_plan(recipe: Recipe | str | None, plan) -> tuple[Recipe, object]
             raise ConversionError(f"--recipe {name!r}: the plan was made for recipe {plan.recipe.name!r}; pass one or the other")
         recipe = plan.recipe
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
-    if recipe.rounding == "gptq" and (plan is None or (plan.rounded is None and plan.rounded_file is None)):
+    if recipe.rounding != "nearest" and (plan is None or (plan.rounded is None and plan.rounded_file is None)):
         raise ConversionError(
-            f"recipe {recipe.name!r}: weights.rounding gptq needs calibration text: "
-            "pass --calibrate --dataset D (or --plan with a plan made by `mxq calibrate --rounding gptq`)"
+            f"recipe {recipe.name!r}: weights.rounding {recipe.rounding} needs calibration text: "
+            f"pass --calibrate --dataset D (or --plan with a plan made by `mxq calibrate --rounding {recipe.rounding}`)"
         )
     return recipe, plan
 

@@ -27,7 +27,7 @@ OUTSIDE = ("kernels", "eval")  # subpackages mapped into mxq (package-dir), one 
 # Layer of every module, top (0) to bottom (3). A module may import its own layer or lower ones.
 LAYERS = {
     0: {"cli", "cli_bench", "cli_eval", "cli_tune"},
-    1: {PACKAGE, "calibrate", "gptq", "convert", "hf", "eval", "inspect", "models", "quantize"},
+    1: {PACKAGE, "calibrate", "gptq", "signround", "convert", "hf", "eval", "inspect", "models", "quantize"},
     2: {"experts", "tp", "fuse", "linear", "embedding", "attention", "checkpoint", "validate", "recipe", "config", "plan", "reorder",
         "progress", "decode"},
     3: {"formats", "kernels"},
