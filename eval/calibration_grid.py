@@ -42,7 +42,9 @@ VARIANTS = {
     "gptq+keep8": Variant("mxfp8", "gptq", keep_bf16=8),
     "gptq+keep12": Variant("mxfp8", "gptq", keep_bf16=12),
     "gptq+keep16": Variant("mxfp8", "gptq", keep_bf16=16),
+    "signround": Variant("mxfp8", "signround"),
     "w8a16 direct": Variant("mxfp8-w8a16", "nearest"),
+    "w8a16 signround": Variant("mxfp8-w8a16", "signround"),
     "w8a16 gptq": Variant("mxfp8-w8a16", "gptq"),
     "attn direct": Variant("mxfp8-attn", "nearest"),
     "attn gptq": Variant("mxfp8-attn", "gptq"),
@@ -131,12 +133,18 @@ def main(argv=None) -> int:
             t2 = time.perf_counter()
             round_plan(m, plan, cal.batches, progress=False, quantized_inputs=qin, act_order=rounding == "gptq-actorder")
             t_gptq = time.perf_counter() - t2
+        elif rounding == "signround":  # the "GPTQ s" column then holds signround's time
+            from mxq.signround import signround_plan
+
+            t2 = time.perf_counter()
+            signround_plan(m, plan, cal.batches, progress=False)
+            t_gptq = time.perf_counter() - t2
         apply_plan(m, plan)
         row = {"variant": v, "recipe": rname, "rounding": rounding, "keep_bf16": keep, "quantized_inputs": qin,
                "ppl": score(m), "bytes": _bytes(m), "calibrate_s": t_cal, "plan_s": time.perf_counter() - t1 - t_gptq,
-               "gptq_s": t_gptq, "gptq": plan.choices.get("gptq")}
+               "gptq_s": t_gptq, "gptq": plan.choices.get("gptq"), "signround": plan.choices.get("signround")}
         rows.append(row)
-        print(f"{v}: ppl {row['ppl']:.4f} ({(row['ppl'] / base - 1) * 100:+.2f} %), gptq {t_gptq:.1f} s", flush=True)
+        print(f"{v}: ppl {row['ppl']:.4f} ({(row['ppl'] / base - 1) * 100:+.2f} %), {rounding} {t_gptq:.1f} s", flush=True)
         del m
         save(rows, cals)
 
