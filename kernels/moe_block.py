@@ -71,7 +71,7 @@ try:
         pick_grouped_decode_config,
         pick_grouped_gemm_config,
     )
-    from mxq.kernels.moe_gather import _gather_rows_kernel
+    from mxq.kernels.moe_gather import gather_rows_kernel
     from mxq.kernels.toolchain import wgmma_async_ok
 except ImportError:  # no triton: MXExperts keeps its reference forward
     HAS_TRITON = False
@@ -438,7 +438,7 @@ class BlockPlan:
         dot, prec = (tl.float32, "ieee") if exact32 else (tl.bfloat16, "tf32")
         self.xdtype = xdt  # the rows the tensor-core kernels read
         zero = not interp and wgmma_async_ok()
-        self.gather = Launch(_gather_rows_kernel, dict(
+        self.gather = Launch(gather_rows_kernel, dict(
             BR=8, BK=max(bs, min(512, next_pow2(h))), BS=bs, QUANT=w8a8, **rnd), dict(num_warps=4))  # fmt: skip
         self.tma = tma = c1.tma and c2.tma and not interp and TensorDescriptor is not None
         common = dict(BS=bs, EP2=max(16, next_pow2(e)), GROUP=c1.group, DOT=dot, PRECISION=prec, ZERO_DOT=zero)

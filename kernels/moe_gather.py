@@ -31,7 +31,7 @@ except ImportError:  # no triton wheel: the torch gather runs everywhere
 
 
 @jit
-def _gather_rows_kernel(
+def gather_rows_kernel(
     x_ptr, idx_ptr, y_ptr, R, K, stride_xm, stride_ym,
     BR: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr, QUANT: tl.constexpr,
     EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
@@ -80,7 +80,7 @@ def gather_mx_rows(
         ae = act_elem or E4M3
         bk = max(block_size, min(512, next_pow2(k)))
         call(
-            _gather_rows_kernel, (cdiv(r, 8), cdiv(k, bk)),
+            gather_rows_kernel, (cdiv(r, 8), cdiv(k, bk)),
             (x, index.contiguous(), y, r, k, x.stride(0), y.stride(0)),
             dict(BR=8, BK=bk, BS=block_size, QUANT=act_elem is not None, EMAX=ae.emax, MBITS=ae.mbits, MAXN=ae.max_normal,
                  EMIN=1 - ae.bias, RULE=RULE_ID[act_rule], HW_CVT=hw_cvt(x.device), FP8=fp8_dtype(ae)),

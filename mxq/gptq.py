@@ -61,7 +61,7 @@ from mxq.formats import (
 from mxq.progress import progress_bar
 from mxq.recipe import TensorSpec
 
-__all__ = ["GPTQError", "GPTQResult", "gptq_mx", "gptq_model", "hessian", "EXPERT_MIN_TOKENS"]
+__all__ = ["GPTQError", "GPTQResult", "LayerInputs", "decoder_layers", "gptq_mx", "gptq_model", "hessian", "EXPERT_MIN_TOKENS"]
 
 GPTQ_RULES = (ScaleRule.RCEIL, ScaleRule.MSE)
 LAZY_BLOCK = 128  # columns updated together (a multiple of the MX block)
@@ -238,7 +238,8 @@ class _Rounding:
     block_size: int
 
 
-def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The model's decoder layers (``model.model.layers``), in order; refused in one line if absent."""
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None)
     if not isinstance(layers, nn.ModuleList) or not len(layers):
@@ -573,12 +574,12 @@ def gptq_model(
     together (E·K²·4 bytes would be 2 GiB for Qwen3-30B-A3B's 128 experts at K = 2048).
     """
     t0 = time.perf_counter()
-    layers = _decoder_layers(model)
+    layers = decoder_layers(model)
     device = torch.device(device) if device is not None else next(layers[0].parameters()).device
     names = {id(m): n for n, m in model.named_modules()}
     _check_specs(model, specs)
     _place(model, layers, device, offload)
-    inputs = _LayerInputs.capture(model, layers[0], batches, device)
+    inputs = LayerInputs.capture(model, layers[0], batches, device)
     how = _Rounding(damp, act_order, quantized_inputs, expert_min_tokens, experts_all_tokens, block_size)
     result = GPTQResult(tokens=sum(b.numel() for b in batches), expert_min_tokens=expert_min_tokens,
                         experts_all_tokens=experts_all_tokens)
@@ -619,7 +620,7 @@ def _place(model: nn.Module, layers: nn.ModuleList, device: torch.device, offloa
     layers.to("cpu")
 
 
-class _LayerInputs:
+class LayerInputs:
     """The current decoder layer's inputs for every batch: the hidden states, replaced by each
     layer's outputs as the rounded model computes them, and the other arguments (mask, positions),
     which every decoder layer takes alike."""
@@ -629,7 +630,7 @@ class _LayerInputs:
         self.extra = [(a[1:], {kk: v for kk, v in k.items() if kk != "hidden_states"}) for a, k in captured]
 
     @classmethod
-    def capture(cls, model: nn.Module, first: nn.Module, batches: list[torch.Tensor], device: torch.device) -> _LayerInputs:
+    def capture(cls, model: nn.Module, first: nn.Module, batches: list[torch.Tensor], device: torch.device) -> LayerInputs:
         """The inputs of decoder layer ``first`` for every batch (the rest of the forward is cut off)."""
         captured: list[tuple[tuple, dict]] = []
 
@@ -677,7 +678,7 @@ class _Pass:
     model: nn.Module
     specs: dict[str, tuple[TensorSpec, TensorSpec | None]]
     how: _Rounding
-    inputs: _LayerInputs
+    inputs: LayerInputs
     result: GPTQResult
     advance: Callable[[int, str], None]  # the progress bar: how many layers done, the last one's name
 

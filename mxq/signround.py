@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from mxq.formats import exp2_f32, fake_quantize_mx, shared_exponents
-from mxq.gptq import _decoder_layers, _LayerInputs
+from mxq.gptq import LayerInputs, decoder_layers
 from mxq.progress import progress_bar
 from mxq.recipe import TensorSpec
 
@@ -119,12 +119,12 @@ def signround_model(model: nn.Module, batches: list[torch.Tensor], specs: dict[s
     if iters < 0 or lr <= 0:
         raise ValueError(f"signround_model: iters must be >= 0 and lr > 0, got {iters} and {lr}")
     t0 = time.perf_counter()
-    layers = _decoder_layers(model)
+    layers = decoder_layers(model)
     device = next(layers[0].parameters()).device
     names = {id(m): n for n, m in model.named_modules()}
     result = SignRoundResult(iters, lr, sum(b.numel() for b in batches))
     with torch.no_grad():
-        student = _LayerInputs.capture(model, layers[0], batches, device)
+        student = LayerInputs.capture(model, layers[0], batches, device)
     teacher = [h.clone() for h in student.hidden]
     with progress_bar("signround {task.fields[layer]}", enabled=progress) as bar:
         task = bar.add_task("signround", total=len(layers), layer="")
@@ -156,7 +156,7 @@ def _rounded_input(acts: TensorSpec, block_size: int):
     return hook
 
 
-def _tune_layer(layer: nn.Module, prefix: str, specs: dict, inputs: _LayerInputs, targets: list[torch.Tensor],
+def _tune_layer(layer: nn.Module, prefix: str, specs: dict, inputs: LayerInputs, targets: list[torch.Tensor],
                 iters: int, lr: float, block_size: int) -> tuple[float, float]:  # fmt: skip
     """One decoder layer's Linear layers in ``specs`` tuned together, in float32 (a bf16 layer goes
     back to bf16 after, its tuned values exact there); returns the output error before and after."""
