@@ -193,9 +193,15 @@ class Launch:
     def __init__(self, fn, consts: dict, options: dict | None = None):
         self.fn = fn
         consts = dict(consts)
-        for p in getattr(fn, "params", ()):  # constexprs left at their defaults
-            if p.is_constexpr and p.name not in consts and p.default is not inspect.Parameter.empty:
-                consts[p.name] = p.default
+        params = getattr(fn, "params", None)
+        if params is not None:  # constexprs left at their defaults
+            for p in params:
+                if p.is_constexpr and p.name not in consts and p.default is not inspect.Parameter.empty:
+                    consts[p.name] = p.default
+        elif callable(getattr(fn, "fn", None)):  # the interpreter's function: only constexprs have defaults here
+            for name, p in inspect.signature(fn.fn).parameters.items():
+                if name not in consts and p.default is not inspect.Parameter.empty:
+                    consts[name] = p.default
         self.consts = consts
         self.options = options or {}
         names = fn.arg_names

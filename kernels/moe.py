@@ -54,6 +54,7 @@ try:
         RULE_ID,
         e8m0_to_f32,
         fp8_dtype,
+        gdc_wait,
         glu,
         hw_cvt,
         mx_round_dequant,
@@ -226,6 +227,7 @@ def _grouped_decode_kernel(
     EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
     RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr,
     GATE: tl.constexpr, GS: tl.constexpr, X_IDX: tl.constexpr, DIRECT: tl.constexpr = False, TOPK: tl.constexpr = 1,
+    PDL_WAIT: tl.constexpr = False,
 ):  # fmt: skip
     """Y tile [BM rows, BN] of one expert on CUDA cores; programs of absent tiles load nothing.
 
@@ -234,7 +236,8 @@ def _grouped_decode_kernel(
     gpt-oss's interleaved rows (GS 2, UO 1). ``X_IDX``: sorted row r reads X row idx[r] (the
     token), so the gather costs no launch. ``DIRECT`` (BM 1, no sort): row r is the router's slot r,
     its expert idx[r] (the ``top_k_index`` as stored; outside [0, E): a zero row) and its X row
-    r // TOPK."""
+    r // TOPK. ``PDL_WAIT``: launched behind the kernel that writes X (programmatic dependent launch);
+    X is read after its wait."""
     pid_n = tl.program_id(0)
     t = tl.program_id(1)
     if DIRECT:
@@ -273,6 +276,8 @@ def _grouped_decode_kernel(
         xrows = offs_m // TOPK
     elif X_IDX:
         xrows = tl.load(idx_ptr + offs_m, mask=offs_m < row_end, other=0)
+    if PDL_WAIT:
+        gdc_wait()
     for i in tl.range(tl.cdiv(K, BK), num_stages=NUM_STAGES):
         k = i * BK
         kmask = (k + kk) < K

@@ -16,8 +16,9 @@ returns the weighted sum of the chosen experts' outputs per token. Here that is:
 5. ``_combine_kernel``: out[t] = Σ_j y[pos[t, j]] · w[t, j] in fp32, in slot order (deterministic;
    no float32 [T·k, H] temporary, no ``index_add_``).
 
-Decode (T·k <= ``DECODE_MAX_ROWS``) runs 4 and 5 as one kernel, ``_down_combine_kernel``, and up to
-``DIRECT_MAX_TOKENS`` tokens skips the sort (the router's slots are the rows): 2 launches at one token.
+Decode (T·k <= ``DECODE_MAX_ROWS``) runs 4 and 5 as one kernel (``moe_decode``: a program per slot,
+the token's last one summing in slot order), and up to ``DIRECT_MAX_TOKENS`` tokens skips the sort (the
+router's slots are the rows): 2 launches at one token.
 
 It is the function of ``MXExperts``' reference forward (sort, per-expert products, the family's
 gate on the projection's output dtype, the down product, the fp32 weighted sum): the gate rounds
@@ -35,7 +36,8 @@ from typing import NamedTuple
 import torch
 
 from mxq.formats import E4M3, ElemFormat, ScaleRule
-from mxq.kernels import launch
+from mxq.kernels import launch, moe_decode
+from mxq.kernels.buffers import split_counters
 from mxq.kernels.dispatch import triton_runs
 from mxq.kernels.launch import PlanCache, cdiv, next_pow2
 from mxq.kernels.registry import KernelPath, Registry
@@ -55,12 +57,12 @@ try:
         glu,
         hw_cvt,
         mx_round_dequant,
+        pdl_ok,
         to_out,
     )
     from mxq.kernels.launch import Launch
     from mxq.kernels.moe import (
         HAS_TRITON,
-        GroupedDecodeConfig,
         GroupedGemmConfig,
         _grouped_decode_kernel,
         _grouped_gemm_kernel,
@@ -68,9 +70,9 @@ try:
         _out_tile,
         _tile,
         jit,
-        pick_grouped_decode_config,
         pick_grouped_gemm_config,
     )
+    from mxq.kernels.moe_decode import down_combine_kernel, down_slots_kernel, pick_decode_configs
     from mxq.kernels.moe_gather import gather_rows_kernel
     from mxq.kernels.toolchain import wgmma_async_ok
 except ImportError:  # no triton: MXExperts keeps its reference forward
@@ -156,61 +158,6 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, H, stride_ym, stride_om, TOP
         wj = tl.load(w_ptr + t * TOPK + j).to(tl.float32)
         acc += tl.load(y_ptr + r * stride_ym + cols, mask=m, other=0.0).to(tl.float32) * wj
     tl.store(out_ptr + t.to(tl.int64) * stride_om + cols, to_out(acc, out_ptr.dtype.element_ty), mask=m)
-
-
-@jit
-def _down_combine_kernel(
-    h_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ids_ptr, pos_ptr, rw_ptr,
-    N, K, E, stride_hm, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_om,
-    TOPK: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    EVEN_K: tl.constexpr, QUANT: tl.constexpr, NUM_STAGES: tl.constexpr, SORTED: tl.constexpr,
-    EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
-    RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr,
-):  # fmt: skip
-    """Decode: the down projection and the combine in one launch. Program (n tile, token t):
-    out[t] = Σ_j fp32(y_j) · w[t, j] in slot order, y_j = h[row_j] · W[e_j]ᵀ + b[e_j] rounded to
-    the output dtype (the value ``_combine_kernel`` reads), e_j = ids[t·k + j], row_j its row of h
-    (``pos`` where h is in sorted order). A slot outside [0, E) adds nothing. W as in
-    ``moe._grouped_decode_kernel``'s one-row tiles; h MX-rounded as loaded for W8A8."""
-    pid_n = tl.program_id(0)
-    t = tl.program_id(1)
-    NB: tl.constexpr = BK // BS
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_b = tl.arange(0, NB)
-    kk = offs_b[:, None] * BS + tl.arange(0, BS)[None, :]
-    rn = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
-    total = tl.zeros((BN,), tl.float32)
-    for j in range(TOPK):
-        slot = t * TOPK + j
-        ej = tl.load(ids_ptr + slot).to(tl.int64)
-        if (ej >= 0) & (ej < E):
-            row = slot.to(tl.int64)
-            if SORTED:
-                row = tl.load(pos_ptr + slot).to(tl.int64)
-            w_ptrs = w_ptr + ej * stride_we + rn[:, None, None] * stride_wn + kk[None, :, :]
-            s_ptrs = s_ptr + ej * stride_se + rn[:, None] * stride_sn + offs_b[None, :]
-            acc = tl.zeros((BN, NB), dtype=tl.float32)
-            for i in tl.range(tl.cdiv(K, BK), num_stages=NUM_STAGES):
-                k = i * BK
-                kmask = (k + kk) < K
-                if EVEN_K:
-                    w = tl.load(w_ptrs + k)
-                    sc = tl.load(s_ptrs + i * NB)
-                    hm = tl.load(h_ptr + row * stride_hm + k + kk)
-                else:
-                    w = tl.load(w_ptrs + k, mask=kmask[None, :, :], other=0.0)
-                    sc = tl.load(s_ptrs + i * NB, mask=((k + offs_b * BS) < K)[None, :], other=127)
-                    hm = tl.load(h_ptr + row * stride_hm + k + kk, mask=kmask, other=0.0)
-                hm = hm.to(tl.float32)[None, :, :]
-                if QUANT:
-                    hm = mx_round_dequant(hm, EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8)
-                acc += tl.sum(w.to(tl.float32) * hm, axis=2) * e8m0_to_f32(sc)
-            y = tl.sum(acc, axis=1)
-            if HAS_BIAS:
-                y += tl.load(b_ptr + ej * stride_be + rn, mask=offs_n < N, other=0.0).to(tl.float32)
-            y = to_out(y, out_ptr.dtype.element_ty).to(tl.float32)
-            total += y * tl.load(rw_ptr + slot).to(tl.float32)
-    tl.store(out_ptr + t.to(tl.int64) * stride_om + offs_n, to_out(total, out_ptr.dtype.element_ty), mask=offs_n < N)
 
 
 @jit
@@ -342,20 +289,6 @@ def _rounding(ae: ElemFormat | None, rule: ScaleRule, device) -> dict:
                 HW_CVT=hw_cvt(device), FP8=fp8_dtype(ae2))  # fmt: skip
 
 
-def pick_decode_configs(s: int, e: int, i: int, h: int, device: torch.device, w8a8: bool):
-    """Tiles of the two decode launches: gate-up one row per tile (row blocks of 2-8 were slower on
-    an H100 at every batch measured), 16 output columns a program (two weight streams: more programs
-    on the SMs); the down-combine kernel's output columns per program, K step, warps and stages
-    (kernels/NOTES.md, "MoE: the fused block")."""
-    if INTERPRET or device.type != "cuda":
-        c1 = pick_grouped_decode_config(s, e, i, h, device, w8a8)
-        return dataclasses.replace(c1, block_m=1), GroupedDecodeConfig(1, 16, 64, num_warps=4, num_stages=1)
-    c1 = GroupedDecodeConfig(1, 16, 256, num_warps=4)
-    if s <= 8:  # one token (top-8 or less): the fewest columns, the most programs (8 x 256 tiles, 4 warps)
-        return c1, GroupedDecodeConfig(1, 8, 256, num_warps=4, num_stages=4)
-    return c1, GroupedDecodeConfig(1, 32, 256, num_warps=8, num_stages=4)
-
-
 def _rows_per_expert(s: int, e: int) -> int:
     return -(-s // max(1, min(s, e)))
 
@@ -419,15 +352,25 @@ class BlockPlan:
             self.c1, self.c2 = c1, c2
             # a few tokens: no sort (the slots are the rows; a repeated expert is read again, from L2)
             self.direct = t <= DIRECT_MAX_TOKENS
+            # W8A8: X's rows MX-rounded once by a small launch, gate-up behind it by PDL (moe_decode.ROUND_X)
+            self.xq = None
+            pdl = False
+            if w8a8 and moe_decode.ROUND_X:
+                pdl = pdl_ok(dev)
+                self.xq = Launch(gather_rows_kernel, dict(BR=min(8, next_pow2(t)), BK=max(bs, min(256, next_pow2(h))),
+                                                          BS=bs, QUANT=True, **rnd, IDX=False, PDL=pdl),
+                                 dict(num_warps=4))  # fmt: skip
+                self.bkx = self.xq.consts["BK"]
             self.g1 = Launch(_grouped_decode_kernel, dict(
                 BM=1, BN=c1.block_n, BK=c1.block_k, BS=bs, EP2=max(16, next_pow2(e)), HAS_BIAS=ex.b1 is not None,
-                EVEN_K=h % c1.block_k == 0, QUANT=w8a8, NUM_STAGES=c1.num_stages, **rnd, GATE=ex.gate,
-                GS=gate_rows["GS"], X_IDX=not self.direct, DIRECT=self.direct, TOPK=k_top),
-                dict(num_warps=c1.num_warps))  # fmt: skip
-            self.g2 = Launch(_down_combine_kernel, dict(
-                TOPK=k_top, BN=c2.block_n, BK=c2.block_k, BS=bs, HAS_BIAS=ex.b2 is not None,
-                EVEN_K=i % c2.block_k == 0, QUANT=w8a8, NUM_STAGES=c2.num_stages, SORTED=not self.direct, **rnd),
-                dict(num_warps=c2.num_warps))  # fmt: skip
+                EVEN_K=h % c1.block_k == 0, QUANT=w8a8 and self.xq is None, NUM_STAGES=c1.num_stages, **rnd,
+                GATE=ex.gate, GS=gate_rows["GS"], X_IDX=not self.direct, DIRECT=self.direct, TOPK=k_top,
+                PDL_WAIT=pdl), dict(num_warps=c1.num_warps, launch_pdl=pdl))  # fmt: skip
+            down = dict(TOPK=k_top, BN=c2.block_n, BK=c2.block_k, BS=bs, HAS_BIAS=ex.b2 is not None,
+                        EVEN_K=i % c2.block_k == 0, QUANT=w8a8, NUM_STAGES=c2.num_stages, SORTED=not self.direct, **rnd)
+            self.g2 = Launch(down_combine_kernel, down, dict(num_warps=c2.num_warps))
+            self.slots = Launch(down_slots_kernel, down, dict(num_warps=c2.num_warps)) if moe_decode.SLOTS else None
+            self.nt = cdiv(h, c2.block_n)
             return
         interp = INTERPRET or dev.type != "cuda"
         # bf16 X: bf16 dots (exact products); otherwise fp32 rows and fp32 FMA dots, exact as well
@@ -469,23 +412,34 @@ class BlockPlan:
 
     def _decode(self, x, ids, weights, ex: ExpertsWeights) -> torch.Tensor:
         """Decode: (the sort,) gate-up with the gate, then down with the combine: 2-3 launches."""
-        s, h, i, dev, c1, c2 = self.s, self.h, self.i, self.dev_index, self.c1, self.c2
+        s, h, i, dev, c1 = self.s, self.h, self.i, self.dev_index, self.c1
         if self.direct:
             pos = ge = idx = ids
         else:
             pos, idx, ge = self._sort(ids)
         b1 = ex.b1 if ex.b1 is not None else ex.s1
         b2 = ex.b2 if ex.b2 is not None else ex.s2
+        if self.xq is not None:
+            xr = torch.empty((self.t, h), dtype=x.dtype, device=x.device)
+            self.xq.on_device((cdiv(self.t, self.xq.consts["BR"]), cdiv(h, self.bkx)), dev,
+                              x, ids, xr, self.t, h, x.stride(0), xr.stride(0))  # fmt: skip
+            x = xr
         hid = torch.empty((s, i), dtype=x.dtype, device=x.device)
         self.g1.on_device((cdiv(i, c1.block_n), s), dev,
                           x, ex.w1, ex.s1, b1, hid, ge, idx, s, i, h, self.e, 1 if ex.interleaved else i, x.stride(0),
                           ex.w1.stride(0), ex.w1.stride(1), ex.s1.stride(0), ex.s1.stride(1),
                           ex.b1.stride(0) if ex.b1 is not None else 0, hid.stride(0), ex.alpha, ex.limit)  # fmt: skip
         out = torch.empty((self.t, h), dtype=x.dtype, device=x.device)
-        self.g2.on_device((cdiv(h, c2.block_n), self.t), dev,
-                          hid, ex.w2, ex.s2, b2, out, ids, pos, weights, h, i, self.e, hid.stride(0), ex.w2.stride(0),
-                          ex.w2.stride(1), ex.s2.stride(0), ex.s2.stride(1),
-                          ex.b2.stride(0) if ex.b2 is not None else 0, out.stride(0))  # fmt: skip
+        strides = (ex.w2.stride(0), ex.w2.stride(1), ex.s2.stride(0), ex.s2.stride(1),
+                   ex.b2.stride(0) if ex.b2 is not None else 0)  # fmt: skip
+        cnt = split_counters(x.device, self.t * self.nt) if self.slots is not None else None
+        if cnt is not None:
+            y = torch.empty((s, h), dtype=x.dtype, device=x.device)
+            self.slots.on_device((self.nt, s), dev, hid, ex.w2, ex.s2, b2, y, out, cnt, ids, pos, weights, h, i,
+                                 self.e, self.nt, hid.stride(0), *strides, y.stride(0), out.stride(0))  # fmt: skip
+        else:  # no counters yet (a CUDA graph being captured): the per-token kernel
+            self.g2.on_device((self.nt, self.t), dev, hid, ex.w2, ex.s2, b2, out, ids, pos, weights, h, i, self.e,
+                              hid.stride(0), *strides, out.stride(0))  # fmt: skip
         return out
 
     def __call__(self, x, ids, weights, ex: ExpertsWeights) -> torch.Tensor:

@@ -17,7 +17,14 @@ try:
     import triton
     import triton.language as tl
 
-    from mxq.kernels.common import INTERPRET, RULE_ID, fp8_dtype, hw_cvt, mx_round_dequant
+    from mxq.kernels.common import (
+        INTERPRET,
+        RULE_ID,
+        fp8_dtype,
+        gdc_launch_dependents,
+        hw_cvt,
+        mx_round_dequant,
+    )
     from mxq.kernels.launch import call, cdiv, next_pow2
     from mxq.kernels.quantize import fake_quantize_mx_rows
 
@@ -35,12 +42,19 @@ def gather_rows_kernel(
     x_ptr, idx_ptr, y_ptr, R, K, stride_xm, stride_ym,
     BR: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr, QUANT: tl.constexpr,
     EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
-    RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr,
+    RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr, IDX: tl.constexpr = True, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    """y[r] = x[idx[r]] (``IDX`` False: x[r]), MX-rounded for ``QUANT``. ``PDL``: a kernel launched
+    behind this one by programmatic dependent launch may start now (it waits for these rows)."""
+    if PDL:
+        gdc_launch_dependents()
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.program_id(1) * BK + tl.arange(0, BK)
     rmask = rows < R
-    src = tl.load(idx_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    if IDX:
+        src = tl.load(idx_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    else:
+        src = rows.to(tl.int64)
     m2 = rmask[:, None] & (cols < K)[None, :]
     v = tl.load(x_ptr + src[:, None] * stride_xm + cols[None, :], mask=m2, other=0.0)
     if QUANT:  # a partial last block is padded with zeros, as mxq.formats pads it

@@ -255,3 +255,27 @@ def test_raw_launcher_declines_what_it_cannot_call():
                               function=1, packed_metadata=())  # fmt: skip
     assert L.raw_launcher(wrapper) is None  # some other wrapper: Triton's launcher object stays in charge
     assert L.raw_launcher(SimpleNamespace()) is None
+
+
+def test_launch_fills_defaulted_constexprs_under_the_interpreter():
+    """A constexpr left at its default reaches the kernel with that default, not None: under
+    TRITON_INTERPRET the function has no ``params`` (a gather that dropped ``IDX=True`` read x[r]
+    for x[idx[r]])."""
+    import triton.language as tl
+
+    if not getattr(L, "INTERPRET", None) and torch.cuda.is_available():
+        pytest.skip("checks the interpreter's function")
+
+    @triton.jit
+    def pick(x_ptr, y_ptr, N, BN: tl.constexpr, FLIP: tl.constexpr = True, SCALE: tl.constexpr = 3):
+        offs = tl.arange(0, BN)
+        v = tl.load(x_ptr + offs, mask=offs < N, other=0.0)
+        if FLIP:
+            v = -v
+        tl.store(y_ptr + offs, v * SCALE, mask=offs < N)
+
+    x = torch.randn(13)
+    for consts, want in ((dict(BN=16), -3 * x), (dict(BN=16, FLIP=False), 3 * x), (dict(BN=16, SCALE=2), -2 * x)):
+        y = torch.empty(13)
+        L.Launch(pick, consts)((1,), x, y, 13)
+        assert torch.equal(y, want), consts

@@ -12,7 +12,7 @@ from moe_models import FAMILIES, moe_model
 
 import mxq
 from mxq.experts import MXExperts
-from mxq.kernels import moe_block
+from mxq.kernels import buffers, moe_block, moe_decode
 from mxq.kernels.moe_block import (
     BLOCK,
     DECODE_MAX_ROWS,
@@ -105,6 +105,34 @@ def test_block_is_the_reference_path(family, recipe, tokens):
     idx2[bad] = 0
     t0 = bad[0]
     assert torch.allclose(_call(mod, x, idx2, w2, "moe_block")[t0], got[t0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_decode_variants_are_one_function(family, monkeypatch):
+    """Decode's down projection per slot (the token's last program sums, by ticket) and per token,
+    with X MX-rounded once ahead of gate-up or inside every program: the same output bit for bit,
+    a slot routed nowhere included, and every ticket back at zero afterwards."""
+    mod = _experts(family, "mxfp8")
+    g = torch.Generator().manual_seed(11)
+    h, e = mod.gate_up_proj.shape[2], mod.num_experts
+    for tokens in (1, 3, DIRECT_MAX_TOKENS + 3):  # unsorted and sorted decode
+        x = torch.randn(tokens, h, generator=g).to(DEV)
+        idx = torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(tokens)]).to(DEV)
+        idx[tokens - 1, 1] = -1
+        w = torch.rand(tokens, 2, generator=g).to(DEV)
+        outs = []
+        tiles = moe_block.pick_decode_configs(tokens * 2, e, 1, h, x.device, True)
+        monkeypatch.setattr(moe_block, "pick_decode_configs", lambda *a, t=tiles: t)  # one tile: one summation order
+        for slots, round_x in ((True, True), (False, False), (True, False)):
+            monkeypatch.setattr(moe_decode, "SLOTS", slots)
+            monkeypatch.setattr(moe_decode, "ROUND_X", round_x)
+            moe_block.PLANS.clear()
+            outs.append(_call(mod, x, idx, w, "moe_block"))
+        assert torch.isfinite(outs[0]).all()
+        for o in outs[1:]:
+            assert torch.equal(o, outs[0]), tokens
+    moe_block.PLANS.clear()
+    assert buffers.COUNTERS and all(not c.any() for c in buffers.COUNTERS.values())
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
