@@ -86,7 +86,11 @@ except ImportError:  # no triton: MXExperts keeps its reference forward
 # Largest number of sorted rows (tokens x top-k) the decode kernels take; above, the prefill ones.
 DECODE_MAX_ROWS = 64
 DIRECT_MAX_TOKENS = 4  # decode without the sort up to this many tokens (BlockPlan)
-SORT_CHUNK = 1024  # sorted pairs per program of the two-launch sort (prefill)
+# The sort: one program up to SORT_ONE_MAX pairs; above, a count and a sort launch over chunks of 64
+# pairs (up to 1024) or SORT_CHUNK. One program for 256 pairs ran 32 serial steps (21 µs; kernels/NOTES.md,
+# "The sort's chunks").
+SORT_ONE_MAX = 64
+SORT_CHUNK = 128
 
 
 @jit
@@ -322,6 +326,15 @@ def pick_down_config(s: int, e: int, n: int, k: int, x_dtype: torch.dtype, devic
     return pick_grouped_gemm_config(s, e, n, k, x_dtype, device)
 
 
+def sort_chunks(s: int, ep2: int) -> tuple[int, int]:
+    """The counting sort's step (pairs a loop step one-hots against ``ep2`` buckets) and chunk (pairs a
+    program sorts) for ``s`` pairs (the constants above)."""
+    sub = max(8, min(64, 4096 // ep2))
+    if s <= SORT_ONE_MAX:
+        return sub, max(sub, next_pow2(s))
+    return sub, max(sub, 64 if s <= 1024 else SORT_CHUNK)
+
+
 class BlockPlan:
     """One input signature's launches (module doc): which kernels, their tiles and grids."""
 
@@ -335,8 +348,7 @@ class BlockPlan:
         self.dev_index = x.get_device() if x.device.type == "cuda" else -1
         self.decode = s <= DECODE_MAX_ROWS
         self.ep2 = ep2 = max(16, next_pow2(e + 1))
-        sub = max(8, min(64, 4096 // ep2))
-        self.chunk = max(sub, next_pow2(s)) if s <= SORT_CHUNK else SORT_CHUNK
+        sub, self.chunk = sort_chunks(s, ep2)
         self.parts = cdiv(s, self.chunk)
         self.count = Launch(_route_count_kernel, dict(C=self.chunk, SUB=sub, EP2=ep2), dict(num_warps=8))
         self.sort = Launch(_route_sort_kernel, dict(C=self.chunk, SUB=sub, EP2=ep2, PB=8, ONE=self.parts == 1),

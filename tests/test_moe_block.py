@@ -29,10 +29,9 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 def _sort(ids: torch.Tensor, e: int, k_top: int):
     """The block's sort on its own: a plan's count and sort launches."""
     s = ids.numel()
-    chunk = max(8, 1 << (s - 1).bit_length()) if s <= moe_block.SORT_CHUNK else moe_block.SORT_CHUNK
-    parts = -(-s // chunk)
     ep2 = max(16, 1 << e.bit_length())
-    sub = max(8, min(64, 4096 // ep2))
+    sub, chunk = moe_block.sort_chunks(s, ep2)
+    parts = -(-s // chunk)
     pos = torch.empty(s, dtype=torch.int32, device=ids.device)
     tok = torch.empty(s, dtype=torch.int32, device=ids.device)
     ge = torch.empty(e, dtype=torch.int32, device=ids.device)
