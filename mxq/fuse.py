@@ -34,8 +34,13 @@ it computes, and never its ``state_dict``:
    Used for steps of at most ``GROUPED_MAX_ROWS`` query rows per KV head (decoding); anything
    else goes to transformers' SDPA. Set when a Llama, Mistral, Qwen2 or Qwen3 model uses ``sdpa``.
 
-``unfuse`` (``unfuse_layers``, ``unfuse_producers``, then ``mxq.linear.unfuse_projections``) removes
-them. Under ``torch.compile`` the producers are the custom ops ``mxq::rmsnorm_mx``,
+5. **The router's top-k in one kernel** (``fuse_routers``, kernel ``router_topk``): a known MoE router
+   (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, gpt-oss) keeps its GEMM and computes the softmax, top-k,
+   normalisation and cast in one launch instead of five (section "routers"). Grouped attention (4.)
+   covers those families' attention too.
+
+``unfuse`` (``unfuse_layers``, ``unfuse_producers``, ``unfuse_routers``, then
+``mxq.linear.unfuse_projections``) removes them. Under ``torch.compile`` the producers are the custom ops ``mxq::rmsnorm_mx``,
 ``mxq::add_rmsnorm_mx`` and ``mxq::silu_mul_mx`` (opaque, shape-only fakes) and the model still
 compiles with ``fullgraph``.
 """
@@ -44,9 +49,12 @@ from __future__ import annotations
 
 import ast
 import functools
+import hashlib
 import inspect
 import textwrap
 import types
+import warnings
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -80,6 +88,7 @@ def fuse(model: nn.Module) -> list[str]:
     done = fuse_projections(model)
     done += fuse_producers(model)
     done += fuse_layers(model)
+    done += fuse_routers(model)
     if use_grouped_sdpa(model):
         done.append(f"attention: {GROUPED_SDPA}")
     return done
@@ -90,6 +99,7 @@ def unfuse(model: nn.Module) -> None:
     forwards, transformers' SDPA)."""
     unfuse_layers(model)
     unfuse_producers(model)
+    unfuse_routers(model)
     unfuse_projections(model)
     cfg = getattr(model, "config", None)
     if getattr(cfg, "_attn_implementation", None) == GROUPED_SDPA:
@@ -415,6 +425,106 @@ def _add_ahead(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torc
 # --- attention without repeated K/V ---------------------------------------------------------------
 
 
+# --- routers ------------------------------------------------------------------------------------
+#
+# An MoE router of ``ROUTERS`` whose forward is one of ``ROUTER_RULES`` (the sha256 of its normalized
+# source, ``_normalized_function``: a release that changes it keeps its own forward, with a warning)
+# gets a forward that computes the same logits with the same GEMM and everything after them in one
+# kernel, ``mxq.kernels.moe_router.router_topk`` (the op ``mxq::router_topk``): softmax, top-k,
+# normalisation and cast, five launches fewer per layer. On a CPU, or with the router's weight a
+# DTensor, the module's own forward runs. The rules, as transformers 5.17-5.24 write them:
+# - Qwen3-MoE, Qwen2-MoE, OLMoE: softmax in float32, top k, divided by their sum if ``norm_topk_prob``,
+#   cast to the logits' dtype;
+# - Mixtral: the same, always divided, kept in float32;
+# - gpt-oss: the logits with the router's bias, top k, softmax over those k, in the logits' dtype.
+
+ROUTERS = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "OlmoeTopKRouter", "MixtralTopKRouter", "GptOssTopKRouter")
+
+
+class RouterRule(NamedTuple):
+    softmax_first: bool
+    norm: bool | str  # always, never, or the module attribute that says
+    cast: bool  # weights in the logits' dtype (else float32)
+    bias: bool  # the router's bias is added to the logits
+    flat: bool  # the forward flattens the tokens to [T, H] first
+
+
+ROUTER_RULES = {
+    "0b6a7b1ab2be0f92": RouterRule(True, "norm_topk_prob", True, False, True),
+    "bfaa8bbbaf2564e5": RouterRule(True, True, False, False, True),
+    "471f06ea0bac9fc6": RouterRule(False, False, True, True, False),
+}
+
+
+@functools.cache
+def known_router(cls: type) -> RouterRule | None:
+    """The rule of a router class of ``ROUTERS`` whose forward mxq knows; None (and a warning, once,
+    for a class of ``ROUTERS`` whose forward changed) otherwise."""
+    if cls.__name__ not in ROUTERS:
+        return None
+    try:
+        source = _normalized_function(inspect.getsource(cls.forward)) or ""
+    except (OSError, TypeError):
+        source = ""
+    rule = ROUTER_RULES.get(hashlib.sha256(source.encode()).hexdigest()[:16])
+    if rule is None:
+        warnings.warn(f"mxq: {cls.__name__}.forward is not one mxq knows (a new transformers release?); "
+                      "its router runs as transformers wrote it, without the fused top-k kernel", stacklevel=2)  # fmt: skip
+    return rule
+
+
+def fuse_routers(model: nn.Module) -> list[str]:
+    """Give each known router (``known_router``) the one-kernel forward (section comment)."""
+    done = []
+    for name, m in model.named_modules():
+        rule = known_router(type(m))
+        if rule is not None and "_mxq_router" not in m.__dict__:
+            m.__dict__["_mxq_router"] = rule
+            _set_forward(m, _router_forward)
+            done.append(f"{name} (router)")
+    return done
+
+
+def unfuse_routers(model: nn.Module) -> None:
+    for m in model.modules():
+        if m.__dict__.pop("_mxq_router", None) is not None:
+            _restore_forward(m)
+
+
+def _router_forward(self, hidden_states: torch.Tensor):
+    if not hidden_states.is_cuda or type(self.weight).__name__ == "DTensor":
+        return type(self).forward(self, hidden_states)
+    return fused_router_forward(self, hidden_states, self.__dict__["_mxq_router"])
+
+
+def fused_router_forward(self, hidden_states: torch.Tensor, rule: RouterRule):
+    """The router's (logits, weights, indices) by ``rule``: its GEMM, then ``mxq::router_topk``."""
+    lead = hidden_states.shape[:-1]
+    h = hidden_states.reshape(-1, hidden_states.shape[-1])
+    logits = torch.nn.functional.linear(h, self.weight, self.bias if rule.bias else None)
+    norm = rule.norm if isinstance(rule.norm, bool) else bool(getattr(self, rule.norm))
+    weights, index = router_topk_op(logits, int(self.top_k), rule.softmax_first, norm, rule.cast)
+    if not rule.flat:
+        logits, weights, index = (t.reshape(*lead, t.shape[-1]) for t in (logits, weights, index))
+    return logits, weights, index
+
+
+@torch.library.custom_op("mxq::router_topk", mutates_args=())
+def router_topk_op(logits: torch.Tensor, k: int, softmax_first: bool, normalize: bool,
+                   cast: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``mxq.kernels.moe_router.router_topk`` as a torch custom op (opaque to ``torch.compile``)."""
+    from mxq.kernels.moe_router import router_topk
+
+    return router_topk(logits, k, softmax_first, normalize, logits.dtype if cast else torch.float32)
+
+
+@router_topk_op.register_fake
+def _router_topk_fake(logits, k, softmax_first, normalize, cast):
+    t = logits.shape[0]
+    return (logits.new_empty((t, k), dtype=logits.dtype if cast else torch.float32),
+            logits.new_empty((t, k), dtype=torch.int64))  # fmt: skip
+
+
 def grouped_sdpa_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -457,7 +567,7 @@ def register_grouped_sdpa() -> None:
 
 
 # model types whose attention calls the attention function as Llama's does (plain SDPA arguments)
-GROUPED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+GROUPED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 
 
 def use_grouped_sdpa(model: nn.Module) -> bool:

@@ -1,0 +1,125 @@
+"""The router's top-k in one kernel (``mxq.kernels.moe_router``, ``mxq.fuse`` "routers") against
+independent references: torch's softmax and top-k as the families write them, and each known family's
+own router forward (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, gpt-oss), on awkward shapes (the kernel in
+the Triton interpreter on a CPU)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from moe_models import moe_model
+
+import mxq
+from mxq import fuse as F
+from mxq.kernels.moe_router import HAS_TRITON, router_topk, router_topk_reference
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+KNOWN = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "gpt_oss")
+
+
+def _distinct_logits(t: int, e: int, dtype, gen) -> torch.Tensor:
+    """Logits without ties (multiples of 1/16, exact in bf16) so that the choice is unique."""
+    rows = [(torch.randperm(e, generator=gen) - e // 2).float() / 16 for _ in range(t)]
+    return torch.stack(rows).to(dtype)
+
+
+@pytest.mark.parametrize("t,e,k", [(1, 60, 4), (7, 128, 8), (37, 8, 2), (5, 33, 1), (3, 256, 8)])
+@pytest.mark.parametrize("rule", [(True, True), (True, False), (False, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_router_topk_is_the_reference(t, e, k, rule, dtype):
+    gen = torch.Generator().manual_seed(t * 1000 + e)
+    logits = _distinct_logits(t, e, dtype, gen).to(DEV)
+    for out in (dtype, torch.float32):
+        w, i = router_topk(logits, k, *rule, out)
+        w_ref, i_ref = router_topk_reference(logits, k, *rule, out)
+        assert w.dtype == w_ref.dtype == out and i.dtype == torch.int64 and w.shape == i.shape == (t, k)
+        assert torch.equal(i, i_ref)
+        # float32 arithmetic in another order: a few float32 ulps, at most one ulp of a bf16 output
+        tol = 2**-7 if out == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(w.float(), w_ref.float(), rtol=tol, atol=1e-7)
+
+
+def test_router_topk_ties_go_to_the_lower_index():
+    logits = torch.zeros(3, 12, device=DEV)
+    logits[1, 7] = logits[1, 9] = 1.0
+    w, i = router_topk(logits, 3, True, True, torch.float32)
+    assert i.tolist() == [[0, 1, 2], [7, 9, 0], [0, 1, 2]]
+    torch.testing.assert_close(w[0], torch.full((3,), 1 / 3, device=DEV))
+
+
+def test_router_topk_refuses_k_beyond_the_experts():
+    with pytest.raises(ValueError, match="k=9 for 8 experts"):
+        router_topk(torch.zeros(2, 8), 9, True, True, torch.float32)
+
+
+def _router(model):
+    return next(m for m in model.modules() if type(m).__name__ in F.ROUTERS)
+
+
+@pytest.mark.parametrize("family", KNOWN)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_known_router_is_its_familys_forward(family, dtype):
+    """The rule ``known_router`` gives the family's class, through the one-kernel forward, against the
+    module's own forward: the same logits and experts, the weights within rounding."""
+    router = _router(moe_model(family, seed=3, dtype=dtype).to(DEV))
+    rule = F.known_router(type(router))
+    assert rule is not None, type(router).__name__
+    gen = torch.Generator().manual_seed(7)
+    for tokens in (1, 13):
+        h = torch.randn(tokens, router.weight.shape[1], generator=gen).to(DEV, dtype)
+        want = type(router).forward(router, h)
+        got = F.fused_router_forward(router, h, rule)
+        assert len(got) == len(want) == 3
+        assert torch.equal(got[0], want[0])  # the same GEMM
+        # the same experts; where bf16 logits tie, the same logits (torch breaks ties its own way)
+        assert got[1].dtype == want[1].dtype and got[2].dtype == want[2].dtype
+        assert torch.equal(want[0].gather(-1, got[2]), want[0].gather(-1, want[2]))
+        ties = (want[0].unsqueeze(-1) == want[0].unsqueeze(-2)).sum((-1, -2)) > want[0].shape[-1]
+        assert torch.equal(got[2][~ties], want[2][~ties]) and (~ties).any()
+        tol = 2**-7 if got[1].dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(got[1].float(), want[1].float(), rtol=tol, atol=1e-7)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_fuse_installs_the_routers_and_unfuse_removes_them(family):
+    """On a CPU the fused router runs the module's own forward, so the model is the same function
+    bit for bit; the grouped attention is on where the family's attention is Llama's."""
+    plain = mxq.quantize_model(moe_model(family, seed=2), fuse=False)
+    fast = copy.deepcopy(plain)
+    done = F.fuse(fast)
+    routers = [d for d in done if d.endswith("(router)")]
+    assert len(routers) == plain.config.num_hidden_layers, done
+    assert (f"attention: {F.GROUPED_SDPA}" in done) == (family != "gpt_oss")
+    ids = torch.randint(0, plain.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(fast(ids).logits, plain(ids).logits)
+    F.unfuse(fast)
+    assert not any("_mxq_router" in m.__dict__ or "forward" in m.__dict__ for m in fast.modules() if type(m).__name__ in F.ROUTERS)
+
+
+def test_a_changed_router_forward_keeps_its_own_with_a_warning():
+    def forward(self, hidden_states):
+        return torch.topk(hidden_states, 2, dim=-1)
+
+    changed = type("Qwen3MoeTopKRouter", (torch.nn.Module,), {"forward": forward})
+    with pytest.warns(UserWarning, match="Qwen3MoeTopKRouter.forward is not one mxq knows"):
+        assert F.known_router(changed) is None
+    assert F.known_router(type("SomethingElse", (torch.nn.Module,), {"forward": forward})) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("family", KNOWN)
+def test_fused_routers_on_a_gpu_give_the_models_tokens(family):
+    plain = mxq.quantize_model(moe_model(family, seed=2).cuda(), fuse=False)  # float32: no ties among logits
+    fast = copy.deepcopy(plain)
+    assert any(d.endswith("(router)") for d in F.fuse(fast))
+    ids = torch.randint(0, plain.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4)).cuda()
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        a, b = fast(ids).logits.float(), plain(ids).logits.float()
+        assert ((a - b).norm() / b.norm()) < 1e-3
+        assert torch.equal(fast.generate(ids, **kw), plain.generate(ids, **kw))
