@@ -503,7 +503,10 @@ def fused_router_forward(self, hidden_states: torch.Tensor, rule: RouterRule):
     h = hidden_states.reshape(-1, hidden_states.shape[-1])
     logits = torch.nn.functional.linear(h, self.weight, self.bias if rule.bias else None)
     norm = rule.norm if isinstance(rule.norm, bool) else bool(getattr(self, rule.norm))
-    weights, index = router_topk_op(logits, int(self.top_k), rule.softmax_first, norm, rule.cast)
+    if torch.compiler.is_compiling():  # the op: opaque to the compiler; eager calls skip its dispatch
+        weights, index = router_topk_op(logits, int(self.top_k), rule.softmax_first, norm, rule.cast)
+    else:
+        weights, index = _router_topk(logits, int(self.top_k), rule.softmax_first, norm, rule.cast)
     if not rule.flat:
         logits, weights, index = (t.reshape(*lead, t.shape[-1]) for t in (logits, weights, index))
     return logits, weights, index
@@ -513,6 +516,10 @@ def fused_router_forward(self, hidden_states: torch.Tensor, rule: RouterRule):
 def router_topk_op(logits: torch.Tensor, k: int, softmax_first: bool, normalize: bool,
                    cast: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``mxq.kernels.moe_router.router_topk`` as a torch custom op (opaque to ``torch.compile``)."""
+    return _router_topk(logits, k, softmax_first, normalize, cast)
+
+
+def _router_topk(logits, k, softmax_first, normalize, cast):
     from mxq.kernels.moe_router import router_topk
 
     return router_topk(logits, k, softmax_first, normalize, logits.dtype if cast else torch.float32)

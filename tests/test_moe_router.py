@@ -123,3 +123,17 @@ def test_fused_routers_on_a_gpu_give_the_models_tokens(family):
         a, b = fast(ids).logits.float(), plain(ids).logits.float()
         assert ((a - b).norm() / b.norm()) < 1e-3
         assert torch.equal(fast.generate(ids, **kw), plain.generate(ids, **kw))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_fused_router_compiles_as_one_custom_op(family):
+    """Under torch.compile the fused forward calls ``mxq::router_topk``: it traces with fullgraph and
+    gives what the eager forward gives (which calls the kernel without the op's dispatch)."""
+    router = _router(moe_model(family, seed=5).to(DEV))
+    rule = F.known_router(type(router))
+    h = torch.randn(6, router.weight.shape[1], generator=torch.Generator().manual_seed(2)).to(DEV)
+    with torch.no_grad():
+        want = F.fused_router_forward(router, h, rule)
+        got = torch.compile(lambda x: F.fused_router_forward(router, x, rule), fullgraph=True, backend="eager")(h)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
