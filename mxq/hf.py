@@ -124,6 +124,7 @@ class MXQHfQuantizer(HfQuantizer):
             self.quantization_config.scale_dtype = "u8"  # what the model now holds, and save_pretrained writes
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             self._mxq_sharded = bool(localize(model))  # tensor-parallel loading (tp_plan=...): each MX module on its own shard
+            _warn_unsharded(model, self._mxq_sharded)
         fuse(model)
         return model
 
@@ -299,6 +300,22 @@ def _quiet_per_expert_report(model, cfg) -> None:
     if unexpected:
         model._keys_to_ignore_on_load_unexpected = {*(model._keys_to_ignore_on_load_unexpected or ()), *unexpected}
         model._keys_to_ignore_on_load_missing = {*(model._keys_to_ignore_on_load_missing or ()), *missing}
+
+
+def _warn_unsharded(model, sharded: bool) -> None:
+    """Loaded with ``tp_plan`` over several ranks, yet no MX layer split: the family has no
+    tensor-parallel plan in transformers (gpt-oss in 5.17-5.24), so every rank holds the whole
+    quantized model. Said once, naming the family, instead of leaving the user to find out by memory."""
+    import warnings
+
+    from mxq.experts import MXExperts
+    from mxq.linear import MXLinear
+
+    tp = getattr(model, "_tp_size", None) or 1
+    if tp > 1 and not sharded and any(isinstance(m, (MXLinear, MXExperts)) for m in model.modules()):
+        kind = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+        warnings.warn(f"mxq: tensor parallelism {tp}: transformers has no tensor-parallel plan for {kind}'s layers; "
+                      "every rank holds the whole quantized model (only what the plan names is split)", stacklevel=2)  # fmt: skip
 
 
 def _unwritten(model, declared: list[str] = ()) -> set[str]:

@@ -27,7 +27,9 @@ def _run(ckpt: Path, out: Path, tp: int, device: str = "cpu") -> dict:
     # a rank while the process group was torn down (rarely, under load): the results then stand
     teardown = tp > 1 and out.exists() and "Signal 6 (SIGABRT)" in r.stderr
     assert r.returncode == 0 or teardown, r.stdout[-3000:] + r.stderr[-3000:]
-    return torch.load(out)
+    res = torch.load(out)
+    res["log"] = r.stdout + r.stderr
+    return res
 
 
 def _llama(path: Path) -> None:
@@ -45,10 +47,16 @@ def _llama(path: Path) -> None:
     model.save_pretrained(path)
 
 
-def _qwen3_moe(path: Path) -> None:
-    from moe_models import moe_model
+def _moe(family: str):
+    def build(path: Path) -> None:
+        from moe_models import moe_model
 
-    moe_model("qwen3_moe", seed=4).save_pretrained(path)
+        moe_model(family, seed=4).save_pretrained(path)
+
+    return build
+
+
+BUILD = {"llama": _llama, "qwen3_moe": _moe("qwen3_moe"), "mixtral": _moe("mixtral"), "gpt_oss": _moe("gpt_oss")}
 
 
 def _two_gpus() -> bool:
@@ -57,18 +65,24 @@ def _two_gpus() -> bool:
 
 @pytest.mark.parametrize(
     "family,device",
-    [("llama", "cpu"), ("qwen3_moe", "cpu"),
+    [("llama", "cpu"), ("qwen3_moe", "cpu"), ("mixtral", "cpu"), ("gpt_oss", "cpu"),
      pytest.param("llama", "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not _two_gpus(), reason="needs 2 GPUs")]),
      pytest.param("qwen3_moe", "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not _two_gpus(), reason="needs 2 GPUs")])],
 )  # fmt: skip
 def test_tp2_equals_tp1(tmp_path, family, device):
     src, ckpt = tmp_path / "src", tmp_path / "mx"
-    (_llama if family == "llama" else _qwen3_moe)(src)
+    BUILD[family](src)
     rc, out = run_cli(["quantize", str(src), str(ckpt)])
     assert rc == 0, out
     one = _run(ckpt, tmp_path / "tp1.pt", 1, device)
     two = _run(ckpt, tmp_path / "tp2.pt", 2, device)
     assert two["world"] == 2
+    if family == "gpt_oss":  # no tensor-parallel plan in transformers: replicated on every rank, and said so
+        assert "transformers has no tensor-parallel plan for gpt_oss's layers" in two["log"], two["log"][-2000:]
+        assert two["saved"] == "written" and two["shapes"] == one["shapes"]
+        assert torch.equal(two["tokens"], one["tokens"])
+        return
+    assert "no tensor-parallel plan" not in two["log"]
     assert one["saved"] == "written" and "loaded with tensor parallelism" in two["saved"], two["saved"]
     assert not Path(str(tmp_path / "tp2.pt") + ".saved").exists()
     # the same function: only the order of the row-parallel sums differs (float32; on a GPU each
