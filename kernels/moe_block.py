@@ -18,7 +18,8 @@ returns the weighted sum of the chosen experts' outputs per token. Here that is:
 
 Decode (T·k <= ``DECODE_MAX_ROWS``) runs 4 and 5 as one kernel (``moe_decode``: a program per slot,
 the token's last one summing in slot order), and up to ``DIRECT_MAX_TOKENS`` tokens skips the sort (the
-router's slots are the rows): 2 launches at one token.
+router's slots are the rows): 2 launches at one token, 3 for W8A8 (X MX-rounded once by a small launch
+that gate-up starts behind by PDL, ``moe_decode.ROUND_X``).
 
 It is the function of ``MXExperts``' reference forward (sort, per-expert products, the family's
 gate on the projection's output dtype, the down product, the fp32 weighted sum): the gate rounds
@@ -423,7 +424,7 @@ class BlockPlan:
         return pos, tok, ge
 
     def _decode(self, x, ids, weights, ex: ExpertsWeights) -> torch.Tensor:
-        """Decode: (the sort,) gate-up with the gate, then down with the combine: 2-3 launches."""
+        """Decode: (the sort,) (X rounded,) gate-up with the gate, then down with the combine: 2-4 launches."""
         s, h, i, dev, c1 = self.s, self.h, self.i, self.dev_index, self.c1
         if self.direct:
             pos = ge = idx = ids
