@@ -198,9 +198,11 @@ class Launch:
             for p in params:
                 if p.is_constexpr and p.name not in consts and p.default is not inspect.Parameter.empty:
                     consts[p.name] = p.default
-        elif callable(getattr(fn, "fn", None)):  # the interpreter's function: only constexprs have defaults here
+        elif callable(getattr(fn, "fn", None)):  # the interpreter's function: constexprs by their annotation
             for name, p in inspect.signature(fn.fn).parameters.items():
-                if name not in consts and p.default is not inspect.Parameter.empty:
+                ann = p.annotation
+                const = ann.endswith("constexpr") if isinstance(ann, str) else getattr(ann, "__name__", "") == "constexpr"
+                if const and name not in consts and p.default is not inspect.Parameter.empty:
                     consts[name] = p.default
         self.consts = consts
         self.options = options or {}

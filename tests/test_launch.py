@@ -267,15 +267,19 @@ def test_launch_fills_defaulted_constexprs_under_the_interpreter():
         pytest.skip("checks the interpreter's function")
 
     @triton.jit
-    def pick(x_ptr, y_ptr, N, BN: tl.constexpr, FLIP: tl.constexpr = True, SCALE: tl.constexpr = 3):
+    def pick(x_ptr, y_ptr, N, BN: tl.constexpr, FLIP: tl.constexpr = True, SCALE: tl.constexpr = 3, z_ptr=None, add=0.0):
         offs = tl.arange(0, BN)
         v = tl.load(x_ptr + offs, mask=offs < N, other=0.0)
         if FLIP:
             v = -v
-        tl.store(y_ptr + offs, v * SCALE, mask=offs < N)
+        tl.store(y_ptr + offs, v * SCALE + add, mask=offs < N)
 
     x = torch.randn(13)
     for consts, want in ((dict(BN=16), -3 * x), (dict(BN=16, FLIP=False), 3 * x), (dict(BN=16, SCALE=2), -2 * x)):
         y = torch.empty(13)
-        L.Launch(pick, consts)((1,), x, y, 13)
+        L.Launch(pick, consts)((1,), x, y, 13, x, 0.0)
         assert torch.equal(y, want), consts
+    # runtime parameters with defaults stay runtime parameters (the caller passes them)
+    y = torch.empty(13)
+    L.Launch(pick, dict(BN=16))((1,), x, y, 13, x, 0.5)
+    assert torch.equal(y, -3 * x + 0.5)
