@@ -31,14 +31,18 @@ if HAS_TRITON:
 
 
 @jit
-def _expert_row(h_ptr, w_ptr, s_ptr, b_ptr, ej, row, rn, nmask, K, stride_hm, stride_we, stride_wn, stride_se,
-                stride_sn, stride_be, OUT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
-                HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, QUANT: tl.constexpr, NUM_STAGES: tl.constexpr,
-                EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
-                RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr):  # fmt: skip
-    """y = h[row] · W[ej]ᵀ (+ b[ej]) for the BN weight rows ``rn``, rounded to ``OUT``, as fp32. W as
-    ``moe._grouped_decode_kernel``'s one-row tiles ([BN, NB, BS] codes, a block's sum in-thread),
-    h MX-rounded as loaded for W8A8."""
+def _expert_row(h_ptr, w_ptr, s_ptr, b_ptr, pos_ptr, ej, slot, rn, nmask, K, stride_hm, stride_we, stride_wn,
+                stride_se, stride_sn, stride_be, OUT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                BS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, QUANT: tl.constexpr,
+                NUM_STAGES: tl.constexpr, SORTED: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr,
+                MAXN: tl.constexpr, EMIN: tl.constexpr, RULE: tl.constexpr, HW_CVT: tl.constexpr,
+                FP8: tl.constexpr):  # fmt: skip
+    """y = h[row] · W[ej]ᵀ (+ b[ej]) for the BN weight rows ``rn``, rounded to ``OUT``, as fp32; row is
+    ``slot``, or ``pos[slot]`` where h is in sorted order. W as ``moe._grouped_decode_kernel``'s
+    one-row tiles ([BN, NB, BS] codes, a block's sum in-thread), h MX-rounded as loaded for W8A8."""
+    row = slot.to(tl.int64)
+    if SORTED:
+        row = tl.load(pos_ptr + slot).to(tl.int64)
     NB: tl.constexpr = BK // BS
     offs_b = tl.arange(0, NB)
     kk = offs_b[:, None] * BS + tl.arange(0, BS)[None, :]
@@ -87,12 +91,9 @@ def down_slots_kernel(
     rn = tl.where(nmask, offs_n, 0).to(tl.int64)
     ej = tl.load(ids_ptr + slot).to(tl.int64)
     if (ej >= 0) & (ej < E):
-        row = slot.to(tl.int64)
-        if SORTED:
-            row = tl.load(pos_ptr + slot).to(tl.int64)
-        y = _expert_row(h_ptr, w_ptr, s_ptr, b_ptr, ej, row, rn, nmask, K, stride_hm, stride_we, stride_wn,
+        y = _expert_row(h_ptr, w_ptr, s_ptr, b_ptr, pos_ptr, ej, slot, rn, nmask, K, stride_hm, stride_we, stride_wn,
                         stride_se, stride_sn, stride_be, out_ptr.dtype.element_ty, BN, BK, BS, HAS_BIAS, EVEN_K,
-                        QUANT, NUM_STAGES, EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8)  # fmt: skip
+                        QUANT, NUM_STAGES, SORTED, EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8)  # fmt: skip
         tl.store(y_ptr + slot.to(tl.int64) * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=nmask)
     tl.debug_barrier()  # every thread's tile is stored before the release below
     ticket = tl.atomic_add(cnt_ptr + t * NT + pid_n, 1, sem="acq_rel", scope="gpu")
@@ -129,12 +130,9 @@ def down_combine_kernel(
         slot = t * TOPK + j
         ej = tl.load(ids_ptr + slot).to(tl.int64)
         if (ej >= 0) & (ej < E):
-            row = slot.to(tl.int64)
-            if SORTED:
-                row = tl.load(pos_ptr + slot).to(tl.int64)
-            y = _expert_row(h_ptr, w_ptr, s_ptr, b_ptr, ej, row, rn, nmask, K, stride_hm, stride_we, stride_wn,
-                            stride_se, stride_sn, stride_be, out_ptr.dtype.element_ty, BN, BK, BS, HAS_BIAS,
-                            EVEN_K, QUANT, NUM_STAGES, EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8)  # fmt: skip
+            y = _expert_row(h_ptr, w_ptr, s_ptr, b_ptr, pos_ptr, ej, slot, rn, nmask, K, stride_hm, stride_we,
+                            stride_wn, stride_se, stride_sn, stride_be, out_ptr.dtype.element_ty, BN, BK, BS, HAS_BIAS,
+                            EVEN_K, QUANT, NUM_STAGES, SORTED, EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8)  # fmt: skip
             total = tl.fma(y, tl.load(rw_ptr + slot).to(tl.float32), total)
     tl.store(out_ptr + t.to(tl.int64) * stride_om + offs_n, to_out(total, out_ptr.dtype.element_ty), mask=nmask)
 
