@@ -9,6 +9,8 @@ dtype (``assert_gemm_close``).
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
@@ -57,6 +59,12 @@ def chosen(x, w, act_elem=None, act_rule=ScaleRule.RCEIL, kernels=None, block_si
     p = dispatch.LinearProblem.of(x.reshape(-1, k).shape[0], w.shape[0], k, x.dtype, act_elem, act_rule, block_size,
                                   x.device, dispatch.triton_runs(x.device, spec))  # fmt: skip
     return dispatch.choose(p, spec)
+
+
+def seeded(*parts) -> torch.Generator:
+    """A generator seeded from the test's parameters: the same inputs in every process (Python's
+    ``hash`` of a string changes per process, so a rare failure could not be replayed)."""
+    return torch.Generator().manual_seed(zlib.crc32("|".join(map(str, parts)).encode()))
 
 
 def activations(
