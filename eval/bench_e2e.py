@@ -2,6 +2,7 @@
 
     python -m mxq.eval.bench_e2e --shape llama3-8b --out e2e-8b.json        # random weights, on the GPU
     python -m mxq.eval.bench_e2e --shape gpt-oss-20b --out e2e-gpt-oss.json # gpt-oss-20b widths, random weights
+    python -m mxq.eval.bench_e2e --shape llama4-scout-4l --out e2e-l4.json  # Llama-4-Scout widths, 4 layers
     python -m mxq.eval.bench_e2e --model default --out e2e-smollm2.json     # SmolLM2-135M (embedded)
 
 Each model runs in a fresh process (a worker: ``--worker bf16`` or ``--worker mxfp8``; the
@@ -93,6 +94,16 @@ SHAPES = {
                          head_dim=32, vocab_size=512, max_position_embeddings=131072, sliding_window=8,
                          layer_types=["sliding_attention", "full_attention"], rope_parameters=GPT_OSS_ROPE,
                          attention_bias=True, rms_norm_eps=1e-5),
+    # Llama-4-Scout widths with 4 of its 48 layers (16 experts top-1 of width 8192 with a shared expert of
+    # 16384; chunked attention in three of four layers, QK norm): transformers runs every expert on every
+    # token, mxq only the chosen one (``mxq.fuse``, "routers"); and a tiny one of the same family.
+    "llama4-scout-4l": dict(model_type="llama4_text", hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16384,
+                            num_local_experts=16, num_experts_per_tok=1, num_hidden_layers=4, num_attention_heads=40,
+                            num_key_value_heads=8, head_dim=128, vocab_size=202048, max_position_embeddings=8192),
+    "tiny-llama4": dict(model_type="llama4_text", hidden_size=128, intermediate_size=128, intermediate_size_mlp=256,
+                        num_local_experts=4, num_experts_per_tok=1, num_hidden_layers=4, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=1024,
+                        attention_chunk_size=16),
 }  # fmt: skip
 
 
@@ -674,7 +685,7 @@ def main(argv=None) -> int:
     src = p.add_mutually_exclusive_group()
     src.add_argument(
         "--shape", choices=sorted(SHAPES),
-        help="random-weight shape: Llama, or a Qwen3 or gpt-oss mixture of experts (default llama3-8b)"
+        help="random-weight shape: Llama, or a Qwen3, gpt-oss or Llama 4 mixture of experts (default llama3-8b)"
     )
     src.add_argument("--model", help="a model mxq can load (HF dir, hub id, .gguf, 'default')")
     p.add_argument("--recipe", default="mxfp8")
