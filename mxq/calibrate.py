@@ -726,9 +726,7 @@ def apply_plan(model: nn.Module, plan: Plan) -> nn.Module:
             raise PlanError(f"plan: experts[{n!r}]: the model has no experts module of this name")
     permute_model(model, plan.permutations)
     for n, (w, a) in plan.quantized.items():
-        parent_name, _, child = n.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, MXLinear.from_linear(getattr(parent, child), w, a, plan.recipe.block_size))
+        model.set_submodule(n, MXLinear.from_linear(model.get_submodule(n), w, a, plan.recipe.block_size))
     for n, (w, a) in plan.quantized_experts.items():
         quantize_experts(model, [n], w, a, plan.recipe.block_size)
     experts = {n: experts_entry(moe[n], w, a) for n, (w, a) in plan.quantized_experts.items()}

@@ -331,9 +331,7 @@ def quantize_experts(model: nn.Module, names, weights: TensorSpec, act: TensorSp
                      kernels: str | None = None) -> None:  # fmt: skip
     """Swap the named experts modules of ``model`` for ``MXExperts`` (in place)."""
     for name in names:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, MXExperts.from_experts(getattr(parent, child), weights, act, block_size, kernels))
+        model.set_submodule(name, MXExperts.from_experts(model.get_submodule(name), weights, act, block_size, kernels))
 
 
 # --- what a model holds, by role: the one description selection works from --------------------

@@ -54,7 +54,6 @@ import functools
 import hashlib
 import inspect
 import textwrap
-import types
 import warnings
 from typing import NamedTuple
 
@@ -62,6 +61,7 @@ import torch
 from torch import nn
 
 from mxq.formats import ScaleRule, as_elem_format
+from mxq.install import install_forward, restore_forward
 from mxq.kernels import cpu, reference
 from mxq.kernels.dispatch import HAS_TRITON
 from mxq.kernels.registry import kernels_spec
@@ -115,7 +115,7 @@ def unfuse_producers(model: nn.Module) -> None:
     """Every producer its module's own forward again (the instance-level forwards ``fuse_producers`` set)."""
     for m in model.modules():
         if "_mxq_feeds" in m.__dict__:
-            _restore_forward(m)
+            restore_forward(m, "fuse")
             del m.__dict__["_mxq_feeds"]
 
 
@@ -134,12 +134,12 @@ def fuse_producers(model: nn.Module) -> list[str]:
                                     ("post_attention_layernorm", getattr(mlp, GATE_UP, None))):  # fmt: skip
             norm = getattr(layer, norm_name, None)
             if type(norm).__name__ in NORMS and isinstance(consumer, FusedMXLinear) and _w8a8_rceil(consumer):
-                _install(norm, _norm_forward, consumer)
-                done.append(f"{name}.{norm_name}")
+                if _install(norm, _norm_forward, consumer):
+                    done.append(f"{name}.{norm_name}")
         gate_up = getattr(mlp, GATE_UP, None)
         if type(mlp).__name__ in MLPS and isinstance(gate_up, FusedMXLinear) and _mlp_fusable(mlp, gate_up):
-            _install(mlp, _mlp_forward, gate_up)
-            done.append(f"{name}.mlp")
+            if _install(mlp, _mlp_forward, gate_up):
+                done.append(f"{name}.mlp")
     return done
 
 
@@ -151,26 +151,12 @@ def _mlp_fusable(mlp: nn.Module, gate_up: FusedMXLinear) -> bool:
     )  # fmt: skip
 
 
-def _install(module: nn.Module, forward, feeds: FusedMXLinear) -> None:
+def _install(module: nn.Module, forward, feeds: FusedMXLinear) -> bool:
     # plain instance attributes (not submodules: the consumer is registered where it lives)
+    if not install_forward(module, forward, "fuse"):
+        return False
     module.__dict__["_mxq_feeds"] = feeds
-    _set_forward(module, forward)
-
-
-def _set_forward(module: nn.Module, forward) -> None:
-    """``forward`` as the module's own: an instance attribute, or, under an accelerate hook (a model
-    dispatched with ``device_map`` before it was quantized), the forward that hook wraps
-    (``_old_forward``), so the hook keeps moving the module's inputs and weights."""
-    where = "_old_forward" if "_hf_hook" in module.__dict__ and "_old_forward" in module.__dict__ else "forward"
-    module.__dict__[where] = types.MethodType(forward, module)
-
-
-def _restore_forward(module: nn.Module) -> None:
-    """The class's forward again (``_set_forward`` undone), an accelerate hook around it kept."""
-    if "_hf_hook" in module.__dict__ and "_old_forward" in module.__dict__:
-        module.__dict__["_old_forward"] = types.MethodType(type(module).forward, module)
-    else:
-        module.__dict__.pop("forward", None)
+    return True
 
 
 def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -347,7 +333,8 @@ def fuse_layers(model: nn.Module) -> list[str]:
             continue
         for i, layer in enumerate(layers):
             cache = known_layer(type(layer))
-            if cache is None or "_mxq_feeds" not in layer.post_attention_layernorm.__dict__:
+            if cache is None or "_mxq_feeds" not in layer.post_attention_layernorm.__dict__ \
+                    or not install_forward(layer, _layer_forward, "fuse"):  # fmt: skip
                 continue
             nxt = layers[i + 1] if i + 1 < len(layers) else None
             nxt_norm = getattr(nxt, "input_layernorm", None) if nxt is not None and known_layer(type(nxt)) else None
@@ -356,7 +343,6 @@ def fuse_layers(model: nn.Module) -> list[str]:
                 nxt_norm.__dict__["_mxq_ready"] = None  # a plain attribute: set and read like ``FusedMXLinear._given``
             layer.__dict__["_mxq_attn_kw"] = dict(attention_mask=None, position_ids=None, use_cache=False,
                                                   position_embeddings=None, **{cache: None})  # fmt: skip
-            _set_forward(layer, _layer_forward)
             done.append(f"{name}.{i}: add + norm")
     return done
 
@@ -364,7 +350,7 @@ def fuse_layers(model: nn.Module) -> list[str]:
 def unfuse_layers(model: nn.Module) -> None:
     for m in model.modules():
         if "_mxq_next" in m.__dict__:
-            _restore_forward(m)
+            restore_forward(m, "fuse")
             del m.__dict__["_mxq_next"], m.__dict__["_mxq_attn_kw"]
         m.__dict__.pop("_mxq_ready", None)
 
@@ -504,21 +490,21 @@ def fuse_routers(model: nn.Module) -> list[str]:
     for name, m in model.named_modules():
         rule = known_router(type(m))
         if rule is not None and "_mxq_router" not in m.__dict__:
-            m.__dict__["_mxq_router"] = rule
-            _set_forward(m, _router_forward)
-            done.append(f"{name} (router)")
+            if install_forward(m, _router_forward, "fuse"):
+                m.__dict__["_mxq_router"] = rule
+                done.append(f"{name} (router)")
         elif (isinstance(getattr(m, "experts", None), MXExperts) and "_mxq_router" not in m.__dict__
               and known_llama4_moe(type(m), type(getattr(m, "router", None)))):  # fmt: skip
-            m.__dict__["_mxq_router"] = "llama4"
-            _set_forward(m, _llama4_moe_forward)
-            done.append(f"{name} (router, chosen experts only)")
+            if install_forward(m, _llama4_moe_forward, "fuse"):
+                m.__dict__["_mxq_router"] = "llama4"
+                done.append(f"{name} (router, chosen experts only)")
     return done
 
 
 def unfuse_routers(model: nn.Module) -> None:
     for m in model.modules():
         if m.__dict__.pop("_mxq_router", None) is not None:
-            _restore_forward(m)
+            restore_forward(m, "fuse")
 
 
 def _router_forward(self, hidden_states: torch.Tensor):

@@ -508,8 +508,6 @@ def _swap_in_mx_experts(model: nn.Module, experts: list[tuple[str, nn.Module]], 
 
     swapped = []
     for name, mod in experts:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
         wspec, act = specs[name]
         info = experts_layer(name, mod)
         mx = MXExperts(mod, elem=wspec.elem, act=act, block_size=block_size, dtype=mod._parameters[info.projections[0]].dtype)
@@ -519,8 +517,8 @@ def _swap_in_mx_experts(model: nn.Module, experts: list[tuple[str, nn.Module]], 
             b = mod._parameters.get(p + "_bias")
             if b is not None:
                 getattr(mx, p + "_bias").copy_(b.detach())
-        setattr(parent, child, mx)
-        swapped.append((parent, child, mod))
+        model.set_submodule(name, mx)
+        swapped.append((name, mod))
     return swapped
 
 
@@ -730,8 +728,8 @@ class _Pass:
         finally:
             for hk in act_hooks:
                 hk.remove()
-            for parent, child, mod in swapped:
-                setattr(parent, child, mod)
+            for name, mod in swapped:
+                self.model.set_submodule(name, mod)
 
     def head(self, head_name: str | None) -> None:
         """An ``lm_head`` in ``specs``, rounded last on the final normed hidden states."""

@@ -41,13 +41,7 @@ def quantize_model(
     chosen = [n for n in chosen if n not in moe]
     quantize_experts(model, experts, recipe.weights, recipe.activations, recipe.block_size, kernels)
     for name in chosen:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(
-            parent,
-            child,
-            MXLinear.from_linear(getattr(parent, child), recipe.weights, recipe.activations),
-        )
+        model.set_submodule(name, MXLinear.from_linear(model.get_submodule(name), recipe.weights, recipe.activations))
     emb = quantize_embedding(model, recipe, kept, warn)
     if kernels is not None:
         set_kernels(model, kernels)

@@ -183,10 +183,9 @@ def _reduce_output(m, group) -> None:
     """The module's forward followed by an all-reduce over ``group``. A Linear's bias is added after
     the reduction; an experts module's down-projection bias (weighted per token inside its
     forward) is kept on rank 0 only, so the sum holds it once."""
-    import types
-
     import torch.distributed as dist
 
+    from mxq.install import install_forward
     from mxq.linear import MXLinear
 
     bias = None
@@ -205,4 +204,6 @@ def _reduce_output(m, group) -> None:
         dist.all_reduce(y, group=grp)
         return y if b is None else y + b
 
-    m.__dict__["forward"] = types.MethodType(forward, m)
+    if not install_forward(m, forward, "tp"):
+        raise RuntimeError(f"tensor parallelism: {type(m).__name__} has a forward mxq did not install; its shard "
+                           "cannot be reduced (the warning above names who installed it)")

@@ -30,7 +30,7 @@ LAYERS = {
     1: {PACKAGE, "calibrate", "gptq", "signround", "convert", "hf", "eval", "inspect", "models", "quantize"},
     2: {"experts", "tp", "fuse", "linear", "embedding", "attention", "checkpoint", "validate", "recipe", "config", "plan", "reorder",
         "progress", "decode"},
-    3: {"formats", "kernels"},
+    3: {"formats", "kernels", "install"},
 }
 LAYER = {m: rank for rank, mods in LAYERS.items() for m in mods}
 NO_TRANSFORMERS = ("config", "formats")
