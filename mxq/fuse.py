@@ -78,6 +78,9 @@ from mxq.linear import (
 # transformers defines them; a subclass or another family keeps its own forward).
 NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")
+# the sha256 (16 hex digits) of the normalized forward source (``_normalized_function``) of the classes
+# above, as transformers 5.17-5.24 write them: a release that changes one keeps its own forward
+KNOWN_FORWARDS = {"9635bcd843f309a0": "RMSNorm", "7d2027d4464e3e71": "gated MLP"}
 SILUS = ("SiLU", "SiLUActivation")  # torch.nn.SiLU, transformers.activations.SiLUActivation
 QKV, GATE_UP = (fused_name(names) for names in SIBLINGS)
 
@@ -133,11 +136,11 @@ def fuse_producers(model: nn.Module) -> list[str]:
         for norm_name, consumer in (("input_layernorm", getattr(attn, QKV, None)),
                                     ("post_attention_layernorm", getattr(mlp, GATE_UP, None))):  # fmt: skip
             norm = getattr(layer, norm_name, None)
-            if type(norm).__name__ in NORMS and isinstance(consumer, FusedMXLinear) and _w8a8_rceil(consumer):
+            if known_class(type(norm), NORMS) and isinstance(consumer, FusedMXLinear) and _w8a8_rceil(consumer):
                 if _install(norm, _norm_forward, consumer):
                     done.append(f"{name}.{norm_name}")
         gate_up = getattr(mlp, GATE_UP, None)
-        if type(mlp).__name__ in MLPS and isinstance(gate_up, FusedMXLinear) and _mlp_fusable(mlp, gate_up):
+        if known_class(type(mlp), MLPS) and isinstance(gate_up, FusedMXLinear) and _mlp_fusable(mlp, gate_up):
             if _install(mlp, _mlp_forward, gate_up):
                 done.append(f"{name}.mlp")
     return done
@@ -309,17 +312,45 @@ def _normalized_function(source: str) -> str | None:
     return ast.unparse(fn)
 
 
+def _forward_hash(cls: type) -> str:
+    try:
+        source = _normalized_function(inspect.getsource(cls.forward)) or ""
+    except (OSError, TypeError):
+        source = ""
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+def _warn_unknown(cls: type, what: str) -> None:
+    warnings.warn(f"mxq: {cls.__name__}.forward is not the one mxq knows (a new transformers release?); "
+                  f"it runs as transformers wrote it, without mxq's {what}", stacklevel=3)  # fmt: skip
+
+
+@functools.cache
+def known_class(cls: type, names: tuple[str, ...]) -> bool:
+    """Whether ``cls`` is one of ``names`` (``NORMS``, ``MLPS``) with a forward of ``KNOWN_FORWARDS``;
+    a class of that name with another forward is said once."""
+    if cls.__name__ not in names:
+        return False
+    if _forward_hash(cls) in KNOWN_FORWARDS:
+        return True
+    _warn_unknown(cls, "fused activation rounding")
+    return False
+
+
 @functools.cache
 def known_layer(cls: type) -> str | None:
     """For a class of ``LAYERS`` whose forward computes ``KNOWN_LAYER_FORWARD``: the name of its
-    cache argument; else None."""
+    cache argument; else None (said once for a class of ``LAYERS``)."""
     if cls.__name__ not in LAYERS:
         return None
     try:
         source = _normalized_function(inspect.getsource(cls.forward))
     except (OSError, TypeError):
-        return None
-    return next((c for c in CACHE_ARGS if source == _normalized_function(KNOWN_LAYER_FORWARD.format(cache=c))), None)
+        source = None
+    cache = next((c for c in CACHE_ARGS if source == _normalized_function(KNOWN_LAYER_FORWARD.format(cache=c))), None)
+    if cache is None:
+        _warn_unknown(cls, "residual add fused with the norm")
+    return cache
 
 
 def fuse_layers(model: nn.Module) -> list[str]:
@@ -455,14 +486,6 @@ ROUTER_RULES = {
 LLAMA4_MOE = ("6f9863fcc8313ee9", "e67ac26ae72620fe")  # Llama4TextMoe.forward, Llama4Router.forward
 
 
-def _forward_hash(cls: type) -> str:
-    try:
-        source = _normalized_function(inspect.getsource(cls.forward)) or ""
-    except (OSError, TypeError):
-        source = ""
-    return hashlib.sha256(source.encode()).hexdigest()[:16]
-
-
 @functools.cache
 def known_router(cls: type) -> RouterRule | None:
     """The rule of a router class whose forward mxq knows; None (and a warning, once, for a class of
@@ -471,8 +494,7 @@ def known_router(cls: type) -> RouterRule | None:
         return None
     rule = ROUTER_RULES.get(_forward_hash(cls))
     if rule is None and cls.__name__ in ROUTERS:
-        warnings.warn(f"mxq: {cls.__name__}.forward is not one mxq knows (a new transformers release?); "
-                      "its router runs as transformers wrote it, without the fused top-k kernel", stacklevel=2)  # fmt: skip
+        _warn_unknown(cls, "fused top-k kernel")
     return rule
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import types
+import warnings
 
 import pytest
 import torch
@@ -91,3 +92,24 @@ def test_fuse_steps_aside_for_a_patched_norm():
         assert not torch.equal(patched(ids).logits, plain(ids).logits)
     F.unfuse(patched)
     assert "forward" in norm.__dict__  # the user's patch stays
+
+
+def test_a_known_class_with_another_forward_is_said_once():
+    """A class mxq fuses by name whose forward is not the known one (a new transformers release) keeps
+    its own forward, and the user hears it once, with the class named."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaMLP, LlamaRMSNorm
+
+    assert F.known_class(LlamaRMSNorm, F.NORMS) and F.known_class(LlamaMLP, F.MLPS) and F.known_layer(LlamaDecoderLayer)
+
+    def forward(self, x, *args, **kwargs):
+        return x
+
+    for names, cls_name in ((F.NORMS, "LlamaRMSNorm"), (F.MLPS, "Qwen3MLP")):
+        changed = type(cls_name, (nn.Module,), {"forward": forward})
+        with pytest.warns(UserWarning, match=f"{cls_name}.forward is not the one mxq knows"):
+            assert not F.known_class(changed, names)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert not F.known_class(changed, names)  # said once
+    with pytest.warns(UserWarning, match="MistralDecoderLayer.forward is not the one mxq knows"):
+        assert F.known_layer(type("MistralDecoderLayer", (nn.Module,), {"forward": forward})) is None

@@ -183,7 +183,7 @@ def test_a_changed_router_forward_keeps_its_own_with_a_warning():
         return torch.topk(hidden_states, 2, dim=-1)
 
     changed = type("Qwen3MoeTopKRouter", (torch.nn.Module,), {"forward": forward})
-    with pytest.warns(UserWarning, match="Qwen3MoeTopKRouter.forward is not one mxq knows"):
+    with pytest.warns(UserWarning, match="Qwen3MoeTopKRouter.forward is not the one mxq knows"):
         assert F.known_router(changed) is None
     assert F.known_router(type("SomethingElse", (torch.nn.Module,), {"forward": forward})) is None
 
