@@ -1,6 +1,7 @@
 """The ``mxq`` console command's first instructions, before torch and transformers load.
 
-Importing ``mxq.cli`` takes seconds (torch, transformers). Ctrl-C (or SIGTERM) in that time ends
+Importing ``mxq.cli`` is quick (torch and transformers load inside the commands that need them), but
+on a loaded machine it can still take a while. Ctrl-C (or SIGTERM) in that time ends
 the process here with the same one line and status as later on (``mxq: interrupted``, 130;
 ``mxq: terminated``, 143), never a traceback from the middle of an import: nothing has been
 written yet, so there is nothing to clean up. ``mxq.cli.main`` then hands Ctrl-C back to Python,
@@ -31,8 +32,8 @@ def main() -> None:
         tty = sys.stderr.isatty()
     except (AttributeError, ValueError):
         tty = False
-    if tty:  # seconds of imports: say so on a terminal, and wipe the note once they are done
-        sys.stderr.write("mxq: starting (loading torch and transformers) ...")
+    if tty:  # imports: say so on a terminal, and wipe the note once they are done
+        sys.stderr.write("mxq: starting ...")
         sys.stderr.flush()
         _STARTING = True
     else:  # a log: a line only where the imports are slow (a loaded machine), so that it never waits long
@@ -61,7 +62,7 @@ def _slow_start_lines(imported) -> None:
     t0 = time.monotonic()
     while not imported.wait(SLOW_START_S):
         try:
-            os.write(2, f"mxq: starting (loading torch and transformers), {time.monotonic() - t0:.0f} s\n".encode())
+            os.write(2, f"mxq: starting, {time.monotonic() - t0:.0f} s\n".encode())
         except OSError:
             return
 

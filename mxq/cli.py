@@ -12,8 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-import mxq
-from mxq import formats as F
+import mxq  # cheap: torch and transformers load with the first command that needs them
 from mxq.progress import stage
 
 if TYPE_CHECKING:
@@ -150,6 +149,8 @@ def formats_cmd() -> None:
         "torch dtype",
     ):
         t.add_column(col)
+    from mxq import formats as F
+
     for f in F.ELEM_FORMATS.values():
         t.add_row(
             f.name.upper(),

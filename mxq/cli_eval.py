@@ -12,7 +12,13 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from mxq.models import load_model, resolve_device, resolve_source
+
+def _models():
+    """``mxq.models`` (torch, transformers), loaded when a command runs, not for ``--help``."""
+    from mxq import models
+
+    return models
+
 
 eval_app = typer.Typer(
     help="Evaluate models: perplexity, chat answers, per-layer SQNR.",
@@ -30,7 +36,7 @@ DATASET_HELP = (
 
 
 def _label(source: str) -> str:
-    return resolve_source(source).display
+    return _models().resolve_source(source).display
 
 
 DTYPES = {
@@ -74,7 +80,7 @@ def _load(source: str, device, dtype=None, kernels: str | None = None, fuse: boo
         kw = {"dtype": dtype} if dtype is not None else {}
         if not tokenizer:
             kw["tokenizer"] = False
-        got = load_model(source, device=device, kernels=kernels, fuse=fuse, **kw)
+        got = _models().load_model(source, device=device, kernels=kernels, fuse=fuse, **kw)
     err.print(f"{_label(source)} runs on {runtime(got[0])}", highlight=False)
     return got
 
@@ -140,7 +146,7 @@ def ppl_cmd(
                 "--plot shows the difference to --baseline; pass --baseline too"
             )
         require_matplotlib()
-    dev = resolve_device(device)
+    dev = _models().resolve_device(device)
     torch_dtype = _dtype(dtype)
     kernels = _kernels(kernels)
     _check_windows(seq_len, stride, max_windows, batch_size)
@@ -298,7 +304,7 @@ def chat_cmd(
         if v is not None and v < 1:
             raise typer.BadParameter(f"{opt} must be at least 1, got {v}")
     items = load_prompts(prompts)[:limit]
-    dev, kernels = resolve_device(device), _kernels(kernels)
+    dev, kernels = _models().resolve_device(device), _kernels(kernels)
     answers = {}
     for role, source in (("baseline", baseline), ("model", model)):
         m, tok = _load(source, dev, kernels=kernels)
@@ -348,7 +354,7 @@ def layers_cmd(
     from mxq.eval.perplexity import check_same_tokenizer, make_windows
     from mxq.eval.report import layers_markdown, write_json
 
-    dev = resolve_device(device)
+    dev = _models().resolve_device(device)
     kernels = _kernels(kernels)
     if seq_len < 2 or batches < 1:
         raise typer.BadParameter("--seq-len must be at least 2 and --batches at least 1")
