@@ -96,7 +96,7 @@ SHAPES = {
                          attention_bias=True, rms_norm_eps=1e-5),
     # Llama-4-Scout widths with 4 of its 48 layers (16 experts top-1 of width 8192 with a shared expert of
     # 16384; chunked attention in three of four layers, QK norm): transformers runs every expert on every
-    # token, mxq only the chosen one (``mxq.fuse``, "routers"); and a tiny one of the same family.
+    # token, mxq only the chosen one (``mxq.routing``); and a tiny one of the same family.
     "llama4-scout-4l": dict(model_type="llama4_text", hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16384,
                             num_local_experts=16, num_experts_per_tok=1, num_hidden_layers=4, num_attention_heads=40,
                             num_key_value_heads=8, head_dim=128, vocab_size=202048, max_position_embeddings=8192),

@@ -34,7 +34,7 @@ it computes, and never its ``state_dict``:
    Used for steps of at most ``GROUPED_MAX_ROWS`` query rows per KV head (decoding); anything
    else goes to transformers' SDPA. Set when a Llama, Mistral, Qwen2 or Qwen3 model uses ``sdpa``.
 
-5. **The router's top-k in one kernel** (``fuse_routers``, kernels in ``mxq.kernels.moe_router``): a
+5. **The router's top-k in one kernel** (``mxq.routing``, kernels in ``mxq.kernels.moe_router``): a
    known MoE router (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, gpt-oss, DeepSeek-V3, GLM-4-MoE) keeps its
    GEMM and computes the softmax or sigmoid, the (group-limited) top-k, normalisation and cast in one
    launch instead of five or more; Llama 4's MoE block runs only the experts its router chose, not
@@ -49,19 +49,20 @@ compiles with ``fullgraph``.
 
 from __future__ import annotations
 
-import ast
 import functools
-import hashlib
 import inspect
-import textwrap
-import warnings
-from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from mxq.formats import ScaleRule, as_elem_format
-from mxq.install import install_forward, restore_forward
+from mxq.install import (
+    forward_hash,
+    install_forward,
+    normalized_source,
+    restore_forward,
+    warn_unknown_forward,
+)
 from mxq.kernels import cpu, reference
 from mxq.kernels.dispatch import HAS_TRITON
 from mxq.kernels.registry import kernels_spec
@@ -73,12 +74,13 @@ from mxq.linear import (
     fused_name,
     unfuse_projections,
 )
+from mxq.routing import fuse_routers, unfuse_routers
 
 # Module classes whose forward is the arithmetic the producer kernels compute (by class name, as
 # transformers defines them; a subclass or another family keeps its own forward).
 NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")
-# the sha256 (16 hex digits) of the normalized forward source (``_normalized_function``) of the classes
+# the sha256 (16 hex digits) of the normalized forward source (``normalized_source``) of the classes
 # above, as transformers 5.17-5.24 write them: a release that changes one keeps its own forward
 KNOWN_FORWARDS = {"9635bcd843f309a0": "RMSNorm", "7d2027d4464e3e71": "gated MLP"}
 SILUS = ("SiLU", "SiLUActivation")  # torch.nn.SiLU, transformers.activations.SiLUActivation
@@ -293,47 +295,15 @@ def forward(self, hidden_states, attention_mask=None, position_ids=None, {cache}
 """
 
 
-def _normalized_function(source: str) -> str | None:
-    """A function's source without annotations, docstring, comments or layout (``ast.unparse``)."""
-    try:
-        fn = ast.parse(textwrap.dedent(source)).body[0]
-    except (SyntaxError, IndexError):
-        return None
-    if not isinstance(fn, ast.FunctionDef):
-        return None
-    a = fn.args
-    for arg in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg):
-        if arg is not None:
-            arg.annotation = None
-    fn.returns, fn.decorator_list, fn.name = None, [], "forward"
-    body = fn.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
-        fn.body = body[1:]
-    return ast.unparse(fn)
-
-
-def _forward_hash(cls: type) -> str:
-    try:
-        source = _normalized_function(inspect.getsource(cls.forward)) or ""
-    except (OSError, TypeError):
-        source = ""
-    return hashlib.sha256(source.encode()).hexdigest()[:16]
-
-
-def _warn_unknown(cls: type, what: str) -> None:
-    warnings.warn(f"mxq: {cls.__name__}.forward is not the one mxq knows (a new transformers release?); "
-                  f"it runs as transformers wrote it, without mxq's {what}", stacklevel=3)  # fmt: skip
-
-
 @functools.cache
 def known_class(cls: type, names: tuple[str, ...]) -> bool:
     """Whether ``cls`` is one of ``names`` (``NORMS``, ``MLPS``) with a forward of ``KNOWN_FORWARDS``;
     a class of that name with another forward is said once."""
     if cls.__name__ not in names:
         return False
-    if _forward_hash(cls) in KNOWN_FORWARDS:
+    if forward_hash(cls) in KNOWN_FORWARDS:
         return True
-    _warn_unknown(cls, "fused activation rounding")
+    warn_unknown_forward(cls, "fused activation rounding")
     return False
 
 
@@ -344,12 +314,12 @@ def known_layer(cls: type) -> str | None:
     if cls.__name__ not in LAYERS:
         return None
     try:
-        source = _normalized_function(inspect.getsource(cls.forward))
+        source = normalized_source(inspect.getsource(cls.forward))
     except (OSError, TypeError):
         source = None
-    cache = next((c for c in CACHE_ARGS if source == _normalized_function(KNOWN_LAYER_FORWARD.format(cache=c))), None)
+    cache = next((c for c in CACHE_ARGS if source == normalized_source(KNOWN_LAYER_FORWARD.format(cache=c))), None)
     if cache is None:
-        _warn_unknown(cls, "residual add fused with the norm")
+        warn_unknown_forward(cls, "residual add fused with the norm")
     return cache
 
 
@@ -439,183 +409,6 @@ def _add_ahead(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torc
     h, y, q, s = add_rmsnorm_mx(x, residual, norm.weight, norm.variance_epsilon, norm.__dict__["_mxq_feeds"])
     norm._mxq_ready = (h, y, q, s)
     return h
-
-
-# --- routers ------------------------------------------------------------------------------------
-#
-# A router class whose forward is one of ``ROUTER_RULES`` (the sha256 of its normalized source,
-# ``_normalized_function``: a release that changes it keeps its own forward, with a warning for the
-# classes of ``ROUTERS``; other classes with the very same forward source, DeepSeek-V3's in a dozen
-# families, get the rule too) gets a forward that computes the same logits with the same GEMM and
-# everything after them in one kernel (``mxq.kernels.moe_router``; the ops ``mxq::router_topk`` and
-# ``mxq::router_group_topk``): five to a dozen launches fewer per layer. On a CPU, or with the
-# router's weight a DTensor, the module's own forward runs. The rules, as transformers 5.17-5.24
-# write them:
-# - Qwen3-MoE, Qwen2-MoE, OLMoE: softmax in float32, top k, divided by their sum if ``norm_topk_prob``,
-#   cast to the logits' dtype;
-# - Mixtral: the same, always divided, kept in float32;
-# - gpt-oss: the logits with the router's bias, top k, softmax over those k, in the logits' dtype;
-# - DeepSeek-V3, GLM-4-MoE (and every class with their forward): a float32 GEMM, sigmoid scores, the
-#   choice on the scores plus ``e_score_correction_bias`` among the ``topk_group`` best of ``num_group``
-#   groups, weights divided by their sum if ``norm_topk_prob``, times ``routed_scaling_factor``.
-#
-# Llama 4's router returns dense [T, E] scores (-inf → 0 where not chosen) and its MoE block runs every
-# expert on every token, scaled by those scores (transformers' ``Llama4TextMoe``): E / k times the
-# expert work of the tokens' choice. A ``Llama4TextMoe`` whose forward and router are the known ones
-# (``LLAMA4_MOE``) and whose experts are ``MXExperts`` gets ``_llama4_moe_forward``: the same function
-# on the chosen rows only (an unchosen expert's row is zero in and zero out, and adds nothing).
-
-ROUTERS = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "OlmoeTopKRouter", "MixtralTopKRouter", "GptOssTopKRouter",
-           "DeepseekV3TopkRouter", "Glm4MoeTopkRouter")  # fmt: skip
-
-
-class RouterRule(NamedTuple):
-    kind: str  # ``mxq.kernels.moe_router``: "softmax", "topk_softmax", or "group_sigmoid" (DeepSeek-V3)
-    norm: bool | str  # always, never, or the module attribute that says
-    cast: bool  # weights in the logits' dtype (else float32)
-    bias: bool  # the router's bias is added to the logits
-    flat: bool  # the forward flattens the tokens to [T, H] first
-
-
-ROUTER_RULES = {
-    "0b6a7b1ab2be0f92": RouterRule("softmax", "norm_topk_prob", True, False, True),
-    "bfaa8bbbaf2564e5": RouterRule("softmax", True, False, False, True),
-    "471f06ea0bac9fc6": RouterRule("topk_softmax", False, True, True, False),
-    "b70233da004197b2": RouterRule("group_sigmoid", "norm_topk_prob", False, False, True),
-}
-LLAMA4_MOE = ("6f9863fcc8313ee9", "e67ac26ae72620fe")  # Llama4TextMoe.forward, Llama4Router.forward
-
-
-@functools.cache
-def known_router(cls: type) -> RouterRule | None:
-    """The rule of a router class whose forward mxq knows; None (and a warning, once, for a class of
-    ``ROUTERS`` whose forward changed) otherwise."""
-    if not cls.__name__.endswith("Router") or not issubclass(cls, nn.Module):
-        return None
-    rule = ROUTER_RULES.get(_forward_hash(cls))
-    if rule is None and cls.__name__ in ROUTERS:
-        _warn_unknown(cls, "fused top-k kernel")
-    return rule
-
-
-@functools.cache
-def known_llama4_moe(cls: type, router: type) -> bool:
-    return cls.__name__ == "Llama4TextMoe" and (_forward_hash(cls), _forward_hash(router)) == LLAMA4_MOE
-
-
-def fuse_routers(model: nn.Module) -> list[str]:
-    """Give each known router (``known_router``) the one-kernel forward, and each known Llama 4 MoE
-    block with MX experts the forward that runs the chosen experts only (section comment)."""
-    from mxq.experts import MXExperts
-
-    done = []
-    for name, m in model.named_modules():
-        rule = known_router(type(m))
-        if rule is not None and "_mxq_router" not in m.__dict__:
-            if install_forward(m, _router_forward, "fuse"):
-                m.__dict__["_mxq_router"] = rule
-                done.append(f"{name} (router)")
-        elif (isinstance(getattr(m, "experts", None), MXExperts) and "_mxq_router" not in m.__dict__
-              and known_llama4_moe(type(m), type(getattr(m, "router", None)))):  # fmt: skip
-            if install_forward(m, _llama4_moe_forward, "fuse"):
-                m.__dict__["_mxq_router"] = "llama4"
-                done.append(f"{name} (router, chosen experts only)")
-    return done
-
-
-def unfuse_routers(model: nn.Module) -> None:
-    for m in model.modules():
-        if m.__dict__.pop("_mxq_router", None) is not None:
-            restore_forward(m, "fuse")
-
-
-def _router_forward(self, hidden_states: torch.Tensor):
-    if not hidden_states.is_cuda or type(self.weight).__name__ == "DTensor":
-        return type(self).forward(self, hidden_states)
-    return fused_router_forward(self, hidden_states, self.__dict__["_mxq_router"])
-
-
-def fused_router_forward(self, hidden_states: torch.Tensor, rule: RouterRule):
-    """The router's (logits, weights, indices) by ``rule``: its GEMM, then ``mxq::router_topk`` (or
-    ``mxq::router_group_topk``)."""
-    lead = hidden_states.shape[:-1]
-    h = hidden_states.reshape(-1, hidden_states.shape[-1])
-    norm = rule.norm if isinstance(rule.norm, bool) else bool(getattr(self, rule.norm))
-    op = torch.compiler.is_compiling()  # the op: opaque to the compiler; eager calls skip its dispatch
-    if rule.kind == "group_sigmoid":
-        logits = torch.nn.functional.linear(h.float(), self.weight.float())
-        args = (logits, self.e_score_correction_bias, int(self.top_k), int(self.num_group), int(self.topk_group), norm,
-                float(self.routed_scaling_factor))  # fmt: skip
-        weights, index = router_group_topk_op(*args) if op else _router_group_topk(*args)
-    else:
-        logits = torch.nn.functional.linear(h, self.weight, self.bias if rule.bias else None)
-        args = (logits, int(self.top_k), rule.kind, norm, rule.cast)
-        weights, index = router_topk_op(*args) if op else _router_topk(*args)
-    if not rule.flat:
-        logits, weights, index = (t.reshape(*lead, t.shape[-1]) for t in (logits, weights, index))
-    return logits, weights, index
-
-
-def _llama4_moe_forward(self, hidden_states: torch.Tensor):
-    """``Llama4TextMoe.forward`` on the chosen experts' rows (section comment): the router's GEMM, its
-    top k with their sigmoids (one kernel on a GPU), each chosen row scaled as transformers scales it,
-    the experts by their index, the k rows of a token summed, the shared expert added."""
-    from mxq.kernels.moe_router import router_topk_reference
-
-    h = hidden_states.reshape(-1, self.hidden_dim)
-    logits = torch.nn.functional.linear(h, self.router.weight, self.router.bias)
-    k = int(self.router.top_k)
-    if not h.is_cuda or type(self.router.weight).__name__ == "DTensor":
-        scores, index = router_topk_reference(logits, k, "topk_sigmoid", False, logits.dtype)
-    elif torch.compiler.is_compiling():
-        scores, index = router_topk_op(logits, k, "topk_sigmoid", False, True)
-    else:
-        scores, index = _router_topk(logits, k, "topk_sigmoid", False, True)
-    rows = (h.unsqueeze(1) * scores.unsqueeze(-1)).reshape(-1, h.shape[-1])  # token-major: row t·k + j
-    y = self.experts(rows, index.reshape(-1, 1), scores.new_ones((rows.shape[0], 1)))
-    routed = y if k == 1 else y.view(-1, k, y.shape[-1]).sum(1)
-    out = self.shared_expert(h)
-    out.add_(routed)
-    return out, logits
-
-
-@torch.library.custom_op("mxq::router_topk", mutates_args=())
-def router_topk_op(logits: torch.Tensor, k: int, rule: str, normalize: bool,
-                   cast: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``mxq.kernels.moe_router.router_topk`` as a torch custom op (opaque to ``torch.compile``)."""
-    return _router_topk(logits, k, rule, normalize, cast)
-
-
-def _router_topk(logits, k, rule, normalize, cast):
-    from mxq.kernels.moe_router import router_topk
-
-    return router_topk(logits, k, rule, normalize, logits.dtype if cast else torch.float32)
-
-
-@router_topk_op.register_fake
-def _router_topk_fake(logits, k, rule, normalize, cast):
-    t = logits.shape[0]
-    return (logits.new_empty((t, k), dtype=logits.dtype if cast else torch.float32),
-            logits.new_empty((t, k), dtype=torch.int64))  # fmt: skip
-
-
-@torch.library.custom_op("mxq::router_group_topk", mutates_args=())
-def router_group_topk_op(logits: torch.Tensor, bias: torch.Tensor, k: int, n_group: int, topk_group: int,
-                         normalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``mxq.kernels.moe_router.router_group_topk`` as a torch custom op."""
-    return _router_group_topk(logits, bias, k, n_group, topk_group, normalize, scale)
-
-
-def _router_group_topk(logits, bias, k, n_group, topk_group, normalize, scale):
-    from mxq.kernels.moe_router import router_group_topk
-
-    return router_group_topk(logits, bias, k, n_group, topk_group, normalize, scale)
-
-
-@router_group_topk_op.register_fake
-def _router_group_topk_fake(logits, bias, k, n_group, topk_group, normalize, scale):
-    t = logits.shape[0]
-    return logits.new_empty((t, k), dtype=torch.float32), logits.new_empty((t, k), dtype=torch.int64)
 
 
 # --- attention without repeated K/V ---------------------------------------------------------------

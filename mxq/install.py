@@ -13,10 +13,18 @@ did (``OWNER``), so that:
 - ``restore_forward`` undoes only what the same owner installed.
 
 Submodules are swapped with ``nn.Module.set_submodule`` (quantization, GPTQ's temporary experts).
+
+Whether a class computes what mxq's replacement assumes is decided on its forward's source
+(``normalized_source``, ``forward_hash``): a transformers release that changes it keeps its own
+forward, and ``warn_unknown_forward`` says so, naming the class.
 """
 
 from __future__ import annotations
 
+import ast
+import hashlib
+import inspect
+import textwrap
 import types
 import warnings
 
@@ -68,3 +76,39 @@ def restore_forward(module: nn.Module, owner: str) -> None:
 def installed_by(module: nn.Module) -> str | None:
     """The owner of the forward mxq installed on ``module``, if any."""
     return module.__dict__.get(OWNER)
+
+
+def normalized_source(source: str) -> str | None:
+    """A function's source without annotations, docstring, comments or layout (``ast.unparse``): what
+    mxq compares to decide whether a class computes what mxq knows."""
+    try:
+        fn = ast.parse(textwrap.dedent(source)).body[0]
+    except (SyntaxError, IndexError):
+        return None
+    if not isinstance(fn, ast.FunctionDef):
+        return None
+    a = fn.args
+    for arg in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg):
+        if arg is not None:
+            arg.annotation = None
+    fn.returns, fn.decorator_list, fn.name = None, [], "forward"
+    body = fn.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
+        fn.body = body[1:]
+    return ast.unparse(fn)
+
+
+def forward_hash(cls: type) -> str:
+    """The sha256 (16 hex digits) of ``cls.forward``'s ``normalized_source``."""
+    try:
+        source = normalized_source(inspect.getsource(cls.forward)) or ""
+    except (OSError, TypeError):
+        source = ""
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+def warn_unknown_forward(cls: type, what: str) -> None:
+    """A class mxq knows by name whose forward is not the known one: it keeps its own (callers cache,
+    so this is said once a class)."""
+    warnings.warn(f"mxq: {cls.__name__}.forward is not the one mxq knows (a new transformers release?); "
+                  f"it runs as transformers wrote it, without mxq's {what}", stacklevel=3)  # fmt: skip

@@ -28,7 +28,7 @@ OUTSIDE = ("kernels", "eval")  # subpackages mapped into mxq (package-dir), one 
 LAYERS = {
     0: {"cli", "cli_bench", "cli_eval", "cli_tune"},
     1: {PACKAGE, "calibrate", "gptq", "signround", "convert", "hf", "eval", "inspect", "models", "quantize"},
-    2: {"experts", "tp", "fuse", "linear", "embedding", "attention", "checkpoint", "validate", "recipe", "config", "plan", "reorder",
+    2: {"experts", "tp", "fuse", "routing", "linear", "embedding", "attention", "checkpoint", "validate", "recipe", "config", "plan", "reorder",
         "progress", "decode"},
     3: {"formats", "kernels", "install"},
 }

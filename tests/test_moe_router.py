@@ -1,4 +1,4 @@
-"""The router's top-k in one kernel (``mxq.kernels.moe_router``, ``mxq.fuse`` "routers") against
+"""The router's top-k in one kernel (``mxq.kernels.moe_router``, ``mxq.routing``) against
 independent references: torch's softmax, sigmoid and top-k as the families write them, and each known
 family's own router forward (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, gpt-oss, DeepSeek-V3 and GLM-4-MoE
 with group-limited choice; Llama 4's whole MoE block), on awkward shapes (the kernel in the Triton
@@ -14,6 +14,7 @@ from moe_models import moe_model
 
 import mxq
 from mxq import fuse as F
+from mxq import routing as R
 from mxq.kernels.moe_router import (
     HAS_TRITON,
     router_group_topk,
@@ -99,7 +100,7 @@ def test_router_group_topk_is_the_reference(t, e, groups, kept, k, normalize):
 
 
 def _router(model):
-    return next(m for m in model.modules() if type(m).__name__ in F.ROUTERS)
+    return next(m for m in model.modules() if type(m).__name__ in R.ROUTERS)
 
 
 @pytest.mark.parametrize("family", KNOWN)
@@ -109,13 +110,13 @@ def test_each_known_router_is_its_familys_forward(family, dtype):
     module's own forward: the same logits and experts, the weights within rounding (DeepSeek-V3's
     forward lists its k experts in no particular order: compared as sets)."""
     router = _router(_family_model(family, seed=3, dtype=dtype).to(DEV))
-    rule = F.known_router(type(router))
+    rule = R.known_router(type(router))
     assert rule is not None, type(router).__name__
     gen = torch.Generator().manual_seed(7)
     for tokens in (1, 13):
         h = torch.randn(tokens, router.weight.shape[1], generator=gen).to(DEV, dtype)
         want = type(router).forward(router, h)
-        got = F.fused_router_forward(router, h, rule)
+        got = R.fused_router_forward(router, h, rule)
         assert len(got) == len(want) == 3
         assert torch.equal(got[0], want[0])  # the same GEMM
         assert got[1].dtype == want[1].dtype and got[2].dtype == want[2].dtype
@@ -134,8 +135,8 @@ def test_any_router_class_with_a_known_forward_gets_its_rule():
     source, not the name (and a class that is no router is left alone)."""
     ds = type(_router(_family_model("deepseek_v3", seed=1)))
     twin = type("SomeOtherTopkRouter", (torch.nn.Module,), {"forward": ds.forward})
-    assert F.known_router(twin) == F.known_router(ds) and F.known_router(twin).kind == "group_sigmoid"
-    assert F.known_router(type("SomeOtherGate", (torch.nn.Module,), {"forward": ds.forward})) is None
+    assert R.known_router(twin) == R.known_router(ds) and R.known_router(twin).kind == "group_sigmoid"
+    assert R.known_router(type("SomeOtherGate", (torch.nn.Module,), {"forward": ds.forward})) is None
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -175,7 +176,7 @@ def test_fuse_installs_the_routers_and_unfuse_removes_them(family):
     with torch.no_grad():
         assert torch.equal(fast(ids).logits, plain(ids).logits)
     F.unfuse(fast)
-    assert not any("_mxq_router" in m.__dict__ or "forward" in m.__dict__ for m in fast.modules() if type(m).__name__ in F.ROUTERS)
+    assert not any("_mxq_router" in m.__dict__ or "forward" in m.__dict__ for m in fast.modules() if type(m).__name__ in R.ROUTERS)
 
 
 def test_a_changed_router_forward_keeps_its_own_with_a_warning():
@@ -184,8 +185,8 @@ def test_a_changed_router_forward_keeps_its_own_with_a_warning():
 
     changed = type("Qwen3MoeTopKRouter", (torch.nn.Module,), {"forward": forward})
     with pytest.warns(UserWarning, match="Qwen3MoeTopKRouter.forward is not the one mxq knows"):
-        assert F.known_router(changed) is None
-    assert F.known_router(type("SomethingElse", (torch.nn.Module,), {"forward": forward})) is None
+        assert R.known_router(changed) is None
+    assert R.known_router(type("SomethingElse", (torch.nn.Module,), {"forward": forward})) is None
 
 
 @pytest.mark.gpu
@@ -208,10 +209,10 @@ def test_fused_router_compiles_as_one_custom_op(family):
     """Under torch.compile the fused forward calls ``mxq::router_topk``: it traces with fullgraph and
     gives what the eager forward gives (which calls the kernel without the op's dispatch)."""
     router = _router(_family_model(family, seed=5).to(DEV))
-    rule = F.known_router(type(router))
+    rule = R.known_router(type(router))
     h = torch.randn(6, router.weight.shape[1], generator=torch.Generator().manual_seed(2)).to(DEV)
     with torch.no_grad():
-        want = F.fused_router_forward(router, h, rule)
-        got = torch.compile(lambda x: F.fused_router_forward(router, x, rule), fullgraph=True, backend="eager")(h)
+        want = R.fused_router_forward(router, h, rule)
+        got = torch.compile(lambda x: R.fused_router_forward(router, x, rule), fullgraph=True, backend="eager")(h)
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
