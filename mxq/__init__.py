@@ -40,9 +40,12 @@ __all__ = [*_PUBLIC, "__version__"]
 
 def __getattr__(name: str):
     module = _PUBLIC.get(name)
-    if module is None:
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+    elif not name.startswith("_") and importlib.util.find_spec(f"mxq.{name}") is not None:
+        value = importlib.import_module(f"mxq.{name}")  # a submodule, as ``mxq.linear`` after ``import mxq``
+    else:
         raise AttributeError(f"module 'mxq' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 
