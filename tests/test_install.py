@@ -10,9 +10,9 @@ import warnings
 
 import pytest
 import torch
-from test_fuse import _model
 from torch import nn
 
+import mxq
 from mxq import fuse as F
 from mxq.install import install_forward, installed_by, restore_forward
 
@@ -78,7 +78,12 @@ def test_a_foreign_forward_is_left_alone_with_a_warning():
 def test_fuse_steps_aside_for_a_patched_norm():
     """A user's forward on one RMSNorm: ``fuse`` fuses every other module and leaves that norm (and the
     decoder layer whose add it would carry) as the user set it; the logits are the unfused model's."""
-    plain = _model("llama")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32, max_position_embeddings=128)  # fmt: skip
+    plain = mxq.quantize_model(LlamaForCausalLM(cfg).eval(), "mxfp8", fuse=False)
     patched = copy.deepcopy(plain)
     norm = patched.model.layers[0].input_layernorm
     norm.forward = types.MethodType(lambda self, h: type(self).forward(self, h) * 1.5, norm)  # the user's own change
