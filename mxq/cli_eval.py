@@ -13,11 +13,23 @@ import typer
 from rich.console import Console
 
 
-def _models():
-    """``mxq.models`` (torch, transformers), loaded when a command runs, not for ``--help``."""
-    from mxq import models
+# ``mxq.models`` (torch, transformers) loads when a command runs, not for ``--help``
+def load_model(*args, **kwargs):
+    from mxq.models import load_model as load
 
-    return models
+    return load(*args, **kwargs)
+
+
+def resolve_device(*args, **kwargs):
+    from mxq.models import resolve_device as resolve
+
+    return resolve(*args, **kwargs)
+
+
+def resolve_source(*args, **kwargs):
+    from mxq.models import resolve_source as resolve
+
+    return resolve(*args, **kwargs)
 
 
 eval_app = typer.Typer(
@@ -36,7 +48,7 @@ DATASET_HELP = (
 
 
 def _label(source: str) -> str:
-    return _models().resolve_source(source).display
+    return resolve_source(source).display
 
 
 DTYPES = {
@@ -80,7 +92,7 @@ def _load(source: str, device, dtype=None, kernels: str | None = None, fuse: boo
         kw = {"dtype": dtype} if dtype is not None else {}
         if not tokenizer:
             kw["tokenizer"] = False
-        got = _models().load_model(source, device=device, kernels=kernels, fuse=fuse, **kw)
+        got = load_model(source, device=device, kernels=kernels, fuse=fuse, **kw)
     err.print(f"{_label(source)} runs on {runtime(got[0])}", highlight=False)
     return got
 
@@ -146,7 +158,7 @@ def ppl_cmd(
                 "--plot shows the difference to --baseline; pass --baseline too"
             )
         require_matplotlib()
-    dev = _models().resolve_device(device)
+    dev = resolve_device(device)
     torch_dtype = _dtype(dtype)
     kernels = _kernels(kernels)
     _check_windows(seq_len, stride, max_windows, batch_size)
@@ -304,7 +316,7 @@ def chat_cmd(
         if v is not None and v < 1:
             raise typer.BadParameter(f"{opt} must be at least 1, got {v}")
     items = load_prompts(prompts)[:limit]
-    dev, kernels = _models().resolve_device(device), _kernels(kernels)
+    dev, kernels = resolve_device(device), _kernels(kernels)
     answers = {}
     for role, source in (("baseline", baseline), ("model", model)):
         m, tok = _load(source, dev, kernels=kernels)
@@ -354,7 +366,7 @@ def layers_cmd(
     from mxq.eval.perplexity import check_same_tokenizer, make_windows
     from mxq.eval.report import layers_markdown, write_json
 
-    dev = _models().resolve_device(device)
+    dev = resolve_device(device)
     kernels = _kernels(kernels)
     if seq_len < 2 or batches < 1:
         raise typer.BadParameter("--seq-len must be at least 2 and --batches at least 1")
