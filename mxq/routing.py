@@ -72,7 +72,7 @@ def known_llama4_moe(cls: type, router: type) -> bool:
 
 def fuse_routers(model: nn.Module) -> list[str]:
     """Give each known router (``known_router``) the one-kernel forward, and each known Llama 4 MoE
-    block with MX experts the forward that runs the chosen experts only (section comment)."""
+    block with MX experts the forward that runs the chosen experts only (module doc)."""
     from mxq.experts import MXExperts
 
     done = []
@@ -124,7 +124,7 @@ def fused_router_forward(self, hidden_states: torch.Tensor, rule: RouterRule):
 
 
 def _llama4_moe_forward(self, hidden_states: torch.Tensor):
-    """``Llama4TextMoe.forward`` on the chosen experts' rows (section comment): the router's GEMM, its
+    """``Llama4TextMoe.forward`` on the chosen experts' rows (module doc): the router's GEMM, its
     top k with their sigmoids (one kernel on a GPU), each chosen row scaled as transformers scales it,
     the experts by their index, the k rows of a token summed, the shared expert added."""
     from mxq.kernels.moe_router import router_topk_reference
