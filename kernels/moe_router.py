@@ -156,7 +156,7 @@ def router_topk(logits: torch.Tensor, k: int, rule: str, normalize: bool,
         raise ValueError(f"router_topk: k={k} for {e} experts")
     if rule not in RULES:
         raise ValueError(f"router_topk: rule {rule!r} is none of {', '.join(RULES)}")
-    if not HAS_TRITON or not (logits.is_cuda or _interpreting()) or e > 4096:
+    if not _kernel_runs(logits):
         return router_topk_reference(logits, k, rule, normalize, out_dtype)
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
     w = torch.empty((t, k), dtype=out_dtype, device=logits.device)
@@ -197,7 +197,7 @@ def router_group_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, n_group:
         raise ValueError(f"router_group_topk: {e} experts in {n_group} groups, {topk_group} chosen (need >= 2 a group)")
     if not 1 <= k <= topk_group * (e // n_group):
         raise ValueError(f"router_group_topk: k={k} for {topk_group} groups of {e // n_group} experts")
-    if not HAS_TRITON or not (logits.is_cuda or _interpreting()) or e > 4096:
+    if not _kernel_runs(logits):
         return router_group_topk_reference(logits, bias, k, n_group, topk_group, normalize, scale)
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
     w = torch.empty((t, k), dtype=torch.float32, device=logits.device)
@@ -210,7 +210,11 @@ def router_group_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, n_group:
     return w, i
 
 
-def _interpreting() -> bool:
+def _kernel_runs(logits: torch.Tensor) -> bool:
+    """Whether the kernels run on ``logits``: Triton, a CUDA tensor or the interpreter, and the E logits
+    of a token fit one program's registers."""
+    if not HAS_TRITON or logits.shape[1] > 4096:
+        return False
     from mxq.kernels.common import INTERPRET
 
-    return bool(INTERPRET)
+    return logits.is_cuda or bool(INTERPRET)

@@ -38,7 +38,7 @@ it computes, and never its ``state_dict``:
    known MoE router (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, gpt-oss, DeepSeek-V3, GLM-4-MoE) keeps its
    GEMM and computes the softmax or sigmoid, the (group-limited) top-k, normalisation and cast in one
    launch instead of five or more; Llama 4's MoE block runs only the experts its router chose, not
-   every expert on every token (section "routers"). Grouped attention (4.) covers the attention of
+   every expert on every token (``mxq.routing``). Grouped attention (4.) covers the attention of
    the families whose attention is Llama's.
 
 ``unfuse`` (``unfuse_layers``, ``unfuse_producers``, ``unfuse_routers``, then
@@ -77,7 +77,7 @@ from mxq.linear import (
 from mxq.routing import fuse_routers, unfuse_routers
 
 # Module classes whose forward is the arithmetic the producer kernels compute (by class name, as
-# transformers defines them; a subclass or another family keeps its own forward).
+# transformers defines them, and by forward source, ``KNOWN_FORWARDS``; another class keeps its own).
 NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")
 # the sha256 (16 hex digits) of the normalized forward source (``normalized_source``) of the classes

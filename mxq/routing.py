@@ -96,8 +96,13 @@ def unfuse_routers(model: nn.Module) -> None:
             restore_forward(m, "fuse")
 
 
+def _on_kernels(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a router's choice runs in the kernels: on a GPU, with a plain (not a DTensor) weight."""
+    return x.is_cuda and type(weight).__name__ != "DTensor"
+
+
 def _router_forward(self, hidden_states: torch.Tensor):
-    if not hidden_states.is_cuda or type(self.weight).__name__ == "DTensor":
+    if not _on_kernels(hidden_states, self.weight):
         return type(self).forward(self, hidden_states)
     return fused_router_forward(self, hidden_states, self.__dict__["_mxq_router"])
 
@@ -132,7 +137,7 @@ def _llama4_moe_forward(self, hidden_states: torch.Tensor):
     h = hidden_states.reshape(-1, self.hidden_dim)
     logits = torch.nn.functional.linear(h, self.router.weight, self.router.bias)
     k = int(self.router.top_k)
-    if not h.is_cuda or type(self.router.weight).__name__ == "DTensor":
+    if not _on_kernels(h, self.router.weight):
         scores, index = router_topk_reference(logits, k, "topk_sigmoid", False, logits.dtype)
     elif torch.compiler.is_compiling():
         scores, index = router_topk_op(logits, k, "topk_sigmoid", False, True)
