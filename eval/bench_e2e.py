@@ -77,6 +77,16 @@ SHAPES = {
                               num_experts=128, num_experts_per_tok=8, num_hidden_layers=16, num_attention_heads=32,
                               num_key_value_heads=4, head_dim=128, vocab_size=151936, max_position_embeddings=8192,
                               rope_theta=1000000.0, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_experts=128, num_experts_per_tok=8, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, vocab_size=151936, max_position_embeddings=8192,
+                          rope_theta=1000000.0, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
+    # Qwen3-235B-A22B widths (94 layers; ``--layers N`` takes fewer): with ``--mx-only`` its MXFP8
+    # checkpoint is written tensor by tensor, no bf16 copy on disk or in memory
+    "qwen3-235b-a22b": dict(model_type="qwen3_moe", hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
+                            num_experts=128, num_experts_per_tok=8, num_hidden_layers=94, num_attention_heads=64,
+                            num_key_value_heads=4, head_dim=128, vocab_size=151936, max_position_embeddings=8192,
+                            rope_theta=1000000.0, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
     "tiny-moe": dict(model_type="qwen3_moe", hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
                      num_experts=8, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=1024,
@@ -161,18 +171,30 @@ def weight_bytes(model) -> int:
     return total
 
 
-def build_random(shape: str, device: torch.device, seed: int = 0):
+def shape_config(shape: str, layers: int | None = None):
+    """The transformers config of ``shape`` (Llama unless it names another ``model_type``), with
+    ``layers`` decoder layers instead of the shape's own count when given."""
+    from transformers import AutoConfig
+
+    kw = dict(SHAPES[shape])
+    if layers:
+        kw["num_hidden_layers"] = layers
+        if "layer_types" in kw:  # gpt-oss alternates sliding and full attention: the first ``layers``
+            kw["layer_types"] = (kw["layer_types"] * (layers // len(kw["layer_types"]) + 1))[:layers]
+    return AutoConfig.for_model(kw.pop("model_type", "llama"), **kw, tie_word_embeddings=False)
+
+
+def build_random(shape: str, device: torch.device, seed: int = 0, layers: int | None = None):
     """A bf16 model of ``shape`` with random weights (transformers' initialisation), built directly on
-    ``device`` (Llama unless the shape names another ``model_type``). Mixtures of experts run their
+    ``device`` (``shape_config``). Mixtures of experts run their
     bf16 experts with transformers' fastest implementation here (``grouped_mm``; transformers 5.17's
     default too). Biases that transformers initialises to zero (gpt-oss: attention and experts) are
     drawn like the weights (normal, ``initializer_range``), so the quantized model's bias paths count
     in the logits check; every weight is finite (gpt-oss's 3-D experts parameters are drawn by its own
     ``_init_weights``)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    kw = dict(SHAPES[shape])
-    cfg = AutoConfig.for_model(kw.pop("model_type", "llama"), **kw, tie_word_embeddings=False)
+    cfg = shape_config(shape, layers)
     if getattr(cfg, "num_experts", None):  # Qwen3-MoE's num_experts, gpt-oss's num_local_experts (aliased)
         cfg._experts_implementation = "grouped_mm"
     torch.manual_seed(seed)
@@ -191,6 +213,48 @@ def build_random(shape: str, device: torch.device, seed: int = 0):
     if bad:
         raise RuntimeError(f"build_random({shape!r}): non-finite initial weights in {bad[:5]}")
     return model.eval()
+
+
+def random_source(shape: str, device: torch.device, seed: int = 0, layers: int | None = None):
+    """The bf16 tensors of ``shape`` as the converter's ``TensorSource``, each made on ``device`` when
+    the converter asks for it: norms 1, correction biases 0, everything else normal(0,
+    ``initializer_range``), seeded by the tensor's name. A model too large for the disk or memory in
+    bf16 gets its MXFP8 checkpoint this way, one tensor in memory at a time."""
+    import zlib
+
+    from transformers import AutoModelForCausalLM
+
+    from mxq.checkpoint import DTYPE_NAMES
+    from mxq.convert import TensorSource
+
+    cfg = shape_config(shape, layers)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    shapes = {n: tuple(t.shape) for n, t in skeleton.state_dict().items()}
+    std = getattr(cfg, "initializer_range", 0.02)
+
+    def read(name: str) -> torch.Tensor:
+        t = torch.empty(shapes[name], dtype=torch.bfloat16, device=device)
+        if t.dim() == 1 and "norm" in name:
+            return t.fill_(1.0)
+        if name.endswith("e_score_correction_bias"):
+            return t.zero_()
+        g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        return t.normal_(0.0, std, generator=g)
+
+    raw = cfg.to_dict()
+    raw["dtype"] = "bfloat16"
+    return TensorSource(cfg, raw, [(n, DTYPE_NAMES[torch.bfloat16], s) for n, s in shapes.items()], read,
+                        label=f"{shape} with {cfg.num_hidden_layers} layers (random weights)")  # fmt: skip
+
+
+def bf16_bytes(config) -> int:
+    """Bytes of a model of ``config`` in bf16 (built on the meta device: nothing allocated)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    return sum(t.numel() for t in m.state_dict().values()) * 2
 
 
 def moe_layers(model) -> int:
@@ -548,6 +612,29 @@ def table_lines(res: dict) -> list[str]:
     return lines
 
 
+def single_lines(res: dict) -> list[str]:
+    """The MXFP8 figures alone (a run without bf16, e.g. ``--mx-only``) as a markdown table."""
+    q, gib = res["mxfp8"], 2**30
+    tp = f" x {res['tp']} (tensor parallel)" if res.get("tp", 1) > 1 else ""
+    lines = [f"## {res['model']} on {res['env']['device']}{tp} ({res['env']['date']}), recipe {res['recipe']}", "",
+             "| metric | MXFP8 |", "|---|---:|", f"| weights a rank (GiB) | {q['weight_bytes'] / gib:.2f} |"]  # fmt: skip
+    if q.get("allocated_bytes"):
+        lines.append(f"| allocated a rank after loading (GiB) | {q['allocated_bytes'] / gib:.2f} |")
+    pf = q["prefill"]
+    lines.append(f"| prefill tok/s (B={pf['batch']}, S={pf['seq_len']}) | {pf['tokens_per_s']:.0f} |")
+    if pf.get("peak_bytes"):
+        lines.append(f"| prefill peak memory a rank (GiB) | {pf['peak_bytes'] / gib:.2f} |")
+    for d in q["decode"]:
+        v = d.get("tokens_per_s")
+        lines.append(f"| decode tok/s B={d['batch']} {d['mode']} | {'failed' if v is None else f'{v:.1f}'} |")
+    if res.get("bf16_bytes"):  # --mx-only: the bf16 model that was never built
+        tp_n = res.get("tp", 1)
+        fits = "" if not res.get("device_bytes") else (
+            f" against {res['device_bytes'] / gib:.1f} GiB a GPU: " + ("fits" if res["bf16_bytes"] / tp_n < res["device_bytes"] else "does not fit"))
+        lines += ["", f"bf16 would hold {res['bf16_bytes'] / gib:.1f} GiB of weights, {res['bf16_bytes'] / tp_n / gib:.1f} GiB a rank{fits}."]
+    return lines
+
+
 def print_table(res: dict) -> None:
     print("\n" + "\n".join(table_lines(res)))
 
@@ -577,19 +664,29 @@ def _build(a, device: torch.device):
         return model, a.model
     shape = a.shape or "llama3-8b"
     with _Timer(device) as t:
-        model = build_random(shape, device)
+        model = build_random(shape, device, layers=a.layers)
     print(f"built {shape} on {device} in {t.s:.1f} s", flush=True)
     return model, f"{shape} (random weights)"
 
 
 def prepare_checkpoints(a, device: torch.device) -> None:
     """``--checkpoint-dir``: the bf16 model of ``--shape`` (random weights) as a checkpoint, then
-    ``mxq quantize`` of it with ``--recipe``; either is kept if already there."""
+    ``mxq quantize`` of it with ``--recipe``; either is kept if already there. With ``--mx-only``
+    no bf16 checkpoint: the converter reads ``random_source``, one tensor made at a time."""
 
     bf16, mx = os.path.join(a.checkpoint_dir, "bf16"), os.path.join(a.checkpoint_dir, a.recipe)
+    if a.mx_only:
+        if not os.path.exists(os.path.join(mx, "config.json")):
+            from mxq.convert import quantize_checkpoint
+
+            t0 = time.perf_counter()
+            quantize_checkpoint(random_source(a.shape or "llama3-8b", device, layers=a.layers), mx, a.recipe,
+                                device=device.type, max_shard_bytes=5 * 2**30)  # fmt: skip
+            print(f"wrote {mx} (no bf16 copy) in {time.perf_counter() - t0:.1f} s", flush=True)
+        return
     if not os.path.exists(os.path.join(bf16, "config.json")):
         with _Timer(device) as t:
-            model = build_random(a.shape or "llama3-8b", device)
+            model = build_random(a.shape or "llama3-8b", device, layers=a.layers)
             model.save_pretrained(bf16 + ".tmp", max_shard_size="5GB")
             del model
         os.replace(bf16 + ".tmp", bf16)
@@ -635,6 +732,12 @@ def worker(a, device: torch.device) -> dict:
         model, label = _load_checkpoint(a, a.worker, device)
         res = {"model": label, "config": {k: getattr(model.config, k, None) for k in ("hidden_size", "intermediate_size",
                "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size")}, "tp": a.tp}  # fmt: skip
+        if a.mx_only:  # what the same model would hold in bf16, against what one GPU has
+            res["bf16_bytes"] = bf16_bytes(model.config)
+            if device.type == "cuda":
+                res["device_bytes"] = torch.cuda.get_device_properties(device).total_memory
+            print(f"bf16 would hold {res['bf16_bytes'] / 2**30:.1f} GiB, {res['bf16_bytes'] / a.tp / 2**30:.1f} GiB a rank",
+                  flush=True)  # fmt: skip
         res["measured"] = measure(model, a.worker, a, device)
         return res
     model, label = _build(a, device)
@@ -725,6 +828,10 @@ def main(argv=None) -> int:
                         "ratio as the median over the pairs with its min-max")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: each role under torchrun on N GPUs (needs --checkpoint-dir)")
     p.add_argument("--checkpoint-dir", help="load the models from checkpoints here (written first if missing: bf16/ and RECIPE/)")
+    p.add_argument("--layers", type=int, help="decoder layers of --shape (default: the shape's own count)")
+    p.add_argument("--mx-only", action="store_true",
+                   help="with --checkpoint-dir: write only the RECIPE checkpoint, each tensor made on the device as the "
+                        "converter reads it (no bf16 copy on disk or in memory); --roles mxfp8 only")
     p.add_argument("--worker", choices=WORKERS, help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help="JSON file to write")
@@ -750,6 +857,10 @@ def main(argv=None) -> int:
             "bench_e2e: --device cuda but CUDA is not available (use --device cpu for a smoke run)",
             file=sys.stderr,
         )
+        return 2
+    if a.mx_only and (not a.checkpoint_dir or a.model or any(r.strip() != "mxfp8" for r in a.roles.split(","))):
+        print("bench_e2e: --mx-only needs --checkpoint-dir, a --shape and --roles mxfp8 (there is no bf16 model to run)",
+              file=sys.stderr)  # fmt: skip
         return 2
     if a.tp > 1 and not a.checkpoint_dir:
         print("bench_e2e: --tp needs --checkpoint-dir (tensor parallelism loads checkpoints from disk)", file=sys.stderr)
@@ -802,6 +913,7 @@ def main(argv=None) -> int:
                 with open(path) as f:
                     out = json.load(f)
                 res["model"], res["config"] = out["model"], out["config"]
+                res.update({k: out[k] for k in ("bf16_bytes", "device_bytes") if k in out})
                 runs[role].append(out["measured"])
                 if role == "mxfp8" and i == 0 and "quantize" in out:
                     res["quantize"], res["check"] = out["quantize"], out["check"]
@@ -843,6 +955,8 @@ def _finish(res: dict, out: str | None) -> int:
             res["summary_vs_bf16_grouped"] = summary_rows(grouped)
             print("\nMXFP8 against bf16 with the same attention (mxq's, without repeated K/V):")
             print("\n".join(table_lines(dict(grouped, summary=res["summary_vs_bf16_grouped"]))[2:]))
+    elif res.get("mxfp8") and not res.get("bf16"):
+        print("\n" + "\n".join(single_lines(res)))
     if out:
         with open(out, "w") as f:
             json.dump(res, f, indent=1)

@@ -91,19 +91,35 @@ class ConversionReport:
 # --- sources -------------------------------------------------------------------------------------
 
 @dataclass
-class _Source:
-    """Tensors of a model, listed up front and read one at a time."""
+class TensorSource:
+    """Tensors of a model, listed up front and read one at a time: what the converter streams.
+    ``quantize_checkpoint`` opens one from a directory, a hub id or a GGUF file; a caller may pass
+    its own, e.g. ``TensorSource.from_model(model)`` for a model in memory, or a reader that makes
+    each tensor when it is asked for (a checkpoint larger than memory never exists whole)."""
 
     config: object  # transformers PretrainedConfig
     raw_config: dict
     tensors: list[tuple[str, str, tuple[int, ...]]]  # name, safetensors dtype, shape
     read: Callable[[str], torch.Tensor]
-    files_dir: Path | None  # where generation config and tokenizer files live (HF directory)
+    files_dir: Path | None = None  # where generation config and tokenizer files live (HF directory)
     gguf: ModelSource | None = None
     generation_config: object = None
+    label: str = "tensors in memory"
+
+    @classmethod
+    def from_model(cls, model, label: str = "") -> TensorSource:
+        """The tensors of an in-memory transformers model (its ``state_dict``; a tied head is left
+        to the loader, which re-ties it)."""
+        sd = model.state_dict()
+        if getattr(model.config.get_text_config(), "tie_word_embeddings", False):
+            sd.pop("lm_head.weight", None)
+        tensors = [(k, DTYPE_NAMES[v.dtype], tuple(v.shape)) for k, v in sd.items()]
+        return cls(model.config, model.config.to_dict(), tensors, sd.__getitem__,
+                   generation_config=getattr(model, "generation_config", None),
+                   label=label or f"{type(model).__name__} in memory")  # fmt: skip
 
 
-def _open_dir(path: Path) -> _Source:
+def _open_dir(path: Path) -> TensorSource:
     from transformers import AutoConfig
 
     raw = read_config(path)
@@ -115,26 +131,26 @@ def _open_dir(path: Path) -> _Source:
     except Exception as e:  # noqa: BLE001 - transformers' and huggingface_hub's many kinds: all a bad config.json
         raise ConversionError(f"{path}/config.json: {' '.join(str(e).split())[:300] or type(e).__name__}") from None
     infos: dict[str, TensorInfo] = read_index(path)
-    return _Source(
+    return TensorSource(
         config, raw, [(i.name, i.dtype, i.shape) for i in infos.values()], lambda n: read_tensor(infos[n]), path
     )
 
 
-def _open_gguf(src: ModelSource) -> _Source:
+def _open_gguf(src: ModelSource) -> TensorSource:
     from transformers import AutoModelForCausalLM
 
     # GGUF weights are block-quantized in their own formats: transformers dequantizes the
     # whole file, so this source holds the model in memory (small models only).
     model = AutoModelForCausalLM.from_pretrained(src.path, gguf_file=src.gguf_file, dtype=torch.bfloat16,
                                                  trust_remote_code=False)
-    sd = model.state_dict()
-    if getattr(model.config.get_text_config(), "tie_word_embeddings", False):
-        sd.pop("lm_head.weight", None)  # tied to the embedding: the loader re-ties it
-    tensors = [(k, DTYPE_NAMES[v.dtype], tuple(v.shape)) for k, v in sd.items()]
-    return _Source(model.config, model.config.to_dict(), tensors, sd.__getitem__, None, src, model.generation_config)
+    out = TensorSource.from_model(model)
+    out.gguf, out.label = src, src.display
+    return out
 
 
-def _open_source(source: str | os.PathLike | None, progress: bool = False) -> tuple[ModelSource, _Source]:
+def _open_source(source: str | os.PathLike | TensorSource | None, progress: bool = False) -> tuple[ModelSource, TensorSource]:
+    if isinstance(source, TensorSource):
+        return ModelSource("memory", "", label=source.label), source
     try:
         src = resolve_source(source)
     except ModelSourceError as e:
@@ -268,7 +284,7 @@ def _experts_on_disk(info, weights: dict) -> tuple[str, list[str]] | None:
     return "per_expert", found
 
 
-def _plan(src: _Source, recipe: Recipe, warn: Callable[[str], None], cplan=None) -> _Plan:
+def _plan(src: TensorSource, recipe: Recipe, warn: Callable[[str], None], cplan=None) -> _Plan:
     """Every output tensor of the conversion: the layers from the model's structure (built on the
     meta device) matched to the source's tensors, selected by the recipe, adjusted by the
     calibration plan, then the input embedding and the routed experts; the layout in source order."""
@@ -387,7 +403,7 @@ def _plan_experts(plan: _Plan, info, where: tuple[str, list[str]], recipe: Recip
     plan.experts[info.name] = experts_entry(info, recipe.weights, recipe.activations, stored)
 
 
-def _layout(src: _Source, plan: _Plan, recipe: Recipe) -> list[PlannedTensor]:
+def _layout(src: TensorSource, plan: _Plan, recipe: Recipe) -> list[PlannedTensor]:
     """The output tensors in source order: a quantized weight becomes fp8 codes plus its scales
     (a fused experts tensor [E, N, K], K last), everything else keeps its dtype and shape."""
     layout = []
@@ -410,7 +426,7 @@ def _layout(src: _Source, plan: _Plan, recipe: Recipe) -> list[PlannedTensor]:
 _PROJECTION = re.compile(r"proj|^w\d+$|^fc\d*$|dense|linear")
 
 
-def _warn_uncovered(src: _Source, plan: _Plan, layers, moe, heads, emb, warn) -> None:
+def _warn_uncovered(src: TensorSource, plan: _Plan, layers, moe, heads, emb, warn) -> None:
     """Every floating-point matrix that no rule covers (not a Linear layer, experts module, router,
     gate, head or embedding) stays in its dtype and is listed as kept with the reason, so the
     summary and the report name it; one that looks like a projection (by its module's name) is
@@ -450,7 +466,7 @@ def _plan_embedding(emb, recipe: Recipe, warn, weights: dict):
         raise ConversionError(str(e)) from None
 
 
-def _warn_unshardable(src: _Source, layout: list[PlannedTensor], warn) -> dict[int, list[str]]:
+def _warn_unshardable(src: TensorSource, layout: list[PlannedTensor], warn) -> dict[int, list[str]]:
     """Tensor parallelism of degree 2, 4 or 8 that some quantized weight would not survive (a
     row-parallel K whose per-rank slice breaks a 32-element block, ``mxq.tp``): one warning per
     degree naming the weights; the same lists for the report."""
@@ -467,7 +483,7 @@ def _warn_unshardable(src: _Source, layout: list[PlannedTensor], warn) -> dict[i
     return out
 
 
-def _shares(src: _Source, plan: _Plan) -> dict:
+def _shares(src: TensorSource, plan: _Plan) -> dict:
     """The share of the model's parameters written in MX, of all and of the routed experts'."""
     sizes = {name: torch.Size(shape).numel() for name, _d, shape in src.tensors}
     experts = sum(sizes[n] for names in plan.experts_disk.values() for n in names)
@@ -497,7 +513,7 @@ def compressed_tensors_config(recipe: Recipe, ignore: list[str], embeddings: boo
 # --- the conversion ------------------------------------------------------------------------------
 
 def quantize_checkpoint(
-    source: str | os.PathLike | None,
+    source: str | os.PathLike | TensorSource | None,
     out: str | os.PathLike,
     recipe: Recipe | str | None = None,
     *,
@@ -512,6 +528,8 @@ def quantize_checkpoint(
     allow_nonfinite: bool = False,
 ) -> ConversionReport:
     """Quantize a model checkpoint to MXFP8 and write it to ``out`` (see the module docstring).
+    ``source``: a directory, hub id, GGUF file, None (the embedded default), or a ``TensorSource``
+    (tensors read one at a time from anywhere: a model in memory, a generator).
 
     ``allow_nonfinite``: a NaN or Inf in a tensor kept in high precision is copied with a warning
     naming it, instead of stopping the run (weights being quantized never may hold one).
@@ -607,7 +625,7 @@ def _check_target(out: str | os.PathLike, recipe: Recipe, fmt: str, force: bool)
 class _Job:
     """One conversion's settings and its plan, as every tensor sees them."""
 
-    src: _Source
+    src: TensorSource
     recipe: Recipe
     device: str
     allow_nonfinite: bool
@@ -652,7 +670,7 @@ def _recipe_and_plan(recipe: Recipe | str | None, plan) -> tuple[Recipe, object]
     return recipe, plan
 
 
-def _geometry(src: _Source, cplan):
+def _geometry(src: TensorSource, cplan):
     """The source's geometry, checked against the plan's (its permutations fold into these shapes)."""
     if cplan is None:
         return None
@@ -717,7 +735,7 @@ def _convert_tensor(job: _Job, name: str, tensor: torch.Tensor, writer: ShardWri
     report.bytes_after += after
 
 
-def _progress(src: _Source, enabled: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def _progress(src: TensorSource, enabled: bool) -> Iterator[tuple[str, torch.Tensor]]:
     from mxq.checkpoint import itemsize
 
     total = sum(torch.Size(s).numel() * itemsize(d) for _, d, s in src.tensors)
@@ -824,7 +842,7 @@ def _rounded_expert_weight(name: str, w: torch.Tensor, et: _ExpertTensor, cplan,
 
 
 def _write_configs(
-    tmp: Path, src: _Source, recipe: Recipe, specs: dict, kept: dict, fmt: str, msrc: ModelSource, cplan=None,
+    tmp: Path, src: TensorSource, recipe: Recipe, specs: dict, kept: dict, fmt: str, msrc: ModelSource, cplan=None,
     scale_dtype: str = "u8", embedding=None, experts: dict | None = None,
 ) -> None:
     tied = embedding.tied() if embedding is not None else {}
@@ -838,7 +856,9 @@ def _write_configs(
         load_tokenizer(src.gguf).save_pretrained(tmp)
     else:
         cfg = dict(src.raw_config)
-        for f in ("generation_config.json", *TOKENIZER_FILES):
+        if src.generation_config is not None and src.files_dir is None:
+            src.generation_config.save_pretrained(tmp)
+        for f in ("generation_config.json", *TOKENIZER_FILES) if src.files_dir is not None else ():
             if (src.files_dir / f).is_file():
                 shutil.copy2(src.files_dir / f, tmp / f)
     if fmt == "compressed-tensors":

@@ -58,6 +58,7 @@ class MXQHfQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model, **kwargs):
         cfg: MXQConfig = self.quantization_config
         dtype = kwargs.get("dtype") or model.dtype
+        _refuse_expert_parallel(model)
         checked = _validate(cfg, kwargs.get("checkpoint_files"))
         self._mxq_files = list(kwargs.get("checkpoint_files") or [])
         embeddings = []
@@ -300,6 +301,17 @@ def _quiet_per_expert_report(model, cfg) -> None:
     if unexpected:
         model._keys_to_ignore_on_load_unexpected = {*(model._keys_to_ignore_on_load_unexpected or ()), *unexpected}
         model._keys_to_ignore_on_load_missing = {*(model._keys_to_ignore_on_load_missing or ()), *missing}
+
+
+def _refuse_expert_parallel(model) -> None:
+    """transformers' expert parallelism (``DistributedConfig(enable_expert_parallel=True)``) gives
+    each rank whole experts and remaps the router's choices to them; mxq's experts and fused MoE
+    block run tensor parallelism only. Refused before anything loads, saying what does work."""
+    dc = getattr(getattr(model, "config", None), "distributed_config", None)
+    if getattr(dc, "enable_expert_parallel", False):
+        raise ValueError("mxq: expert parallelism (DistributedConfig(enable_expert_parallel=True)) does not run mxq "
+                         "checkpoints; load with tensor parallelism (tp_plan=\"auto\"): every expert's codes and scales "
+                         "are sharded across the ranks")  # fmt: skip
 
 
 def _warn_unsharded(model, sharded: bool) -> None:

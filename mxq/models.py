@@ -24,7 +24,7 @@ class ModelSourceError(ValueError):
 
 @dataclass(frozen=True)
 class ModelSource:
-    kind: str  # "dir" (HF layout, maybe an mxq checkpoint), "gguf", or "hub"
+    kind: str  # "dir" (HF layout, maybe an mxq checkpoint), "gguf", "hub", or "memory" (a converter's TensorSource)
     path: str  # directory, or hub id
     gguf_file: str | None = None  # file name inside ``path`` for GGUF
     label: str = ""

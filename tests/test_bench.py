@@ -278,3 +278,39 @@ def test_bench_e2e_prefill_rows():
         for k in ("host_s", "device_s", "moe_layers", "host_s_per_moe_layer", "launches"):
             del r["prefill"][k]
     assert not [r for r in bench_e2e.summary_rows(old) if "/ forward" in r["metric"] or "MoE layer" in r["metric"]]
+
+
+def test_mx_only_checkpoint_is_made_without_bf16(tmp_path):
+    """``--mx-only``: the MXFP8 checkpoint comes from tensors made one at a time (no bf16 copy), at
+    ``--layers``; what it holds decodes to those tensors, and the run reports the bf16 bytes it avoided."""
+    import subprocess
+    import sys
+
+    import mxq
+    from mxq.eval import bench_e2e
+
+    ck, out = tmp_path / "ck", tmp_path / "r.json"
+    cmd = [sys.executable, "-m", "mxq.eval.bench_e2e", "--shape", "tiny-moe", "--layers", "3", "--device", "cpu",
+           "--checkpoint-dir", str(ck), "--roles", "mxfp8", "--mx-only", "--seq-len", "16", "--batch", "1",
+           "--new-tokens", "2", "--prompt-len", "4", "--reps", "1", "--no-generate", "--no-static-generate",
+           "--no-launch-count", "--out", str(out)]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "OMP_NUM_THREADS": "2"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert sorted(p.name for p in ck.iterdir()) == ["mxfp8"]
+    res = json.loads(out.read_text())
+    ref = bench_e2e.build_random("tiny-moe", torch.device("cpu"), layers=3)
+    assert res["config"]["num_hidden_layers"] == 3 and ref.config.num_hidden_layers == 3
+    assert res["bf16_bytes"] == sum(t.numel() * 2 for t in ref.state_dict().values())
+    assert "bf16 would hold" in r.stdout and "| decode tok/s B=1 static eager |" in r.stdout
+    src = bench_e2e.random_source("tiny-moe", torch.device("cpu"), layers=3)
+    assert torch.equal(src.read("model.layers.2.self_attn.q_proj.weight"), src.read("model.layers.2.self_attn.q_proj.weight"))
+    assert not torch.equal(src.read("model.layers.1.self_attn.q_proj.weight"), src.read("model.layers.2.self_attn.q_proj.weight"))
+    model = mxq.load(ck / "mxfp8")
+    sd = model.state_dict()
+    assert torch.equal(sd["model.embed_tokens.weight"], src.read("model.embed_tokens.weight"))
+    assert torch.equal(sd["model.layers.0.input_layernorm.weight"], torch.ones(128, dtype=torch.bfloat16))
+    q = model.get_submodule("model.layers.2.self_attn.q_proj")  # a slice of the fused q/k/v GEMM
+    w = src.read("model.layers.2.self_attn.q_proj.weight").float()
+    blockmax = w.abs().reshape(w.shape[0], -1, 32).amax(-1, keepdim=True)
+    err = (q.dequantized_weight().float() - w).abs().reshape(w.shape[0], -1, 32)
+    assert (err <= blockmax * 2**-4 + 1e-12).all()  # E4M3: within half a step of the block's largest binade

@@ -832,3 +832,57 @@ def test_every_unquantized_matrix_is_named(tmp_path, llama_dir):
     assert "no rule covers" in report.kept["model.layers.0.mlp.extra_proj.weight"]
     assert "kept as it is" in report.kept["model.extra_table"]
     assert any("extra_proj" in m for m in said) and not any("extra_table" in m for m in said)
+
+
+def _tensors(directory: Path) -> dict:
+    out = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        out.update({k: v.view(torch.uint8) if v.dtype.itemsize == 1 else v for k, v in load_file(f).items()})
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "gpt_oss"])
+def test_tensor_source_from_memory_equals_the_directory(tmp_path, llama_dir, family):
+    """A model in memory (``TensorSource.from_model``) converts to the same bytes and the same
+    quantization config as its saved directory; a reader that makes each tensor on request is read
+    once per tensor, in the listed order."""
+    from moe_models import moe_model
+
+    from mxq.convert import TensorSource
+
+    if family == "llama":
+        model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.bfloat16)
+    else:
+        model = moe_model(family, seed=11, dtype=torch.bfloat16)
+        model.save_pretrained(tmp_path / "src")
+    src = llama_dir if family == "llama" else tmp_path / "src"
+    quantize_checkpoint(src, tmp_path / "disk", progress=False)
+    source = TensorSource.from_model(model)
+    reads = []
+    read = source.read
+    source.read = lambda n: reads.append(n) or read(n)
+    quantize_checkpoint(source, tmp_path / "mem", progress=False)
+    assert reads == [n for n, _, _ in source.tensors] and len(set(reads)) == len(reads)
+    if family == "llama":  # the same layout on disk: the same bytes
+        disk, mem = _tensors(tmp_path / "disk"), _tensors(tmp_path / "mem")
+        assert set(disk) == set(mem)
+        for k in disk:
+            assert torch.equal(disk[k], mem[k]), k
+    # transformers saves experts one by one, the model in memory holds them fused: the loaded models agree
+    a, b = mxq.load(tmp_path / "disk"), mxq.load(tmp_path / "mem")
+    sa, sb = a.state_dict(), b.state_dict()
+    assert set(sa) == set(sb)
+    for k in sa:
+        assert torch.equal(sa[k].view(torch.uint8) if sa[k].dtype.itemsize == 1 else sa[k],
+                           sb[k].view(torch.uint8) if sb[k].dtype.itemsize == 1 else sb[k]), k
+    qd, qm = (json.loads((tmp_path / d / "config.json").read_text())["quantization_config"] for d in ("disk", "mem"))
+    assert qm.pop("provenance")["source"] == f"{type(model).__name__} in memory"
+    qd.pop("provenance")
+    for e in qm.get("experts", {}).values():  # the one difference: how the experts lie on disk
+        assert e.pop("layout") == "fused" and all(n.endswith(("gate_up_proj", "down_proj")) for n in e.pop("stored"))
+    for e in qd.get("experts", {}).values():
+        e.pop("layout"), e.pop("stored")
+    assert qd == qm
+    ids = _ids(model.config.vocab_size)
+    with torch.no_grad():
+        assert torch.equal(a(ids).logits, b(ids).logits)

@@ -67,7 +67,8 @@ def _two_gpus() -> bool:
     "family,device",
     [("llama", "cpu"), ("qwen3_moe", "cpu"), ("mixtral", "cpu"), ("gpt_oss", "cpu"),
      pytest.param("llama", "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not _two_gpus(), reason="needs 2 GPUs")]),
-     pytest.param("qwen3_moe", "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not _two_gpus(), reason="needs 2 GPUs")])],
+     *(pytest.param(f, "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not _two_gpus(), reason="needs 2 GPUs")])
+       for f in ("qwen3_moe", "mixtral", "gpt_oss"))],
 )  # fmt: skip
 def test_tp2_equals_tp1(tmp_path, family, device):
     src, ckpt = tmp_path / "src", tmp_path / "mx"
@@ -122,3 +123,28 @@ def test_a_checkpoint_that_does_not_shard_is_refused_naming_the_layer(tmp_path):
                         str(tmp_path / "mx"), str(tmp_path / "x.pt")], env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert r.returncode != 0
     assert "tensor parallelism 2: model.layers.0.mlp.down_proj.weight: K=96 gives 48 per rank" in r.stdout + r.stderr
+
+
+EXPERT_PARALLEL = """
+import sys
+from transformers import AutoModelForCausalLM
+from transformers.distributed import DistributedConfig
+import mxq  # noqa: F401
+AutoModelForCausalLM.from_pretrained(sys.argv[1], distributed_config=DistributedConfig(enable_expert_parallel=True, tp_plan="auto"))
+print("loaded")
+"""
+
+
+def test_expert_parallelism_is_refused_saying_what_works(tmp_path):
+    """transformers' expert parallelism would hand the experts remapped choices mxq's block never
+    sees (and left the scales unsharded): refused before loading, pointing at tp_plan."""
+    _moe("qwen3_moe")(tmp_path / "src")
+    rc, out = run_cli(["quantize", str(tmp_path / "src"), str(tmp_path / "mx")])
+    assert rc == 0, out
+    (tmp_path / "ep.py").write_text(EXPERT_PARALLEL)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                        str(tmp_path / "ep.py"), str(tmp_path / "mx")], env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode != 0 and "loaded" not in r.stdout
+    assert "mxq: expert parallelism (DistributedConfig(enable_expert_parallel=True)) does not run mxq checkpoints; " \
+           "load with tensor parallelism (tp_plan=\"auto\")" in r.stdout + r.stderr, r.stderr[-2000:]
