@@ -248,6 +248,26 @@ def random_source(shape: str, device: torch.device, seed: int = 0, layers: int |
                         label=f"{shape} with {cfg.num_hidden_layers} layers (random weights)")  # fmt: skip
 
 
+def write_bf16(source, out: str) -> None:
+    """``source``'s tensors as a bf16 checkpoint in ``out`` (shards of 5 GiB, one tensor in memory at
+    a time; written beside it, then renamed): the model is never whole on the device or the host."""
+    import json
+    import shutil
+
+    from mxq.checkpoint import PlannedTensor, ShardWriter
+
+    tmp = out + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    writer = ShardWriter(tmp, [PlannedTensor(n, d, s) for n, d, s in source.tensors], 5 * 2**30)
+    for name, _, _ in source.tensors:
+        writer.write(name, source.read(name))
+    writer.close()
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(source.raw_config, f, indent=1)
+    os.replace(tmp, out)
+
+
 def bf16_bytes(config) -> int:
     """Bytes of a model of ``config`` in bf16 (built on the meta device: nothing allocated)."""
     from transformers import AutoModelForCausalLM
@@ -686,10 +706,7 @@ def prepare_checkpoints(a, device: torch.device) -> None:
         return
     if not os.path.exists(os.path.join(bf16, "config.json")):
         with _Timer(device) as t:
-            model = build_random(a.shape or "llama3-8b", device, layers=a.layers)
-            model.save_pretrained(bf16 + ".tmp", max_shard_size="5GB")
-            del model
-        os.replace(bf16 + ".tmp", bf16)
+            write_bf16(random_source(a.shape or "llama3-8b", device, layers=a.layers), bf16)
         print(f"wrote {bf16} in {t.s:.1f} s", flush=True)
     if not os.path.exists(os.path.join(mx, "config.json")):
         t0 = time.perf_counter()
