@@ -93,6 +93,26 @@ def _full_length_cache(cache, max_len: int):
     return cache
 
 
+def _with_backward_hooks(model) -> list:
+    """The modules of ``model`` with backward hooks: tensor parallelism's gradient all-reduce on
+    replicated norms (transformers' ``replicated_with_grad_allreduce``, Qwen3's q/k norms), for one."""
+    return [m for m in model.modules() if m._backward_hooks or m._backward_pre_hooks]
+
+
+def _call_hooks_aside(modules: list, fn) -> None:
+    """``fn()`` with ``modules``' backward hooks set aside and put back after. The step runs under
+    ``inference_mode``, where no backward hook can fire, but ``torch.compile(fullgraph=True)``
+    refuses a module that has one; a CUDA graph replays the step without calling this at all."""
+    held = [(m, m._backward_hooks, m._backward_pre_hooks) for m in modules]
+    for m, _, _ in held:
+        m._backward_hooks, m._backward_pre_hooks = type(m._backward_hooks)(), type(m._backward_pre_hooks)()
+    try:
+        fn()
+    finally:
+        for m, hooks, pre in held:
+            m._backward_hooks, m._backward_pre_hooks = hooks, pre
+
+
 class StaticGreedyDecoder:
     def __init__(
         self,
@@ -125,9 +145,9 @@ class StaticGreedyDecoder:
         self._step_fn = self._step
         if compile:
             backend = compile if isinstance(compile, str) else "inductor"
-            self._step_fn = torch.compile(
-                self._step, fullgraph=True, dynamic=False, backend=backend
-            )
+            compiled = torch.compile(self._step, fullgraph=True, dynamic=False, backend=backend)
+            hooked = _with_backward_hooks(model)
+            self._step_fn = compiled if not hooked else lambda: _call_hooks_aside(hooked, compiled)
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor) -> None:

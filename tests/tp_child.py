@@ -24,6 +24,10 @@ def main() -> None:
     with torch.inference_mode():
         logits = model(ids).logits
         tokens = model.generate(ids[:2, :9], max_new_tokens=12, do_sample=False)
+    # the compiled decode step (fullgraph): tensor parallelism's backward hooks must not stop it
+    from mxq.decode import StaticGreedyDecoder
+
+    compiled = StaticGreedyDecoder(model, 2, 32, cuda_graph=False, compile="eager").generate(ids[:2, :9], 12)
     shapes = {n: tuple(p.shape) for n, p in model.state_dict().items() if p.dtype in (torch.float8_e4m3fn, torch.uint8)}
     saved = None
     try:  # a sharded model must refuse to write a checkpoint of its shards
@@ -32,7 +36,7 @@ def main() -> None:
     except ValueError as e:
         saved = str(e)
     if int(os.environ.get("RANK", "0")) == 0:
-        torch.save({"logits": logits.cpu(), "tokens": tokens.cpu(), "shapes": shapes, "world": world, "saved": saved}, out + ".tmp")
+        torch.save({"logits": logits.cpu(), "tokens": tokens.cpu(), "compiled": compiled.cpu(), "shapes": shapes, "world": world, "saved": saved}, out + ".tmp")
         os.replace(out + ".tmp", out)
     if torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo":  # no rank leaves while another talks to it
         torch.distributed.barrier()
