@@ -429,14 +429,18 @@ def _routers_as_model(model) -> None:
 
 def _validate(cfg: MXQConfig, files: list | None):
     """Refuse a checkpoint whose tensors disagree with its quantization_config, or hold fp8 NaN
-    codes (``mxq.validate``), before any weight is loaded."""
+    codes (``mxq.validate``), before any weight is loaded. Under torch.distributed the ranks share
+    the reading of the data: a rank that finds a NaN code raises, and torchrun stops the others."""
     if not files:
         return None
     from pathlib import Path
 
     from mxq.validate import validate_checkpoint
 
-    return validate_checkpoint(Path(files[0]).parent, {"quantization_config": cfg.to_dict()}, files)
+    dist = torch.distributed
+    # tensor-parallel loading: every rank reads the headers, each the data of its share of the layers
+    share = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else None
+    return validate_checkpoint(Path(files[0]).parent, {"quantization_config": cfg.to_dict()}, files, share=share)
 
 
 def _check_shapes(model, checked) -> None:

@@ -188,6 +188,50 @@ def test_the_scan_reads_only_what_it_needs_in_bounded_chunks(tmp_path):
     assert count_codes(info, 0x7F) == (2, 3000 * 16384 + 5)
 
 
+@pytest.mark.parametrize("mask", [0x7F, 0x7C, 0xFF])  # E4M3 NaN, E5M2 Inf/NaN, E8M0 NaN
+@pytest.mark.parametrize("size", [1, 7, 8, 8 * 1021 + 5, (1 << 24) + 13])
+def test_the_word_wise_scan_counts_what_a_byte_wise_one_counts(tmp_path, mask, size):
+    """count_codes tests eight bytes a word before it counts byte by byte: against numpy on random
+    bytes with matches planted near chunk and word edges (and none), sizes not a multiple of 8."""
+    import numpy as np
+
+    from mxq.validate import _CHUNK, count_codes
+
+    rng = np.random.default_rng(size * 7 + mask)
+    for planted in ([], [size - 1], [0, size // 2], [min(_CHUNK, size - 1), min(_CHUNK + 7, size - 1)]):
+        data = rng.integers(0, 256, size, dtype=np.uint8)
+        data[(data & mask) == mask] &= ~np.uint8(1 << 2)  # clear every accidental match (bit 2 is in each mask)
+        for i in planted:
+            data[i] |= mask
+        save_file({"w": torch.from_numpy(data.copy())}, tmp_path / "x.safetensors")
+        info = read_header(tmp_path / "x.safetensors")[0]["w"]
+        hits = np.flatnonzero((data & mask) == mask)
+        assert count_codes(info, mask) == (len(hits), int(hits[0]) if len(hits) else -1), (planted, mask, size)
+
+
+def test_ranks_share_the_scan_and_together_read_every_layer(quantized, tmp_path):
+    """Tensor-parallel loading: each of N processes reads the data of its share of the layers (the
+    headers of all); a NaN code in any layer is found by exactly one of them."""
+    from mxq.checkpoint import read_index
+    from mxq.validate import check_checkpoint
+
+    d = _copy(quantized / "u8", tmp_path / "q")
+    layers = sorted(n[: -len(".weight_scale")] for n in read_index(d) if n.endswith(".weight_scale"))
+    for world in (2, 3):
+        for layer in (layers[0], layers[-1], LAYER):
+            e = _copy(d, tmp_path / f"w{world}-{layer}")
+
+            def plant(t, layer=layer):
+                w = t[f"{layer}.weight"].view(torch.uint8).clone()
+                w[1, 3] = 0x7F
+                t[f"{layer}.weight"] = w.view(torch.float8_e4m3fn)
+
+            _edit_tensors(e, plant)
+            found = [p for r in range(world) for p in check_checkpoint(e, share=(r, world)).problems]
+            assert len(found) == 1 and f"{layer}.weight: 1 NaN code(s)" in found[0], found
+            assert check_checkpoint(e).problems == found
+
+
 # --- mxq inspect: the same validator -------------------------------------------------------------
 
 
