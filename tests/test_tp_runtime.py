@@ -86,7 +86,8 @@ def test_tp2_equals_tp1(tmp_path, family, device):
     one = _run(ckpt, tmp_path / "tp1.pt", 1, device)
     two = _run(ckpt, tmp_path / "tp2.pt", 2, device)
     assert two["world"] == 2
-    assert torch.equal(one["compiled"], one["tokens"][:, :21]) and torch.equal(two["compiled"], two["tokens"][:, :21])
+    # the compiled step (fullgraph) runs the same operations as the eager one: the same tokens, at TP 1 and 2
+    assert torch.equal(one["compiled"], one["static"]) and torch.equal(two["compiled"], two["static"])
     if family == "gpt_oss":  # no tensor-parallel plan in transformers: replicated on every rank, and said so
         assert "transformers has no tensor-parallel plan for gpt_oss's layers" in two["log"], two["log"][-2000:]
         assert two["saved"] == "written" and two["shapes"] == one["shapes"]

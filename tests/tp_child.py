@@ -27,6 +27,7 @@ def main() -> None:
     # the compiled decode step (fullgraph): tensor parallelism's backward hooks must not stop it
     from mxq.decode import StaticGreedyDecoder
 
+    static = StaticGreedyDecoder(model, 2, 32, cuda_graph=False).generate(ids[:2, :9], 12)
     compiled = StaticGreedyDecoder(model, 2, 32, cuda_graph=False, compile="eager").generate(ids[:2, :9], 12)
     shapes = {n: tuple(p.shape) for n, p in model.state_dict().items() if p.dtype in (torch.float8_e4m3fn, torch.uint8)}
     saved = None
@@ -36,7 +37,7 @@ def main() -> None:
     except ValueError as e:
         saved = str(e)
     if int(os.environ.get("RANK", "0")) == 0:
-        torch.save({"logits": logits.cpu(), "tokens": tokens.cpu(), "compiled": compiled.cpu(), "shapes": shapes, "world": world, "saved": saved}, out + ".tmp")
+        torch.save({"logits": logits.cpu(), "tokens": tokens.cpu(), "static": static.cpu(), "compiled": compiled.cpu(), "shapes": shapes, "world": world, "saved": saved}, out + ".tmp")
         os.replace(out + ".tmp", out)
     if torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo":  # no rank leaves while another talks to it
         torch.distributed.barrier()
