@@ -28,7 +28,11 @@ driver first writes the bf16 model (random weights) and its ``mxq quantize`` out
 ``--checkpoint-dir`` (kept for later runs), then starts each role under ``torchrun --nproc-per-node
 N``; every rank loads its shard with ``from_pretrained(path, tp_plan="auto")`` and runs the same
 calls on the same inputs, and rank 0 reports (weights: one rank's bytes). ``--tp 1
---checkpoint-dir DIR`` loads the same checkpoints on one GPU.
+--checkpoint-dir DIR`` loads the same checkpoints on one GPU. Both checkpoints are written one
+tensor at a time from a seeded source (``random_source``), so no model is ever whole on one device;
+``--mx-only`` writes only the MXFP8 one (the converter reads the source directly: a model too large
+for bf16 on these GPUs, e.g. ``--shape qwen3-235b-a22b --layers 40``, and says what bf16 would need).
+``--layers N`` takes N decoder layers of any shape.
 
 ``--pairs N`` alternates the fresh processes N times (bf16, MXFP8, bf16, ...) and gives every ratio as
 the median over the pairs with its min-max: run-to-run noise (transformers' host time, clocks) shows in
