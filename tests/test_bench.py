@@ -314,3 +314,14 @@ def test_mx_only_checkpoint_is_made_without_bf16(tmp_path):
     blockmax = w.abs().reshape(w.shape[0], -1, 32).amax(-1, keepdim=True)
     err = (q.dequantized_weight().float() - w).abs().reshape(w.shape[0], -1, 32)
     assert (err <= blockmax * 2**-4 + 1e-12).all()  # E4M3: within half a step of the block's largest binade
+
+
+def test_bench_scan_times_both_paths_and_writes_json(tmp_path):
+    """``bench_scan``: the word-wise and byte-wise scans of one tensor, a row per thread count."""
+    from mxq.eval import bench_scan
+
+    out = tmp_path / "scan.json"
+    assert bench_scan.main(["--mib", "3", "--threads", "1,2", "--reps", "1", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [r["threads"] for r in res["rows"]] == [1, 2] and res["mib"] == 3
+    assert all(r["wordwise_gb_s"] > 0 and r["bytewise_gb_s"] > 0 for r in res["rows"])

@@ -158,3 +158,26 @@ def test_expert_parallelism_is_refused_saying_what_works(tmp_path):
     assert r.returncode != 0 and "loaded" not in r.stdout
     assert "mxq: expert parallelism (DistributedConfig(enable_expert_parallel=True)) does not run mxq checkpoints; " \
            "load with tensor parallelism (tp_plan=\"auto\")" in r.stdout + r.stderr, r.stderr[-2000:]
+
+
+def test_a_nan_code_is_refused_when_the_ranks_share_the_scan(tmp_path):
+    """Tensor-parallel loading: the ranks split the NaN-code scan; whichever reads the bad layer
+    refuses it naming the tensor, and the run fails."""
+    from safetensors.torch import load_file, save_file
+
+    _moe("qwen3_moe")(tmp_path / "src")
+    rc, out = run_cli(["quantize", str(tmp_path / "src"), str(tmp_path / "mx")])
+    assert rc == 0, out
+    name = "model.layers.1.self_attn.o_proj.weight"
+    for f in (tmp_path / "mx").glob("*.safetensors"):
+        t = load_file(f)
+        if name in t:
+            w = t[name].view(torch.uint8).clone()
+            w[2, 5] = 0xFF
+            t[name] = w.view(torch.float8_e4m3fn)
+            save_file(t, f, metadata={"format": "pt"})
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(CHILD),
+                        str(tmp_path / "mx"), str(tmp_path / "x.pt")], env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode != 0 and not (tmp_path / "x.pt").exists()
+    assert f"tensor {name}: 1 NaN code(s) in the fp8 data, the first at row 2, column 5" in r.stdout + r.stderr, r.stderr[-3000:]
