@@ -67,6 +67,10 @@ ROLES = ("bf16", "mxfp8", "bf16-grouped")
 GPT_OSS_ROPE = dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
                     original_max_position_embeddings=4096)  # fmt: skip
 WORKERS = (*ROLES, "prepare")  # "prepare": write the --checkpoint-dir checkpoints
+QWEN3_30B = dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                 num_experts_per_tok=8, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                 vocab_size=151936, max_position_embeddings=8192, rope_theta=1000000.0, norm_topk_prob=True,
+                 decoder_sparse_step=1, mlp_only_layers=[])  # fmt: skip
 SHAPES = {
     # Llama-3-8B (random weights, for speed only) and a tiny one for tests.
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -76,15 +80,9 @@ SHAPES = {
                            num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024),
-    # Qwen3-30B-A3B widths with 16 of its 48 layers (a mixture of experts: 128 experts, top-8), and a tiny one
-    "qwen3-30b-a3b-16l": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-                              num_experts=128, num_experts_per_tok=8, num_hidden_layers=16, num_attention_heads=32,
-                              num_key_value_heads=4, head_dim=128, vocab_size=151936, max_position_embeddings=8192,
-                              rope_theta=1000000.0, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
-    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-                          num_experts=128, num_experts_per_tok=8, num_hidden_layers=48, num_attention_heads=32,
-                          num_key_value_heads=4, head_dim=128, vocab_size=151936, max_position_embeddings=8192,
-                          rope_theta=1000000.0, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
+    # Qwen3-30B-A3B widths (a mixture of experts: 128 experts, top-8): all 48 layers, 16 of them, and a tiny one
+    "qwen3-30b-a3b": QWEN3_30B,
+    "qwen3-30b-a3b-16l": dict(QWEN3_30B, num_hidden_layers=16),
     # Qwen3-235B-A22B widths (94 layers; ``--layers N`` takes fewer): with ``--mx-only`` its MXFP8
     # checkpoint is written tensor by tensor, no bf16 copy on disk or in memory
     "qwen3-235b-a22b": dict(model_type="qwen3_moe", hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
