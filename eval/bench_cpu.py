@@ -91,7 +91,7 @@ def worker(role: str, a) -> dict:
 
     torch.set_num_threads(a.threads)
     if a.fresh_cache:
-        os.environ["MXQ_CPU_CACHE"] = tempfile.mkdtemp(prefix="mxq-cpu-cache-")
+        os.environ["MXQ_CACHE"] = tempfile.mkdtemp(prefix="mxq-cache-")  # a cold build of the CPU kernels
     import mxq  # noqa: F401  (registers the mxq quantizer with transformers)
 
     t0 = time.perf_counter()

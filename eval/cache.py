@@ -17,8 +17,8 @@ Two smaller entries let a repeated run skip loading a tokenizer: the windows a m
 makes of a text (keyed by the model's content, the text's SHA-256, seq_len, stride, max_windows, the
 versions and mxq's source) and a tokenizer's vocabulary fingerprint.
 
-Entries are JSON files in ``$MXQ_PPL_CACHE``, else ``$XDG_CACHE_HOME/mxq/ppl``, else
-``~/.cache/mxq/ppl`` (``MXQ_PPL_CACHE=off`` turns the cache off), written to a temporary file and
+Entries are JSON files in ``ppl/`` of mxq's cache folder (``mxq.settings``: ``$MXQ_CACHE``, else
+``$XDG_CACHE_HOME/mxq``, else ``~/.cache/mxq``; ``MXQ_CACHE=off`` turns the cache off), written to a temporary file and
 renamed into place. Each carries its key and a SHA-256 of its payload; an entry that does not parse,
 whose key or checksum disagrees, or whose figures do not fit the windows is reported as corrupt,
 ignored and overwritten with a fresh result.
@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from mxq import settings as mxq_settings
+
 __all__ = [
     "CACHE_ENV",
     "ResultCache",
@@ -52,12 +54,12 @@ __all__ = [
     "windows_digest",
 ]
 
-CACHE_ENV = "MXQ_PPL_CACHE"
+CACHE_ENV = mxq_settings.CACHE
 FORMAT = "mxq-ppl-cache/1"
 _NOT_HASHED = {"quantization_report.json"}  # written for people; nothing reads it to load a model
 _TOKENIZER_SIDE_FILES = (".json", ".txt", ".model", ".jinja")  # beside a GGUF file
 _VERSIONED = ("torch", "transformers", "tokenizers", "safetensors", "gguf", "triton", "numpy", "accelerate")
-_ENV_PREFIXES = ("MXQ_", "TRITON_", "ONEDNN_", "DNNL_", "MKL_", "OMP_", "KMP_", "ATEN_", "TORCH_",
+_ENV_PREFIXES = ("TRITON_", "ONEDNN_", "DNNL_", "MKL_", "OMP_", "KMP_", "ATEN_", "TORCH_",
                  "CUDA_", "CUBLAS", "NVIDIA_", "PYTORCH_")
 _CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
               "amx_int8", "asimd", "sve", "bf16")
@@ -65,15 +67,8 @@ MAX_CACHED_WINDOW_TOKENS = 1 << 23  # windows larger than this (32 MiB of ids) a
 
 
 def cache_dir() -> Path | None:
-    """Where entries live, or None when ``MXQ_PPL_CACHE=off``."""
-    env = os.environ.get(CACHE_ENV, "").strip()
-    if env.lower() in ("off", "0", "none", "false", "no"):
-        return None
-    if env:
-        return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME", "").strip()
-    root = Path(base).expanduser() if base and os.path.isabs(os.path.expanduser(base)) else Path.home() / ".cache"
-    return root / "mxq" / "ppl"
+    """Where entries live (``ppl/`` in mxq's cache folder, ``mxq.settings``), or None when ``MXQ_CACHE=off``."""
+    return mxq_settings.cache_dir("ppl")
 
 
 # --------------------------------------------------------------------------- digests
@@ -219,7 +214,8 @@ def _gpu(device: torch.device) -> dict:
 
 def settings(device: torch.device, **options) -> dict:
     """Everything besides the model and the windows that can change a figure (module doc)."""
-    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENV_PREFIXES) and k != CACHE_ENV}
+    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENV_PREFIXES)}
+    env.update(mxq_settings.cache_key_environment())
     return {
         **options,
         "device": device.type,

@@ -28,7 +28,8 @@ at most K 2**-126 more). tests/test_cpu_path.py asserts that bound, and bit-equa
 activations.
 
 Build: ``library()`` compiles ``SOURCE`` (``kernels/cpu_source.py``) with ``$CC`` (else cc, gcc
-or clang) at -O3 -march=native -fopenmp into ``$MXQ_CPU_CACHE`` (default ~/.cache/mxq/cpu), named
+or clang) at -O3 -march=native -fopenmp into ``cpu/`` of mxq's cache folder (``mxq.settings``: ``$MXQ_CACHE``,
+default ~/.cache/mxq; with ``MXQ_CACHE=off``, a temporary folder of the process), named
 by a hash of the source, the compiler and the CPU's flags: once per machine (about 2 s on the
 2-core CPU; later processes only load it). OpenMP is the runtime torch already loaded
 (libgomp.so.1), with torch's thread count (a compiler without OpenMP, like Apple's clang: one
@@ -51,12 +52,11 @@ from pathlib import Path
 
 import torch
 
+from mxq import settings
 from mxq.formats import ScaleRule, fake_quantize_mx
 from mxq.kernels.cpu_source import SOURCE
 from mxq.kernels.reference import mx_linear_reference
 
-ENV_OFF = "MXQ_CPU_KERNELS"
-ENV_CACHE = "MXQ_CPU_CACHE"
 # Largest M the GEMV takes; above it the dequantize + torch matmul (measured: BENCHMARKS.md, "CPU").
 GEMV_MAX_M = 16
 # Smallest M * N * K a GEMV spreads over torch's threads (every SmolLM2 projection at decode; 2 threads
@@ -92,7 +92,7 @@ def _cpu_flags() -> str:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "mxq" / "cpu")
+    return settings.cpu_build_dir()
 
 
 def build(cc: str) -> Path:
@@ -123,7 +123,7 @@ _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, or None (with one warning) where they cannot be built or loaded."""
-    if os.environ.get(ENV_OFF, "1") == "0":
+    if not settings.cpu_kernels():
         return None
     cc = _compiler()
     if cc is None:

@@ -16,7 +16,7 @@ compiled kernel; later calls hand the arguments straight to its launcher.
 argument's specialization class (``arg_spec``), the constexprs and the options (``CALLS``), for
 launch sites whose shapes vary call to call.
 
-``MXQ_LAUNCH_CHECK=1`` makes every direct launch also run Triton's binder and raise if it would
+``MXQ_DEBUG=launch-check`` makes every direct launch also run Triton's binder and raise if it would
 have chosen another compiled kernel (the GPU tests run with it). ``FAST = False`` (tests, A/B
 timings) sends every call through the JIT. The interpreter (``TRITON_INTERPRET=1``) always takes
 the JIT path. A call through the JIT first makes the process's ptxas choice
@@ -38,15 +38,15 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 
 import torch
 from torch import Tensor as _Tensor
 
+from mxq import settings
 from mxq.kernels.toolchain import INTERPRET, configure_ptxas
 
 FAST = not INTERPRET
-CHECK = os.environ.get("MXQ_LAUNCH_CHECK", "0") == "1"
+CHECK = settings.debug("launch-check")
 
 try:
     from triton import knobs as _knobs

@@ -31,7 +31,7 @@ Host cost: an eager decode step calls these three times per layer on one-row inp
 launch is planned once per input signature (``ProducerPlan`` in ``PLANS``: argument checks,
 constexprs, grid, output shapes); a repeat call allocates its outputs and hands the arguments to
 the compiled kernel's C launcher (``launch.Launch.on_device``; through Triton where that is not
-available: the interpreter, profiler hooks, ``MXQ_LAUNCH_CHECK``).
+available: the interpreter, profiler hooks, ``MXQ_DEBUG=launch-check``).
 """
 
 from __future__ import annotations

@@ -21,11 +21,12 @@ named stays on "auto" ("reference" applies to all).
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-ENV = "MXQ_KERNELS"
+from mxq import settings
+
+ENV = settings.KERNELS
 REGISTRIES: dict[str, Registry] = {}  # what -> registry, filled as the kernel modules are imported
 
 
@@ -107,7 +108,7 @@ def kernels_spec(kernels: str | None) -> str:
 
 def default_kernels() -> str:
     """The spec used where no ``kernels`` argument is given: ``$MXQ_KERNELS``, else "auto"."""
-    return check_kernels(os.environ.get(ENV) or "auto", source=ENV)
+    return check_kernels(settings.kernels() or "auto", source=ENV)
 
 
 @functools.lru_cache(maxsize=256)

@@ -10,12 +10,13 @@ move it -- and writes it to a JSON cache that the dispatch reads when it builds 
     {"version": 1, "devices": {"NVIDIA H100 80GB HBM3": {"decode_ws": {"m16_n6144_k4096": {
         "config": {...}, "us": 16.2, "default_us": 17.1, "m": 16, "date": "...", ...}}}}}
 
-- where: ``$MXQ_TUNE_CACHE``, else ``$XDG_CACHE_HOME/mxq/tune.json`` (``~/.cache/mxq/tune.json``);
+- where: ``tune.json`` in mxq's cache folder (``mxq.settings``: ``$MXQ_CACHE``, else
+  ``$XDG_CACHE_HOME/mxq``, else ``~/.cache/mxq``), or the file ``mxq tune --cache`` names (``PATH``);
 - shipped entries (``kernels/tuned.json``: the Llama-3 8B/70B shapes, tuned on the GPUs named in it;
   each entry records its date and versions) answer where the user's cache has no entry for the
   device, shape and bucket;
-- ``MXQ_TUNE_CACHE=off``: neither is read (the rules alone); the variable is read when a config is
-  looked up (``enabled``), so setting it in a running process (``mxq tune --cache``) takes effect;
+- ``MXQ_CACHE=off``: neither is read (the rules alone), unless ``PATH`` names a file; the variable is
+  read when a config is looked up (``enabled``);
 - entries are keyed by the device's name, so one file serves several GPU models;
 - a cache that cannot be read or parsed is reported once (a warning naming the file) and ignored;
   an entry whose config does not fit the kernel's config class is ignored the same way;
@@ -43,25 +44,23 @@ import tempfile
 import warnings
 from pathlib import Path
 
+from mxq import settings
+
 VERSION = 1
 # A candidate replaces the rule's config only if it is at least this much faster (the interleaved
 # timings repeat to ~1-2 %; a smaller "win" is as likely noise as not).
 MIN_GAIN = 0.02
-OFF = ("off", "none", "0")  # MXQ_TUNE_CACHE values that turn tuned configs off
+PATH: Path | None = None  # the cache file a caller names (``mxq tune --cache``); None: mxq's cache folder
 
 
 def enabled() -> bool:
-    """Whether tuned configs are read: ``MXQ_TUNE_CACHE`` is not one of ``OFF`` (read at each call)."""
-    return os.environ.get("MXQ_TUNE_CACHE", "").strip().lower() not in OFF
+    """Whether tuned configs are read: a file named in ``PATH``, or ``MXQ_CACHE`` not off (read at each call)."""
+    return PATH is not None or settings.cache_dir() is not None
 
 
 def cache_path() -> Path:
-    """Where the tuning cache lives (module doc)."""
-    env = os.environ.get("MXQ_TUNE_CACHE")
-    if env and env.strip().lower() not in OFF:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "mxq" / "tune.json"
+    """Where the tuning cache lives (module doc); with ``MXQ_CACHE=off``, where it would (for writing)."""
+    return PATH if PATH is not None else settings.cache_dir("tune.json", ignore_off=True)
 
 
 def m_bucket(m: int) -> int:
@@ -167,7 +166,7 @@ def cache() -> TuneCache:
 
 
 def reset() -> None:
-    """Forget the loaded cache (tests; after ``MXQ_TUNE_CACHE`` changes)."""
+    """Forget the loaded cache (tests; after ``MXQ_CACHE`` or ``PATH`` changes)."""
     global _CACHE
     _CACHE = None
 
@@ -183,7 +182,7 @@ def device_name(device) -> str:
 
 def lookup(kernel: str, device, m: int, n: int, k: int, cls):
     """The tuned config of ``kernel`` for this shape on ``device`` (an instance of ``cls``): the user's
-    cache's, else the shipped one's; None if neither has it, with ``MXQ_TUNE_CACHE=off``, or off CUDA."""
+    cache's, else the shipped one's; None if neither has it, with ``MXQ_CACHE=off``, or off CUDA."""
     if not enabled() or getattr(device, "type", None) != "cuda":
         return None
     name, key = device_name(device), shape_key(m, n, k)

@@ -140,7 +140,7 @@ def ppl_cmd(
         False,
         "--no-cache",
         help="Compute every perplexity anew, neither reading nor writing the results cache "
-        "($MXQ_PPL_CACHE, else $XDG_CACHE_HOME/mxq/ppl or ~/.cache/mxq/ppl).",
+        "(ppl/ in $MXQ_CACHE, else $XDG_CACHE_HOME/mxq or ~/.cache/mxq).",
     ),
 ) -> None:
     """Perplexity of MODEL (and of --baseline on the same windows), as a markdown table.
@@ -196,7 +196,7 @@ def _check_windows(seq_len: int, stride: int | None, max_windows: int | None, ba
 
 
 def _cache(texts, seq_len, stride, max_windows, dev, dtype: str, kernels: str, batch_size: int):
-    """The results cache of this run (None when ``MXQ_PPL_CACHE=off``)."""
+    """The results cache of this run (None when ``MXQ_CACHE=off``)."""
     from mxq.eval.cache import PerplexityCache, ResultCache, settings
 
     store = ResultCache(warn=lambda msg: err.print(f"warning: {msg}"))

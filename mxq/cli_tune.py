@@ -1,6 +1,6 @@
 """``mxq tune``: time candidate tiles of the decode GEMM for a model's weight shapes on this GPU and
 cache the fastest per shape and batch-size bucket (``kernels/tune.py``); the dispatch reads the
-cache from then on, in every process on this machine (``MXQ_TUNE_CACHE=off`` ignores it)."""
+cache from then on, in every process on this machine (``MXQ_CACHE=off`` ignores it)."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def tune_cmd(
         "1,8,16", "--ms", help="Batch sizes (1-16) to tune at; one entry per bucket 1, 2-8, 9-16."
     ),
     cache: Path | None = typer.Option(
-        None, "--cache", help="Cache file (default: $MXQ_TUNE_CACHE or ~/.cache/mxq/tune.json)."
+        None, "--cache", help="Cache file (default: tune.json in $MXQ_CACHE, else ~/.cache/mxq)."
     ),
     dry_run: bool = typer.Option(
         False, "--dry-run", help="Print the shapes and batch sizes that would be tuned; no GPU needed."
@@ -63,10 +63,11 @@ def tune_cmd(
     show: bool = typer.Option(False, "--show", help="List the cached and shipped entries and exit; no GPU needed."),
 ) -> None:
     """Tune the decode GEMM's tiles for a model's shapes on this GPU and cache the fastest."""
-    import os
-
     if cache is not None:
-        os.environ["MXQ_TUNE_CACHE"] = str(cache)
+        from mxq.kernels import tune as _tune
+
+        _tune.PATH = cache
+        _tune.reset()
     if show:
         _show()
         return

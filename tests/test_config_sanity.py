@@ -72,14 +72,14 @@ def _forbid_work(monkeypatch):
     import transformers
 
     import mxq.checkpoint
-    import mxq.convert  # imported before the patch: it binds read_tensor by name when first imported
+    import mxq.tensor_source  # imported before the patch: it binds read_tensor by name when first imported
 
     def fail(*a, **k):
         pytest.fail("work started before config.json was checked")
 
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", fail)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", fail)
-    for module in (mxq.checkpoint, mxq.convert):
+    for module in (mxq.checkpoint, mxq.tensor_source):
         monkeypatch.setattr(module, "read_tensor", fail)
 
 
@@ -181,7 +181,7 @@ def test_expert_names_cost_what_the_checkpoint_lists():
     """Matching an experts module to the checkpoint never builds a structure of the config's size:
     a count of 10**12 against a checkpoint of 4 experts is answered at once (an expected-name set
     would need terabytes)."""
-    from mxq.convert import ConversionError, _experts_on_disk
+    from mxq.convert_layout import ConversionError, experts_on_disk
     from mxq.experts import GATED, ExpertsLayer
 
     info = ExpertsLayer(
@@ -194,7 +194,7 @@ def test_expert_names_cost_what_the_checkpoint_lists():
         with pytest.raises(
             ConversionError, match=r"missing model\.layers\.0\.mlp\.experts\.4\.down_proj\.weight"
         ):
-            _experts_on_disk(info, weights)
+            experts_on_disk(info, weights)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()

@@ -206,12 +206,12 @@ def test_no_compiler_falls_back_with_one_warning(monkeypatch):
 def test_build_is_cached(tmp_path, monkeypatch):
     """The library is built once per cache folder (a second build finds it) and turned off by
     MXQ_CPU_KERNELS=0."""
-    monkeypatch.setenv("MXQ_CPU_CACHE", str(tmp_path))
+    monkeypatch.setenv("MXQ_CACHE", str(tmp_path))
     cc = cpu._compiler()
     first = cpu.build(cc)
     mtime = first.stat().st_mtime_ns
     assert cpu.build(cc) == first and first.stat().st_mtime_ns == mtime
-    assert [p.name for p in tmp_path.iterdir()] == [first.name]
+    assert [p.name for p in (tmp_path / "cpu").iterdir()] == [first.name]
     monkeypatch.setenv("MXQ_CPU_KERNELS", "0")
     cpu.library.cache_clear()
     try:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import typer
+from cache_helpers import own_cache
 from typer.testing import CliRunner
 
 from mxq.eval.data import DatasetError, load_texts
@@ -63,7 +64,7 @@ def tiny_llama(vocab_size: int = 256, seed: int = 0):
 @pytest.fixture(autouse=True)
 def _own_results_cache(monkeypatch, tmp_path):
     """Every test gets an empty perplexity-results cache of its own (never the user's)."""
-    monkeypatch.setenv("MXQ_PPL_CACHE", str(tmp_path / "ppl-cache"))
+    monkeypatch.setenv("MXQ_CACHE", str(own_cache(tmp_path / "mxq-cache")))
 
 
 @pytest.fixture(scope="module")
@@ -618,10 +619,10 @@ def test_cache_second_run_loads_and_computes_nothing(cached_run, tok, monkeypatc
         assert b["extra"]["cache"]["hit"] is True
     assert rep2["protocol"] == rep1["protocol"]
     # --no-cache: both computed again, and nothing read or written
-    entries = sorted(p.name for p in Path(os.environ["MXQ_PPL_CACHE"]).iterdir())
+    entries = sorted(p.name for p in (Path(os.environ["MXQ_CACHE"]) / "ppl").iterdir())
     res3, rep3 = run("--no-cache")
     assert computed == ["baseline", "model"] and "From the cache" not in res3.stdout
-    assert sorted(p.name for p in Path(os.environ["MXQ_PPL_CACHE"]).iterdir()) == entries
+    assert sorted(p.name for p in (Path(os.environ["MXQ_CACHE"]) / "ppl").iterdir()) == entries
     assert rep3["results"][1]["ppl"] == pytest.approx(rep1["results"][1]["ppl"], rel=1e-12)
 
 
@@ -663,7 +664,7 @@ def test_cache_misses_on_other_bytes_windows_or_settings(cached_run, tok):
 def test_cache_ignores_a_corrupt_entry_and_recomputes(cached_run, tok):
     run, dirs, computed, _ = cached_run
     _, rep = run()
-    cache = Path(os.environ["MXQ_PPL_CACHE"])
+    cache = Path(os.environ["MXQ_CACHE"]) / "ppl"
     results = sorted(cache.glob("result-*.json"))
     assert len(results) == 2
     good = {p: p.read_bytes() for p in results}
@@ -732,13 +733,13 @@ def test_model_identity_reads_content_not_names(tmp_path, model, tok):
 def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     from mxq.eval.cache import cache_dir
 
-    monkeypatch.delenv("MXQ_PPL_CACHE")
+    monkeypatch.delenv("MXQ_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert cache_dir() == tmp_path / "xdg" / "mxq" / "ppl"
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert cache_dir() == tmp_path / "home" / ".cache" / "mxq" / "ppl"
-    monkeypatch.setenv("MXQ_PPL_CACHE", "off")
+    monkeypatch.setenv("MXQ_CACHE", "off")
     assert cache_dir() is None
 
 

@@ -60,12 +60,12 @@ def test_decode_ws_candidates(monkeypatch, n, k, sms):
 
 def test_pick_decode_ws_config_reads_the_tuning_cache(monkeypatch, tmp_path):
     """With a cache entry for this device, shape and M bucket, the dispatch's config is the entry's;
-    other M buckets, shapes and devices, and MXQ_TUNE_CACHE=off (read at each lookup), get the rule."""
+    other M buckets, shapes and devices, and MXQ_CACHE=off (read at each lookup), get the rule."""
     from mxq.kernels import tune
 
     monkeypatch.setattr(WS, "sm_count", lambda device: 132)
     monkeypatch.setattr(tune, "device_name", lambda device: "Fake H100")
-    monkeypatch.setenv("MXQ_TUNE_CACHE", str(tmp_path / "t.json"))
+    monkeypatch.setenv("MXQ_CACHE", str(tmp_path))
     tune.reset()
     gpu = type("Dev", (), {"type": "cuda", "index": 0})()
     rule = WS.rule_decode_ws_config(16, 4096, 4096, gpu)
@@ -80,7 +80,7 @@ def test_pick_decode_ws_config_reads_the_tuning_cache(monkeypatch, tmp_path):
         monkeypatch.setattr(tune, "device_name", lambda device: "Fake H200")
         assert WS.pick_decode_ws_config(16, 4096, 4096, gpu) == rule
         monkeypatch.setattr(tune, "device_name", lambda device: "Fake H100")
-        monkeypatch.setenv("MXQ_TUNE_CACHE", "off")
+        monkeypatch.setenv("MXQ_CACHE", "off")
         assert WS.pick_decode_ws_config(16, 4096, 4096, gpu) == rule
     finally:
         tune.reset()

@@ -157,6 +157,7 @@ def test_compressed_tensors_refuses_fused_experts_at_planning(tmp_path, monkeypa
     while planning: no tensor is read, no shard opened, no calibration run."""
     import mxq.cli
     import mxq.convert
+    import mxq.tensor_source
 
     src = _moe_source(tmp_path, "gpt_oss")
     (tmp_path / "text.txt").write_text("calibration text\n")
@@ -165,7 +166,7 @@ def test_compressed_tensors_refuses_fused_experts_at_planning(tmp_path, monkeypa
         # pytest.fail raises no Exception: the command line's one-line handler does not catch it
         pytest.fail("work started before the format was checked")
 
-    monkeypatch.setattr(mxq.convert, "read_tensor", fail)
+    monkeypatch.setattr(mxq.tensor_source, "read_tensor", fail)
     monkeypatch.setattr(mxq.convert, "ShardWriter", fail)
     monkeypatch.setattr(mxq.cli, "_run_calibration", fail)
     out = tmp_path / "out"

@@ -97,7 +97,7 @@ def test_launch_takes_the_jit_with_hooks_or_when_off(fast, monkeypatch):
 def test_launch_on_device_calls_the_c_launcher_directly(fast, monkeypatch):
     """``on_device``: after the first call, the C launcher with the stream of the given device and
     the arguments as given (constexprs after them); the first call, a launcher that expands host
-    descriptors, or ``MXQ_LAUNCH_CHECK`` go through ``__call__`` (the current device's stream).
+    descriptors, or ``MXQ_DEBUG=launch-check`` go through ``__call__`` (the current device's stream).
     Every one runs with the given device current (device 0 is current here: switched for the
     call, and back after it)."""
 

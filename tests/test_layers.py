@@ -1,7 +1,7 @@
 """The import graph of ``mxq/*.py`` follows docs/ARCHITECTURE.md: imports run only downward.
 
 Also ``kernels/*.py`` (``mxq.kernels``): its modules form no circle and reach nothing in mxq but
-``mxq.formats``; no kernel file grows past ``MAX_KERNEL_LINES``. And ``eval/*.py`` (``mxq.eval``)
+``mxq.formats`` and ``mxq.settings`` (the environment); no kernel file grows past ``MAX_KERNEL_LINES``. And ``eval/*.py`` (``mxq.eval``)
 sits beside ``calibrate``/``convert``: it imports neither the CLI nor upward.
 
 ``cli → {calibrate, convert, hf, eval} → {linear, attention, checkpoint, recipe, config, plan} →
@@ -27,13 +27,14 @@ OUTSIDE = ("kernels", "eval")  # subpackages mapped into mxq (package-dir), one 
 # Layer of every module, top (0) to bottom (3). A module may import its own layer or lower ones.
 LAYERS = {
     0: {"cli", "cli_bench", "cli_eval", "cli_tune"},
-    1: {PACKAGE, "calibrate", "gptq", "signround", "convert", "hf", "eval", "inspect", "models", "quantize"},
+    1: {PACKAGE, "calibrate", "gptq", "signround", "convert", "convert_layout", "tensor_source", "hf", "eval", "inspect",
+        "models", "quantize"},
     2: {"experts", "tp", "fuse", "routing", "linear", "embedding", "attention", "checkpoint", "validate", "recipe", "config", "plan", "reorder",
         "progress", "decode"},
-    3: {"formats", "kernels", "install"},
+    3: {"formats", "kernels", "install", "settings"},
 }
 LAYER = {m: rank for rank, mods in LAYERS.items() for m in mods}
-NO_TRANSFORMERS = ("config", "formats")
+NO_TRANSFORMERS = ("config", "formats", "settings")
 
 
 def _modules() -> dict[str, Path]:
@@ -204,8 +205,8 @@ def test_kernels_form_no_import_cycle_and_reach_only_formats():
     edges, outside = _subpackage_graph(KERNELS, "kernels")
     cycles = _cycles({k: v for k, v in edges.items() if k != "__init__"})
     assert not cycles, "import cycles among kernels/ modules:\n" + "\n".join(cycles)
-    bad = sorted(f"kernels/{m}.py imports mxq.{o}" for m, os_ in outside.items() for o in os_ if o != "formats")
-    assert not bad, "kernels/ reaches mxq modules other than formats:\n" + "\n".join(bad)
+    bad = sorted(f"kernels/{m}.py imports mxq.{o}" for m, os_ in outside.items() for o in os_ if o not in ("formats", "settings"))
+    assert not bad, "kernels/ reaches mxq modules other than formats and settings:\n" + "\n".join(bad)
 
 
 def test_kernel_files_stay_small():
@@ -220,3 +221,22 @@ def test_eval_imports_no_cli_and_no_cycle():
     assert not cycles, "import cycles among eval/ modules:\n" + "\n".join(cycles)
     bad = sorted(f"eval/{m}.py imports mxq.{o}" for m, os_ in outside.items() for o in os_ if LAYER.get(o, 3) < 1)
     assert not bad, "eval/ imports upward (the CLI):\n" + "\n".join(bad)
+
+
+def test_the_environment_is_read_in_one_place():
+    """Every ``MXQ_*`` variable mxq, its kernels and its eval harness name is one of the few that
+    ``mxq.settings`` documents and reads; no other module reads one from the environment."""
+    import re
+
+    from mxq import settings
+
+    assert len(settings.VARIABLES) <= 5
+    named, reads = set(), []
+    for root in (SRC, KERNELS, SRC.parent / "eval"):
+        for p in root.glob("*.py"):
+            text = p.read_text()
+            named |= set(re.findall(r"[\"'](MXQ_[A-Z0-9_]+)[\"']", text))
+            if p.name != "settings.py":
+                reads += [f"{p.parent.name}/{p.name}: {m}" for m in re.findall(r"(?:environ\.get|getenv)\([\"']MXQ_[A-Z0-9_]*", text)]
+    assert named <= set(settings.VARIABLES), sorted(named - set(settings.VARIABLES))
+    assert not reads, reads

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cache_helpers import own_cache
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 GPU_ONLY = "<!-- gpu-only -->"
@@ -100,7 +101,7 @@ def test_readme_python_block_runs(workdir, line, code, gpu_only):
     if gpu_only and not torch.cuda.is_available():
         pytest.skip(f"README.md:{line} is marked {GPU_ONLY} and there is no CUDA device")
     root, prefix = workdir
-    env = {**os.environ, "MXQ_PPL_CACHE": "off", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "MXQ_CACHE": str(own_cache(root / f"mxq-cache-{line}")), "PYTHONWARNINGS": "ignore"}
     r = subprocess.run([sys.executable, "-c", prefix + code], cwd=root, env=env, capture_output=True, text=True,
                        timeout=3600 if REAL else 600)  # fmt: skip
     assert r.returncode == 0, f"README.md:{line} failed:\n{r.stderr[-4000:]}"

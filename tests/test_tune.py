@@ -125,11 +125,20 @@ def test_graph_calls_cycle_the_copies(n, min_calls):
 
 
 def test_cache_path(monkeypatch, tmp_path):
-    monkeypatch.setenv("MXQ_TUNE_CACHE", str(tmp_path / "x.json"))
+    """A file named by the caller (``mxq tune --cache``), else tune.json in $MXQ_CACHE, else in
+    $XDG_CACHE_HOME/mxq; with MXQ_CACHE=off nothing is read, but a named file is."""
+    monkeypatch.setenv("MXQ_CACHE", str(tmp_path / "c"))
+    assert tune.cache_path() == tmp_path / "c" / "tune.json" and tune.enabled()
+    monkeypatch.setattr(tune, "PATH", tmp_path / "x.json")
     assert tune.cache_path() == tmp_path / "x.json"
-    monkeypatch.delenv("MXQ_TUNE_CACHE")
+    monkeypatch.setattr(tune, "PATH", None)
+    monkeypatch.delenv("MXQ_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert tune.cache_path() == tmp_path / "mxq" / "tune.json"
+    monkeypatch.setenv("MXQ_CACHE", "off")
+    assert not tune.enabled() and tune.cache_path() == tmp_path / "mxq" / "tune.json"
+    monkeypatch.setattr(tune, "PATH", tmp_path / "x.json")
+    assert tune.enabled()
 
 
 def _mxq(*args, env=None):
@@ -150,7 +159,7 @@ def test_cli_dry_run_lists_checkpoint_shapes(tmp_path):
         "a.o.weight": torch.zeros(256, 96 * 4, dtype=f8), "b.q.weight": torch.zeros(96, 256, dtype=f8),
         "norm.weight": torch.zeros(256, dtype=torch.bfloat16), "emb.weight": torch.zeros(10, 256, dtype=torch.bfloat16),
     }, str(ck / "model.safetensors"))  # fmt: skip
-    r = _mxq("tune", str(ck), "--shapes", "4096x4096,96x256", "--ms", "1,4", "--dry-run", env={"MXQ_TUNE_CACHE": str(tmp_path / "c.json")})
+    r = _mxq("tune", str(ck), "--shapes", "4096x4096,96x256", "--ms", "1,4", "--dry-run", "--cache", str(tmp_path / "c.json"))
     assert r.returncode == 0, r.stderr
     assert "shapes (N x K): 256x384, 96x256, 4096x4096; M: 1, 4" in r.stderr and str(tmp_path / "c.json") in r.stderr
 
@@ -178,7 +187,7 @@ def test_cli_checkpoint_without_fp8_weights(tmp_path):
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message on a machine without a GPU")
 def test_cli_without_gpu_says_so(tmp_path):
-    r = _mxq("tune", "--shapes", "64x128", env={"MXQ_TUNE_CACHE": str(tmp_path / "c.json")})
+    r = _mxq("tune", "--shapes", "64x128", "--cache", str(tmp_path / "c.json"))
     assert r.returncode == 1 and "mxq: error: tune times kernels on a CUDA GPU and none is visible" in r.stderr
     assert not (tmp_path / "c.json").exists()
 
@@ -209,7 +218,8 @@ def test_lookup_prefers_the_users_cache_then_the_shipped_one(monkeypatch, tmp_pa
 
     monkeypatch.setattr(WS, "sm_count", lambda device: 132)
     monkeypatch.setattr(tune, "device_name", lambda device: "NVIDIA H200")
-    monkeypatch.setenv("MXQ_TUNE_CACHE", str(tmp_path / "t.json"))
+    monkeypatch.setenv("MXQ_CACHE", str(tmp_path))
+    monkeypatch.setattr(tune, "PATH", tmp_path / "t.json")
     tune.reset()
     gpu = type("Dev", (), {"type": "cuda", "index": 0})()
     try:
@@ -218,7 +228,8 @@ def test_lookup_prefers_the_users_cache_then_the_shipped_one(monkeypatch, tmp_pa
         mine = WS.DecodeWSConfig(split_k=8)
         tune.cache().put("decode_ws", "NVIDIA H200", {"m1_n10240_k8192": tune.record(mine, 1.0, 1.0, 1, 1)})
         assert WS.pick_decode_ws_config(1, 10240, 8192, gpu) == mine
-        monkeypatch.setenv("MXQ_TUNE_CACHE", "off")
+        monkeypatch.setenv("MXQ_CACHE", "off")
+        monkeypatch.setattr(tune, "PATH", None)
         assert WS.pick_decode_ws_config(1, 10240, 8192, gpu) == WS.rule_decode_ws_config(1, 10240, 8192, gpu)
     finally:
         tune.reset()
@@ -259,7 +270,7 @@ def test_gpu_tune_decode_ws_writes_and_dispatch_reads(monkeypatch, tmp_path):
     from mxq.kernels import dispatch
     from mxq.kernels import gemm_decode_ws as WS
 
-    monkeypatch.setenv("MXQ_TUNE_CACHE", str(tmp_path / "tune.json"))
+    monkeypatch.setenv("MXQ_CACHE", str(tmp_path))
     tune.reset()
     try:
         rows = tune_decode_ws([(1536, 1024)], (1, 16), log=lambda s: None)
