@@ -41,6 +41,10 @@ from mxq.cli_tune import tune_cmd  # noqa: E402
 
 app.command("tune", short_help="Tune the decode GEMM's tiles for a model's shapes (GPU).")(tune_cmd)
 
+from mxq.cli_inspect import fmt_bytes, inspect_cmd  # noqa: E402
+
+app.command("inspect", short_help="Describe and validate a checkpoint.")(inspect_cmd)
+
 # Options that `mxq calibrate` and `mxq quantize --calibrate` share: one definition each.
 ModelArg = Annotated[str, typer.Argument(
     help="HF model directory, hub id, .gguf file, or default (the embedded SmolLM2-135M-Instruct).", show_default=False)]
@@ -521,8 +525,8 @@ def _print_report(r) -> None:
         t.add_row("parameters in MX", f"{r.shares['quantized_share']:.1%}")
         if r.shares.get("experts_quantized_share") is not None:
             t.add_row("routed-expert parameters in MX", f"{r.shares['experts_quantized_share']:.1%}")
-    t.add_row("bytes before", _fmt_bytes(r.bytes_before))
-    t.add_row("bytes after", _fmt_bytes(r.bytes_after))
+    t.add_row("bytes before", fmt_bytes(r.bytes_before))
+    t.add_row("bytes after", fmt_bytes(r.bytes_after))
     t.add_row("compression", f"{r.ratio:.2f}x")
     if r.quantized:
         s = sorted(x.sqnr_db for x in r.quantized)
@@ -542,56 +546,6 @@ def _print_report(r) -> None:
         console.print(w)
 
 
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
-    return str(n)
-
-
-@app.command("inspect", short_help="Describe and validate a checkpoint.")
-def inspect_cmd(
-    path: Path = typer.Argument(..., help="An mxq (or other MXFP8) checkpoint directory."),
-    tensors: bool = typer.Option(False, "--tensors", help="List every tensor."),
-    tp: int = typer.Option(None, "--tp", min=1, help="Judge every quantized weight against tensor parallelism of this degree (whole 32-element blocks per rank).", show_default=False),
-) -> None:
-    """Describe and validate a checkpoint: format, recipe, tensors, dtypes, bytes."""
-    from mxq.inspect import inspect_checkpoint
-
-    with stage(f"checking {path}", after=5.0):  # seconds for a large checkpoint, none for a small one
-        rep = inspect_checkpoint(path, tp=tp)
-    t = Table(title=f"mxq inspect: {path}")
-    t.add_column("")
-    t.add_column("value")
-    t.add_row("format", rep.format)
-    t.add_row("recipe", rep.recipe or "-")
-    t.add_row("architecture", rep.architecture)
-    t.add_row("tensors", str(len(rep.tensors)))
-    t.add_row("quantized layers", str(rep.n_quantized))
-    t.add_row("parameters in MX", f"{rep.mx_share:.1%}")
-    t.add_row(
-        "bytes by dtype",
-        ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in sorted(rep.bytes_by_dtype.items())),
-    )
-    t.add_row("total", _fmt_bytes(sum(rep.bytes_by_dtype.values())))
-    console.print(t)
-    if tensors:
-        tt = Table()
-        for c in ("tensor", "dtype", "shape", "bytes"):
-            tt.add_column(c)
-        for i in rep.tensors:
-            tt.add_row(i.name, i.dtype, str(list(i.shape)), str(i.nbytes))
-        console.print(tt)
-    if tp is not None:
-        _print_shards(rep.shards, tp)
-    if rep.problems:
-        for p in rep.problems:
-            console.print(f"[red]problem:[/] {p}")
-        raise ValueError(f"{path}: {len(rep.problems)} problem(s) found; first: {rep.problems[0]}")
-    console.print("[green]ok[/]: headers, shapes, dtypes and the quantization config agree")
-
-
 def _log2(v: float) -> float:
     return math.log2(v)
 
@@ -604,20 +558,6 @@ def _on_sigterm(signum, frame) -> None:
     temporary directory) instead of the process dying where it stands."""
     _TERMINATED.append(signum)
     raise KeyboardInterrupt
-
-
-def _print_shards(shards, tp: int) -> None:
-    """``inspect --tp``: every quantized weight that breaks the shard rule, and the count that keeps it."""
-    bad = [s for s in shards if not s.ok]
-    if not bad:
-        console.print(f"[green]tp {tp}[/]: all {len(shards)} quantized weights shard (whole 32-element blocks per rank)")
-        return
-    t = Table(title=f"tensor parallelism {tp}: {len(bad)} of {len(shards)} quantized weights do not shard")
-    for c in ("weight", "split", "shape", "why"):
-        t.add_column(c)
-    for s in bad:
-        t.add_row(s.name, s.style, str(list(s.shape)), s.why)
-    console.print(t)
 
 
 def main() -> None:

@@ -48,128 +48,30 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from mxq.formats import (
-    E8M0_MAX_EXP,
-    E8M0_MIN_EXP,
-    ElemFormat,
-    ScaleRule,
-    cast_elements,
-    exp2_f32,
-    fake_quantize_mx,
-    shared_exponents,
+from mxq.formats import fake_quantize_mx
+from mxq.gptq_core import (
+    EXPERT_MIN_TOKENS,
+    LAZY_BLOCK,
+    GPTQError,
+    Rounding,
+    gptq_mx,
+    hessian,
+    output_errors,
+)
+from mxq.gptq_experts import (
+    ExpertsInputs,
+    capture_experts,
+    expert_codes,
+    is_experts_module,
+    round_experts,
+    router_of,
+    swap_in_mx_experts,
 )
 from mxq.progress import progress_bar
 from mxq.recipe import TensorSpec
 
 __all__ = ["GPTQError", "GPTQResult", "LayerInputs", "decoder_layers", "gptq_mx", "gptq_model", "hessian", "EXPERT_MIN_TOKENS"]
 
-GPTQ_RULES = (ScaleRule.RCEIL, ScaleRule.MSE)
-LAZY_BLOCK = 128  # columns updated together (a multiple of the MX block)
-EXPERT_MIN_TOKENS = 1.5  # tokens per unit of K an expert's projection needs for GPTQ (module doc)
-
-
-class GPTQError(ValueError):
-    """A layer or model GPTQ cannot round; the message names it."""
-
-
-def _round_column(w: torch.Tensor, e: torch.Tensor, elem: ElemFormat) -> torch.Tensor:
-    """w[N] rounded to ``elem`` under the per-row scale 2**e[N]: the element cast of ``quantize_mx``
-    (saturating, nearest even) on blocks of one element."""
-    return cast_elements(w.view(-1, 1, 1), e.view(-1, 1), elem).float().view(-1) * exp2_f32(e)
-
-
-def hessian(x: torch.Tensor) -> torch.Tensor:
-    """XᵀX (float32) of inputs x[..., K] — accumulate it over batches with ``+=``."""
-    x = x.reshape(-1, x.shape[-1]).float()
-    return x.t() @ x
-
-
-def gptq_mx(
-    w: torch.Tensor,
-    h: torch.Tensor,
-    spec: TensorSpec,
-    *,
-    block_size: int = 32,
-    damp: float = 0.01,
-    lazy_block: int = LAZY_BLOCK,
-    act_order: bool = False,
-) -> torch.Tensor:
-    """GPTQ-rounded values of ``w`` [N, K] (float32, each an fp8 code times its block's 2**e).
-
-    ``h`` [K, K]: Σ xᵀx of the layer's calibration inputs (any positive multiple). ``damp``: added
-    to the diagonal as a fraction of its mean. Columns never seen active (zero diagonal) are
-    rounded like the others but receive no error and pass none on. ``act_order``: visit the 1x32
-    blocks by decreasing Hessian diagonal (their sum), and the columns of each block likewise;
-    blocks stay whole, so the stored layout is unchanged and only the order of rounding moves.
-    """
-    w_in = w
-    n, k = w.shape
-    if spec.scale_rule not in GPTQ_RULES:
-        raise GPTQError(f"GPTQ rounding takes scale_rule rceil or mse, got {spec.scale_rule.value!r}")
-    if k % block_size:
-        raise GPTQError(f"GPTQ needs K divisible by {block_size}, got K = {k}")
-    if h.shape != (k, k):
-        raise GPTQError(f"Hessian of shape {tuple(h.shape)} for a weight of shape {(n, k)}")
-    lazy_block = max(block_size, lazy_block // block_size * block_size)
-    w = w.detach().float()
-    w = w.clone() if w.data_ptr() == w_in.data_ptr() else w  # a float32 input is not modified
-    h = h.detach().float().clone()
-    perm = None
-    if act_order:
-        diag = torch.diagonal(h).reshape(-1, block_size)
-        blocks = torch.argsort(diag.sum(1), descending=True, stable=True)
-        inner = torch.argsort(diag, dim=1, descending=True, stable=True)
-        perm = (blocks.unsqueeze(1) * block_size + inner[blocks]).reshape(-1)
-        w, h = w[:, perm], h[perm][:, perm]
-    dead = torch.diagonal(h) == 0
-    h[dead, dead] = 1.0
-    d = torch.diagonal(h)
-    d += damp * d.mean()
-    hinv = _inverse_cholesky_upper(h)
-    del h, d
-
-    elem = spec.elem
-    out = torch.empty_like(w)
-    for i1 in range(0, k, lazy_block):
-        i2 = min(i1 + lazy_block, k)
-        w1 = w[:, i1:i2].clone()
-        err1 = torch.zeros_like(w1)
-        hinv1 = hinv[i1:i2, i1:i2]
-        e = None
-        for j in range(i2 - i1):
-            if j % block_size == 0:
-                blk = w1[:, j : j + block_size].unsqueeze(1)  # [N, 1, 32]: the block as it is now
-                e = shared_exponents(blk, elem, spec.scale_rule)[0].squeeze(1)
-                e = e.clamp(E8M0_MIN_EXP, E8M0_MAX_EXP)
-            col = w1[:, j]
-            q = _round_column(col, e, elem)
-            out[:, i1 + j] = q
-            err = (col - q) / hinv1[j, j]
-            w1[:, j:] -= err.unsqueeze(1) * hinv1[j, j:].unsqueeze(0)
-            err1[:, j] = err
-        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
-    if perm is not None:
-        out[:, perm] = out.clone()
-    return out
-
-
-def _inverse_cholesky_upper(h: torch.Tensor) -> torch.Tensor:
-    """Upper Cholesky factor of H⁻¹, with more damping if H is not positive definite."""
-    mean = float(torch.diagonal(h).mean())
-    for extra in (0.0, 1e-3, 1e-2, 1e-1, 1.0):
-        hd = h
-        if extra:
-            hd = h.clone()
-            torch.diagonal(hd).add_(extra * mean)
-        l_, info = torch.linalg.cholesky_ex(hd)
-        del hd
-        if int(info) == 0:
-            hinv = torch.cholesky_inverse(l_)
-            del l_
-            u, info = torch.linalg.cholesky_ex(hinv, upper=True)
-            if int(info) == 0:
-                return u
-    raise GPTQError("the calibration Hessian is not positive definite even with 100 % damping")
 
 
 # --- the model, decoder layer by decoder layer -----------------------------------------------------
@@ -225,19 +127,6 @@ class _Stop(Exception):
     pass
 
 
-@dataclass(frozen=True)
-class _Rounding:
-    """How ``gptq_model`` rounds (its arguments of that name; ``expert_min_tokens`` and
-    ``experts_all_tokens`` for the experts)."""
-
-    damp: float
-    act_order: bool
-    quantized_inputs: bool
-    expert_min_tokens: float
-    experts_all_tokens: bool
-    block_size: int
-
-
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The model's decoder layers (``model.model.layers``), in order; refused in one line if absent."""
     base = getattr(model, "model", None)
@@ -277,30 +166,13 @@ def _quantize_input_hook(act: TensorSpec, block_size: int):
     return hook
 
 
-def _errors(w: torch.Tensor, wq: torch.Tensor, h: torch.Tensor, spec: TensorSpec, block_size: int,
-            rows: int = 2048) -> tuple[float, float]:  # fmt: skip
-    """‖(W − Ŵ)Xᵀ‖² / ‖WXᵀ‖² from H = XᵀX, for GPTQ's Ŵ and for round-to-nearest, a few rows at a
-    time in float32 (MX rounding is per row, so the chunks change no value; memory stays bounded)."""
-    def err(wi: torch.Tensor, q: torch.Tensor) -> float:
-        d = wi - q
-        return float(((d @ h) * d).sum())
-
-    g = r = den = 0.0
-    for i in range(0, w.shape[0], rows):
-        wi = w[i : i + rows].float()
-        den += float(((wi @ h) * wi).sum())
-        g += err(wi, wq[i : i + rows])
-        r += err(wi, fake_quantize_mx(wi, -1, spec.elem, block_size, spec.scale_rule))
-    return (g / den, r / den) if den > 0 else (0.0, 0.0)
-
-
-def _round_group(group: list[tuple[str, nn.Linear]], h: torch.Tensor, spec: TensorSpec, how: _Rounding) -> dict[str, dict]:
+def _round_group(group: list[tuple[str, nn.Linear]], h: torch.Tensor, spec: TensorSpec, how: Rounding) -> dict[str, dict]:
     """GPTQ over Linear layers that read one input (their rows stacked), in place; per layer: the
     group's output errors, GPTQ and nearest, and its share of the time."""
     t0 = time.perf_counter()
     w = torch.cat([lin.weight.detach() for _, lin in group])  # in the model's dtype
     wq = gptq_mx(w, h, spec, block_size=how.block_size, damp=how.damp, act_order=how.act_order)
-    g_err, r_err = _errors(w, wq, h, spec, how.block_size)
+    g_err, r_err = output_errors(w, wq, h, spec, how.block_size)
     del w
     row = 0
     for _, lin in group:
@@ -308,224 +180,6 @@ def _round_group(group: list[tuple[str, nn.Linear]], h: torch.Tensor, spec: Tens
         row += lin.out_features
     secs = round((time.perf_counter() - t0) / len(group), 3)
     return {name: {"gptq_err": g_err, "rtn_err": r_err, "seconds": secs} for name, _ in group}
-
-
-# --- routed experts ----------------------------------------------------------------------------
-
-class _ExpertsInputs:
-    """What one experts module received on the calibration tokens, kept per call as the rows it saw
-    and which experts each row went to, so that one expert's rows can be gathered at a time.
-
-    ``(x, ids, scale)`` per call: ``ids`` [rows, k] the experts of each row (None: every row goes
-    to every expert); ``scale`` [rows, E] a per-expert factor on the rows (Llama 4, whose experts
-    see the hidden state times the router's score). ``routed``: tokens the router sent to each expert."""
-
-    def __init__(self, num_experts: int, all_tokens: bool):
-        self.num_experts, self.all_tokens = num_experts, all_tokens
-        self.calls: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
-        self.routed = torch.zeros(num_experts, dtype=torch.int64)
-        self.router: tuple[torch.Tensor, torch.Tensor] | None = None  # the last router call: (input, logits)
-
-    def record(self, x: torch.Tensor, ids: torch.Tensor) -> None:
-        """``experts(hidden, top_k_index, top_k_weights)``; ids >= E are no expert (sentinels)."""
-        x = x.reshape(-1, x.shape[-1])
-        ids = ids.reshape(x.shape[0], -1)
-        self.routed += torch.bincount(ids[ids < self.num_experts].flatten().cpu(), minlength=self.num_experts)[: self.num_experts]
-        self.calls.append((x.clone(), None if self.all_tokens else ids.clone(), None))
-
-    def record_expanded(self, routed: torch.Tensor) -> None:
-        """Llama 4's ``experts(routed)``: every token once per expert, expert-major, times its
-        score, which is zero where the router did not pick the expert (those rows add nothing)."""
-        v = routed.reshape(self.num_experts, -1, routed.shape[-1])
-        picked = v.ne(0).any(-1)  # [E, T]
-        self.routed += picked.sum(1).cpu()
-        if not self.all_tokens:
-            self.calls.append((v[picked], picked.nonzero()[:, :1], None))
-            return
-        if self.router is None:
-            raise GPTQError("experts_all_tokens: the experts are called with routed rows and no router was seen before them")
-        h, logits = self.router
-        if logits.shape != (v.shape[1], self.num_experts) or h.shape[0] != v.shape[1]:
-            raise GPTQError(f"experts_all_tokens: router logits {tuple(logits.shape)} do not match {v.shape[1]} tokens "
-                            f"and {self.num_experts} experts")  # fmt: skip
-        # what each expert would see had the router picked it: the token times its sigmoid score
-        self.calls.append((h.reshape(-1, h.shape[-1]).clone(), None, torch.sigmoid(logits.float()).to(h.dtype)))
-        self.router = None
-
-    @property
-    def shared(self) -> bool:
-        """Every expert gets the same rows (all tokens, no per-expert factor)."""
-        return all(ids is None and scale is None for _, ids, scale in self.calls)
-
-    def count(self, e: int) -> int:
-        return sum(x.shape[0] if ids is None else int((ids == e).any(1).sum()) for x, ids, _ in self.calls)
-
-    def rows(self, e: int) -> torch.Tensor:
-        """Expert ``e``'s rows over all calls, in call and token order."""
-        parts = []
-        for x, ids, scale in self.calls:
-            if scale is not None:
-                parts.append(x * scale[:, e, None])
-            elif ids is None:
-                parts.append(x)
-            else:
-                parts.append(x[(ids == e).any(1)])
-        return torch.cat(parts)
-
-
-def _capture_experts(mod: nn.Module, inputs: _ExpertsInputs, router: nn.Module | None) -> list:
-    """Hooks that fill ``inputs`` from the experts module's calls (both calling conventions)."""
-    def on_call(m, args, kwargs):
-        x = args[0] if args else kwargs["hidden_states"]
-        ids = args[1] if len(args) > 1 else kwargs.get("top_k_index", kwargs.get("router_indices"))
-        if ids is None:
-            inputs.record_expanded(x)
-        else:
-            inputs.record(x, ids)
-
-    hooks = [mod.register_forward_pre_hook(on_call, with_kwargs=True)]
-    if router is not None and inputs.all_tokens:
-        def on_router(m, args, out):
-            logits = out[1] if isinstance(out, tuple) and len(out) == 2 else None  # Llama 4: (scores, logits)
-            inputs.router = (args[0], logits) if logits is not None else None
-
-        hooks.append(router.register_forward_hook(on_router))
-    return hooks
-
-
-def _router_of(model: nn.Module, name: str) -> nn.Module | None:
-    from mxq.experts import ROUTER_NAMES
-
-    parent = model.get_submodule(name.rpartition(".")[0])
-    return next((getattr(parent, r) for r in ROUTER_NAMES if isinstance(getattr(parent, r, None), nn.Module)), None)
-
-
-def _gate_of(mod: nn.Module, projections: tuple[str, ...]):
-    """The function between the expert's two projections: the family's own gate (gpt-oss's clamped
-    GLU on interleaved columns, ...) or act(gate)·up, or the activation alone without a gate."""
-    from mxq.experts import GATED, silu_gate
-
-    if projections != GATED:
-        return mod.act_fn
-    gate = getattr(type(mod), "_apply_gate", None) or silu_gate
-    return lambda h: gate(mod, h)
-
-
-def _round_expert_projection(w: torch.Tensor, rows_of, n_of, spec: TensorSpec, act: TensorSpec | None, how: _Rounding,
-                             shared: bool = False) -> dict:  # fmt: skip
-    """One projection of every expert, ``w`` [E, N, K] (a view of the module's parameter, written in
-    place): GPTQ on each expert's rows (``rows_of(e)``) where it has at least
-    ``how.expert_min_tokens``·K of them (``n_of(e)``), else direct cast. One K×K Hessian at a time
-    (``shared``: the same rows for every expert, so one Hessian for all)."""
-    k = w.shape[-1]
-    out = {"rounding": [], "gptq_err": [], "rtn_err": []}
-    h_shared = None
-    for e in range(w.shape[0]):
-        we = w[e]
-        if n_of(e) == 0 or n_of(e) < how.expert_min_tokens * k:
-            we.copy_(fake_quantize_mx(we.float(), -1, spec.elem, how.block_size, spec.scale_rule).to(we.dtype))
-            out["rounding"].append("nearest")
-            out["gptq_err"].append(None)
-            out["rtn_err"].append(None)
-            continue
-        if h_shared is not None:
-            h = h_shared
-        else:
-            x = rows_of(e)
-            if how.quantized_inputs and act is not None:
-                x = fake_quantize_mx(x, -1, act.elem, how.block_size, act.scale_rule)
-            h = hessian(x)
-            del x
-            h_shared = h if shared else None
-        wq = gptq_mx(we, h, spec, block_size=how.block_size, damp=how.damp, act_order=how.act_order)
-        g_err, r_err = _errors(we, wq, h, spec, how.block_size)
-        we.copy_(wq.to(we.dtype))
-        del wq, h
-        out["rounding"].append("gptq")
-        out["gptq_err"].append(g_err)
-        out["rtn_err"].append(r_err)
-    return out
-
-
-def _round_experts(name: str, mod: nn.Module, inputs: _ExpertsInputs, spec: tuple[TensorSpec, TensorSpec | None],
-                   how: _Rounding) -> dict:  # fmt: skip
-    """GPTQ for every expert of one experts module, in place: ``gate_up``/``up`` first, then
-    ``down`` on the gated intermediate of each expert's rounded ``gate_up`` (module doc)."""
-    from mxq.experts import canonical, experts_layer, quantize_experts_weight
-    from mxq.kernels.moe import mx_grouped_linear
-
-    t0 = time.perf_counter()
-    wspec, act = spec
-    info = experts_layer(name, mod)
-    up, down = info.projections
-    counts = [inputs.count(e) for e in range(info.num_experts)]
-    n_of = counts.__getitem__
-    stats = {"tokens": inputs.routed.tolist(), "hessian_tokens": counts, "projections": {}}
-    w_up = canonical(mod._parameters[up].data, info.transposed)
-    stats["projections"][up] = _round_expert_projection(w_up, inputs.rows, n_of, wspec, act, how, shared=inputs.shared)
-
-    gate = _gate_of(mod, info.projections)
-    bias = mod._parameters.get(up + "_bias")
-
-    def intermediate(e: int) -> torch.Tensor:
-        """Expert e's input to ``down`` as inference computes it: its rows through the MX codes of its
-        rounded ``gate_up`` (W8A8: the rows MX-rounded), then the gate."""
-        x = inputs.rows(e)
-        codes, scales = quantize_experts_weight(w_up[e : e + 1], wspec, how.block_size)
-        ends = torch.tensor([x.shape[0]], dtype=torch.int32, device=x.device)
-        h = mx_grouped_linear(x, ends, codes, scales, bias[e : e + 1] if bias is not None else None,
-                              act_elem=act.elem if act is not None else None,
-                              act_rule=act.scale_rule if act is not None else ScaleRule.RCEIL, block_size=how.block_size)  # fmt: skip
-        return gate(h).to(x.dtype)
-
-    w_down = canonical(mod._parameters[down].data, info.transposed)
-    stats["projections"][down] = _round_expert_projection(w_down, intermediate, n_of, wspec, act, how)
-    stats["seconds"] = round(time.perf_counter() - t0, 3)
-    return stats
-
-
-def _expert_codes(w: torch.Tensor, spec: TensorSpec, block_size: int, codes: torch.Tensor | None = None,
-                  scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Direct cast of [E, N, K] one expert at a time (into ``codes``/``scales`` where given): casting
-    the whole tensor at once holds float32 temporaries of it (several GiB for one Qwen3-30B-A3B layer)."""
-    from mxq.experts import quantize_experts_weight
-
-    if codes is None:
-        codes = torch.empty(w.shape, dtype=spec.elem.torch_dtype, device=w.device)
-        scales = torch.empty((*w.shape[:-1], w.shape[-1] // block_size), dtype=torch.uint8, device=w.device)
-    for e in range(w.shape[0]):
-        c, s = quantize_experts_weight(w[e], spec, block_size)
-        codes[e].copy_(c)
-        scales[e].copy_(s)
-    return codes, scales
-
-
-def _swap_in_mx_experts(model: nn.Module, experts: list[tuple[str, nn.Module]], specs: dict, block_size: int) -> list:
-    """Replace rounded experts modules by ``MXExperts`` over their codes (direct cast of the rounded
-    values reproduces them), so that the layer's output is what inference computes; returns what
-    to put back."""
-    from mxq.experts import SCALE_SUFFIX, MXExperts, canonical, experts_layer
-
-    swapped = []
-    for name, mod in experts:
-        wspec, act = specs[name]
-        info = experts_layer(name, mod)
-        mx = MXExperts(mod, elem=wspec.elem, act=act, block_size=block_size, dtype=mod._parameters[info.projections[0]].dtype)
-        for p in info.projections:
-            w = canonical(mod._parameters[p].data, info.transposed)
-            _expert_codes(w, wspec, block_size, getattr(mx, p), getattr(mx, p + SCALE_SUFFIX))
-            b = mod._parameters.get(p + "_bias")
-            if b is not None:
-                getattr(mx, p + "_bias").copy_(b.detach())
-        model.set_submodule(name, mx)
-        swapped.append((name, mod))
-    return swapped
-
-
-def _is_experts(m: nn.Module) -> bool:
-    from mxq.experts import MXExperts, is_experts
-
-    return is_experts(m) and not isinstance(m, MXExperts)
 
 
 @torch.inference_mode()
@@ -578,7 +232,7 @@ def gptq_model(
     _check_specs(model, specs)
     _place(model, layers, device, offload)
     inputs = LayerInputs.capture(model, layers[0], batches, device)
-    how = _Rounding(damp, act_order, quantized_inputs, expert_min_tokens, experts_all_tokens, block_size)
+    how = Rounding(damp, act_order, quantized_inputs, expert_min_tokens, experts_all_tokens, block_size)
     result = GPTQResult(tokens=sum(b.numel() for b in batches), expert_min_tokens=expert_min_tokens,
                         experts_all_tokens=experts_all_tokens)
     with progress_bar("gptq {task.fields[layer]}", enabled=progress) as bar:
@@ -598,7 +252,7 @@ def gptq_model(
 
 
 def _check_specs(model: nn.Module, specs: dict) -> None:
-    unknown = sorted(set(specs) - {n for n, m in model.named_modules() if isinstance(m, nn.Linear) or _is_experts(m)})
+    unknown = sorted(set(specs) - {n for n, m in model.named_modules() if isinstance(m, nn.Linear) or is_experts_module(m)})
     if unknown:
         raise GPTQError(f"GPTQ: {unknown[0]!r} is not a Linear layer or experts module of {type(model).__name__}")
 
@@ -675,7 +329,7 @@ class _Pass:
 
     model: nn.Module
     specs: dict[str, tuple[TensorSpec, TensorSpec | None]]
-    how: _Rounding
+    how: Rounding
     inputs: LayerInputs
     result: GPTQResult
     advance: Callable[[int, str], None]  # the progress bar: how many layers done, the last one's name
@@ -683,7 +337,7 @@ class _Pass:
     def decoder_layer(self, layer: nn.Module, prefix: str) -> None:
         """Round the layer's Linear layers and experts modules, then compute its outputs as rounded."""
         groups = _groups(layer, prefix, self.specs)
-        experts = [(f"{prefix}.{n}", m) for n, m in layer.named_modules() if f"{prefix}.{n}" in self.specs and _is_experts(m)]
+        experts = [(f"{prefix}.{n}", m) for n, m in layer.named_modules() if f"{prefix}.{n}" in self.specs and is_experts_module(m)]
         if groups or experts:
             self._round(layer, groups, experts)
         self._forward_rounded(layer, prefix, experts)
@@ -692,11 +346,11 @@ class _Pass:
         """One run of the layer's inputs fills every Hessian (dense) and every expert's rows; then
         each group, then each experts module, is rounded."""
         hs: dict[str, torch.Tensor] = {}
-        seen: dict[str, _ExpertsInputs] = {}
+        seen: dict[str, ExpertsInputs] = {}
         hooks = []
         for name, mod in experts:
-            seen[name] = _ExpertsInputs(int(mod._parameters["down_proj"].shape[0]), self.how.experts_all_tokens)
-            hooks += _capture_experts(mod, seen[name], _router_of(self.model, name))
+            seen[name] = ExpertsInputs(int(mod._parameters["down_proj"].shape[0]), self.how.experts_all_tokens)
+            hooks += capture_experts(mod, seen[name], router_of(self.model, name))
         for group in groups:
             name, lin = group[0]
             act = self.specs[name][1] if self.how.quantized_inputs else None
@@ -711,7 +365,7 @@ class _Pass:
             self.result.layers.update(_round_group(group, hs.pop(name), self.specs[name][0], self.how))
             self.advance(len(group), group[-1][0])
         for name, mod in experts:
-            self.result.experts[name] = _round_experts(name, mod, seen.pop(name), self.specs[name], self.how)
+            self.result.experts[name] = round_experts(name, mod, seen.pop(name), self.specs[name], self.how)
             self.advance(1, name)
 
     def _forward_rounded(self, layer: nn.Module, prefix: str, experts: list[tuple[str, nn.Module]]) -> None:
@@ -722,7 +376,7 @@ class _Pass:
             for n, lin in layer.named_modules()
             if isinstance(lin, nn.Linear) and f"{prefix}.{n}" in specs and specs[f"{prefix}.{n}"][1] is not None
         ]
-        swapped = _swap_in_mx_experts(self.model, experts, specs, bs)
+        swapped = swap_in_mx_experts(self.model, experts, specs, bs)
         try:
             self.inputs.advance(layer)
         finally:
@@ -808,7 +462,7 @@ def _experts_codes(plan, mods: dict[str, nn.Module], res: GPTQResult, block_size
         info = experts_layer(name, mods[name])
         rounded[name] = {}
         for proj in info.projections:
-            codes, scales = _expert_codes(canonical(mods[name]._parameters[proj].detach(), info.transposed), wspec, block_size)
+            codes, scales = expert_codes(canonical(mods[name]._parameters[proj].detach(), info.transposed), wspec, block_size)
             rounded[name][proj] = (codes.cpu(), scales.cpu())
         st = res.experts[name]
         ep = plan.experts[name]

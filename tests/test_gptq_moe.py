@@ -426,10 +426,10 @@ def test_one_expert_hessian_at_a_time(monkeypatch):
     """Per-expert Hessians are built and consumed one at a time: when one is built, none other is alive."""
     import weakref
 
-    import mxq.gptq as gptq
+    import mxq.gptq_experts as gptq_experts
 
     alive, most = [], [0]
-    make = gptq.hessian
+    make = gptq_experts.hessian
 
     def tracked(x):
         most[0] = max(most[0], sum(r() is not None for r in alive))
@@ -437,7 +437,7 @@ def test_one_expert_hessian_at_a_time(monkeypatch):
         alive.append(weakref.ref(h))
         return h
 
-    monkeypatch.setattr(gptq, "hessian", tracked)
+    monkeypatch.setattr(gptq_experts, "hessian", tracked)
     model = moe_model("qwen3_moe")
     res = gptq_model(model, _batches(0), {n: SPEC for n in experts_layers(model)}, progress=False)
     assert len(alive) == 2 * 2 * 4 - sum(v for v in res.experts_summary()["nearest"].values())

@@ -26,8 +26,8 @@ OUTSIDE = ("kernels", "eval")  # subpackages mapped into mxq (package-dir), one 
 
 # Layer of every module, top (0) to bottom (3). A module may import its own layer or lower ones.
 LAYERS = {
-    0: {"cli", "cli_bench", "cli_eval", "cli_tune"},
-    1: {PACKAGE, "calibrate", "gptq", "signround", "convert", "convert_layout", "tensor_source", "hf", "eval", "inspect",
+    0: {"cli", "cli_bench", "cli_eval", "cli_inspect", "cli_tune"},
+    1: {PACKAGE, "calibrate", "sensitivity", "gptq", "gptq_core", "gptq_experts", "signround", "convert", "convert_layout", "tensor_source", "hf", "eval", "inspect",
         "models", "quantize"},
     2: {"experts", "tp", "fuse", "routing", "linear", "embedding", "attention", "checkpoint", "validate", "recipe", "config", "plan", "reorder",
         "progress", "decode"},
