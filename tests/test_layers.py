@@ -240,3 +240,23 @@ def test_the_environment_is_read_in_one_place():
                 reads += [f"{p.parent.name}/{p.name}: {m}" for m in re.findall(r"(?:environ\.get|getenv)\([\"']MXQ_[A-Z0-9_]*", text)]
     assert named <= set(settings.VARIABLES), sorted(named - set(settings.VARIABLES))
     assert not reads, reads
+
+
+ARCH = SRC.parent / "docs" / "ARCHITECTURE.md"
+
+
+def test_architecture_names_what_the_code_holds():
+    """docs/ARCHITECTURE.md's layer table lists exactly the modules of each layer above, and every
+    file path it names exists."""
+    import re
+
+    text = ARCH.read_text()
+    rows = {int(m.group(1)): set(re.findall(r"`([a-z_]+)`", m.group(2)))
+            for m in re.finditer(r"^\| (\d): [^|]+\| (.+) \|$", text, re.M)}  # fmt: skip
+    assert rows.keys() == LAYERS.keys()
+    for rank, mods in LAYERS.items():
+        assert rows[rank] == mods, (rank, sorted(rows[rank] ^ mods))
+    paths = set(re.findall(r"\b((?:mxq|kernels|eval|tests|recipes|docs|tools)/[\w./-]+\.(?:py|yaml|md|json))\b", text))
+    assert paths, "no file paths found: the pattern no longer matches the document"
+    missing = sorted(p for p in paths if not (SRC.parent / p).exists())
+    assert not missing, missing
