@@ -43,7 +43,6 @@ import torch
 from mxq import settings as mxq_settings
 
 __all__ = [
-    "CACHE_ENV",
     "ResultCache",
     "cache_dir",
     "code_digest",
@@ -54,7 +53,6 @@ __all__ = [
     "windows_digest",
 ]
 
-CACHE_ENV = mxq_settings.CACHE
 FORMAT = "mxq-ppl-cache/1"
 _NOT_HASHED = {"quantization_report.json"}  # written for people; nothing reads it to load a model
 _TOKENIZER_SIDE_FILES = (".json", ".txt", ".model", ".jinja")  # beside a GGUF file

@@ -63,11 +63,10 @@ def tune_cmd(
     show: bool = typer.Option(False, "--show", help="List the cached and shipped entries and exit; no GPU needed."),
 ) -> None:
     """Tune the decode GEMM's tiles for a model's shapes on this GPU and cache the fastest."""
-    if cache is not None:
-        from mxq.kernels import tune as _tune
+    from mxq.kernels import tune
 
-        _tune.PATH = cache
-        _tune.reset()
+    if cache is not None:
+        tune.PATH = cache
     if show:
         _show()
         return
@@ -81,8 +80,6 @@ def tune_cmd(
         raise typer.BadParameter(f"--ms: {ms!r} is not a comma-separated list of integers") from None
     if not m_list or any(not 1 <= m <= 16 for m in m_list):
         raise typer.BadParameter(f"--ms: {ms!r}: batch sizes must be 1-16 (the decode GEMM's range)")
-    from mxq.kernels import tune
-
     tune.reset()
     typer.echo(f"shapes (N x K): {', '.join(f'{n}x{k}' for n, k in todo)}; M: {', '.join(map(str, m_list))}", err=True)
     typer.echo(f"cache: {tune.cache_path()}", err=True)

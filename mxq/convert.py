@@ -76,7 +76,7 @@ class ConversionReport:
     bytes_after: int = 0
     seconds: float = 0.0
     n_tensors: int = 0
-    shares: dict = field(default_factory=dict)  # parameters quantized: all, routed experts (``_shares``)
+    shares: dict = field(default_factory=dict)  # parameters quantized: all, routed experts (``convert_layout.parameter_shares``)
     tp_unshardable: dict = field(default_factory=dict)  # TP degree -> weights that would not shard (``mxq.tp``)
 
     @property

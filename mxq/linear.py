@@ -20,7 +20,7 @@ import functools
 import torch
 from torch import nn
 
-from mxq import settings as _settings
+from mxq import settings
 from mxq.formats import (
     E4M3,
     ElemFormat,
@@ -150,7 +150,7 @@ class MXLinear(nn.Module):
         lanes, lane = self._lanes, None
         if lanes is not None and not torch.compiler.is_compiling():  # made for CUDA calls only (``_lane_for``)
             lane = lanes.get(_lane_key(x, x_mx))
-            if lane and lane.owner == (self.kernels, _settings.kernels()) and lane.holds(self._parameters):
+            if lane and lane.owner == (self.kernels, settings.kernels()) and lane.holds(self._parameters):
                 return lane.run(x, x_mx)
         from mxq.kernels import mx_linear
 
@@ -196,7 +196,7 @@ class MXLinear(nn.Module):
             x, self.weight, self.weight_scale, self.bias, act_elem=act_elem, act_rule=act_rule,
             block_size=self.block_size, kernels=self.kernels, pre=x_mx is not None,
         )  # fmt: skip
-        self._lanes[_lane_key(x, x_mx)] = _Lane(lane, self._parameters, (self.kernels, _settings.kernels())) if lane else False
+        self._lanes[_lane_key(x, x_mx)] = _Lane(lane, self._parameters, (self.kernels, settings.kernels())) if lane else False
 
     def extra_repr(self) -> str:
         a = f"{self.act.elem.name}/{self.act.scale_rule.value}" if self.act else "bf16"
@@ -208,7 +208,7 @@ class MXLinear(nn.Module):
 
 
 # Lanes (``MXLinear._lane_for``): on unless ``MXQ_DEBUG=no-lanes`` (A/B timings, debugging)
-LANES = not _settings.debug("no-lanes")
+LANES = not settings.debug("no-lanes")
 LANES_PER_MODULE = 16
 
 
