@@ -2,6 +2,14 @@
 
     python eval/bench_attention.py [--out results.json] [--quick] [--decode-only | --prefill-only] [--no-sweep]
         [--no-ws-sweep] [--no-tiles]
+    python eval/bench_attention.py --bf16-decode [--out results.json]
+
+``--bf16-decode``: the default recipe's attention at one query token (a bf16 KV cache):
+``mxq.kernels.attention_sdpa_decode`` against what ran before it (the grouped SDPA: a kv head's
+query heads folded into the query rows, SDPA's default backend, cuDNN on an H100) and SDPA with
+``enable_gqa`` on each backend that takes the call, boolean mask as transformers makes it, CUDA-graph
+replays. Shapes: Qwen3-30B-A3B (32/4 heads), Llama-3-8B (32/8) and -70B (64/8) at contexts 161 to
+4096, batch 1 to 32, and a static cache half filled (the mask hides the tail).
 
 Prefill: B=4, H=32, D=128, S in {1k, 4k, 16k}, causal and not; the MXFP8 call includes the
 rounding pre-pass of K and V (it is part of every call); SDPA and MXFP8 alike timed as CUDA-graph
@@ -289,6 +297,73 @@ def tile_sweep(results):
             print(f"causal={causal} tile={tile}: {row['exact'] or 0:.0f} / {row['fast'] or 0:.0f} (pointer loads: {row['exact_pointer'] or 0:.0f})")
 
 
+BF16_DECODE = [  # (label, B, Hq, Hkv, D, cache length, keys visible)
+    ("qwen3-30b-a3b B=1 ctx 161", 1, 32, 4, 128, 161, 161),
+    ("qwen3-30b-a3b B=1 ctx 1024", 1, 32, 4, 128, 1024, 1024),
+    ("qwen3-30b-a3b B=1 ctx 4096", 1, 32, 4, 128, 4096, 4096),
+    ("qwen3-30b-a3b B=1 static 4096, 600 filled", 1, 32, 4, 128, 4096, 600),
+    ("qwen3-30b-a3b B=32 ctx 161", 32, 32, 4, 128, 161, 161),
+    ("qwen3-30b-a3b B=32 ctx 2048", 32, 32, 4, 128, 2048, 2048),
+    ("llama3-8b B=1 ctx 161", 1, 32, 8, 128, 161, 161),
+    ("llama3-8b B=8 ctx 1024", 8, 32, 8, 128, 1024, 1024),
+    ("llama3-70b B=1 ctx 4096", 1, 64, 8, 128, 4096, 4096),
+]
+
+
+def bf16_decode(results) -> None:
+    """The ``--bf16-decode`` table (module doc): µs per call and each path's ratio to the fastest
+    baseline in the row (> 1: faster than it)."""
+    from mxq.fuse import grouped_sdpa_forward
+    from mxq.kernels.attention_sdpa_decode import plan_splits, sdpa_decode, sdpa_decode_reference
+
+    backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}  # fmt: skip
+    print("\n## bf16 decode attention (one query token, bf16 KV, CUDA-graph replays, µs)")
+    print(f"| shape | splits | mxq sdpa_decode | grouped SDPA (before) | {' | '.join('SDPA gqa ' + b for b in backends)} | ratio vs best baseline |")
+    print("|---|---:|---:|---:|" + "---:|" * len(backends) + "---:|")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for label, b, hq, hkv, d, n, seen in BF16_DECODE:
+        q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        k = torch.randn(b, hkv, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        v = torch.randn(b, hkv, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        mask = torch.zeros(b, 1, 1, n, device="cuda", dtype=torch.bool)
+        mask[..., :seen] = True
+        module = torch.nn.Module()
+        module.num_key_value_groups, module.is_causal, module.training = hq // hkv, True, False
+        mine = sdpa_decode(q, k, v, mask, d**-0.5)
+        ref = sdpa_decode_reference(q.float(), k.float(), v.float(), mask, d**-0.5)
+        row = dict(shape=label, batch=b, q_heads=hq, kv_heads=hkv, head_dim=d, cache=n, seen=seen,
+                   splits=plan_splits(b, hkv, n, torch.cuda.get_device_properties(0).multi_processor_count)[0],
+                   rel_err=_rel(mine, ref))  # fmt: skip
+        row["mxq_us"] = 1e3 * _bench_gpu(lambda: sdpa_decode(q, k, v, mask, d**-0.5))
+
+        def grouped():
+            import mxq.fuse as F
+
+            keep, F._decode_kernel_takes = F._decode_kernel_takes, lambda *a: False  # what ran before the kernel
+            try:
+                return grouped_sdpa_forward(module, q, k, v, mask, scaling=d**-0.5)
+            finally:
+                F._decode_kernel_takes = keep
+
+        row["grouped_us"] = 1e3 * _bench_gpu(grouped)
+        for name, be in backends.items():
+            try:
+                with sdpa_kernel([be]):
+                    fn = lambda: torch.nn.functional.scaled_dot_product_attention(
+                        q, k, v, attn_mask=mask, scale=d**-0.5, enable_gqa=True)  # fmt: skip
+                    fn()
+                    row[name + "_us"] = 1e3 * _bench_gpu(fn)
+            except RuntimeError:
+                row[name + "_us"] = None
+        base = [row[key] for key in ["grouped_us"] + [b + "_us" for b in backends] if row[key] is not None]
+        row["ratio_vs_best"] = min(base) / row["mxq_us"]
+        cells = " | ".join(f"{row[b + '_us']:.1f}" if row[b + "_us"] is not None else "-" for b in backends)
+        print(f"| {label} | {row['splits']} | {row['mxq_us']:.1f} | {row['grouped_us']:.1f} | {cells} | "
+              f"{row['ratio_vs_best']:.2f}x |", flush=True)  # fmt: skip
+        results["bf16_decode"].append(row)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -299,14 +374,21 @@ def main():
     ap.add_argument("--no-ws-sweep", action="store_true", help="decode: the warp-specialized kernel's defaults only")
     ap.add_argument("--no-rotation", action="store_true", help="time the MXFP8 kernels without the Q/K rotation")
     ap.add_argument("--no-tiles", action="store_true", help="skip the prefill tile sweep")
+    ap.add_argument("--bf16-decode", action="store_true", help="only the bf16-KV decode table (module doc)")
     args = ap.parse_args()
     ROT["qk_rotation"] = not args.no_rotation
     results = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-        "date": time.strftime("%Y-%m-%d"), "ptxas": str(triton_ptxas()), "qk_rotation": ROT["qk_rotation"], "prefill": [], "decode": [], "decode_configs": [], "tiles": [],
+        "date": time.strftime("%Y-%m-%d"), "ptxas": str(triton_ptxas()), "qk_rotation": ROT["qk_rotation"], "prefill": [], "decode": [], "decode_configs": [], "tiles": [], "bf16_decode": [],
     }  # fmt: skip
     results["out"] = args.out
     print(f"# {results['device']}  torch {results['torch']}  triton {results['triton']}  {results['date']}")
+    if args.bf16_decode:
+        bf16_decode(results)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+        return
     if not args.prefill_only:
         ctxs = [4096, 8192, 16384, 32768] if not args.quick else [16384]
         decode(ctxs, results, sweep=not args.no_sweep, ws_sweep=not args.no_ws_sweep)

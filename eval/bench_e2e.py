@@ -855,7 +855,7 @@ def main(argv=None) -> int:
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help="JSON file to write")
     a = p.parse_args(argv)
-    a.batch = [int(v) for v in a.batch.split(",")]
+    a.batch = [int(v) for v in a.batch.split(",") if v.strip()]  # "" : no decode figures
     if a.merge:
         res, runs = {}, {"bf16": [], "mxfp8": []}
         for path in a.merge:

@@ -33,6 +33,8 @@ it computes, and never its ``state_dict``:
    the query length instead (rows g·Sq + s), so SDPA reads K and V once; the same arithmetic.
    Used for steps of at most ``GROUPED_MAX_ROWS`` query rows per KV head (decoding); anything
    else goes to transformers' SDPA. Set when a Llama, Mistral, Qwen2 or Qwen3 model uses ``sdpa``.
+   One query token on a GPU goes to ``mxq.kernels.attention_sdpa_decode`` (op ``mxq::sdpa_decode``):
+   the same function in one small launch instead of cuDNN's flash kernel, masked key blocks skipped.
 
 5. **The router's top-k in one kernel** (``mxq.routing``, kernels in ``mxq.kernels.moe_router``): a
    known MoE router (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, gpt-oss, DeepSeek-V3, GLM-4-MoE) keeps its
@@ -431,6 +433,12 @@ def grouped_sdpa_forward(
 
     groups = getattr(module, "num_key_value_groups", 1)
     b, hq, sq, d = query.shape
+    if sq == 1 and _decode_kernel_takes(module, query, key, attention_mask, dropout, kwargs):
+        spec = getattr(module, "mxq_kernels", None) or ""
+        s = float(scaling) if scaling is not None else d**-0.5
+        if torch.compiler.is_compiling():
+            return sdpa_decode_op(query, key, value, attention_mask, s, spec), None
+        return _sdpa_decode(query, key, value, attention_mask, s, spec), None
     if (
         groups <= 1 or attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1
         or sq * groups > GROUPED_MAX_ROWS or (dropout and module.training) or kwargs.get("output_attentions")
@@ -445,6 +453,40 @@ def grouped_sdpa_forward(
     mask = mask.expand(mb, 1, sq, n)[:, :, None].expand(mb, 1, groups, sq, n).reshape(mb, 1, groups * sq, n)
     out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(b, hq, sq, out.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def _decode_kernel_takes(module, query, key, mask, dropout, kwargs) -> bool:
+    """One query token that ``mxq.kernels.attention_sdpa_decode`` computes (its registry chooses the
+    kernel for this call): plain SDPA arguments, a [Bm, 1, 1, N] mask or none."""
+    if (
+        (dropout and module.training) or kwargs.get("output_attentions")
+        or any(kwargs.get(k) is not None for k in ("position_bias", "s_aux", "softcap"))
+        or (mask is not None and (mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1
+                                  or mask.shape[0] not in (1, query.shape[0]) or mask.shape[3] < key.shape[2]))
+    ):  # fmt: skip
+        return False
+    from mxq.kernels.attention_sdpa_decode import SDPA_DECODE, sdpa_decode_problem
+
+    p = sdpa_decode_problem(query, key, mask, getattr(module, "mxq_kernels", None))
+    return SDPA_DECODE.choose(p, p.spec).name != "reference"
+
+
+def _sdpa_decode(q, k, v, mask, scale, spec):
+    from mxq.kernels.attention_sdpa_decode import sdpa_decode
+
+    return sdpa_decode(q, k, v, mask, scale, kernels=spec or None)
+
+
+@torch.library.custom_op("mxq::sdpa_decode", mutates_args=())
+def sdpa_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                   kernels: str) -> torch.Tensor:  # fmt: skip
+    """``mxq.kernels.attention_sdpa_decode.sdpa_decode`` as a torch custom op (opaque to ``torch.compile``)."""
+    return _sdpa_decode(q, k, v, mask, scale, kernels)
+
+
+@sdpa_decode_op.register_fake
+def _sdpa_decode_fake(q, k, v, mask, scale, kernels):
+    return q.new_empty((q.shape[0], 1, q.shape[1], q.shape[3]))
 
 
 def register_grouped_sdpa() -> None:

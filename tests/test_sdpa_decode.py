@@ -1,0 +1,179 @@
+"""Decode attention on a 16-bit KV cache (``mxq.kernels.attention_sdpa_decode``) against float64
+attention on the same inputs, on awkward shapes (the kernel in the Triton interpreter on a CPU, which
+plans the splits for an H100's 132 SMs), and in a model: the grouped SDPA of a quantized model sends
+one-token steps to it and gives the logits of torch's SDPA."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import mxq  # noqa: E402
+from mxq import fuse as F  # noqa: E402
+from mxq.kernels import attention_sdpa_decode as A  # noqa: E402
+from mxq.kernels.common import INTERPRET  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+KERNEL = "sdpa_decode"  # named: on a CPU the interpreter runs it
+
+
+def _exact(q, k, v, mask, scale):
+    """softmax(q kᵀ scale + mask) v in float64, each query head on its kv head; [B, 1, Hq, D]."""
+    q, k, v = q.double(), k.double(), v.double()
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = (q @ k.transpose(-1, -2)) * scale
+    if mask is not None:
+        m = mask[..., : k.shape[2]]
+        s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.double()
+    p = torch.softmax(s, -1).nan_to_num(0.0)  # a row with nothing to attend to: zeros
+    return (p @ v).transpose(1, 2)
+
+
+def _operands(b, hq, hkv, n, d, dtype, mask_kind, seed, bm=None):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, 1, d, generator=gen).to(dtype)
+    k = torch.randn(b, hkv, n, d, generator=gen).to(dtype)
+    v = torch.randn(b, hkv, n, d, generator=gen).to(dtype)
+    bm = b if bm is None else bm
+    if mask_kind == "bool":  # a longer mask (transformers' static-cache mask may be), a whole block hidden
+        mask = torch.rand(bm, 1, 1, n + 3, generator=gen) < 0.7
+        mask[..., 64:128] = False
+        mask[..., 0] = True
+    elif mask_kind == "add":
+        keep = torch.rand(bm, 1, 1, n, generator=gen) < 0.7
+        keep[..., 0] = True
+        mask = torch.where(keep, 0.0, torch.finfo(dtype).min).to(dtype)
+    else:
+        mask = None
+    return q.to(DEV), k.to(DEV), v.to(DEV), None if mask is None else mask.to(DEV)
+
+
+def _tolerance(v, out_dtype):
+    """The output's rounding (one ulp in the interpreter, which truncates) and, on a GPU, P rounded to
+    16 bits before P·V (2^-8 of the largest |v| for bf16, 2^-11 for fp16)."""
+    ulp = 2.0**-7 if out_dtype == torch.bfloat16 else 2.0**-10
+    return ulp * float(v.abs().max())
+
+
+@pytest.mark.parametrize("b,hq,hkv,n,d", [(1, 32, 4, 161, 128), (3, 12, 4, 70, 80), (2, 6, 6, 1, 64),
+                                          (1, 6, 2, 1100, 128), (2, 16, 2, 600, 96), (5, 9, 3, 33, 32)])  # fmt: skip
+@pytest.mark.parametrize("mask_kind", ["bool", "add", "none"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sdpa_decode_is_attention(b, hq, hkv, n, d, mask_kind, dtype):
+    seed = zlib.crc32(f"{b},{hq},{hkv},{n},{d},{mask_kind},{dtype}".encode())
+    q, k, v, mask = _operands(b, hq, hkv, n, d, dtype, mask_kind, seed)
+    scale = 0.7 / d**0.5
+    out = A.sdpa_decode(q, k, v, mask, scale, kernels=KERNEL)
+    want = _exact(q, k, v, mask, scale)
+    assert out.dtype == dtype and out.shape == (b, 1, hq, d)
+    assert (out.double() - want).abs().max().item() <= _tolerance(v, dtype)
+
+
+def test_sdpa_decode_splits_long_contexts_and_merges():
+    """Few programs and a long context: the keys split over programs (an H100 plan: 1 x 2 kv heads,
+    1100 keys -> 9 splits of 128), merged within the output's rounding."""
+    assert A.plan_splits(1, 2, 1100, 132) == (9, 128)
+    assert A.plan_splits(1, 2, 200, 132) == (1, 200)  # short: one split, one launch
+    assert A.plan_splits(32, 4, 2048, 132) == (5, 448)  # ~4 programs an SM
+    assert A.plan_splits(160, 4, 4096, 132) == (1, 4096)  # the batch fills the SMs: one split
+    q, k, v, mask = _operands(1, 6, 2, 1100, 64, torch.bfloat16, "bool", 11)
+    split = A.sdpa_decode(q, k, v, mask, 0.125, kernels=KERNEL)
+    want = _exact(q, k, v, mask, 0.125)
+    assert (split.double() - want).abs().max().item() <= _tolerance(v, torch.bfloat16)
+
+
+def test_sdpa_decode_rows_with_nothing_to_attend_are_zero_and_a_mask_broadcasts():
+    q, k, v, _ = _operands(3, 8, 2, 90, 32, torch.bfloat16, "none", 5)
+    mask = torch.ones(3, 1, 1, 90, dtype=torch.bool, device=DEV)
+    mask[1] = False  # sequence 1 sees no key
+    out = A.sdpa_decode(q, k, v, mask, 0.2, kernels=KERNEL)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    ok = [0, 2]
+    want = _exact(q[ok], k[ok], v[ok], mask[ok], 0.2)
+    assert (out[ok].double() - want).abs().max().item() <= _tolerance(v, torch.bfloat16)
+    one = torch.rand(1, 1, 1, 90, generator=torch.Generator().manual_seed(3)) < 0.5  # [1, ...]: every sequence
+    one[..., 0] = True
+    out1 = A.sdpa_decode(q, k, v, one.to(DEV), 0.2, kernels=KERNEL)
+    assert (out1.double() - _exact(q, k, v, one.to(DEV), 0.2)).abs().max().item() <= _tolerance(v, torch.bfloat16)
+
+
+def test_sdpa_decode_refuses_mismatched_operands():
+    q = torch.zeros(1, 4, 1, 16)
+    with pytest.raises(ValueError, match="sdpa_decode"):
+        A.sdpa_decode(q, torch.zeros(1, 2, 5, 16), torch.zeros(1, 2, 6, 16))
+
+
+def test_the_registry_takes_the_kernel_where_triton_runs():
+    cuda = torch.device("cuda", 0)
+    p = A.SdpaDecodeProblem(cuda, torch.bfloat16, 1, 32, 4, 128, A.MASK_BOOL, "auto")
+    assert A.SDPA_DECODE.choose(p).name == "sdpa_decode"
+    assert A.SDPA_DECODE.choose(p._replace(q_len=2)).name == "reference"  # a prefill chunk
+    assert A.SDPA_DECODE.choose(p._replace(dtype=torch.float32)).name == "reference"
+    assert A.SDPA_DECODE.choose(p._replace(spec="reference"), "reference").name == "reference"
+    cpu = p._replace(device=torch.device("cpu"))
+    assert A.SDPA_DECODE.choose(cpu).name == "reference"  # auto on a CPU: torch
+    assert A.SDPA_DECODE.choose(cpu._replace(spec=KERNEL), KERNEL).name == ("sdpa_decode" if INTERPRET else "reference")
+
+
+def test_the_op_traces_for_torch_compile():
+    q, k, v, mask = _operands(2, 8, 2, 40, 32, torch.bfloat16, "bool", 9)
+    torch.library.opcheck(F.sdpa_decode_op, (q, k, v, mask, 0.25, ""))
+    torch.library.opcheck(F.sdpa_decode_op, (q, k, v, None, 0.25, ""))
+
+
+def _tiny_qwen3():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
+                      num_key_value_heads=2, head_dim=32, vocab_size=200, max_position_embeddings=128,
+                      tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(4)
+    return Qwen3ForCausalLM(cfg).eval().to(torch.bfloat16)
+
+
+def test_a_quantized_models_decode_steps_take_the_kernel(monkeypatch):
+    """Prefill 9 tokens into a static cache, then 3 one-token steps: with the kernel named, every
+    step's attention goes to it (2 layers x 3 steps) and equals attention on its inputs within the
+    output's rounding. The logits follow torch's SDPA: a bf16 ulp of the attention output (0.4 %)
+    carried through the model moves them ~1 % (measured 0.95 %, W8A16: no activation rounding to
+    amplify it); 5 % catches a wrong head or key while leaving that rounding room."""
+    from transformers import StaticCache
+
+    model = mxq.quantize_model(_tiny_qwen3().to(DEV), "mxfp8-w8a16")
+    assert model.config._attn_implementation == F.GROUPED_SDPA
+    ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(1)).to(DEV)
+    calls = []
+    real = F._sdpa_decode
+
+    def spy(q, k, v, mask, scale, spec):
+        out = real(q, k, v, mask, scale, spec)
+        calls.append((tuple(q.shape), (out.double() - _exact(q, k, v, mask, scale)).abs().max().item(),
+                      _tolerance(v, q.dtype)))  # fmt: skip
+        return out
+
+    monkeypatch.setattr(F, "_sdpa_decode", spy)
+
+    def steps(kernels):
+        mxq.set_kernels(model, kernels)
+        cache = StaticCache(config=model.config, max_cache_len=24)
+        out = []
+        with torch.no_grad():
+            model(ids[:, :9], past_key_values=cache, cache_position=torch.arange(9, device=DEV))
+            for t in range(9, 12):
+                out.append(model(ids[:, t : t + 1], past_key_values=cache, cache_position=torch.tensor([t], device=DEV)).logits.float())
+        return torch.cat(out, 1)
+
+    with monkeypatch.context() as m:  # what ran before the kernel: the grouped SDPA
+        m.setattr(F, "_decode_kernel_takes", lambda *a: False)
+        want = steps(KERNEL)
+    assert calls == []
+    got = steps(KERNEL)
+    assert len(calls) == 6 and all(shape == (2, 8, 1, 32) and err <= tol for shape, err, tol in calls)
+    assert ((got - want).norm() / want.norm()).item() < 5e-2
+    mxq.set_kernels(model, None)
