@@ -340,11 +340,11 @@ def bf16_decode(results) -> None:
         def grouped():
             import mxq.fuse as F
 
-            keep, F._decode_kernel_takes = F._decode_kernel_takes, lambda *a: False  # what ran before the kernel
+            F.DECODE_KERNEL = False  # what ran before the kernel
             try:
                 return grouped_sdpa_forward(module, q, k, v, mask, scaling=d**-0.5)
             finally:
-                F._decode_kernel_takes = keep
+                F.DECODE_KERNEL = True
 
         row["grouped_us"] = 1e3 * _bench_gpu(grouped)
         for name, be in backends.items():

@@ -90,6 +90,7 @@ QKV, GATE_UP = (fused_name(names) for names in SIBLINGS)
 
 GROUPED_SDPA = "mxq_sdpa"
 GROUPED_MAX_ROWS = 64
+DECODE_KERNEL = True  # one-token steps to kernels/attention_sdpa_decode.py (False: SDPA as before, for A/B)
 
 
 def fuse(model: nn.Module) -> list[str]:
@@ -433,7 +434,7 @@ def grouped_sdpa_forward(
 
     groups = getattr(module, "num_key_value_groups", 1)
     b, hq, sq, d = query.shape
-    if sq == 1 and _decode_kernel_takes(module, query, key, attention_mask, dropout, kwargs):
+    if sq == 1 and DECODE_KERNEL and _decode_kernel_takes(module, query, key, attention_mask, dropout, kwargs):
         spec = getattr(module, "mxq_kernels", None) or ""
         s = float(scaling) if scaling is not None else d**-0.5
         if torch.compiler.is_compiling():

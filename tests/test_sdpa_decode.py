@@ -170,7 +170,7 @@ def test_a_quantized_models_decode_steps_take_the_kernel(monkeypatch):
         return torch.cat(out, 1)
 
     with monkeypatch.context() as m:  # what ran before the kernel: the grouped SDPA
-        m.setattr(F, "_decode_kernel_takes", lambda *a: False)
+        m.setattr(F, "DECODE_KERNEL", False)
         want = steps(KERNEL)
     assert calls == []
     got = steps(KERNEL)
