@@ -2,8 +2,10 @@
 
 The default recipe keeps the KV cache in bf16, and ``mxq.fuse``'s grouped SDPA (``grouped_sdpa_forward``)
 computes its attention. At one query token that was cuDNN's flash kernel: ~8.7 µs a layer for a
-160-token context on an H100 (Qwen3-30B-A3B widths), most of it fixed cost, paid once a layer and
-step. ``sdpa_decode`` is the same function in one small launch (two where the context is split):
+160-token context on an H100 (Qwen3-30B-A3B widths; 19.7 µs for the whole grouped call in a CUDA graph),
+most of it fixed cost, paid once a layer and step. ``sdpa_decode`` is the same function in one small
+launch, two where the context is split (6.8 µs there; kernels/NOTES.md, "Attention: decode on a bf16 KV
+cache"):
 
     out = softmax(q · kᵀ · scale + mask) · v      q [B, Hq, 1, D], k and v [B, Hkv, N, D]
 
@@ -13,9 +15,10 @@ is boolean (True attends) or additive, or absent. Scores and the softmax in fp32
 attention functions return). A row with no key to attend to gives zeros.
 
 The program of (sequence, kv head) puts that kv head's query heads in the rows of one small MMA, so K
-and V are read once for all of them. A key block whose boolean mask is all False is skipped: a static
-cache's unused tail costs a mask read, not the K/V bytes. Where B·Hkv programs would leave most SMs
-idle and the context is long, the keys split over programs (``plan_splits``) and
+and V are read once for all of them. Keys a boolean mask hides are predicated off in the K and V loads
+(a masked load reads nothing), so a static cache's unused tail costs a mask read, not the K/V bytes; the
+key loop is software-pipelined (two stages). Where B·Hkv programs would leave SMs idle and the context
+is long, the keys split over programs (``plan_splits``: up to ~4 programs an SM) and
 ``attention_decode_common.decode_merge_kernel`` merges their partial softmaxes (m and l in the log2
 domain).
 
