@@ -20,7 +20,6 @@ named stays on "auto" ("reference" applies to all).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -111,11 +110,29 @@ def default_kernels() -> str:
     return check_kernels(settings.kernels() or "auto", source=ENV)
 
 
-@functools.lru_cache(maxsize=256)
+CHECKED: dict[tuple, str] = {}  # check_kernels' memo: (kernels, source) -> spec
+
+
 def check_kernels(kernels: str | None, source: str | None = None) -> str:
     """``kernels`` normalised ("auto", "reference" or known names joined by commas); a ValueError
     naming ``source`` (the option or variable it came from) and the unknown name otherwise.
-    Memoized (calls sit on the decode path); a name not known yet is not cached."""
+    Memoized (calls sit on the decode path) in a plain dict, not ``functools.lru_cache``: traced code
+    calls it (the attention's kernel choice under ``torch.compile``), and an lru_cache wrapper there
+    makes Dynamo warn the user. A name not known yet is not cached."""
+    key = (kernels, source)
+    spec = CHECKED.get(key)
+    if spec is None:
+        spec = _normalised(kernels, source)
+        if len(CHECKED) >= 256:
+            CHECKED.clear()
+        CHECKED[key] = spec
+    return spec
+
+
+check_kernels.cache_clear = CHECKED.clear  # as functools' memo offers (tests register paths)
+
+
+def _normalised(kernels: str | None, source: str | None) -> str:
     spec = (kernels or "auto").strip().lower()
     if spec in ("auto", "reference"):
         return spec

@@ -177,3 +177,21 @@ def test_a_quantized_models_decode_steps_take_the_kernel(monkeypatch):
     assert len(calls) == 6 and all(shape == (2, 8, 1, 32) and err <= tol for shape, err, tol in calls)
     assert ((got - want).norm() / want.norm()).item() < 5e-2
     mxq.set_kernels(model, None)
+
+
+def test_the_compiled_one_token_step_draws_no_warning():
+    """Under ``torch.compile`` the grouped SDPA's kernel choice is traced: it gives the eager result and
+    no warning reaches the user (an ``lru_cache`` in the kernel-spec check once made Dynamo warn)."""
+    import warnings
+
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 4, True
+    q, k, v, mask = _operands(1, 8, 2, 20, 32, torch.bfloat16, "bool", 2)
+    eager = F.grouped_sdpa_forward(module, q, k, v, mask, scaling=0.1)[0]
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = torch.compile(lambda *a: F.grouped_sdpa_forward(module, *a, scaling=0.1)[0], fullgraph=True,
+                            backend="eager")(q, k, v, mask)  # fmt: skip
+    assert [str(w.message)[:80] for w in caught if "Dynamo" in str(w.message)] == []
+    assert torch.equal(got, eager)
