@@ -20,6 +20,7 @@ named stays on "auto" ("reference" applies to all).
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -27,6 +28,11 @@ from mxq import settings
 
 ENV = settings.KERNELS
 REGISTRIES: dict[str, Registry] = {}  # what -> registry, filled as the kernel modules are imported
+# Every module that declares a registry (a test holds the list): a spec may name a path before its
+# module was imported (MXQ_KERNELS=moe_block read at the first linear call), so an unknown name first
+# imports these (``load_paths``).
+PATH_MODULES = ("mxq.kernels.dispatch", "mxq.kernels.moe", "mxq.kernels.moe_block", "mxq.kernels.attention_decode",
+                "mxq.kernels.attention_sdpa_decode")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -132,12 +138,25 @@ def check_kernels(kernels: str | None, source: str | None = None) -> str:
 check_kernels.cache_clear = CHECKED.clear  # as functools' memo offers (tests register paths)
 
 
+def load_paths() -> None:
+    """Import every module of ``PATH_MODULES`` (those Triton cannot import stay out): then every path
+    name is known, and ``mxq kernels`` lists every registry."""
+    for name in PATH_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+
+
 def _normalised(kernels: str | None, source: str | None) -> str:
     spec = (kernels or "auto").strip().lower()
     if spec in ("auto", "reference"):
         return spec
     wanted = [s.strip() for s in spec.split(",") if s.strip()]
     known = {n for r in REGISTRIES.values() for n in r.names()}
+    if any(s not in known for s in wanted):  # perhaps a path of a module not imported yet
+        load_paths()
+        known = {n for r in REGISTRIES.values() for n in r.names()}
     unknown = [s for s in wanted if s not in known]
     if unknown or not wanted:
         where = f"{source}={kernels!r}" if source else f"kernels={kernels!r}"

@@ -198,12 +198,9 @@ def formats_cmd() -> None:
 @app.command("kernels", short_help="List the kernel paths, in dispatch order.")
 def kernels_cmd() -> None:
     """List the kernel paths, in the order each function's dispatch tries them (``--kernels`` names)."""
-    import mxq.attention  # noqa: F401  (the attention registries register on import)
-    from mxq.kernels import (
-        dispatch,  # noqa: F401
-        registry,
-    )
+    from mxq.kernels import registry
 
+    registry.load_paths()  # every registry registers on import
     for reg in registry.REGISTRIES.values():
         t = Table(title=f"{reg.what}: the first path that takes a call runs it")
         t.add_column("path")

@@ -87,3 +87,30 @@ def test_describe_names_the_path_and_its_config(toy):
     assert toy["toy_small"].describe(3) == "toy_small tile3"
     assert toy["toy_even"].describe(3) == "toy_even" and toy["reference"].describe(3) == "reference"
     assert "toy_small" in repr(toy["toy_small"]) and "supports" not in repr(toy["toy_small"])
+
+
+def test_path_modules_are_every_module_that_declares_a_registry():
+    """``registry.PATH_MODULES`` (imported when a spec names a path not known yet) lists exactly the
+    kernel modules that construct a ``Registry``."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(registry.__file__).parent
+    declaring = {f"mxq.kernels.{p.stem}" for p in root.glob("*.py")
+                 if p.stem != "registry" and re.search(r"^\w+ = Registry\(", p.read_text(), re.M)}  # fmt: skip
+    assert declaring == set(registry.PATH_MODULES)
+
+
+def test_a_spec_may_name_a_path_whose_module_was_not_imported_yet():
+    """A fresh process that imports only the registry accepts MXQ_KERNELS naming the MoE block, MX
+    attention and bf16-KV decode paths (their modules are imported to learn the names)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys; from mxq.kernels import registry as r; "
+            "assert 'mxq.kernels.moe_block' not in sys.modules; print(r.default_kernels())")  # fmt: skip
+    env = dict(os.environ, MXQ_KERNELS="moe_block,attn_decode_gqa,sdpa_decode")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "moe_block,attn_decode_gqa,sdpa_decode"
