@@ -9,7 +9,11 @@
 query heads folded into the query rows, SDPA's default backend, cuDNN on an H100) and SDPA with
 ``enable_gqa`` on each backend that takes the call, boolean mask as transformers makes it, CUDA-graph
 replays. Shapes: Qwen3-30B-A3B (32/4 heads), Llama-3-8B (32/8) and -70B (64/8) at contexts 161 to
-4096, batch 1 to 32, and a static cache half filled (the mask hides the tail).
+4096, batch 1 to 32, and a static cache half filled (the mask hides the tail). Then gpt-oss-20b
+(64/8 heads of 64, attention sinks, an additive mask): the same kernel with its sinks against
+transformers' eager attention of the family, eagerly and under ``torch.compile`` (what the compiled
+bf16 step runs), at contexts 161 to 4096, batch 1 to 32, and a sliding layer (128 keys in view) in a
+4096-key static cache.
 
 Prefill: B=4, H=32, D=128, S in {1k, 4k, 16k}, causal and not; the MXFP8 call includes the
 rounding pre-pass of K and V (it is part of every call); SDPA and MXFP8 alike timed as CUDA-graph
@@ -364,6 +368,55 @@ def bf16_decode(results) -> None:
         results["bf16_decode"].append(row)
 
 
+SINKS_DECODE = [  # (label, B, Hq, Hkv, D, cache length, keys filled, window or 0)
+    ("gpt-oss-20b B=1 ctx 161", 1, 64, 8, 64, 161, 161, 0),
+    ("gpt-oss-20b B=1 ctx 4096", 1, 64, 8, 64, 4096, 4096, 0),
+    ("gpt-oss-20b B=1 sliding 128, static 4096, 600 filled", 1, 64, 8, 64, 4096, 600, 128),
+    ("gpt-oss-20b B=8 ctx 1024", 8, 64, 8, 64, 1024, 1024, 0),
+    ("gpt-oss-20b B=32 ctx 2048", 32, 64, 8, 64, 2048, 2048, 0),
+]
+
+
+def sinks_decode(results) -> None:
+    """gpt-oss's one-token attention (module doc): µs per call, ratio to the faster of transformers'
+    eager attention and the same compiled."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    from mxq.kernels.attention_sdpa_decode import plan_splits, sdpa_decode
+
+    print("\n## gpt-oss decode attention with sinks (one query token, bf16 KV, additive mask, CUDA-graph replays, µs)")
+    print("| shape | splits | mxq sdpa_decode | eager | eager compiled | ratio vs best baseline | rel. err vs fp32 |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    compiled = torch.compile(eager_attention_forward, dynamic=False)
+    for label, b, hq, hkv, d, n, filled, window in SINKS_DECODE:
+        q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        k = torch.randn(b, hkv, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        v = torch.randn(b, hkv, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        sinks = torch.randn(hq, device="cuda", dtype=torch.bfloat16, generator=g)
+        pos = torch.arange(n, device="cuda")
+        keep = (pos < filled) & (pos >= (filled - window if window else 0))
+        mask = torch.where(keep, 0.0, torch.finfo(torch.bfloat16).min).to(torch.bfloat16).expand(b, 1, 1, n)
+        module = torch.nn.Module()
+        module.num_key_value_groups, module.training, module.sinks = hq // hkv, False, sinks
+        scale = d**-0.5
+        mine = sdpa_decode(q, k, v, mask, scale, sinks=sinks)
+        module32 = torch.nn.Module()
+        module32.num_key_value_groups, module32.training, module32.sinks = hq // hkv, False, sinks.float()
+        ref = eager_attention_forward(module32, q.float(), k.float(), v.float(), mask.float(), scale)[0]
+        row = dict(shape=label, batch=b, q_heads=hq, kv_heads=hkv, head_dim=d, cache=n, filled=filled, window=window,
+                   splits=plan_splits(b, hkv, n, torch.cuda.get_device_properties(0).multi_processor_count)[0],
+                   rel_err=_rel(mine, ref))  # fmt: skip
+        row["mxq_us"] = 1e3 * _bench_gpu(lambda: sdpa_decode(q, k, v, mask, scale, sinks=sinks))
+        row["eager_us"] = 1e3 * _bench_gpu(lambda: eager_attention_forward(module, q, k, v, mask, scale))
+        compiled(module, q, k, v, mask, scale)
+        row["compiled_us"] = 1e3 * _bench_gpu(lambda: compiled(module, q, k, v, mask, scale))
+        row["ratio_vs_best"] = min(row["eager_us"], row["compiled_us"]) / row["mxq_us"]
+        print(f"| {label} | {row['splits']} | {row['mxq_us']:.1f} | {row['eager_us']:.1f} | {row['compiled_us']:.1f} | "
+              f"{row['ratio_vs_best']:.2f}x | {row['rel_err']:.1e} |", flush=True)  # fmt: skip
+        results["sinks_decode"].append(row)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -379,12 +432,13 @@ def main():
     ROT["qk_rotation"] = not args.no_rotation
     results = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-        "date": time.strftime("%Y-%m-%d"), "ptxas": str(triton_ptxas()), "qk_rotation": ROT["qk_rotation"], "prefill": [], "decode": [], "decode_configs": [], "tiles": [], "bf16_decode": [],
+        "date": time.strftime("%Y-%m-%d"), "ptxas": str(triton_ptxas()), "qk_rotation": ROT["qk_rotation"], "prefill": [], "decode": [], "decode_configs": [], "tiles": [], "bf16_decode": [], "sinks_decode": [],
     }  # fmt: skip
     results["out"] = args.out
     print(f"# {results['device']}  torch {results['torch']}  triton {results['triton']}  {results['date']}")
     if args.bf16_decode:
         bf16_decode(results)
+        sinks_decode(results)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1)

@@ -32,6 +32,8 @@ import functools
 
 import torch
 
+from mxq.fuse import device_eager_mask
+
 
 def _refuse_split(model) -> None:
     """A one-line error for a model whose parameters are not all on one device (module doc)."""
@@ -44,21 +46,9 @@ def _refuse_split(model) -> None:
         )
 
 
-def _eager_mask_on_device(sdpa_mask, *args, dtype: torch.dtype = torch.float32, **kwargs):
-    """transformers' ``eager_mask`` (the additive mask of eager attention: gpt-oss, models with
-    attention sinks) with the same values, its 0 made on the device: the original copies it from
-    the host, which a CUDA graph cannot capture and ``torch.compile`` cannot trace. ``sdpa_mask``:
-    transformers' boolean mask (bound by ``_capturable_masks``: no import inside a traced step)."""
-    kwargs.pop("allow_is_causal_skip", None)
-    mask = sdpa_mask(*args, allow_is_causal_skip=False, **kwargs)
-    if mask is None:
-        return None
-    return torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), torch.finfo(dtype).min)
-
-
 @contextlib.contextmanager
 def _capturable_masks():
-    """While the step runs, eager attention's mask comes from ``_eager_mask_on_device`` (a local
+    """While the step runs, eager attention's mask comes from ``mxq.fuse.device_eager_mask`` (a local
     override of transformers' mask table, put back after; one another took first is kept)."""
     try:
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS as table
@@ -70,7 +60,7 @@ def _capturable_masks():
     if not isinstance(local, dict) or "eager" in local:
         yield
         return
-    local["eager"] = functools.partial(_eager_mask_on_device, sdpa_mask)
+    local["eager"] = functools.partial(device_eager_mask, sdpa_mask)
     try:
         yield
     finally:

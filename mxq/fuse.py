@@ -89,6 +89,7 @@ SILUS = ("SiLU", "SiLUActivation")  # torch.nn.SiLU, transformers.activations.Si
 QKV, GATE_UP = (fused_name(names) for names in SIBLINGS)
 
 GROUPED_SDPA = "mxq_sdpa"
+SINKS_ATTENTION = "mxq_sinks"  # gpt-oss's eager attention, one-token steps to the decode kernel
 GROUPED_MAX_ROWS = 64
 DECODE_KERNEL = True  # one-token steps to kernels/attention_sdpa_decode.py (False: SDPA as before, for A/B)
 
@@ -100,7 +101,7 @@ def fuse(model: nn.Module) -> list[str]:
     done += fuse_layers(model)
     done += fuse_routers(model)
     if use_grouped_sdpa(model):
-        done.append(f"attention: {GROUPED_SDPA}")
+        done.append(f"attention: {model.config._attn_implementation}")
     return done
 
 
@@ -112,8 +113,8 @@ def unfuse(model: nn.Module) -> None:
     unfuse_routers(model)
     unfuse_projections(model)
     cfg = getattr(model, "config", None)
-    if getattr(cfg, "_attn_implementation", None) == GROUPED_SDPA:
-        model.set_attn_implementation("sdpa")
+    if getattr(cfg, "_attn_implementation", None) in BEFORE:
+        model.set_attn_implementation(BEFORE[cfg._attn_implementation])
 
 
 # --- producers ----------------------------------------------------------------------------------
@@ -434,12 +435,10 @@ def grouped_sdpa_forward(
 
     groups = getattr(module, "num_key_value_groups", 1)
     b, hq, sq, d = query.shape
-    if sq == 1 and DECODE_KERNEL and _decode_kernel_takes(module, query, key, attention_mask, dropout, kwargs):
-        spec = getattr(module, "mxq_kernels", None) or ""
-        s = float(scaling) if scaling is not None else d**-0.5
-        if torch.compiler.is_compiling():
-            return sdpa_decode_op(query, key, value, attention_mask, s, spec), None
-        return _sdpa_decode(query, key, value, attention_mask, s, spec), None
+    if sq == 1 and DECODE_KERNEL and kwargs.get("s_aux") is None:
+        out = _one_token(module, query, key, value, attention_mask, dropout, scaling, None, kwargs)
+        if out is not None:
+            return out, None
     if (
         groups <= 1 or attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1
         or sq * groups > GROUPED_MAX_ROWS or (dropout and module.training) or kwargs.get("output_attentions")
@@ -456,38 +455,87 @@ def grouped_sdpa_forward(
     return out.reshape(b, hq, sq, out.shape[-1]).transpose(1, 2).contiguous(), None
 
 
-def _decode_kernel_takes(module, query, key, mask, dropout, kwargs) -> bool:
-    """One query token that ``mxq.kernels.attention_sdpa_decode`` computes (its registry chooses the
-    kernel for this call): plain SDPA arguments, a [Bm, 1, 1, N] mask or none."""
+def _one_token(module, query, key, value, mask, dropout, scaling, sinks, kwargs) -> torch.Tensor | None:
+    """One query token through ``mxq.kernels.attention_sdpa_decode`` where its registry chooses the
+    kernel for this call (plain SDPA arguments, a [Bm, 1, 1, N] mask or none, sinks [Hq] or none),
+    else None. Eager: the path chosen here runs; under ``torch.compile`` the op ``mxq::sdpa_decode``."""
     if (
         (dropout and module.training) or kwargs.get("output_attentions")
-        or any(kwargs.get(k) is not None for k in ("position_bias", "s_aux", "softcap"))
+        or any(kwargs.get(k) is not None for k in ("position_bias", "softcap"))
         or (mask is not None and (mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1
                                   or mask.shape[0] not in (1, query.shape[0]) or mask.shape[3] < key.shape[2]))
+        or (sinks is not None and tuple(sinks.shape) != (query.shape[1],))
     ):  # fmt: skip
-        return False
+        return None
     from mxq.kernels.attention_sdpa_decode import SDPA_DECODE, sdpa_decode_problem
 
-    p = sdpa_decode_problem(query, key, mask, getattr(module, "mxq_kernels", None))
-    return SDPA_DECODE.choose(p, p.spec).name != "reference"
+    spec = getattr(module, "mxq_kernels", None) or ""
+    p = sdpa_decode_problem(query, key, mask, spec or None)
+    path = SDPA_DECODE.choose(p, p.spec)
+    if path.name == "reference":
+        return None
+    s = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    if torch.compiler.is_compiling():
+        return sdpa_decode_op(query, key, value, mask, sinks, s, spec)
+    return _sdpa_decode(query, key, value, mask, sinks, s, (path, p))
 
 
-def _sdpa_decode(q, k, v, mask, scale, spec):
-    from mxq.kernels.attention_sdpa_decode import sdpa_decode
+def _sdpa_decode(q, k, v, mask, sinks, scale, chosen):
+    """Eager: the (path, problem) ``_one_token`` chose, run (the seam the model tests watch)."""
+    from mxq.kernels.attention_sdpa_decode import run_path
 
-    return sdpa_decode(q, k, v, mask, scale, kernels=spec or None)
+    path, p = chosen
+    return run_path(path, p, q, k, v, mask, scale, sinks)
 
 
 @torch.library.custom_op("mxq::sdpa_decode", mutates_args=())
-def sdpa_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-                   kernels: str) -> torch.Tensor:  # fmt: skip
+def sdpa_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                   sinks: torch.Tensor | None, scale: float, kernels: str) -> torch.Tensor:  # fmt: skip
     """``mxq.kernels.attention_sdpa_decode.sdpa_decode`` as a torch custom op (opaque to ``torch.compile``)."""
-    return _sdpa_decode(q, k, v, mask, scale, kernels)
+    from mxq.kernels.attention_sdpa_decode import sdpa_decode
+
+    return sdpa_decode(q, k, v, mask, scale, kernels=kernels or None, sinks=sinks)
 
 
 @sdpa_decode_op.register_fake
-def _sdpa_decode_fake(q, k, v, mask, scale, kernels):
+def _sdpa_decode_fake(q, k, v, mask, sinks, scale, kernels):
     return q.new_empty((q.shape[0], 1, q.shape[1], q.shape[3]))
+
+
+def sinks_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    **kwargs,
+):
+    """gpt-oss's eager attention (attention sinks, an additive mask), with one query token on a GPU
+    through ``mxq.kernels.attention_sdpa_decode`` (the sink a term of the softmax's denominator);
+    anything else runs transformers' own ``eager_attention_forward`` of the family."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    if query.shape[2] == 1 and DECODE_KERNEL and s_aux is not None:
+        out = _one_token(module, query, key, value, attention_mask, dropout, scaling, s_aux, kwargs)
+        if out is not None:
+            return out, None
+    return eager_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                   scaling=scaling if scaling is not None else module.scaling, **kwargs)  # fmt: skip
+
+
+def device_eager_mask(sdpa_mask, *args, dtype: torch.dtype = torch.float32, **kwargs):
+    """transformers' ``eager_mask`` (the additive mask of eager attention: gpt-oss, models with
+    attention sinks) with the same values, its 0 made on the device: the original copies it from the
+    host, which a CUDA graph cannot capture and ``torch.compile`` cannot trace. ``sdpa_mask``:
+    transformers' boolean mask, bound with ``functools.partial`` (no import inside a traced step)."""
+    kwargs.pop("allow_is_causal_skip", None)
+    mask = sdpa_mask(*args, allow_is_causal_skip=False, **kwargs)
+    if mask is None:
+        return None
+    return torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), torch.finfo(dtype).min)
 
 
 def register_grouped_sdpa() -> None:
@@ -496,22 +544,32 @@ def register_grouped_sdpa() -> None:
 
     AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_forward)
     AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
+    AttentionInterface.register(SINKS_ATTENTION, sinks_attention_forward)
+    AttentionMaskInterface.register(SINKS_ATTENTION, functools.partial(device_eager_mask, sdpa_mask))
 
 
 # model types whose attention calls the attention function as Llama's does (plain SDPA arguments)
 GROUPED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+# model types whose eager attention has sinks (``sinks_attention_forward``), and the implementation each leaves
+SINKS_MODEL_TYPES = ("gpt_oss",)
+BEFORE = {GROUPED_SDPA: "sdpa", SINKS_ATTENTION: "eager"}
 
 
 def use_grouped_sdpa(model: nn.Module) -> bool:
-    """Switch a model of ``GROUPED_MODEL_TYPES`` that uses ``sdpa`` to ``GROUPED_SDPA``; whether it did."""
+    """Switch a model of ``GROUPED_MODEL_TYPES`` that uses ``sdpa`` to ``GROUPED_SDPA``, or one of
+    ``SINKS_MODEL_TYPES`` that uses ``eager`` to ``SINKS_ATTENTION``; whether it did."""
     cfg = getattr(model, "config", None)
-    if (
-        getattr(cfg, "_attn_implementation", None) != "sdpa" or getattr(cfg, "model_type", None) not in GROUPED_MODEL_TYPES
-        or not hasattr(model, "set_attn_implementation")
-    ):  # fmt: skip
+    impl, kind = getattr(cfg, "_attn_implementation", None), getattr(cfg, "model_type", None)
+    if impl == "sdpa" and kind in GROUPED_MODEL_TYPES:
+        name = GROUPED_SDPA
+    elif impl == "eager" and kind in SINKS_MODEL_TYPES:
+        name = SINKS_ATTENTION
+    else:
+        return False
+    if not hasattr(model, "set_attn_implementation"):
         return False
     register_grouped_sdpa()
-    model.set_attn_implementation(GROUPED_SDPA)
+    model.set_attn_implementation(name)
     return True
 
 

@@ -30,7 +30,7 @@ def _llama(seed=0, vocab=211):
 
 
 def _llama_eager(seed=3):
-    """Eager attention: its additive mask comes from ``decode._eager_mask_on_device`` in the decoder."""
+    """Eager attention: its additive mask comes from ``mxq.fuse.device_eager_mask`` in the decoder."""
     m = _llama(seed)
     m.config._attn_implementation = "eager"
     return m
@@ -123,7 +123,8 @@ def test_eager_mask_on_device_is_transformers_eager_mask(dtype, window):
     offsets, a sliding window)."""
     from transformers import masking_utils as mu
 
-    from mxq.decode import _capturable_masks, _eager_mask_on_device
+    from mxq.decode import _capturable_masks
+    from mxq.fuse import SINKS_ATTENTION, device_eager_mask
 
     g = torch.Generator().manual_seed(11)
     pad = torch.rand(3, 17, generator=g) > 0.2
@@ -131,11 +132,12 @@ def test_eager_mask_on_device_is_transformers_eager_mask(dtype, window):
     kw = dict(batch_size=3, q_length=5, kv_length=17, q_offset=12, kv_offset=0, mask_function=fn,
               attention_mask=pad, dtype=dtype, device="cpu")  # fmt: skip
     want = mu.eager_mask(**kw)
-    got = _eager_mask_on_device(mu.sdpa_mask, **kw)
+    got = device_eager_mask(mu.sdpa_mask, **kw)
     assert got.dtype == want.dtype == dtype and torch.equal(got, want)
+    assert torch.equal(mu.ALL_MASK_ATTENTION_FUNCTIONS[SINKS_ATTENTION](**kw), want)  # gpt-oss under mxq
     assert mu.ALL_MASK_ATTENTION_FUNCTIONS["eager"] is mu.eager_mask
     with _capturable_masks():
-        assert mu.ALL_MASK_ATTENTION_FUNCTIONS["eager"].func is _eager_mask_on_device
+        assert mu.ALL_MASK_ATTENTION_FUNCTIONS["eager"].func is device_eager_mask
     assert mu.ALL_MASK_ATTENTION_FUNCTIONS["eager"] is mu.eager_mask  # put back
 
 

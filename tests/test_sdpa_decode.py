@@ -5,6 +5,7 @@ one-token steps to it and gives the logits of torch's SDPA."""
 
 from __future__ import annotations
 
+import functools
 import zlib
 
 import pytest
@@ -22,8 +23,9 @@ DEV = "cuda" if CUDA else "cpu"
 KERNEL = "sdpa_decode"  # named: on a CPU the interpreter runs it
 
 
-def _exact(q, k, v, mask, scale):
-    """softmax(q kᵀ scale + mask) v in float64, each query head on its kv head; [B, 1, Hq, D]."""
+def _exact(q, k, v, mask, scale, sinks=None):
+    """softmax(q kᵀ scale + mask) v in float64, each query head on its kv head; [B, 1, Hq, D]. With
+    sinks, exp(sink) of the query head joins the softmax's denominator (gpt-oss's eager attention)."""
     q, k, v = q.double(), k.double(), v.double()
     g = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
@@ -31,6 +33,9 @@ def _exact(q, k, v, mask, scale):
     if mask is not None:
         m = mask[..., : k.shape[2]]
         s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.double()
+    if sinks is not None:
+        col = sinks.double().reshape(1, -1, 1, 1).expand(s.shape[0], -1, 1, 1)
+        return (torch.softmax(torch.cat([s, col], -1), -1)[..., :-1] @ v).transpose(1, 2)
     p = torch.softmax(s, -1).nan_to_num(0.0)  # a row with nothing to attend to: zeros
     return (p @ v).transpose(1, 2)
 
@@ -107,6 +112,56 @@ def test_sdpa_decode_refuses_mismatched_operands():
     q = torch.zeros(1, 4, 1, 16)
     with pytest.raises(ValueError, match="sdpa_decode"):
         A.sdpa_decode(q, torch.zeros(1, 2, 5, 16), torch.zeros(1, 2, 6, 16))
+    with pytest.raises(ValueError, match=r"sinks \(2,\) are not one logit a query head \(4,\)"):
+        A.sdpa_decode(q, torch.zeros(1, 2, 5, 16), torch.zeros(1, 2, 5, 16), sinks=torch.zeros(2))
+
+
+def _sliding_add_mask(b, n, window, dtype, seed):
+    """gpt-oss's additive decode mask: the last ``window`` keys of a filled prefix in view (a static
+    cache's tail and the keys before the window at ``finfo.min``), the prefix length per sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    filled = torch.randint(max(1, n // 2), n + 1, (b,), generator=gen)
+    pos = torch.arange(n)
+    keep = (pos[None, :] < filled[:, None]) & (pos[None, :] >= filled[:, None] - window)
+    return torch.where(keep, 0.0, torch.finfo(dtype).min).to(dtype).reshape(b, 1, 1, n)
+
+
+@pytest.mark.parametrize("b,hq,hkv,n,d,window", [(1, 64, 8, 300, 64, 128), (3, 12, 4, 1100, 64, 1100),
+                                                 (2, 6, 2, 77, 48, 16), (4, 8, 8, 1, 64, 1)])  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sdpa_decode_with_sinks_is_gpt_oss_attention(b, hq, hkv, n, d, window, dtype):
+    """Attention sinks (one logit a query head in the softmax's denominator) on gpt-oss's additive
+    masks, sliding window and full, one split and several (1100 keys at B=3: the H100 plan splits),
+    against float64; the torch reference path computes the same function."""
+    seed = zlib.crc32(f"sinks{b},{hq},{hkv},{n},{d},{window},{dtype}".encode())
+    q, k, v, _ = _operands(b, hq, hkv, n, d, dtype, "none", seed)
+    mask = _sliding_add_mask(b, n, window, dtype, seed).to(DEV)
+    sinks = (2.0 * torch.randn(hq, generator=torch.Generator().manual_seed(seed))).to(dtype).to(DEV)
+    scale = d**-0.5
+    want = _exact(q, k, v, mask, scale, sinks)
+    out = A.sdpa_decode(q, k, v, mask, scale, kernels=KERNEL, sinks=sinks)
+    assert out.dtype == dtype and out.shape == (b, 1, hq, d)
+    assert (out.double() - want).abs().max().item() <= _tolerance(v, dtype)
+    ref = A.sdpa_decode(q, k, v, mask, scale, kernels="reference", sinks=sinks)
+    assert (ref.double() - want).abs().max().item() <= _tolerance(v, dtype)
+    assert A.plan_splits(3, 4, 1100, 132)[0] > 1  # the second shape runs the split-and-merge path
+
+
+def test_keys_an_additive_mask_hides_weigh_nothing_and_rows_with_none_are_zero():
+    """An additive value at or below HIDDEN hides its key as False does (fp16's finfo.min is -65504):
+    the same output as the boolean mask, a row with every key hidden zeros, with sinks or without."""
+    q, k, v, _ = _operands(3, 8, 2, 150, 32, torch.float16, "none", 8)
+    keep = torch.rand(3, 1, 1, 150, generator=torch.Generator().manual_seed(8)) < 0.5
+    keep[0] = False
+    add = torch.where(keep, 0.0, torch.finfo(torch.float16).min).to(torch.float16)
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(9)).to(DEV)
+    for s in (None, sinks):
+        by_add = A.sdpa_decode(q, k, v, add.to(DEV), 0.2, kernels=KERNEL, sinks=s)
+        by_bool = A.sdpa_decode(q, k, v, keep.to(DEV), 0.2, kernels=KERNEL, sinks=s)
+        assert torch.equal(by_add, by_bool)
+        assert torch.equal(by_add[0], torch.zeros_like(by_add[0]))
+        want = _exact(q[1:], k[1:], v[1:], keep[1:].to(DEV), 0.2, s)
+        assert (by_add[1:].double() - want).abs().max().item() <= _tolerance(v, torch.float16)
 
 
 def test_the_registry_takes_the_kernel_where_triton_runs():
@@ -123,8 +178,10 @@ def test_the_registry_takes_the_kernel_where_triton_runs():
 
 def test_the_op_traces_for_torch_compile():
     q, k, v, mask = _operands(2, 8, 2, 40, 32, torch.bfloat16, "bool", 9)
-    torch.library.opcheck(F.sdpa_decode_op, (q, k, v, mask, 0.25, ""))
-    torch.library.opcheck(F.sdpa_decode_op, (q, k, v, None, 0.25, ""))
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(2)).to(DEV)
+    torch.library.opcheck(F.sdpa_decode_op, (q, k, v, mask, None, 0.25, ""))
+    torch.library.opcheck(F.sdpa_decode_op, (q, k, v, None, None, 0.25, ""))
+    torch.library.opcheck(F.sdpa_decode_op, (q, k, v, mask, sinks, 0.25, ""))
 
 
 def _tiny_qwen3():
@@ -151,8 +208,8 @@ def test_a_quantized_models_decode_steps_take_the_kernel(monkeypatch):
     calls = []
     real = F._sdpa_decode
 
-    def spy(q, k, v, mask, scale, spec):
-        out = real(q, k, v, mask, scale, spec)
+    def spy(q, k, v, mask, sinks, scale, chosen):
+        out = real(q, k, v, mask, sinks, scale, chosen)
         calls.append((tuple(q.shape), (out.double() - _exact(q, k, v, mask, scale)).abs().max().item(),
                       _tolerance(v, q.dtype)))  # fmt: skip
         return out
@@ -179,19 +236,78 @@ def test_a_quantized_models_decode_steps_take_the_kernel(monkeypatch):
     mxq.set_kernels(model, None)
 
 
-def test_the_compiled_one_token_step_draws_no_warning():
-    """Under ``torch.compile`` the grouped SDPA's kernel choice is traced: it gives the eager result and
-    no warning reaches the user (an ``lru_cache`` in the kernel-spec check once made Dynamo warn)."""
+@pytest.mark.parametrize("sinks", [False, True])
+def test_the_compiled_one_token_step_draws_no_warning(sinks):
+    """Under ``torch.compile`` the one-token attention's kernel choice is traced (the grouped SDPA, and
+    gpt-oss's attention with sinks): it gives the eager result and no warning reaches the user (an
+    ``lru_cache`` in the kernel-spec check once made Dynamo warn)."""
     import warnings
 
     module = torch.nn.Module()
-    module.num_key_value_groups, module.is_causal = 4, True
-    q, k, v, mask = _operands(1, 8, 2, 20, 32, torch.bfloat16, "bool", 2)
-    eager = F.grouped_sdpa_forward(module, q, k, v, mask, scaling=0.1)[0]
+    module.num_key_value_groups, module.is_causal, module.scaling = 4, True, 0.1
+    q, k, v, mask = _operands(1, 8, 2, 20, 32, torch.bfloat16, "add" if sinks else "bool", 2)
+    if sinks:
+        module.mxq_kernels = KERNEL  # the interpreter on a CPU; auto on a GPU
+        aux = torch.randn(8, generator=torch.Generator().manual_seed(4)).to(DEV)
+        fn = functools.partial(F.sinks_attention_forward, module, s_aux=aux, scaling=0.1)
+    else:
+        fn = functools.partial(F.grouped_sdpa_forward, module, scaling=0.1)
+    eager = fn(q, k, v, mask)[0]
+    if sinks:
+        assert (eager.double() - _exact(q, k, v, mask, 0.1, aux)).abs().max().item() <= _tolerance(v, q.dtype)
     torch._dynamo.reset()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got = torch.compile(lambda *a: F.grouped_sdpa_forward(module, *a, scaling=0.1)[0], fullgraph=True,
-                            backend="eager")(q, k, v, mask)  # fmt: skip
+        got = torch.compile(lambda *a: fn(*a)[0], fullgraph=True, backend="eager")(q, k, v, mask)
     assert [str(w.message)[:80] for w in caught if "Dynamo" in str(w.message)] == []
     assert torch.equal(got, eager)
+
+
+@pytest.mark.parametrize("window", [64, 5])
+def test_a_quantized_gpt_oss_decodes_through_the_kernel_with_its_sinks(monkeypatch, window):
+    """gpt-oss (attention sinks, eager additive masks, sliding and full layers) under mxq: its
+    attention is ``SINKS_ATTENTION``; prefill 9 tokens into a static cache, then 3 one-token steps:
+    every one-token attention goes to the kernel with the layer's sinks (2 layers x 3 steps), each
+    within the output's rounding of float64 attention on its inputs, and the logits follow
+    transformers' own eager attention (the same 5 % room as the Qwen3 test; a 5-key window hides keys
+    of the sliding layer). Every token takes all 4 experts: with top-2 of 4, a bf16 ulp of attention
+    flipped one token's expert choice on an H100 and moved its logits 28 %."""
+    from moe_models import moe_model
+    from transformers import StaticCache
+
+    model = mxq.quantize_model(moe_model("gpt_oss", seed=2, dtype=torch.bfloat16, sliding_window=window,
+                                         num_experts_per_tok=4).to(DEV),
+                               "mxfp8-w8a16")  # fmt: skip
+    assert model.config._attn_implementation == F.SINKS_ATTENTION
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(3)).to(DEV)
+    calls = []
+    real = F._sdpa_decode
+
+    def spy(q, k, v, mask, sinks, scale, chosen):
+        out = real(q, k, v, mask, sinks, scale, chosen)
+        calls.append((sinks is not None and mask is not None and mask.dtype != torch.bool,
+                      (out.double() - _exact(q, k, v, mask, scale, sinks)).abs().max().item(), _tolerance(v, q.dtype)))  # fmt: skip
+        return out
+
+    monkeypatch.setattr(F, "_sdpa_decode", spy)
+
+    def steps():
+        mxq.set_kernels(model, f"{KERNEL},reference")  # the experts on torch: the interpreter is slow
+        cache = StaticCache(config=model.config, max_cache_len=24)
+        out = []
+        with torch.no_grad():
+            model(ids[:, :9], past_key_values=cache, cache_position=torch.arange(9, device=DEV))
+            for t in range(9, 12):
+                out.append(model(ids[:, t : t + 1], past_key_values=cache, cache_position=torch.tensor([t], device=DEV)).logits.float())
+        return torch.cat(out, 1)
+
+    with monkeypatch.context() as m:  # transformers' eager attention of the family
+        m.setattr(F, "DECODE_KERNEL", False)
+        want = steps()
+    assert calls == []
+    got = steps()
+    assert len(calls) == 6 and all(sunk and err <= tol for sunk, err, tol in calls)
+    assert ((got - want).norm() / want.norm()).item() < 5e-2
+    mxq.set_kernels(model, None)
+    F.unfuse(model)
+    assert model.config._attn_implementation == "eager"
