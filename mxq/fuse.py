@@ -35,6 +35,10 @@ it computes, and never its ``state_dict``:
    else goes to transformers' SDPA. Set when a Llama, Mistral, Qwen2 or Qwen3 model uses ``sdpa``.
    One query token on a GPU goes to ``mxq.kernels.attention_sdpa_decode`` (op ``mxq::sdpa_decode``):
    the same function in one small launch instead of cuDNN's flash kernel, masked key blocks skipped.
+   gpt-oss (attention sinks, eager attention only) gets ``SINKS_ATTENTION``: its one-token steps go
+   to the same kernel with the layer's sinks, 4-16x faster than its eager attention, compiled or not
+   (kernels/NOTES.md); everything else runs the family's own eager attention, and its additive mask
+   is made on the device (``device_eager_mask``: capturable in a CUDA graph).
 
 5. **The router's top-k in one kernel** (``mxq.routing``, kernels in ``mxq.kernels.moe_router``): a
    known MoE router (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, gpt-oss, DeepSeek-V3, GLM-4-MoE) keeps its
