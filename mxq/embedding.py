@@ -203,9 +203,7 @@ def share_with_head(model: nn.Module, emb_name: str, head_name: str, act: Tensor
     """Make ``head_name`` an ``MXLinear`` whose weight and scales are the ``MXEmbedding`` at
     ``emb_name`` (the same Parameter objects), and register the scales in the model's tie map."""
     emb = model.get_submodule(emb_name)
-    parent_name, _, child = head_name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    old = getattr(parent, child)
+    old = model.get_submodule(head_name)
     bias = getattr(old, "bias", None)
     with torch.device("meta"):
         head = MXLinear(emb.embedding_dim, emb.num_embeddings, bias is not None, elem=emb.elem, act=act,
@@ -214,7 +212,7 @@ def share_with_head(model: nn.Module, emb_name: str, head_name: str, act: Tensor
     head.weight_scale = emb.weight_scale
     if bias is not None:
         head.bias = bias
-    setattr(parent, child, head)
+    model.set_submodule(head_name, head)
     _tie_scales(model, emb_name, head_name)
     return head
 
@@ -237,16 +235,14 @@ def swap_embedding(model: nn.Module, name: str, spec: TensorSpec, block_size: in
                    dtype: torch.dtype | None = None, meta: bool = False) -> MXEmbedding:  # fmt: skip
     """Replace the nn.Embedding ``name`` with an ``MXEmbedding``: quantized from its weight, or
     (``meta``) an empty one on the meta device for ``from_pretrained`` to fill."""
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    emb = getattr(parent, child)
+    emb = model.get_submodule(name)
     if meta:
         with torch.device("meta"):
             new = MXEmbedding(emb.num_embeddings, emb.embedding_dim, emb.padding_idx, elem=spec.elem,
                               block_size=block_size, dtype=dtype)  # fmt: skip
     else:
         new = MXEmbedding.from_embedding(emb, spec, block_size)
-    setattr(parent, child, new)
+    model.set_submodule(name, new)
     keep_compute_dtype(model)
     return new
 

@@ -73,14 +73,12 @@ class MXQHfQuantizer(HfQuantizer):
             if not isinstance(lin, torch.nn.Linear):
                 raise ValueError(f"quantization_config lists {name!r}, a {type(lin).__name__}, not a Linear or Embedding layer")
             w, a = cfg.layer_specs(name)
-            parent_name, _, child = name.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
             with torch.device("meta"):
                 new = MXLinear(
                     lin.in_features, lin.out_features, lin.bias is not None,
                     elem=w.elem, act=a, block_size=cfg.block_size, dtype=dtype,
                 )
-            setattr(parent, child, new)
+            model.set_submodule(name, new)
         self._mxq_declared_missing = list(getattr(model, "_keys_to_ignore_on_load_missing", None) or [])
         _prepare_experts(model, cfg, dtype)
         _quiet_per_expert_report(model, cfg)
@@ -181,10 +179,9 @@ def _prepare_experts(model, cfg: MXQConfig, dtype) -> None:
                 f"{type(model).__name__} with {info.num_experts} {list(info.projections)}"
             )
         w, a = cfg.experts_specs(name)
-        parent_name, _, child = name.rpartition(".")
         with torch.device("meta"):
             new = MXExperts(mod, elem=w.elem, act=a, block_size=cfg.block_size, dtype=dtype)
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+        model.set_submodule(name, new)
 
 
 # The fused in-memory projections of an experts module, and the per-expert names each is found
