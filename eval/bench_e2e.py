@@ -21,7 +21,10 @@ compiled kernels, allocator state or CUDA graphs. Through the calls a user makes
 * ``model.generate(ids)`` with the default dynamic cache at B=1 (``--generate-tokens`` new);
 * ``mxq.decode.StaticGreedyDecoder`` at each ``--batch``: the decode step replayed from a CUDA
   graph, compiled first with ``--compile``; ``--eager-decoder`` adds the same step without graph.
-  The graph path is checked to give the same tokens as the eager static path first.
+  The graph path is checked to give the same tokens as the eager static path first. Beside it, on a
+  GPU, its byte bound: B x copy bandwidth (one 1 GiB device copy, read + written bytes) / the weight
+  bytes one step reads (``step_bytes``: embedding tables by the row, routed experts by their expected
+  share at B), and the step's percentage of it.
 
 ``--tp N`` runs each model sharded over N GPUs, as transformers' tensor parallelism does it: the
 driver first writes the bf16 model (random weights) and its ``mxq quantize`` output under
@@ -171,6 +174,64 @@ def weight_bytes(model) -> int:
         seen.add(t.data_ptr())
         total += t.numel() * t.element_size()
     return total
+
+
+def step_bytes(model, batch: int) -> int:
+    """Weight bytes one decode step at ``batch`` sequences must read: every parameter and buffer once,
+    embedding tables not (a step reads ``batch`` rows; a tied head reads the whole table and counts
+    it), routed experts by their expected share: with k of E chosen a token, uniformly, a step reads
+    1 - (1 - k/E)^batch of each experts module (at B=1, k/E). Shards a rank holds under tensor
+    parallelism; no KV cache (a short context's is small beside the weights)."""
+    from mxq.experts import is_experts
+
+    k = getattr(getattr(model, "config", None), "num_experts_per_tok", None)
+    k = getattr(getattr(getattr(model, "config", None), "text_config", None), "num_experts_per_tok", k)
+    seen, total = set(), 0.0
+
+    def add(t, share):
+        nonlocal total
+        t = t.to_local() if hasattr(t, "to_local") else t
+        if t.data_ptr() in seen:
+            return
+        seen.add(t.data_ptr())
+        total += share * t.numel() * t.element_size()
+
+    tables = []
+    for m in model.modules():
+        if isinstance(m, torch.nn.Embedding) or type(m).__name__ == "MXEmbedding":
+            tables.append(m)
+            continue
+        share = 1.0
+        if is_experts(m) and k:
+            e = getattr(m, "num_experts", None) or next(p for p in m.parameters() if p.dim() == 3).shape[0]
+            share = 1.0 - (1.0 - min(k, e) / e) ** batch
+        tensors = m._parameters.values() if not is_experts(m) else [p for _, p in m.named_parameters()]
+        for t in list(tensors) + list(m._buffers.values()):
+            if t is not None:
+                add(t, share)
+    for m in tables:  # rows only: mark the table's tensors as seen
+        for t in list(m._parameters.values()) + list(m._buffers.values()):
+            if t is not None:
+                seen.add((t.to_local() if hasattr(t, "to_local") else t).data_ptr())
+    return int(total)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float | None:
+    """Bytes a second of a device-to-device copy of ``nbytes`` (read + written), median of 10; None on a CPU."""
+    if device.type != "cuda":
+        return None
+    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    y = torch.empty_like(x)
+    times = []
+    for _ in range(12):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        y.copy_(x)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del x, y
+    return 2 * nbytes / sorted(times[2:])[len(times[2:]) // 2]
 
 
 def shape_config(shape: str, layers: int | None = None):
@@ -476,7 +537,8 @@ def bench_generate_static(model, batch: int, prompt_len: int, new_tokens: int, p
 
 
 def measure(model, label: str, a, device: torch.device) -> dict:
-    res = {"label": label, "weight_bytes": weight_bytes(model)}
+    res = {"label": label, "weight_bytes": weight_bytes(model), "step_bytes": {b: step_bytes(model, b) for b in a.batch},
+           "copy_bytes_per_s": copy_bandwidth(device)}  # fmt: skip
     _sync(device)
     res["allocated_bytes"] = (
         int(torch.cuda.memory_allocated(device)) if device.type == "cuda" else None
@@ -529,8 +591,12 @@ def measure(model, label: str, a, device: torch.device) -> dict:
             rows.append(r)
             if mode != "static eager":
                 r["tokens"] = toks[mode][:, a.prompt_len:].tolist()  # to compare runs (e.g. TP=1 and TP=2)
+            bw = res["copy_bytes_per_s"]
+            if bw and mode != "static eager":  # the byte bound: weight bytes a step over copy bandwidth
+                r["bound_tokens_per_s"] = b * bw / res["step_bytes"][b]
+            bound = f", {100 * r['tokens_per_s'] / r['bound_tokens_per_s']:.0f} % of its byte bound" if r.get("bound_tokens_per_s") else ""
             print(
-                f"[{label}] decode B={b} {mode}: {r['tokens_per_s']:.1f} tok/s (setup {r['setup_s']:.1f} s)",
+                f"[{label}] decode B={b} {mode}: {r['tokens_per_s']:.1f} tok/s (setup {r['setup_s']:.1f} s){bound}",
                 flush=True,
             )
         if "static eager" in toks:  # a graph replays the eager step: the same prompt gives the same tokens
@@ -551,6 +617,10 @@ def measure(model, label: str, a, device: torch.device) -> dict:
 
 def _ratio(q, b):
     return q / b if isinstance(q, (int, float)) and isinstance(b, (int, float)) and b else None
+
+
+def _pct(v, bound):
+    return 100 * v / bound if isinstance(v, (int, float)) and isinstance(bound, (int, float)) and bound else None
 
 
 def _scaled(v, scale: float):
@@ -599,6 +669,12 @@ def summary_rows(res: dict) -> list[dict]:
                 mxfp8=dq.get("tokens_per_s"),
             )
         )
+        if db.get("bound_tokens_per_s") or dq.get("bound_tokens_per_s"):  # weight bytes a step / copy bandwidth
+            rows.append(dict(metric=f"byte bound tok/s B={db['batch']}", bf16=db.get("bound_tokens_per_s"),
+                             mxfp8=dq.get("bound_tokens_per_s")))  # fmt: skip
+            rows.append(dict(metric=f"decode % of byte bound B={db['batch']} {db['mode']}",
+                             bf16=_pct(db.get("tokens_per_s"), db.get("bound_tokens_per_s")),
+                             mxfp8=_pct(dq.get("tokens_per_s"), dq.get("bound_tokens_per_s"))))  # fmt: skip
         if db.get("peak_bytes") is not None and db["mode"] == "generate() static cache":
             rows.append(
                 dict(

@@ -220,6 +220,31 @@ def test_bench_e2e_busy_time_is_the_union_of_intervals():
     assert union_length([]) == 0 and union_length([(1.0, 4.0), (2.0, 3.0), (4.0, 6.0)]) == 5.0
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_step_bytes_counts_what_a_decode_step_reads(tied):
+    """A dense model's step reads every weight but the embedding table (a tied head reads the table);
+    a quantized MoE model's reads its routed experts by their expected share, 1 - (1 - k/E)^B: counted
+    here by parameter name, independently of the module walk."""
+    from moe_models import moe_model
+
+    from mxq.eval.bench_e2e import step_bytes
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=301, tie_word_embeddings=tied)  # fmt: skip
+    dense = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    named = dict(dense.named_parameters(remove_duplicate=False))
+    want = sum(p.numel() * 2 for n, p in named.items() if "embed_tokens" not in n)
+    want += sum(b.numel() * b.element_size() for b in dense.buffers())
+    assert step_bytes(dense, 1) == step_bytes(dense, 7) == want
+    moe = mxq.quantize_model(moe_model("qwen3_moe", seed=1), "mxfp8")  # 4 experts, top-2
+    rest = sum(p.numel() * p.element_size() for n, p in moe.named_parameters() if ".experts." not in n and "embed_tokens" not in n)
+    rest += sum(b.numel() * b.element_size() for b in moe.buffers())
+    experts = sum(p.numel() * p.element_size() for n, p in moe.named_parameters() if ".experts." in n)
+    for b, share in ((1, 0.5), (3, 0.875)):
+        assert abs(step_bytes(moe, b) - (rest + share * experts)) <= 1
+
+
 def test_bench_e2e_cpu_smoke(tmp_path):
     """The benchmark runs end to end on a CPU (no graphs), each model in its own process, and its
     bookkeeping is right."""
@@ -248,6 +273,7 @@ def test_bench_e2e_cpu_smoke(tmp_path):
     assert res["mxfp8"]["weight_bytes"] == _expected_weight_bytes(q) + sum(
         b.numel() * b.element_size() for b in q.buffers()
     )
+    assert res["mxfp8"]["step_bytes"] and res["mxfp8"]["copy_bytes_per_s"] is None  # no byte bound on a CPU
     modes = [(d["batch"], d["mode"]) for d in res["mxfp8"]["decode"]]
     assert modes == [(1, "generate() static cache"), (2, "generate() static cache"), (1, "generate() dynamic cache"),
                      (1, "static eager"), (2, "static eager")]  # fmt: skip
