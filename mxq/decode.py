@@ -16,7 +16,7 @@ tests compare with ``model.generate(do_sample=False)``.
 
 Two transformers pieces are swapped for capturable ones with the same values: sliding-window layers get
 a full-length static cache (``_full_length_cache``), and eager attention's additive mask is made on the
-device (``_capturable_masks``). gpt-oss needs both.
+device (``capturable_masks``). gpt-oss needs both.
 
 A model spread over several devices (``from_pretrained(..., device_map=...)`` with layers on two
 GPUs, or offloaded to the CPU) is refused with the graph: the step is captured on one device's
@@ -47,7 +47,7 @@ def _refuse_split(model) -> None:
 
 
 @contextlib.contextmanager
-def _capturable_masks():
+def capturable_masks():
     """While the step runs, eager attention's mask comes from ``mxq.fuse.device_eager_mask`` (a local
     override of transformers' mask table, put back after; one another took first is kept)."""
     try:
@@ -203,7 +203,7 @@ class StaticGreedyDecoder:
         )
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        with ctx, _capturable_masks():
+        with ctx, capturable_masks():
             for _ in range(steps):
                 restore()
                 self._step_fn()
@@ -216,7 +216,7 @@ class StaticGreedyDecoder:
         """Capture the step as a CUDA graph (call after ``prefill``)."""
         self.warm_up()
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph), _capturable_masks():  # records the step without running it
+        with torch.cuda.graph(self.graph), capturable_masks():  # records the step without running it
             self._step_fn()
 
     @torch.inference_mode()
@@ -224,7 +224,7 @@ class StaticGreedyDecoder:
         if self.graph is not None:
             self.graph.replay()
         else:
-            with _capturable_masks():
+            with capturable_masks():
                 self._step_fn()
 
     @torch.inference_mode()

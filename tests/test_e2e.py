@@ -123,7 +123,7 @@ def test_eager_mask_on_device_is_transformers_eager_mask(dtype, window):
     offsets, a sliding window)."""
     from transformers import masking_utils as mu
 
-    from mxq.decode import _capturable_masks
+    from mxq.decode import capturable_masks
     from mxq.fuse import SINKS_ATTENTION, device_eager_mask
 
     g = torch.Generator().manual_seed(11)
@@ -136,7 +136,7 @@ def test_eager_mask_on_device_is_transformers_eager_mask(dtype, window):
     assert got.dtype == want.dtype == dtype and torch.equal(got, want)
     assert torch.equal(mu.ALL_MASK_ATTENTION_FUNCTIONS[SINKS_ATTENTION](**kw), want)  # gpt-oss under mxq
     assert mu.ALL_MASK_ATTENTION_FUNCTIONS["eager"] is mu.eager_mask
-    with _capturable_masks():
+    with capturable_masks():
         assert mu.ALL_MASK_ATTENTION_FUNCTIONS["eager"].func is device_eager_mask
     assert mu.ALL_MASK_ATTENTION_FUNCTIONS["eager"] is mu.eager_mask  # put back
 

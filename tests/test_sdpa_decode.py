@@ -194,44 +194,57 @@ def _tiny_qwen3():
     return Qwen3ForCausalLM(cfg).eval().to(torch.bfloat16)
 
 
+def _watch_decode_calls(monkeypatch) -> list:
+    """Watch the eager one-token seam (``mxq.fuse._sdpa_decode``): per call (q's shape, whether sinks
+    and an additive mask came with it, the error against float64 attention, the tolerance)."""
+    calls = []
+    real = F._sdpa_decode
+
+    def spy(q, k, v, mask, sinks, scale, chosen):
+        out = real(q, k, v, mask, sinks, scale, chosen)
+        calls.append((tuple(q.shape), sinks is not None and mask is not None and mask.dtype != torch.bool,
+                      (out.double() - _exact(q, k, v, mask, scale, sinks)).abs().max().item(), _tolerance(v, q.dtype)))  # fmt: skip
+        return out
+
+    monkeypatch.setattr(F, "_sdpa_decode", spy)
+    return calls
+
+
+def _static_steps(model, ids, kernels):
+    """Prefill 9 tokens into a static cache of 24, then 3 one-token steps under ``kernels``: their logits."""
+    from transformers import StaticCache
+
+    mxq.set_kernels(model, kernels)
+    cache = StaticCache(config=model.config, max_cache_len=24)
+    out = []
+    with torch.no_grad():
+        model(ids[:, :9], past_key_values=cache, cache_position=torch.arange(9, device=DEV))
+        for t in range(9, 12):
+            out.append(model(ids[:, t : t + 1], past_key_values=cache, cache_position=torch.tensor([t], device=DEV)).logits.float())
+    return torch.cat(out, 1)
+
+
 def test_a_quantized_models_decode_steps_take_the_kernel(monkeypatch):
     """Prefill 9 tokens into a static cache, then 3 one-token steps: with the kernel named, every
     step's attention goes to it (2 layers x 3 steps) and equals attention on its inputs within the
     output's rounding. The logits follow torch's SDPA: a bf16 ulp of the attention output (0.4 %)
     carried through the model moves them ~1 % (measured 0.95 %, W8A16: no activation rounding to
     amplify it); 5 % catches a wrong head or key while leaving that rounding room."""
-    from transformers import StaticCache
 
     model = mxq.quantize_model(_tiny_qwen3().to(DEV), "mxfp8-w8a16")
     assert model.config._attn_implementation == F.GROUPED_SDPA
     ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(1)).to(DEV)
-    calls = []
-    real = F._sdpa_decode
-
-    def spy(q, k, v, mask, sinks, scale, chosen):
-        out = real(q, k, v, mask, sinks, scale, chosen)
-        calls.append((tuple(q.shape), (out.double() - _exact(q, k, v, mask, scale)).abs().max().item(),
-                      _tolerance(v, q.dtype)))  # fmt: skip
-        return out
-
-    monkeypatch.setattr(F, "_sdpa_decode", spy)
+    calls = _watch_decode_calls(monkeypatch)
 
     def steps(kernels):
-        mxq.set_kernels(model, kernels)
-        cache = StaticCache(config=model.config, max_cache_len=24)
-        out = []
-        with torch.no_grad():
-            model(ids[:, :9], past_key_values=cache, cache_position=torch.arange(9, device=DEV))
-            for t in range(9, 12):
-                out.append(model(ids[:, t : t + 1], past_key_values=cache, cache_position=torch.tensor([t], device=DEV)).logits.float())
-        return torch.cat(out, 1)
+        return _static_steps(model, ids, kernels)
 
     with monkeypatch.context() as m:  # what ran before the kernel: the grouped SDPA
         m.setattr(F, "DECODE_KERNEL", False)
         want = steps(KERNEL)
     assert calls == []
     got = steps(KERNEL)
-    assert len(calls) == 6 and all(shape == (2, 8, 1, 32) and err <= tol for shape, err, tol in calls)
+    assert len(calls) == 6 and all(shape == (2, 8, 1, 32) and err <= tol for shape, _, err, tol in calls)
     assert ((got - want).norm() / want.norm()).item() < 5e-2
     mxq.set_kernels(model, None)
 
@@ -273,40 +286,23 @@ def test_a_quantized_gpt_oss_decodes_through_the_kernel_with_its_sinks(monkeypat
     of the sliding layer). Every token takes all 4 experts: with top-2 of 4, a bf16 ulp of attention
     flipped one token's expert choice on an H100 and moved its logits 28 %."""
     from moe_models import moe_model
-    from transformers import StaticCache
 
     model = mxq.quantize_model(moe_model("gpt_oss", seed=2, dtype=torch.bfloat16, sliding_window=window,
                                          num_experts_per_tok=4).to(DEV),
                                "mxfp8-w8a16")  # fmt: skip
     assert model.config._attn_implementation == F.SINKS_ATTENTION
     ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(3)).to(DEV)
-    calls = []
-    real = F._sdpa_decode
+    calls = _watch_decode_calls(monkeypatch)
 
-    def spy(q, k, v, mask, sinks, scale, chosen):
-        out = real(q, k, v, mask, sinks, scale, chosen)
-        calls.append((sinks is not None and mask is not None and mask.dtype != torch.bool,
-                      (out.double() - _exact(q, k, v, mask, scale, sinks)).abs().max().item(), _tolerance(v, q.dtype)))  # fmt: skip
-        return out
-
-    monkeypatch.setattr(F, "_sdpa_decode", spy)
-
-    def steps():
-        mxq.set_kernels(model, f"{KERNEL},reference")  # the experts on torch: the interpreter is slow
-        cache = StaticCache(config=model.config, max_cache_len=24)
-        out = []
-        with torch.no_grad():
-            model(ids[:, :9], past_key_values=cache, cache_position=torch.arange(9, device=DEV))
-            for t in range(9, 12):
-                out.append(model(ids[:, t : t + 1], past_key_values=cache, cache_position=torch.tensor([t], device=DEV)).logits.float())
-        return torch.cat(out, 1)
+    def steps():  # the experts on torch: the interpreter is slow
+        return _static_steps(model, ids, f"{KERNEL},reference")
 
     with monkeypatch.context() as m:  # transformers' eager attention of the family
         m.setattr(F, "DECODE_KERNEL", False)
         want = steps()
     assert calls == []
     got = steps()
-    assert len(calls) == 6 and all(sunk and err <= tol for sunk, err, tol in calls)
+    assert len(calls) == 6 and all(sunk and err <= tol for _, sunk, err, tol in calls)
     assert ((got - want).norm() / want.norm()).item() < 5e-2
     mxq.set_kernels(model, None)
     F.unfuse(model)
