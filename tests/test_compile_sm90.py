@@ -1,0 +1,87 @@
+"""Every kernel variant recorded from the GPU tests compiles for sm_90 with this environment's
+Triton, on a CPU (``mxq.kernels.compile_check``): CI runs this with the pinned Triton and with the
+latest release, so a kernel a new release cannot compile fails here, by name. Gluon kernels that
+the installed Triton cannot build are reported with their declared fall-back (``gluon_api``)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
+from mxq.kernels import compile_check, gluon_api  # noqa: E402
+
+DATA = Path(__file__).resolve().parent / "data" / "kernel_variants.json"
+
+
+def _check(path: Path) -> tuple[int, list[tuple[str, str]]]:
+    """``compile_check check`` in a fresh process: the test session runs Triton's interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-m", "mxq.kernels.compile_check", "check", str(path)],
+                       capture_output=True, text=True, env=env, timeout=1800)  # fmt: skip
+    lines = [ln.split(" ", 1) for ln in r.stdout.splitlines() if ln.split(" ", 1)[0] in ("ok", "not-built", "FAILED")]
+    return r.returncode, [(a, b) for a, b in lines]
+
+
+def test_recorded_variants_compile_for_sm90():
+    variants = compile_check.load(DATA)
+    assert len({v["kernel"] for v in variants}) >= 20
+    rc, lines = _check(DATA)
+    failed = [b for a, b in lines if a == "FAILED"]
+    assert not failed, "kernels this Triton cannot compile for sm_90:\n" + "\n".join(failed)
+    assert rc == 0 and len(lines) == len(variants)
+    for (status, detail), v in zip(lines, variants):
+        assert detail.startswith(v["kernel"])
+        assert status == ("not-built" if v["gluon"] and not gluon_api.HAVE_GLUON else "ok"), detail
+
+
+def test_every_recorded_kernel_is_still_there():
+    """A renamed or removed kernel, or a changed argument list, leaves no stale entry behind: the
+    file is re-recorded instead (``compile_check record``)."""
+    for v in compile_check.load(DATA):
+        if v["gluon"] and not gluon_api.HAVE_GLUON:
+            continue
+        fn = compile_check.resolve(v["kernel"])
+        assert set(v["signature"]) == set(fn.arg_names), v["kernel"]
+        assert set(v["constexprs"]) | set(v["attrs"]) <= set(fn.arg_names), v["kernel"]
+
+
+def test_a_variant_reads_back_as_it_was_compiled(tmp_path):
+    """variant() -> JSON -> compile_variant(): constexprs by name (a dtype among them), the alignment
+    attributes and the options survive; a broken constexpr fails by the kernel's name."""
+    fn = compile_check.resolve("mxq.kernels.moe_decode:down_combine_kernel")
+    names = fn.arg_names
+    ptrs = dict(h_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*u8", b_ptr="*bf16", out_ptr="*bf16", ids_ptr="*i64",
+                pos_ptr="*i64", rw_ptr="*bf16")  # fmt: skip
+    cons = dict(TOPK=8, BN=8, BK=256, BS=32, HAS_BIAS=False, EVEN_K=True, QUANT=True, NUM_STAGES=2, SORTED=False,
+                EMAX=8, MBITS=3, MAXN=448.0, EMIN=-6, RULE=0, HW_CVT=True, FP8=tl.float8e4nv)  # fmt: skip
+    sig = {n: "constexpr" if n in cons else ptrs.get(n, "i32") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ("h_ptr", "w_ptr", "K")}
+    opts = SimpleNamespace(num_warps=4, num_stages=3, num_ctas=1, maxnreg=None, enable_fp_fusion=True)
+    v = compile_check.variant(fn, sig, {(names.index(k),): tl.constexpr(x) for k, x in cons.items()}, opts, attrs)
+    path = tmp_path / "v.json"
+    path.write_text(json.dumps([v, {**v, "constexprs": {**v["constexprs"], "BS": 24}}]))  # a block of 24: no arange
+    back = compile_check.load(path)[0]
+    assert back["kernel"] == "mxq.kernels.moe_decode:down_combine_kernel" and back["gluon"] is False
+    assert back["constexprs"]["FP8"] == {"dtype": "fp8e4nv"} and back["constexprs"]["BK"] == 256
+    assert back["attrs"]["K"] == [["tt.divisibility", 16]] and back["options"]["num_warps"] == 4
+    rc, lines = _check(path)
+    assert rc == 1 and [a for a, _ in lines] == ["ok", "FAILED"]
+    assert lines[1][1].startswith("mxq.kernels.moe_decode:down_combine_kernel: ")
+
+
+def test_select_keeps_what_covers_the_most():
+    rows = [dict(kernel="m:k", constexprs=dict(A=a, B=b), options=dict(num_warps=w))
+            for a, b, w in ((1, 0, 4), (1, 0, 4), (2, 0, 4), (1, 1, 8), (3, 1, 8))]  # fmt: skip
+    rows.append(dict(kernel="m:j", constexprs=dict(A=1), options=dict(num_warps=4)))
+    got = compile_check.select(rows, per_kernel=2)
+    assert [r["kernel"] for r in got].count("m:k") == 2 and [r["kernel"] for r in got].count("m:j") == 1
+    # the first k variant, then the one adding the most new values (A=3, B=1, 8 warps)
+    assert got[0] is rows[0] and got[1] is rows[4]
+    assert compile_check.select(rows[:2], per_kernel=4) == [rows[0]]  # a duplicate adds nothing
