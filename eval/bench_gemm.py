@@ -1,6 +1,6 @@
 """Benchmark the MX GEMM and activation quantizer against the baselines, in one process.
 
-    python -m mxq.eval.bench_gemm --out bench.json [--models 8b,70b] [--ms 1,16,64,256,2048,8192]
+    python -m mxq.eval.bench_gemm --out bench.json [--models 8b,70b,70b-tp2] [--ms 1,16,64,256,2048,8192]
 
 For every Llama-3 linear shape and M: cuBLAS bf16 (``x @ w.T``), ``torch._scaled_mm`` fp8
 rowwise (GEMM only, operands pre-quantized: the strongest fp8 baseline), ``tl.dot_scaled``
@@ -29,6 +29,15 @@ LLAMA_SHAPES = {  # layer: (N, K); qkv and gate/up fused as serving stacks run t
     "8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
     "70b": {"qkv": (10240, 8192), "o": (8192, 8192), "gate_up": (57344, 8192), "down": (8192, 28672)},
 }
+
+
+def tp_shapes(shapes: dict, tp: int) -> dict:
+    """One rank's shapes under tensor parallelism ``tp`` as ``mxq.tp`` shards them: qkv and gate/up by
+    output rows (N / tp), o and down by input columns (K / tp)."""
+    return {layer: (n // tp, k) if layer in ("qkv", "gate_up") else (n, k // tp) for layer, (n, k) in shapes.items()}
+
+
+LLAMA_SHAPES["70b-tp2"] = tp_shapes(LLAMA_SHAPES["70b"], 2)
 MS = (1, 4, 16, 64, 256, 2048, 8192)
 
 
@@ -286,7 +295,8 @@ def print_tables(res: dict) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="bench_gemm.json", help="JSON file to write")
-    p.add_argument("--models", default="8b,70b", help="comma-separated: 8b, 70b")
+    p.add_argument("--models", default="8b,70b,70b-tp2",
+                   help="comma-separated: 8b, 70b, 70b-tp2 (one rank's shapes of 70B at tensor parallelism 2)")
     p.add_argument("--ms", default=",".join(map(str, MS)), help="comma-separated M values")
     p.add_argument("--sweep", action="store_true", help="also time a set of tile configs (8b shapes)")
     p.add_argument("--no-quantize", action="store_true", help="skip the quantization bandwidth table")

@@ -325,3 +325,19 @@ def test_bench_scan_times_both_paths_and_writes_json(tmp_path):
     res = json.loads(out.read_text())
     assert [r["threads"] for r in res["rows"]] == [1, 2] and res["mib"] == 3
     assert all(r["wordwise_gb_s"] > 0 and r["bytewise_gb_s"] > 0 for r in res["rows"])
+
+
+def test_bench_gemm_tp2_shapes_are_one_ranks_shards():
+    """bench_gemm's 70b-tp2 rows are what one rank of two holds under mxq.tp's split of Llama's
+    projections (column-parallel q/k/v and gate/up by N, row-parallel o and down by K)."""
+    from mxq import tp
+    from mxq.eval.bench_gemm import LLAMA_SHAPES
+
+    modules = {"qkv": ["q_proj", "k_proj", "v_proj"], "o": ["o_proj"], "gate_up": ["gate_proj", "up_proj"],
+               "down": ["down_proj"]}  # fmt: skip
+    for layer, (n, k) in LLAMA_SHAPES["70b"].items():
+        styles = {tp.split_style(f"model.layers.0.x.{m}.weight", None) for m in modules[layer]}
+        assert len(styles) == 1
+        style = styles.pop()
+        assert style in ("colwise", "rowwise") and tp.check_shard(layer, (n, k), style, 2).ok
+        assert LLAMA_SHAPES["70b-tp2"][layer] == ((n // 2, k) if style == "colwise" else (n, k // 2))
