@@ -85,3 +85,30 @@ def test_select_keeps_what_covers_the_most():
     # the first k variant, then the one adding the most new values (A=3, B=1, 8 warps)
     assert got[0] is rows[0] and got[1] is rows[4]
     assert compile_check.select(rows[:2], per_kernel=4) == [rows[0]]  # a duplicate adds nothing
+
+
+def test_record_notes_mxq_kernels_and_merges(tmp_path, monkeypatch, capsys):
+    """``record`` notes each specialization an mxq kernel compiles (not other JIT functions, not one
+    with a constexpr it cannot write), merges into the file it finds and leaves the compile alone."""
+    from triton.runtime.jit import JITFunction
+
+    monkeypatch.setattr(JITFunction, "_do_compile", lambda self, *a: ("compiled", self.fn.__name__))
+    ours = JITFunction(compile_check.resolve("mxq.kernels.moe_decode:down_combine_kernel").fn)
+    other = JITFunction(test_select_keeps_what_covers_the_most)  # a function outside mxq
+    names = ours.arg_names
+    opts = SimpleNamespace(num_warps=8, num_stages=4, num_ctas=1, maxnreg=None)
+    path = tmp_path / "variants.json"
+    path.write_text(json.dumps([dict(kernel="mxq.kernels.x:k", gluon=False, signature={}, constexprs={}, attrs={},
+                                     options={})]))  # fmt: skip
+    with compile_check.record(path) as found:
+        for bk in (128, 256, 256):  # the repeat is one variant
+            got = JITFunction._do_compile(ours, None, {"K": "i32"}, 0, {(names.index("BK"),): tl.constexpr(bk)}, opts,
+                                          {(names.index("K"),): [["tt.divisibility", 16]]}, False)  # fmt: skip
+            assert got == ("compiled", "down_combine_kernel")
+        JITFunction._do_compile(other, None, {}, 0, {}, opts, {}, False)
+        JITFunction._do_compile(ours, None, {}, 0, {(names.index("BS"),): object()}, opts, {}, False)
+    assert len(found) == 2 and "not recorded" in capsys.readouterr().err
+    rows = compile_check.load(path)
+    assert [r["kernel"] for r in rows] == ["mxq.kernels.moe_decode:down_combine_kernel"] * 2 + ["mxq.kernels.x:k"]
+    assert sorted(r["constexprs"]["BK"] for r in rows[:2]) == [128, 256]
+    assert rows[0]["options"]["num_warps"] == 8 and rows[0]["attrs"] == {"K": [["tt.divisibility", 16]]}
