@@ -72,7 +72,7 @@ def variant(fn: JITFunction, signature: dict, constexprs: dict, options, attrs: 
     return {
         "kernel": f"{fn.fn.__module__}:{fn.fn.__qualname__}",
         "gluon": type(fn).__name__.startswith("Gluon"),
-        "signature": {k: v for k, v in signature.items()},
+        "signature": dict(signature),
         "constexprs": {names[k[0]]: _value(v) for k, v in constexprs.items() if len(k) == 1},
         "attrs": {names[k[0]]: v for k, v in attrs.items() if len(k) == 1},
         "options": {k: getattr(options, k) for k in OPTIONS if hasattr(options, k)},
@@ -131,7 +131,7 @@ def select(variants: list[dict], per_kernel: int = 4) -> list[dict]:
         pairs = [{(k, json.dumps(x)) for k, x in {**r["constexprs"], **r["options"]}.items()} for r in rows]
         seen: set = set()
         left = list(range(len(rows)))
-        while left and len(left) > len(rows) - per_kernel:
+        for _ in range(min(per_kernel, len(rows))):
             best = max(left, key=lambda i: (len(pairs[i] - seen), -i))
             if seen and not pairs[best] - seen:
                 break
@@ -206,7 +206,7 @@ def main(argv=None) -> int:
         for status, name, detail in results:
             print(f"{status} {name}{': ' + detail if detail else ''}", flush=True)
         return 1 if any(r[0] == "FAILED" for r in results) else 0
-    print(__doc__.strip().splitlines()[-2:], file=sys.stderr)
+    print("usage:\n" + "\n".join(ln for ln in __doc__.splitlines() if "python -m" in ln), file=sys.stderr)
     return 2
 
 
