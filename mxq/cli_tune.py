@@ -12,6 +12,8 @@ import typer
 PRESETS = {
     "llama3-8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],
     "llama3-70b": [(10240, 8192), (8192, 8192), (57344, 8192), (8192, 28672)],
+    # one rank of two under mxq.tp: qkv and gate/up split by N, o and down by K
+    "llama3-70b-tp2": [(5120, 8192), (8192, 4096), (28672, 8192), (8192, 14336)],
 }
 FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
 

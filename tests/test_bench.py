@@ -341,3 +341,8 @@ def test_bench_gemm_tp2_shapes_are_one_ranks_shards():
         style = styles.pop()
         assert style in ("colwise", "rowwise") and tp.check_shard(layer, (n, k), style, 2).ok
         assert LLAMA_SHAPES["70b-tp2"][layer] == ((n // 2, k) if style == "colwise" else (n, k // 2))
+    # `mxq tune --shapes llama3-70b-tp2` tunes the same shapes
+    from mxq.cli_tune import PRESETS
+
+    assert PRESETS["llama3-70b-tp2"] == list(LLAMA_SHAPES["70b-tp2"].values())
+    assert PRESETS["llama3-70b"] == list(LLAMA_SHAPES["70b"].values())
