@@ -202,7 +202,11 @@ def test_shipped_entries_are_candidates(monkeypatch):
     devices = tune.SHIPPED.devices
     assert set(devices) >= {"NVIDIA H100 80GB HBM3", "NVIDIA H200"}
     for dev, kernels in devices.items():
-        assert len(kernels["decode_ws"]) == 24
+        # the Llama-3 8B and 70B shapes at every bucket on both; the H100 also has 70B's TP=2 rank shapes
+        from mxq.cli_tune import PRESETS
+
+        shapes = PRESETS["llama3-8b"] + PRESETS["llama3-70b"]
+        assert {tune.shape_key(m, n, k) for n, k in shapes for m in (1, 8, 16)} <= set(kernels["decode_ws"])
         for key, rec in kernels["decode_ws"].items():
             b, n, k = (int(v[1:]) for v in key.split("_"))
             assert tune.shape_key(rec["m"], n, k) == key and tune.m_bucket(rec["m"]) == b
