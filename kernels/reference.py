@@ -128,10 +128,11 @@ def qk_rotation(d: int, device: torch.device | str | None = None) -> torch.Tenso
     which is what makes FP8 Q·K accurate (FlashAttention-3's "incoherent processing").
     """
     n = hadamard_block(d)
-    h = sylvester_hadamard(n)
-    g = torch.Generator().manual_seed(ROTATION_SEED)
-    signs = torch.randint(0, 2, (d,), generator=g).float() * 2 - 1
-    r = signs[:, None] * torch.block_diag(*[h] * (d // n))
+    with torch.device("cpu"):  # the seeded CPU generator's signs, whatever the caller's default device
+        h = sylvester_hadamard(n)
+        g = torch.Generator().manual_seed(ROTATION_SEED)
+        signs = torch.randint(0, 2, (d,), generator=g).float() * 2 - 1
+        r = signs[:, None] * torch.block_diag(*[h] * (d // n))
     return r.to(device) if device is not None else r
 
 

@@ -83,7 +83,7 @@ class LinearStats:
         self.block_hist += block_amax_histogram(a, self.block_size).cpu()
         take = min(take, self.sample_rows - self._n_sampled, x.shape[0])
         if take > 0:
-            idx = torch.randperm(x.shape[0], generator=generator)[:take].sort().values
+            idx = torch.randperm(x.shape[0], generator=generator, device="cpu")[:take].sort().values
             self._samples.append(x[idx.to(x.device)].cpu())
             self._n_sampled += take
 

@@ -27,7 +27,17 @@ from mxq.kernels.attention import (  # noqa: E402
 )
 
 CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+
+@pytest.fixture
+def kernel_device():
+    """Tensors a kernel test makes live where the Triton kernels run: on the CPU through the
+    interpreter, else on the GPU, where the compiled kernels run (CPU tensors on a GPU machine
+    would take the torch reference path, or fail at a forced Triton launch)."""
+    with torch.device(DEV):
+        yield
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -38,11 +48,12 @@ def _rotation(d):
     """The Q/K rotation from its definition: signs from the fixed seed, Hadamard entries
     (-1)^popcount(i & j) in blocks of the largest power of two dividing d; float64."""
     n = d & -d
-    signs = torch.randint(0, 2, (d,), generator=torch.Generator().manual_seed(0x6D7871)).double() * 2 - 1
-    i, j = torch.arange(d)[:, None], torch.arange(d)[None, :]
-    bits = torch.tensor([[bin(a & c).count("1") for c in range(n)] for a in range(n)])
-    h = torch.where((i // n) == (j // n), (-1.0) ** bits[i % n, j % n].double(), 0.0)
-    return signs[:, None] * h, n
+    with torch.device("cpu"):  # the seeded CPU generator's signs, whatever the default device
+        signs = torch.randint(0, 2, (d,), generator=torch.Generator().manual_seed(0x6D7871)).double() * 2 - 1
+        i, j = torch.arange(d)[:, None], torch.arange(d)[None, :]
+        bits = torch.tensor([[bin(a & c).count("1") for c in range(n)] for a in range(n)])
+        h = torch.where((i // n) == (j // n), (-1.0) ** bits[i % n, j % n].double(), 0.0)
+    return (signs[:, None] * h).to(torch.get_default_device()), n
 
 
 def _rotate(x, d):
@@ -79,7 +90,7 @@ def _independent(q, k, v, *, causal=False, mask=None, scale=None, elem=E4M3, rul
     return out
 
 
-def _qkv(b, hq, hkv, sq, sk, d, dtype=torch.float32, device="cpu"):
+def _qkv(b, hq, hkv, sq, sk, d, dtype=torch.float32, device=None):
     q = torch.randn(b, hq, sq, d, device=device) * 2
     k = torch.randn(b, hkv, sk, d, device=device)
     v = torch.randn(b, hkv, sk, d, device=device)
@@ -129,6 +140,8 @@ def test_rotation_matrix(d):
     want, n_want = _rotation(d)
     assert n == n_want and torch.equal(r.double(), want)
     assert torch.equal(r @ r.T, n * torch.eye(d))  # orthogonal up to n: (qR)·(kR) = n q·k
+    with torch.device("meta"):  # a caller's default device (e.g. torch.set_default_device("cuda")) changes nothing
+        assert torch.equal(qk_rotation(d), r) and torch.equal(qk_rotation(d, "cpu"), r)
 
 
 def test_rotation_cuts_qk_error_with_outlier_channels():
@@ -152,7 +165,7 @@ def test_mx_rounding_is_idempotent():
         assert torch.equal(dequantize_mx(quantize_mx(once, axis)), once)
 
 
-# --- Triton prefill, interpreter on CPU ----------------------------------------------------------
+# --- Triton prefill: the interpreter on CPU, compiled on a GPU -------------------------------------
 
 PREFILL_CASES = [
     # b, hq, hkv, sq, sk, d, causal
@@ -163,6 +176,7 @@ PREFILL_CASES = [
 ]
 
 
+@pytest.mark.usefixtures("kernel_device")
 @pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: "b{}h{}kv{}q{}k{}d{}{}".format(*c[:6], "c" if c[6] else ""))
 def test_prefill_kernel_equals_reference(case):
     b, hq, hkv, sq, sk, d, causal = case
@@ -183,6 +197,7 @@ def test_prefill_kernel_equals_reference(case):
     assert torch.equal(mx_attention_prefill(q, k, v, causal=causal, qk_rotation=True, tma=False), got)
 
 
+@pytest.mark.usefixtures("kernel_device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("s,d,bd", [(45, 40, 64), (64, 64, 64), (100, 80, 128), (1, 128, 128)])
 def test_round_vt_kernel_equals_format_core(dtype, s, d, bd):
@@ -198,6 +213,7 @@ def test_round_vt_kernel_equals_format_core(dtype, s, d, bd):
     assert not got[:, :, d:].any()
 
 
+@pytest.mark.usefixtures("kernel_device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("s,d,bd", [(45, 40, 64), (100, 128, 128), (7, 80, 128)])
 def test_prep_kv_one_launch_equals_separate_kernels(dtype, s, d, bd):
@@ -213,6 +229,7 @@ def test_prep_kv_one_launch_equals_separate_kernels(dtype, s, d, bd):
     assert vt.shape == want.shape == (2, 3, bd, s) and torch.equal(vt, want)
 
 
+@pytest.mark.usefixtures("kernel_device")
 @pytest.mark.parametrize("elem,rule", [(E4M3, ScaleRule.RCEIL), (E5M2, ScaleRule.FLOOR), (E4M3, ScaleRule.EVEN)])
 @pytest.mark.parametrize("s,d", [(45, 40), (64, 64), (100, 80), (1, 128), (33, 128)])
 @pytest.mark.parametrize("paged", [False, True])
@@ -239,6 +256,7 @@ def test_quantize_vt_pages_equals_format_core(elem, rule, s, d, paged):
         assert torch.equal(qs, want.scales.transpose(-1, -2))
 
 
+@pytest.mark.usefixtures("kernel_device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("d", [64, 40, 80, 128])
 def test_rotate_kernel_equals_float64(dtype, d):
@@ -258,12 +276,14 @@ def test_rotate_kernel_equals_float64(dtype, d):
     assert torch.equal(rounded.float(), want)
 
 
+@pytest.mark.usefixtures("kernel_device")
 def test_prefill_rejects_mismatched_kv():
     q, k, v = _qkv(1, 4, 2, 5, 7, 64)
     with pytest.raises(ValueError, match=r"k \(1, 2, 7, 64\) and v \(1, 2, 6, 64\)"):
         mx_attention_prefill(q, k, v[:, :, :6], qk_rotation=True)
 
 
+@pytest.mark.usefixtures("kernel_device")
 def test_prefill_kernel_padding_mask():
     q, k, v = _qkv(2, 4, 2, 19, 19, 64)
     mask = _padding_mask(2, 19, 19, [5, 0])
@@ -275,6 +295,7 @@ def test_prefill_kernel_padding_mask():
 
 # --- the MXFP8 cache and decode ----------------------------------------------------------------
 
+@pytest.mark.usefixtures("kernel_device")
 @pytest.mark.parametrize("rotation", ["hadamard", "none"])
 def test_cache_appends_equal_whole_sequence_bytes(rotation, monkeypatch):
     monkeypatch.setattr("mxq.attention.QK_ROTATION", rotation)
@@ -299,6 +320,7 @@ def test_cache_appends_equal_whole_sequence_bytes(rotation, monkeypatch):
     assert layer.v_tail.shape[2] == n % 32
 
 
+@pytest.mark.usefixtures("kernel_device")
 @pytest.mark.parametrize("remove", [3, 4, 20, 36, 99])
 def test_cache_crop_then_append_equals_shorter_sequence(remove):
     """Crop, append, compare with a cache that never saw the removed tokens (100 % 32 = 4)."""
@@ -333,6 +355,7 @@ def test_cache_crop_then_append_equals_shorter_sequence(remove):
         assert torch.equal(vd[:, :, reopened:keep], old)
 
 
+@pytest.mark.usefixtures("kernel_device")
 def test_cache_crop_legacy_positive_and_noop():
     k, v = torch.randn(1, 2, 50, 64), torch.randn(1, 2, 50, 64)
     layer = MXFP8CacheLayer()
@@ -345,6 +368,7 @@ def test_cache_crop_legacy_positive_and_noop():
     assert layer.get_seq_length() == 33
 
 
+@pytest.mark.usefixtures("kernel_device")
 @pytest.mark.parametrize("hq,hkv,n,d", [(4, 2, 45, 64), (3, 1, 70, 40), (2, 2, 1, 64), (4, 1, 33, 96), (2, 1, 40, 192)])
 def test_decode_kernel_equals_reference(hq, hkv, n, d):
     """Incl. the factored Q rotation (Hadamard blocks of 32 at d=96 with a padded block, 64 at
@@ -365,6 +389,7 @@ def test_decode_kernel_equals_reference(hq, hkv, n, d):
     assert _rel(got, _independent(q, kd, vd, mask=mask, rotate=layer.rotated, k_rotated=True)) < 3e-5
 
 
+@pytest.mark.usefixtures("kernel_device")
 @pytest.mark.parametrize("block_n,chunk", [(64, 64), (32, 96), (32, 32)])
 @pytest.mark.parametrize("hq,hkv,d", [(8, 2, 128), (3, 3, 80)])
 def test_decode_tiles_equal_reference(block_n, chunk, hq, hkv, d):
@@ -385,6 +410,7 @@ def test_decode_tiles_equal_reference(block_n, chunk, hq, hkv, d):
     assert _rel(got, want) < 3e-5
 
 
+@pytest.mark.usefixtures("kernel_device")
 @pytest.mark.parametrize("hq,hkv,d,n,chunk", [(8, 2, 128, 150, 32), (3, 1, 64, 97, 64), (4, 4, 64, 40, 64), (4, 2, 64, 600, 32)])
 def test_decode_fused_merge(hq, hkv, d, n, chunk):
     """The merge inside the decode kernel (last split merges) equals the merge kernel and the
@@ -418,6 +444,7 @@ def _rows(layer):
     return rows, layer.v_scale.transpose(2, 3).contiguous()
 
 
+@pytest.mark.usefixtures("kernel_device")
 @pytest.mark.parametrize("block_n,chunk,hq,hkv,d,n", [(64, 64, 8, 2, 128, 150), (32, 96, 3, 3, 80, 97), (32, 64, 4, 2, 64, 70)])
 def test_decode_rows_of_vt_equals_reference(block_n, chunk, hq, hkv, d, n):
     b = 2
@@ -478,6 +505,7 @@ def test_decode_registry_choice():
         DECODE.choose(hopper, "attn_decode_dequant")
 
 
+@pytest.mark.usefixtures("kernel_device")
 def test_decode_reference_path_and_decode_path():
     """``kernels="reference"`` runs the torch reference on the dequantized cache (either V layout,
     with a mask, into ``out``); ``decode_path`` names what a call runs; ``variant`` forces a path."""
@@ -510,6 +538,7 @@ def test_decode_reference_path_and_decode_path():
         mx_attention_decode(torch.cat([q, q], 2), *cache, n)
 
 
+@pytest.mark.usefixtures("kernel_device")
 def test_decode_gluon_compile_error_falls_back(monkeypatch):
     """A Gluon kernel that does not compile at its first launch: turned off for the process, one
     warning, and the same call runs on the next path (here the Triton kernel, interpreted)."""
