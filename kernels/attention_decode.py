@@ -349,14 +349,15 @@ def _run_gqa(
     bd = padded_head_dim(d)
     on_gpu = q.device.type == "cuda"
     cfg = _decode_config(on_gpu)
-    block_n = block_n or cfg[0]
+    if not block_n:  # the device's tile, or the largest part of it that divides a caller's chunk
+        block_n = cfg[0] if chunk is None else math.gcd(cfg[0], chunk)
     num_warps = num_warps or cfg[1]
     num_stages = num_stages or cfg[2]
     if chunk is None:
         want = max(1, cfg[3] // max(1, b * hkv)) if on_gpu else 4
         chunk = max(block_n, cdiv(cdiv(length, want), block_n) * block_n)
-    if chunk % block_n:
-        raise ValueError(f"chunk {chunk} is not a multiple of block_n {block_n}")
+    if chunk % block_n or block_n % 16:
+        raise ValueError(f"chunk {chunk} is not a multiple of block_n {block_n} (a multiple of 16)")
     nsplit = max(1, cdiv(length, chunk))
     if merge is None:  # under CUDA-graph capture GPU time decides, eagerly the CPU time of a launch
         merge = "kernel" if problem.capturing else "fused"

@@ -163,8 +163,9 @@ def rotation_operand(d: int, block_d: int, device: torch.device) -> torch.Tensor
     """R = ``qk_rotation(d)`` as bf16 [block_d, block_d] (zero-padded), kept per device."""
     key = (d, block_d, str(device))
     if key not in _ROTATIONS:
-        r = torch.zeros(block_d, block_d, dtype=torch.bfloat16)
-        r[:d, :d] = qk_rotation(d)
+        with torch.device("cpu"):  # built on the host whatever the caller's default device, then moved
+            r = torch.zeros(block_d, block_d, dtype=torch.bfloat16)
+            r[:d, :d] = qk_rotation(d)
         kept = persistent(lambda: r.to(device), device)
         if kept is None:  # under stream capture: made per call, inside the graph
             return r.to(device)
@@ -180,11 +181,12 @@ def _rotation_factored(d: int, block_d: int, device: torch.device) -> tuple[int,
         return 0, None
     key = ("factored", d, block_d, str(device))
     if key not in _ROTATIONS:
-        r = qk_rotation(d)
-        rows = torch.arange(d)
-        signs = torch.zeros(block_d)
-        signs[:d] = r[rows, rows // n * n]  # R[i, first column of i's block] = s[i]·H[., 0] = s[i]
-        host = torch.cat([sylvester_hadamard(32).flatten(), signs]).to(torch.bfloat16)
+        with torch.device("cpu"):  # built on the host whatever the caller's default device, then moved
+            r = qk_rotation(d)
+            rows = torch.arange(d)
+            signs = torch.zeros(block_d)
+            signs[:d] = r[rows, rows // n * n]  # R[i, first column of i's block] = s[i]·H[., 0] = s[i]
+            host = torch.cat([sylvester_hadamard(32).flatten(), signs]).to(torch.bfloat16)
         kept = persistent(lambda: host.to(device), device)
         if kept is None:  # under stream capture: made per call, inside the graph
             return n // 32, host.to(device)
