@@ -220,6 +220,7 @@ class CalibrationOptions:
     max_dppl: float | None = None
     keep_bytes: float | None = None  # percent
     rounding: str = "gptq"
+    iters: int | None = None  # signround's steps per layer (None: ``mxq.signround.SIGNROUND_ITERS``)
     experts_all_tokens: bool = False
     device: str = "cpu"
 

@@ -67,6 +67,8 @@ SensSamples = Annotated[int, typer.Option("--sensitivity-samples", help="Windows
 SensSeqLen = Annotated[int, typer.Option("--sensitivity-seq-len", help="Tokens per KL window.")]
 DATASET_HELP = "Calibration text: wikitext2, pydoc, or a .txt/.jsonl/.parquet file."
 Rounding = Annotated[str, typer.Option("--rounding", help="Weight codes: gptq, signround (each layer's codes tuned against its output) or nearest (direct cast).")]
+Iters = Annotated[int | None, typer.Option(
+    "--iters", show_default=False, help="signround: signed steps per layer (default 50; more: closer, slower).")]
 ExpertsAllTokens = Annotated[bool, typer.Option(
     "--experts-all-tokens", help="GPTQ: every routed expert learns from every token.")]
 
@@ -241,6 +243,7 @@ def quantize_cmd(
     sensitivity_samples: SensSamples = 2,
     sensitivity_seq_len: SensSeqLen = 256,
     rounding: Rounding = "gptq",
+    iters: Iters = None,
     experts_all_tokens: ExpertsAllTokens = False,
 ) -> None:
     """Quantize a model to MXFP8 and write a safetensors checkpoint."""
@@ -310,9 +313,9 @@ def _check_plan_source(calibrate: bool, plan: Path | None, plan_out: Path | None
     if calibrate and plan is not None:
         raise typer.BadParameter("pass --calibrate or --plan, not both")
     if not calibrate and (opts.dataset or opts.keep_bf16 or opts.max_dppl is not None or opts.keep_bytes is not None or plan_out
-                          or opts.experts_all_tokens):  # fmt: skip
+                          or opts.experts_all_tokens or opts.iters is not None):  # fmt: skip
         raise typer.BadParameter(
-            "--dataset, --keep-bf16, --max-dppl, --keep-bytes, --plan-out and --experts-all-tokens go with --calibrate"
+            "--dataset, --keep-bf16, --max-dppl, --keep-bytes, --plan-out, --iters and --experts-all-tokens go with --calibrate"
         )
 
 
@@ -383,7 +386,7 @@ def _run_calibration(model: str | None, rec: Recipe, opts: CalibrationOptions) -
     elif opts.rounding == "signround":
         from mxq.signround import signround_plan
 
-        signround_plan(m, p, cal.batches)
+        signround_plan(m, p, cal.batches, **({} if opts.iters is None else {"iters": opts.iters}))
     else:
         p.choices["rounding"] = "nearest"
     _print_plan(p)
@@ -405,6 +408,8 @@ def _checked_calibration(opts: CalibrationOptions, rec: Recipe) -> CalibrationOp
         raise typer.BadParameter(f"--rounding {opts.rounding}: recipe {rec.name!r} uses scale_rule {rec.weights.scale_rule.value!r}; {opts.rounding} takes rceil or mse (or pass --rounding nearest)")
     if opts.experts_all_tokens and opts.rounding != "gptq":
         raise typer.BadParameter("--experts-all-tokens goes with --rounding gptq")
+    if opts.iters is not None and (opts.rounding != "signround" or opts.iters < 1):
+        raise typer.BadParameter(f"--iters {opts.iters}: a number of steps >= 1, with --rounding signround")
     if opts.keep_bytes is None and not opts.keep_bf16 and opts.max_dppl is None:
         return dataclasses.replace(opts, keep_bytes=KEEP_BYTES_DEFAULT)
     return opts
@@ -477,6 +482,7 @@ def calibrate_cmd(
         "cpu", "--device", help="Where to run the model: cpu, cuda or auto."
     ),
     rounding: Rounding = "gptq",
+    iters: Iters = None,
     experts_all_tokens: ExpertsAllTokens = False,
 ) -> None:
     """Run calibration text through the bf16 model and write a plan for `mxq quantize --plan`."""

@@ -37,6 +37,7 @@ from mxq.recipe import TensorSpec
 __all__ = ["SIGNROUND_LR", "SignRoundResult", "TunedLinear", "signround_model", "signround_plan"]
 
 SIGNROUND_LR = 5e-3  # the sign step at the first iteration, in element steps (AutoRound's default)
+SIGNROUND_ITERS = 50  # signed steps per layer (AutoRound's light recipe); `mxq quantize --iters N`
 
 
 class TunedLinear(nn.Module):
@@ -110,7 +111,7 @@ def _mse(layer: nn.Module, hidden, extra, targets) -> float:
 
 
 def signround_model(model: nn.Module, batches: list[torch.Tensor], specs: dict[str, tuple[TensorSpec, TensorSpec | None]],
-               *, iters: int = 50, lr: float = SIGNROUND_LR, block_size: int = 32, progress: bool = True) -> SignRoundResult:  # fmt: skip
+               *, iters: int = SIGNROUND_ITERS, lr: float = SIGNROUND_LR, block_size: int = 32, progress: bool = True) -> SignRoundResult:  # fmt: skip
     """Tune the codes of the Linear layers named in ``specs`` (name -> (weights, activations); other
     entries, such as experts modules, are left alone), in place: afterwards ``model`` holds the
     tuned MX values in its own dtype, and direct cast with the same specs reproduces them. The
@@ -203,7 +204,7 @@ def _tune_layer(layer: nn.Module, prefix: str, specs: dict, inputs: LayerInputs,
     return before, after
 
 
-def signround_plan(model: nn.Module, plan, batches: list[torch.Tensor], *, iters: int = 50, lr: float = SIGNROUND_LR,
+def signround_plan(model: nn.Module, plan, batches: list[torch.Tensor], *, iters: int = SIGNROUND_ITERS, lr: float = SIGNROUND_LR,
                    progress: bool = True):  # fmt: skip
     """``signround_model`` over the Linear layers a calibration plan quantizes (experts keep direct
     cast); the plan then carries their codes, as ``mxq.gptq.round_plan`` does for GPTQ. ``model``:

@@ -92,11 +92,25 @@ def test_cli_quantize_with_signround(model_dir, tmp_path):  # noqa: F811
     loads through mxq and records what was tuned."""
     src, text = str(model_dir / "src"), str(model_dir / "text.txt")
     cal = ["--dataset", text, "--samples", "4", "--seq-len", "32", "--sensitivity-seq-len", "16"]
-    rc, err = run_cli(["quantize", src, str(tmp_path / "s"), "--calibrate", *cal, "--rounding", "signround"])
+    rc, err = run_cli(["quantize", src, str(tmp_path / "s"), "--calibrate", *cal, "--rounding", "signround", "--iters", "7"])
     assert rc == 0, err
     choices = json.loads((tmp_path / "s" / "config.json").read_text())["quantization_config"]["calibration"]["choices"]
-    assert choices["rounding"] == "signround" and choices["signround"]["iters"] == 50
+    assert choices["rounding"] == "signround" and choices["signround"]["iters"] == 7
     assert choices["signround"]["output_mse_sum_after"] < choices["signround"]["output_mse_sum_before"]
     m = mxq.load(str(tmp_path / "s"))
     with torch.no_grad():
         assert torch.isfinite(m(torch.arange(12)[None]).logits).all()
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--calibrate", "--rounding", "signround", "--iters", "0"], "--iters 0: a number of steps >= 1, with --rounding signround"),
+    (["--calibrate", "--iters", "5"], "--iters 5: a number of steps >= 1, with --rounding signround"),  # GPTQ, the default
+    (["--iters", "5"], "--iters and --experts-all-tokens go with --calibrate"),
+])  # fmt: skip
+def test_cli_iters_goes_with_signround(model_dir, tmp_path, args, msg):  # noqa: F811
+    """``--iters`` (signround's steps per layer): one line before any model loads, OUT not made."""
+    src, text = str(model_dir / "src"), str(model_dir / "text.txt")
+    dataset = ["--dataset", text] if "--calibrate" in args else []
+    rc, err = run_cli(["quantize", src, str(tmp_path / "s"), *dataset, *args])
+    assert rc != 0 and msg in " ".join(err.split()), err
+    assert not (tmp_path / "s").exists()
