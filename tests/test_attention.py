@@ -441,8 +441,7 @@ def test_decode_chunk_without_block_n_takes_a_dividing_tile(monkeypatch):
     chunk no tile of 16 or more divides is a one-line error."""
     from mxq.kernels import attention_decode as AD
 
-    real = AD._decode_config
-    monkeypatch.setattr(AD, "_decode_config", lambda on_gpu: (64, *real(on_gpu)[1:]))
+    monkeypatch.setattr(AD, "_decode_config", lambda on_gpu: (64, 2, 3, 528) if on_gpu else (64, 4, 1, 4))
     b, hq, hkv, n, d = 2, 4, 2, 100, 64
     q, k, v = _qkv(b, hq, hkv, 1, n, d)
     layer = MXFP8CacheLayer()
