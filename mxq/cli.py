@@ -384,9 +384,9 @@ def _run_calibration(model: str | None, rec: Recipe, opts: CalibrationOptions) -
 
         round_plan(m, p, cal.batches, experts_all_tokens=opts.experts_all_tokens)
     elif opts.rounding == "signround":
-        from mxq.signround import signround_plan
+        from mxq.signround import SIGNROUND_ITERS, signround_plan
 
-        signround_plan(m, p, cal.batches, **({} if opts.iters is None else {"iters": opts.iters}))
+        signround_plan(m, p, cal.batches, iters=opts.iters or SIGNROUND_ITERS)
     else:
         p.choices["rounding"] = "nearest"
     _print_plan(p)
