@@ -22,6 +22,8 @@ from typing import NamedTuple
 
 import torch
 
+from mxq.signround import SIGNROUND_ITERS, SIGNROUND_LR
+
 
 class Variant(NamedTuple):
     """One calibration choice: the recipe, the weights' rounding, layers kept in bf16 and whether
@@ -75,7 +77,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-windows", type=int, default=None)
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of: " + ", ".join(VARIANTS))
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--iters", type=int, default=50, help="signround's steps per layer (its default: 50)")
+    ap.add_argument("--iters", type=int, default=SIGNROUND_ITERS, help=f"signround's steps per layer (default {SIGNROUND_ITERS})")
+    ap.add_argument("--lr", type=float, default=SIGNROUND_LR, help=f"signround's first step, in element steps (default {SIGNROUND_LR})")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
 
@@ -105,7 +108,7 @@ def main(argv=None) -> int:
         if a.out:
             out = {
                 "model": a.model or "default", "calib": a.calib, "heldout": a.heldout, "samples": a.samples,
-                "seq_len": a.seq_len, "iters": a.iters, "windows": windows.n_windows, "eval_seq_len": a.eval_seq_len, "rows": rows,
+                "seq_len": a.seq_len, "iters": a.iters, "lr": a.lr, "windows": windows.n_windows, "eval_seq_len": a.eval_seq_len, "rows": rows,
                 "calibrate_s": {k: round(v[2], 1) for k, v in cals.items()}, "load_s": t_load,
                 "versions": {"mxq": mxq.__version__, "torch": torch.__version__, "python": platform.python_version(),
                              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()},
@@ -140,7 +143,7 @@ def main(argv=None) -> int:
             from mxq.signround import signround_plan
 
             t2 = time.perf_counter()
-            signround_plan(m, plan, cal.batches, iters=a.iters, progress=False)
+            signround_plan(m, plan, cal.batches, iters=a.iters, lr=a.lr, progress=False)
             t_gptq = time.perf_counter() - t2
         apply_plan(m, plan)
         row = {"variant": v, "recipe": rname, "rounding": rounding, "keep_bf16": keep, "quantized_inputs": qin,
