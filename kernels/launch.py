@@ -18,8 +18,9 @@ launch sites whose shapes vary call to call.
 
 ``MXQ_DEBUG=launch-check`` makes every direct launch also run Triton's binder and raise if it would
 have chosen another compiled kernel (the GPU tests run with it). ``FAST = False`` (tests, A/B
-timings) sends every call through the JIT. The interpreter (``TRITON_INTERPRET=1``) always takes
-the JIT path. A call through the JIT first makes the process's ptxas choice
+timings) sends every call through the JIT. The interpreter (``TRITON_INTERPRET=1``) and Triton
+releases whose launcher takes other arguments (``direct_launch_abi``) always take the JIT path.
+A call through the JIT first makes the process's ptxas choice
 (``toolchain.configure_ptxas``), before Triton compiles anything.
 
 Which device: Triton launches on the *current* CUDA device and its current stream, whatever
@@ -45,7 +46,22 @@ from torch import Tensor as _Tensor
 from mxq import settings
 from mxq.kernels.toolchain import INTERPRET, configure_ptxas
 
-FAST = not INTERPRET
+
+def direct_launch_abi(version: str) -> bool:
+    """Whether Triton ``version``'s compiled kernels take the launcher arguments ``RawLauncher`` and
+    ``Launch`` pass (Triton 3.5-3.6). Triton 3.9's C launcher takes another argument list, so there
+    every launch goes through the JIT (correct; more host time per eager call)."""
+    nums = [int(n) for n in version.split("+")[0].split(".")[:2] if n.isdigit()]
+    return len(nums) == 2 and (3, 5) <= tuple(nums) < (3, 7)
+
+
+try:
+    import triton as _triton
+
+    _ABI = direct_launch_abi(_triton.__version__)
+except ImportError:  # pragma: no cover
+    _ABI = False
+FAST = not INTERPRET and _ABI
 CHECK = settings.debug("launch-check")
 
 try:
@@ -94,8 +110,10 @@ def descriptor(cls, base, shape: list, strides: list, block_shape: list, layout=
     """A host TMA descriptor; past the JIT (``FAST``, not ``CHECK``) built without the dataclass's
     checks (~4 µs), which the plan that calls this has made once for these shapes and strides."""
     if not FAST or CHECK:
-        return cls(base, shape, strides, block_shape, layout) if layout is not None else cls(
-            base, shape, strides, block_shape
+        return (
+            cls(base, shape, strides, block_shape, layout)
+            if layout is not None
+            else cls(base, shape, strides, block_shape)
         )
     d = object.__new__(cls)
     d.base, d.shape, d.strides, d.block_shape, d.padding = base, shape, strides, block_shape, "zero"
@@ -164,7 +182,9 @@ def raw_launcher(kernel) -> RawLauncher | None:
         if run.global_scratch_size or run.profile_scratch_size:
             return None
         fn, descs = run.launch, ()
-        if getattr(fn, "__closure__", None):  # wrap_handle_tensordesc's ``inner``: the C launch inside
+        if getattr(
+            fn, "__closure__", None
+        ):  # wrap_handle_tensordesc's ``inner``: the C launch inside
             cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__)))
             fn, idx = cells["launcher"], sorted(cells["tensordesc_indices"])
             metas = cells["tensordesc_meta"] or [None] * len(idx)
@@ -196,12 +216,22 @@ class Launch:
         params = getattr(fn, "params", None)
         if params is not None:  # constexprs left at their defaults
             for p in params:
-                if p.is_constexpr and p.name not in consts and p.default is not inspect.Parameter.empty:
+                if (
+                    p.is_constexpr
+                    and p.name not in consts
+                    and p.default is not inspect.Parameter.empty
+                ):
                     consts[p.name] = p.default
-        elif callable(getattr(fn, "fn", None)):  # the interpreter's function: constexprs by their annotation
+        elif callable(
+            getattr(fn, "fn", None)
+        ):  # the interpreter's function: constexprs by their annotation
             for name, p in inspect.signature(fn.fn).parameters.items():
                 ann = p.annotation
-                const = ann.endswith("constexpr") if isinstance(ann, str) else getattr(ann, "__name__", "") == "constexpr"
+                const = (
+                    ann.endswith("constexpr")
+                    if isinstance(ann, str)
+                    else getattr(ann, "__name__", "") == "constexpr"
+                )
                 if const and name not in consts and p.default is not inspect.Parameter.empty:
                     consts[name] = p.default
         self.consts = consts
@@ -212,7 +242,11 @@ class Launch:
             raise ValueError(f"Launch({fn.__name__}): no parameters named {unknown}")
         slots = [i for i, n in enumerate(names) if n not in consts]
         if slots == list(range(len(slots))):  # constexprs last: arguments + a fixed tail
-            self.tail, self.template, self.slots = tuple(consts[n] for n in names[len(slots) :]), None, None
+            self.tail, self.template, self.slots = (
+                tuple(consts[n] for n in names[len(slots) :]),
+                None,
+                None,
+            )
         else:  # runtime parameters among the constexprs: fill a template
             self.tail, self.template, self.slots = (), [consts.get(n) for n in names], slots
         self.kernel = self.raw = self.stream = None

@@ -14,8 +14,11 @@ uses is 13.3 or newer, and otherwise the loop whose wgmmas ptxas serializes (slo
 
 The ptxas choice is configuration, made once per process by ``configure_ptxas``: it points Triton
 at a ptxas >= 13.3 from the ``nvidia-cuda-nvcc`` wheel (``pip install mxq[cuda]``) or ``$CUDA_HOME``
-when the user has not chosen one through ``TRITON_PTXAS_PATH`` (set it to Triton's bundled ptxas to
-keep that one), as setting ``TRITON_PTXAS_PATH`` by hand would. Importing mxq changes nothing; the
+when the one Triton would use for sm_90 is older and the user has not chosen one through the
+variable Triton reads for sm_90 (``sm90_ptxas_env``: ``TRITON_PTXAS_PATH`` up to Triton 3.6,
+``TRITON_PTXAS_BLACKWELL_PATH`` from the release that assembles sm_90 with its newer bundled ptxas;
+set it to Triton's bundled ptxas to keep that one), as setting that variable by hand would. Triton
+3.9 bundles ptxas 13.4 for sm_90, so there nothing is changed. Importing mxq changes nothing; the
 kernel modules call ``configure_ptxas`` before their first launch (``launch.Launch`` and the direct
 launch sites) and ``wgmma_async_ok`` calls it before reading Triton's choice, so every kernel the
 process compiles, and the dispatch's choice of loop, see the same ptxas. Code that compiles mxq's
@@ -63,14 +66,39 @@ def candidate_ptxas() -> list[str]:
     return [p for p in found if os.path.isfile(p) and os.access(p, os.X_OK)]
 
 
+def _sm90_knob():
+    """Triton's knob descriptor for the ptxas it assembles sm_90 with (``get_ptxas(90)`` chooses
+    between ``knobs.nvidia.ptxas`` and, in newer releases, ``ptxas_blackwell``); None without Triton."""
+    try:
+        from triton import knobs
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        chosen = get_ptxas(90).path
+        for name in ("ptxas", "ptxas_blackwell"):
+            knob = type(knobs.nvidia).__dict__.get(name)
+            if knob is not None and getattr(knobs.nvidia, name).path == chosen:
+                return knob
+        return type(knobs.nvidia).__dict__["ptxas"]
+    except Exception:  # noqa: BLE001  (no CUDA backend, a release without these names, a missing binary)
+        return None
+
+
+def sm90_ptxas_env() -> str:
+    """The environment variable through which Triton takes the ptxas it uses for sm_90."""
+    knob = _sm90_knob()
+    return getattr(knob, "key", None) or "TRITON_PTXAS_PATH"
+
+
 def prefer_fixed_ptxas() -> str | None:
-    """Point Triton at a ptxas >= 13.3 if none was chosen and one is installed; the path or None."""
-    if os.environ.get("TRITON_PTXAS_PATH"):
+    """Point Triton at a ptxas >= 13.3 if its own for sm_90 is older, none was chosen and one is
+    installed; the path or None."""
+    env = sm90_ptxas_env()
+    if os.environ.get(env) or _async_ok(triton_ptxas()):
         return None
     for path in candidate_ptxas():
         version = ptxas_version(path)
         if version is not None and version >= MIN_SAFE_PTXAS:
-            os.environ["TRITON_PTXAS_PATH"] = path
+            os.environ[env] = path
             return path
     return None
 
@@ -89,12 +117,12 @@ def configure_ptxas() -> None:
 
 
 def triton_ptxas() -> str | None:
-    """The ptxas Triton will use for sm_90 (its knob: TRITON_PTXAS_PATH, else the bundled one)."""
+    """The ptxas Triton will use for sm_90 (its knob's variable, ``sm90_ptxas_env``, else the bundled one)."""
     try:
-        import triton
+        from triton.backends.nvidia.compiler import get_ptxas
 
-        return triton.knobs.nvidia.ptxas.path
-    except Exception:  # noqa: BLE001  (no CUDA backend, older Triton)
+        return get_ptxas(90).path
+    except Exception:  # noqa: BLE001  (no CUDA backend, older Triton, a missing binary)
         return None
 
 

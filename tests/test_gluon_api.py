@@ -70,11 +70,18 @@ def test_missing_api_warns_once_and_never_calls_the_kernel(fresh_state):
     the plain Triton kernels; the Gluon entry points are never reached."""
     fresh_state.setattr(gluon_api, "PROBLEM", "Triton 9.9's Gluon has no gl.thread_barrier")
     fresh_state.setattr(WS, "mx_decode_gemm_ws", lambda *a, **k: pytest.fail("Gluon kernel called"))
-    fresh_state.setattr(PWS, "mx_prefill_gemm_ws", lambda *a, **k: pytest.fail("Gluon kernel called"))
+    fresh_state.setattr(
+        PWS, "mx_prefill_gemm_ws", lambda *a, **k: pytest.fail("Gluon kernel called")
+    )
     x, w, s, b = _problem(4, 48, 384, seed=5)
-    p = dispatch.LinearProblem.of(4, 48, 384, x.dtype, E4M3, ScaleRule.RCEIL, 32, x.device, triton=True)
+    p = dispatch.LinearProblem.of(
+        4, 48, 384, x.dtype, E4M3, ScaleRule.RCEIL, 32, x.device, triton=True
+    )
     assert dispatch.choose(p) is dispatch.LINEAR["decode_f8"]  # not decode_ws: the next path
-    with pytest.warns(RuntimeWarning, match=r"Hopper kernels are off \(Triton 9.9's Gluon has no gl.thread_barrier\)"):
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"Hopper kernels are off \(Triton 9.9's Gluon has no gl.thread_barrier\)",
+    ):
         y = _hopper_call(x, w, s, b)
     torch.testing.assert_close(y.float(), mx_linear_reference(x.float(), w, s, b.float(), act_elem=E4M3),
                                rtol=1e-2, atol=1e-2)  # fmt: skip
@@ -96,3 +103,39 @@ def test_gluon_import_failure_is_a_problem_not_a_crash(monkeypatch):
         monkeypatch.undo()
         importlib.reload(gluon_api)
     assert gluon_api.PROBLEM is None or "Gluon has no" in gluon_api.PROBLEM
+
+
+def test_the_hopper_kernels_build_with_each_ci_triton():
+    """Both CI Tritons (3.6 and the latest) have the Gluon API the kernels call, each under its own
+    spelling; a release that spells it the newer way keeps the kernels not yet checked there on a
+    GPU off, so dispatch takes the next path for them."""
+    import triton
+
+    assert gluon_api.HAVE_GLUON, gluon_api.PROBLEM
+    gl, tma = gluon_api.gl, gluon_api.hopper.tma
+    if gluon_api.NEWER_API:
+        assert (gluon_api.cta_barrier, gluon_api.tma_load) == (gl.barrier, tma.async_load)
+        assert gluon_api.smem_view is gl.shared_memory_descriptor.reinterpret
+        for name in gluon_api.NEWER_API_UNCHECKED:
+            assert not gluon_api.usable(name) and triton.__version__ in gluon_api.DISABLED[name]
+    else:
+        assert (gluon_api.cta_barrier, gluon_api.tma_load) == (
+            gl.thread_barrier,
+            tma.async_copy_global_to_shared,
+        )
+        assert gluon_api.smem_view is gl.shared_memory_descriptor._reinterpret
+        assert not gluon_api.DISABLED
+    assert gluon_api.usable("gemm_decode_ws") and gluon_api.usable("gemm_prefill_ws")
+
+
+def test_direct_launches_only_with_the_launcher_they_were_written_for():
+    """The direct launch hands arguments to Triton 3.5-3.6's C launcher; Triton 3.9's takes another
+    list (a TypeError at the first decode GEMM on a GPU), so there every launch goes through the JIT."""
+    import triton
+
+    from mxq.kernels import launch
+    from mxq.kernels.toolchain import INTERPRET
+
+    assert [launch.direct_launch_abi(v) for v in ("3.5.1", "3.6.0", "3.6.1+git7f3a", "3.7.0", "3.9.0", "4.0.0", "3")] == [
+        True, True, True, False, False, False, False]  # fmt: skip
+    assert launch.FAST == (not INTERPRET and launch.direct_launch_abi(triton.__version__))
