@@ -77,9 +77,7 @@ if HAVE_GLUON:
         PP: gl.constexpr = BLOCK_N // 32
         D: gl.constexpr = k_desc.block_type.shape[1]
         DB: gl.constexpr = D // 32
-        WIDE_V: gl.constexpr = (
-            v_desc.block_type.shape[1] == 128
-        )  # the tile's pages as one box of 128-byte rows
+        WIDE_V: gl.constexpr = v_desc.block_type.shape[1] == 128  # the tile's pages as one box of 128-byte rows
         VBOXES: gl.constexpr = 1 if WIDE_V else PP
         nbytes: gl.constexpr = (k_desc.block_type.nbytes + ks_desc.block_type.nbytes + VBOXES * v_desc.block_type.nbytes
                                 + vs_desc.block_type.nbytes)  # fmt: skip
@@ -118,17 +116,13 @@ if HAVE_GLUON:
     def _kblock(k_tile, q_smem, j: gl.constexpr, zero, a_l: gl.constexpr):
         """Block j's scores, asynchronous: (token, the register operand to keep alive until the wait)."""
         a = k_tile.slice(j * 32, 32, dim=1).load(a_l).to(gl.float16)
-        return hopper.warpgroup_mma(
-            a, q_smem.slice(j * 32, 32, dim=1).permute((1, 0)), zero, use_acc=False, is_async=True
-        ), a
+        return hopper.warpgroup_mma(a, q_smem.slice(j * 32, 32, dim=1).permute((1, 0)), zero, use_acc=False, is_async=True), a
 
     @gluon.jit
     def _kblock8(k_tile, q_smem, j: gl.constexpr, zero):
         """Block j's scores from the fp8 codes of K and Q in shared memory (one k32 fp8 wgmma), asynchronous."""
         b = q_smem.slice(j * 32, 32, dim=1).permute((1, 0))
-        return hopper.warpgroup_mma(
-            k_tile.slice(j * 32, 32, dim=1), b, zero, use_acc=False, is_async=True
-        )
+        return hopper.warpgroup_mma(k_tile.slice(j * 32, 32, dim=1), b, zero, use_acc=False, is_async=True)
 
     @gluon.jit
     def _kscale(kw, cqj, j: gl.constexpr):
@@ -149,16 +143,8 @@ if HAVE_GLUON:
             vf = gl.where(key + pg * 32 < L, vf, 1.0)  # a page past the end: its P is 0
         else:
             va = va.to(gl.float16)
-        t = hopper.warpgroup_mma(
-            va,
-            p_smem.index(0).slice(pg * 32, 32, dim=1).permute((1, 0)),
-            zero,
-            use_acc=False,
-            is_async=True,
-        )
-        t = hopper.warpgroup_mma(
-            va, p_smem.index(1).slice(pg * 32, 32, dim=1).permute((1, 0)), t, is_async=True
-        )
+        t = hopper.warpgroup_mma(va, p_smem.index(0).slice(pg * 32, 32, dim=1).permute((1, 0)), zero, use_acc=False, is_async=True)
+        t = hopper.warpgroup_mma(va, p_smem.index(1).slice(pg * 32, 32, dim=1).permute((1, 0)), t, is_async=True)
         return t, va, vf
 
     @gluon.jit
@@ -169,9 +155,7 @@ if HAVE_GLUON:
         D: gl.constexpr = q_smem.type.shape[1]
         DB: gl.constexpr = D // 32
         gl.static_assert(BLOCK_N == 64, "two V pages a tile")
-        mma_l: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16]
-        )
+        mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_l, k_width=2)
         row_l: gl.constexpr = gl.SliceLayout(1, mma_l)
         col_l: gl.constexpr = gl.SliceLayout(0, mma_l)
@@ -183,9 +167,7 @@ if HAVE_GLUON:
         zero_s = gl.zeros([BLOCK_N, 8], gl.float32, mma_l)
         # scores: DB block products in flight together; the K scale words (one per key) meanwhile
         # (the fp8 MMAs' accumulator layout names k32 instructions; its registers are mma_l's)
-        mma8_l: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 32]
-        )
+        mma8_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 32])
         if q_smem.dtype.is_fp8() and DB == 4:  # fp8 codes of both sides straight from shared memory
             zero8 = gl.zeros([BLOCK_N, 8], gl.float32, mma8_l)
             t0 = _kblock8(k_tile, q_smem, 0, zero8)
@@ -202,24 +184,15 @@ if HAVE_GLUON:
             t1 = _kblock8(k_tile, q_smem, 1, zero8)
             kw = smem_view(ks_smem.index(s), gl.int16, [BLOCK_N], flat_l).load(row_l).to(gl.int32)
             r0, r1 = hopper.warpgroup_mma_wait(0, deps=(t0, t1))
-            sc = gl.convert_layout(r0, mma_l) * _kscale(kw, cq0, 0) + gl.convert_layout(
-                r1, mma_l
-            ) * _kscale(kw, cq1, 1)
+            sc = gl.convert_layout(r0, mma_l) * _kscale(kw, cq0, 0) + gl.convert_layout(r1, mma_l) * _kscale(kw, cq1, 1)
         elif DB == 4:
             t0, a0 = _kblock(k_tile, q_smem, 0, zero_s, a_l)
             t1, a1 = _kblock(k_tile, q_smem, 1, zero_s, a_l)
             t2, a2 = _kblock(k_tile, q_smem, 2, zero_s, a_l)
             t3, a3 = _kblock(k_tile, q_smem, 3, zero_s, a_l)
             kw = smem_view(ks_smem.index(s), gl.int32, [BLOCK_N], flat_l).load(row_l)
-            r0, r1, r2, r3, a0, a1, a2, a3 = hopper.warpgroup_mma_wait(
-                0, deps=(t0, t1, t2, t3, a0, a1, a2, a3)
-            )
-            sc = (
-                r0 * _kscale(kw, cq0, 0)
-                + r1 * _kscale(kw, cq1, 1)
-                + r2 * _kscale(kw, cq2, 2)
-                + r3 * _kscale(kw, cq3, 3)
-            )
+            r0, r1, r2, r3, a0, a1, a2, a3 = hopper.warpgroup_mma_wait(0, deps=(t0, t1, t2, t3, a0, a1, a2, a3))
+            sc = r0 * _kscale(kw, cq0, 0) + r1 * _kscale(kw, cq1, 1) + r2 * _kscale(kw, cq2, 2) + r3 * _kscale(kw, cq3, 3)
         else:
             t0, a0 = _kblock(k_tile, q_smem, 0, zero_s, a_l)
             t1, a1 = _kblock(k_tile, q_smem, 1, zero_s, a_l)
@@ -245,12 +218,8 @@ if HAVE_GLUON:
         # P·V: both pages (hi and lo parts) in flight together
         vs_flat = smem_view(vs_smem.index(s), gl.uint8, [2 * D], flat_l)
         zero_o = gl.zeros([D, 8], gl.float32, mma_l)
-        if (
-            v_smem.type.shape[2] == 128
-        ):  # one [PP·D/4, 128]-byte box a tile: its pages are row-major [D, 32] runs
-            flat8: gl.constexpr = gl.NVMMASharedLayout(
-                swizzle_byte_width=0, element_bitwidth=8, rank=2
-            )
+        if v_smem.type.shape[2] == 128:  # one [PP·D/4, 128]-byte box a tile: its pages are row-major [D, 32] runs
+            flat8: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
             v_tile = smem_view(v_smem.index(s), v_smem.dtype, [2 * D, 32], flat8)
             v_pg0 = v_tile.slice(0, D, dim=0)
             v_pg1 = v_tile.slice(D, D, dim=0)
@@ -272,9 +241,7 @@ if HAVE_GLUON:
               GROUP_C: gl.constexpr, FUSED: gl.constexpr):  # fmt: skip
         """Math warpgroup: the tiles of this program's key range, then its partial (or final) output."""
         D: gl.constexpr = q_smem.type.shape[1]
-        mma_l: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16]
-        )
+        mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
         row_l: gl.constexpr = gl.SliceLayout(1, mma_l)
         col_l: gl.constexpr = gl.SliceLayout(0, mma_l)
         acc = gl.zeros([D, 8], gl.float32, mma_l)
@@ -294,9 +261,7 @@ if HAVE_GLUON:
         for i in range(n_full, n_iter):  # at most one tile past the end of the context
             acc, l_acc, m_i = _tile(acc, l_acc, m_i, k_smem, ks_smem, v_smem, vs_smem, q_smem, p_smem, ready, empty,
                                     cq0, cq1, cq2, cq3, i, lo, L, qk_scale, STAGES, BLOCK_N, GROUP_C, True)  # fmt: skip
-        if (
-            NSPLIT > 1 and not FUSED
-        ):  # the merge kernel behind this one may launch now (it waits for our partials)
+        if NSPLIT > 1 and not FUSED:  # the merge kernel behind this one may launch now (it waits for our partials)
             gdc_launch_dependents()
         l_i = gl.sum(l_acc, axis=0)
         offs_g = gl.arange(0, 8, layout=col_l)
@@ -316,21 +281,8 @@ if HAVE_GLUON:
                 cta_barrier()  # every thread's partial is stored before the release below
                 ticket = gl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
                 if ticket == NSPLIT - 1:
-                    _merge(
-                        ml_ptr,
-                        acc_ptr,
-                        out_ptr,
-                        ml_row,
-                        NSPLIT,
-                        out_off,
-                        stride_oh,
-                        D,
-                        GROUP_C,
-                        mma_l,
-                    )
-                    gl.atomic_xchg(
-                        cnt_ptr, 0, sem="relaxed", scope="gpu"
-                    )  # ready for the next call / replay
+                    _merge(ml_ptr, acc_ptr, out_ptr, ml_row, NSPLIT, out_off, stride_oh, D, GROUP_C, mma_l)
+                    gl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")  # ready for the next call / replay
 
     @gluon.jit
     def _merge(ml_ptr, acc_ptr, out_ptr, ml_row, NSPLIT, out_off, stride_oh, D: gl.constexpr, GROUP_C: gl.constexpr,
@@ -349,9 +301,7 @@ if HAVE_GLUON:
         for s0 in range(0, NSPLIT, 8):
             for k in gl.static_range(8):
                 ok = gmask & (s0 + k < NSPLIT)
-                mk = gl.load(
-                    ml_ptr + (base + s0 + k) * 2, mask=ok, other=float("-inf"), cache_modifier=".cg"
-                )
+                mk = gl.load(ml_ptr + (base + s0 + k) * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
                 mx = gl.maximum(mx, mk)
         m_use = gl.where(mx == float("-inf"), 0.0, mx)
         lt = gl.zeros([8], gl.float32, col_l)
@@ -362,12 +312,7 @@ if HAVE_GLUON:
                 ok = gmask & (s0 + k < NSPLIT)
                 mk = gl.load(ml_ptr + r * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
                 lk = gl.load(ml_ptr + r * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
-                ak = gl.load(
-                    acc_ptr + r[None, :] * D + offs_d[:, None],
-                    mask=ok[None, :],
-                    other=0.0,
-                    cache_modifier=".cg",
-                )
+                ak = gl.load(acc_ptr + r[None, :] * D + offs_d[:, None], mask=ok[None, :], other=0.0, cache_modifier=".cg")
                 w = gl.exp2(mk - m_use)
                 lt += lk * w
                 tot += ak * w[None, :]
@@ -400,15 +345,9 @@ if HAVE_GLUON:
         out_off = b.to(gl.int64) * stride_ob + hk * GROUP_C * stride_oh
         cnt = cnt_ptr + pid  # the fused merge's ticket for this (batch, kv head)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D], k_desc.layout)
-        ks_smem = gl.allocate_shared_memory(
-            ks_desc.dtype, [STAGES, BLOCK_N * (D // 32) // 64, 64], ks_desc.layout
-        )
-        if (
-            v_desc.block_type.shape[1] == 128
-        ):  # the tile's pages in one box (DecodeAttnWSConfig.wide_v)
-            v_smem = gl.allocate_shared_memory(
-                v_desc.dtype, [STAGES, PP * D * 32 // 128, 128], v_desc.layout
-            )
+        ks_smem = gl.allocate_shared_memory(ks_desc.dtype, [STAGES, BLOCK_N * (D // 32) // 64, 64], ks_desc.layout)
+        if v_desc.block_type.shape[1] == 128:  # the tile's pages in one box (DecodeAttnWSConfig.wide_v)
+            v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, PP * D * 32 // 128, 128], v_desc.layout)
         else:
             v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES * PP, D, 32], v_desc.layout)
         vs_smem = gl.allocate_shared_memory(vs_desc.dtype, [STAGES, PP, D], vs_desc.layout)
@@ -459,9 +398,7 @@ class DecodeAttnWSConfig:
     # for that kernel before it lets this one start; no measurable gain, so off (kernels/NOTES.md,
     # "Attention: decode fixed part")
     prep_pdl: bool = False
-    merge_pdl: bool = (
-        True  # the split merge kernel launches while this kernel's last programs finish
-    )
+    merge_pdl: bool = True  # the split merge kernel launches while this kernel's last programs finish
     # the split merge inside this kernel (the last split of each (batch, kv head), by an atomic
     # ticket) instead of the merge kernel: one launch fewer, but slower per call in CUDA graphs
     # (kernels/NOTES.md, "Attention: decode stream and per-device tiles"), so off by default
@@ -503,22 +440,14 @@ def supports(p: DecodeProblem) -> bool:
 def takes(q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor, v_data: torch.Tensor,
           v_scale: torch.Tensor, attention_mask) -> bool:  # fmt: skip
     """``supports`` for the call with these arguments."""
-    return supports(
-        decode_problem(q, k_data, k_scale, v_data, v_scale, attention_mask, capturing=False)
-    )
+    return supports(decode_problem(q, k_data, k_scale, v_data, v_scale, attention_mask, capturing=False))
 
 
 def _gl_dtype(dt: torch.dtype):
-    return {
-        torch.float8_e4m3fn: gl.float8e4nv,
-        torch.float8_e5m2: gl.float8e5,
-        torch.float16: gl.float16,
-    }[dt]
+    return {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5, torch.float16: gl.float16}[dt]
 
 
-def tma_boxes(
-    bn: int, d: int, fp8: torch.dtype, wide_v: bool = True, q_dtype: torch.dtype = torch.float16
-) -> tuple[list, list]:
+def tma_boxes(bn: int, d: int, fp8: torch.dtype, wide_v: bool = True, q_dtype: torch.dtype = torch.float16) -> tuple[list, list]:
     """TMA boxes and shared layouts of K, K scales, V, V scales, the query (fp16 normalized blocks,
     or fp8 codes): the scale bytes unswizzled (the math warps read them as flat words). V: the
     tile's bn/32 pages as one box of 128-byte rows, unswizzled (``wide_v``), or a [D, 32] box per
@@ -566,9 +495,7 @@ def mx_attention_decode_ws(
     hkv, cap = k_data.shape[1], k_data.shape[2]
     group = hq // hkv
     if not 1 <= length <= cap:
-        raise ValueError(
-            f"mx_attention_decode_ws: length {length} outside 1..{cap} (the cache's capacity)"
-        )
+        raise ValueError(f"mx_attention_decode_ws: length {length} outside 1..{cap} (the cache's capacity)")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     if qk_rotation:
         scale = scale / hadamard_block(d)
@@ -578,9 +505,7 @@ def mx_attention_decode_ws(
     nsplit = cdiv(length, chunk)
     pdl = cfg.pdl and pdl_ok(q.device)
     merge_pdl = cfg.merge_pdl and pdl_ok(q.device)
-    qk_fp8 = (
-        cfg.qk_fp8 and k_data.dtype == torch.float8_e4m3fn and elem.mbits == 3
-    )  # E4M3 x E4M3 (the one tested)
+    qk_fp8 = cfg.qk_fp8 and k_data.dtype == torch.float8_e4m3fn and elem.mbits == 3  # E4M3 x E4M3 (the one tested)
     qn, cq = decode_query_blocks(q, hkv, gp=GP, elem=elem, rule=rule, qk_rotation=qk_rotation, pdl=pdl, codes=qk_fp8,
                                    launch_pdl=cfg.prep_pdl)  # fmt: skip
     if out is None:
@@ -604,9 +529,7 @@ def mx_attention_decode_ws(
     vs2 = v_scale.view(-1, d)
     k_desc, ks_desc, v_desc, vs_desc, q_desc = (
         TensorDescriptor(t, list(t.shape), list(t.stride()), box, lay)
-        for t, box, lay in zip(
-            (k2, ks2, v2, vs2, qn), *tma_boxes(bn, d, k_data.dtype, cfg.wide_v, qn.dtype)
-        )
+        for t, box, lay in zip((k2, ks2, v2, vs2, qn), *tma_boxes(bn, d, k_data.dtype, cfg.wide_v, qn.dtype))
     )
     configure_ptxas()
     decode_ws_kernel[(b * hkv, nsplit)](

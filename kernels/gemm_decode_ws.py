@@ -130,34 +130,10 @@ if HAVE_GLUON:
     def _issue(w_smem, x_smem, slot, xslot, zero, BOX: gl.constexpr):
         """The KB block products of one step, asynchronous (tokens; wait before reading): W's
         ring stage ``slot`` with X's tile ``xslot`` (the same stage, or with FUSE_X one of two)."""
-        p0 = hopper.warpgroup_mma(
-            _block(w_smem, slot, 0, BOX),
-            _block(x_smem, xslot, 0, BOX).permute((1, 0)),
-            zero,
-            use_acc=False,
-            is_async=True,
-        )
-        p1 = hopper.warpgroup_mma(
-            _block(w_smem, slot, 1, BOX),
-            _block(x_smem, xslot, 1, BOX).permute((1, 0)),
-            zero,
-            use_acc=False,
-            is_async=True,
-        )
-        p2 = hopper.warpgroup_mma(
-            _block(w_smem, slot, 2, BOX),
-            _block(x_smem, xslot, 2, BOX).permute((1, 0)),
-            zero,
-            use_acc=False,
-            is_async=True,
-        )
-        p3 = hopper.warpgroup_mma(
-            _block(w_smem, slot, 3, BOX),
-            _block(x_smem, xslot, 3, BOX).permute((1, 0)),
-            zero,
-            use_acc=False,
-            is_async=True,
-        )
+        p0 = hopper.warpgroup_mma(_block(w_smem, slot, 0, BOX), _block(x_smem, xslot, 0, BOX).permute((1, 0)), zero, use_acc=False, is_async=True)
+        p1 = hopper.warpgroup_mma(_block(w_smem, slot, 1, BOX), _block(x_smem, xslot, 1, BOX).permute((1, 0)), zero, use_acc=False, is_async=True)
+        p2 = hopper.warpgroup_mma(_block(w_smem, slot, 2, BOX), _block(x_smem, xslot, 2, BOX).permute((1, 0)), zero, use_acc=False, is_async=True)
+        p3 = hopper.warpgroup_mma(_block(w_smem, slot, 3, BOX), _block(x_smem, xslot, 3, BOX).permute((1, 0)), zero, use_acc=False, is_async=True)
         return p0, p1, p2, p3
 
     @gluon.jit
@@ -176,23 +152,13 @@ if HAVE_GLUON:
             if i < n_iter:
                 hopper.mbarrier.expect(ready.index(i), nbytes)
                 for j in gl.static_range(NBOX):
-                    tma_load(
-                        w_desc,
-                        [n0, k_lo + i * 128 + j * BOX],
-                        ready.index(i),
-                        w_smem.index(i * NBOX + j),
-                    )
+                    tma_load(w_desc, [n0, k_lo + i * 128 + j * BOX], ready.index(i), w_smem.index(i * NBOX + j))
         if not FUSE_X:
             gdc_wait()
             for i in gl.static_range(STAGES):
                 if i < n_iter:
                     for j in gl.static_range(NBOX):
-                        tma_load(
-                            x_desc,
-                            [0, k_lo + i * 128 + j * BOX],
-                            ready.index(i),
-                            x_smem.index(i * NBOX + j),
-                        )
+                        tma_load(x_desc, [0, k_lo + i * 128 + j * BOX], ready.index(i), x_smem.index(i * NBOX + j))
         for i in range(STAGES, n_iter):
             s = i % STAGES
             hopper.mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
@@ -212,9 +178,7 @@ if HAVE_GLUON:
         FUSED: gl.constexpr, HAS_BIAS: gl.constexpr, BOX: gl.constexpr,
     ):  # fmt: skip
         """Math warpgroup: block products of step i in flight while step i-1 is rescaled."""
-        acc_l: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 32]
-        )
+        acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 32])
         row_l: gl.constexpr = gl.SliceLayout(1, acc_l)
         col_l: gl.constexpr = gl.SliceLayout(0, acc_l)
         offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=row_l)
@@ -244,9 +208,7 @@ if HAVE_GLUON:
             q0, q1, q2, q3 = _issue(w_smem, x_smem, s, s, zero, BOX)
             sw2 = gl.load(s_ptrs + (i + 1), mask=nmask & (i + 1 < n_iter), other=0x7F7F7F7F)
             sx2 = gl.load(xs_ptrs + (i + 1), mask=mmask & (i + 1 < n_iter), other=0x7F7F7F7F)
-            acc = _rescale(
-                acc, p0, p1, p2, p3, sw, sx
-            )  # step i-1, while step i is on the tensor core
+            acc = _rescale(acc, p0, p1, p2, p3, sw, sx)  # step i-1, while step i is on the tensor core
             p0, p1, p2, p3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(q0, q1, q2, q3))
             hopper.mbarrier.arrive(empty.index(s))
             sw, sw1 = sw1, sw2
@@ -268,9 +230,7 @@ if HAVE_GLUON:
         before) into the other of two shared fp8 tiles (+ scale words), loads step i+2's X and
         rescales step i-1. One launch per call instead of the quantizer's and this kernel's;
         same bytes, same sums."""
-        acc_l: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 32]
-        )
+        acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 32])
         row_l: gl.constexpr = gl.SliceLayout(1, acc_l)
         col_l: gl.constexpr = gl.SliceLayout(0, acc_l)
         # X steps [BLOCK_M, 4 blocks, 32]: 16-byte vectors, a block's 32 values in 4 threads of a warp
@@ -313,20 +273,9 @@ if HAVE_GLUON:
             sw2 = gl.load(s_ptrs + (i + 1), mask=nmask & (i + 1 < n_iter), other=0x7F7F7F7F)
             sx_next = xs_smem.index(i % 2).load(col_l)
             # the other tile: step i-1's, whose wgmmas were waited for and whose words are in sx
-            _x_quantize(
-                xr,
-                x_smem.index((i + 1) % 2),
-                xs_smem.index((i + 1) % 2),
-                x_l,
-                EMAX,
-                MBITS,
-                MAXN,
-                RULE,
-            )
+            _x_quantize(xr, x_smem.index((i + 1) % 2), xs_smem.index((i + 1) % 2), x_l, EMAX, MBITS, MAXN, RULE)
             xr = _x_step(x_ptr, rows3, cols3, mmask3, k_lo + (i + 2) * 128, K)
-            acc = _rescale(
-                acc, p0, p1, p2, p3, sw, sx
-            )  # step i-1, while step i is on the tensor core
+            acc = _rescale(acc, p0, p1, p2, p3, sw, sx)  # step i-1, while step i is on the tensor core
             p0, p1, p2, p3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(q0, q1, q2, q3))
             hopper.mbarrier.arrive(empty.index(s))
             sw, sw1 = sw1, sw2
@@ -351,18 +300,12 @@ if HAVE_GLUON:
         pid_k = gl.program_id(1)
         k_lo = pid_k * K_SPLIT
         n_iter = gl.cdiv(gl.minimum(k_lo + K_SPLIT, K) - k_lo, 128)
-        w_smem = gl.allocate_shared_memory(
-            w_desc.dtype, [STAGES * (128 // BOX), BLOCK_N, BOX], w_desc.layout
-        )
+        w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES * (128 // BOX), BLOCK_N, BOX], w_desc.layout)
         if FUSE_X:
             x_smem = gl.allocate_shared_memory(X_FP8, [2, BLOCK_M, 128], X_LAYOUT)
-            xs_smem = gl.allocate_shared_memory(
-                gl.int32, [2, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0])
-            )
+            xs_smem = gl.allocate_shared_memory(gl.int32, [2, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         else:
-            x_smem = gl.allocate_shared_memory(
-                x_desc.dtype, [STAGES * (128 // BOX), BLOCK_M, BOX], x_desc.layout
-            )
+            x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES * (128 // BOX), BLOCK_M, BOX], x_desc.layout)
         ready, empty = gluon_api.ring_barriers(STAGES)
         if FUSE_X:
             gl.warp_specialize(
@@ -405,9 +348,7 @@ class DecodeWSConfig:
     # 128 lets 2 programs share an SM (256 threads x 128 x 2 = the 64K register file).
     maxnreg: int = 128
     loader_regs: int = 24
-    box: int = (
-        128  # TMA box width in K bytes: 32 (a tile per block) or 128 (one tile per step, sliced)
-    )
+    box: int = 128  # TMA box width in K bytes: 32 (a tile per block) or 128 (one tile per step, sliced)
     # Programmatic dependent launch: the kernel starts while the X quantizer runs, streams its
     # first weight tiles, then waits for X (griddepcontrol). Off: the two launches serialize.
     pdl: bool = True
@@ -425,12 +366,7 @@ class DecodeWSConfig:
 def takes(m: int, k: int, block_size: int) -> bool:
     """The shapes this kernel takes (on a Hopper GPU): Gluon usable (``gluon_api``), 1 <= M <= WS_MAX_M,
     K % 128 == 0 (whole scale words per step), MX block 32."""
-    return (
-        gluon_api.usable("gemm_decode_ws")
-        and 1 <= m <= WS_MAX_M
-        and k % 128 == 0
-        and block_size == BS
-    )
+    return gluon_api.usable("gemm_decode_ws") and 1 <= m <= WS_MAX_M and k % 128 == 0 and block_size == BS
 
 
 def ws_supported(m: int, k: int, block_size: int, device: torch.device) -> bool:
@@ -461,9 +397,7 @@ def rule_decode_ws_config(m: int, n: int, k: int, device: torch.device) -> Decod
 def pick_decode_ws_config(m: int, n: int, k: int, device: torch.device) -> DecodeWSConfig:
     """The config ``mx_decode_gemm_ws`` runs without one: this device's tuned entry for the shape
     and M bucket (``mxq tune``, ``kernels/tune.py``) if there is one, else ``rule_decode_ws_config``."""
-    return tune.lookup("decode_ws", device, m, n, k, DecodeWSConfig) or rule_decode_ws_config(
-        m, n, k, device
-    )
+    return tune.lookup("decode_ws", device, m, n, k, DecodeWSConfig) or rule_decode_ws_config(m, n, k, device)
 
 
 # Candidates besides the rule (kernels/NOTES.md, "GEMM: decode tiles per shape and `mxq tune`"): 64-row tiles at 80 / 64
@@ -489,9 +423,7 @@ def decode_ws_candidates(m: int, n: int, k: int, device: torch.device) -> list[D
 
 def describe(cfg: DecodeWSConfig) -> str:
     """A short name for tables: rows per tile, registers, stages, K split, X fused or not."""
-    return f"bn{cfg.block_n} r{cfg.maxnreg} s{cfg.stages} split{cfg.split_k}" + (
-        " fused-x" if cfg.fuse_x else ""
-    )
+    return f"bn{cfg.block_n} r{cfg.maxnreg} s{cfg.stages} split{cfg.split_k}" + (" fused-x" if cfg.fuse_x else "")
 
 
 @on_input_device
@@ -519,32 +451,10 @@ def mx_decode_gemm_ws(
     out once per such combination (``_WSPlan``): an eager call costs one or two direct launches
     (``mxq.kernels.launch``) and two allocations of host time.
     """
-    key = plan_key(
-        x,
-        weight,
-        weight_scale,
-        bias,
-        act_elem,
-        act_rule,
-        out_dtype,
-        config,
-        block_size,
-        x_mx is not None,
-    )
+    key = plan_key(x, weight, weight_scale, bias, act_elem, act_rule, out_dtype, config, block_size, x_mx is not None)
     plan = PLANS.get(key) if launch.FAST else None
     if plan is None:
-        plan = _WSPlan(
-            x,
-            weight,
-            weight_scale,
-            bias,
-            act_elem,
-            act_rule,
-            out_dtype,
-            config,
-            block_size,
-            x_mx is not None,
-        )
+        plan = _WSPlan(x, weight, weight_scale, bias, act_elem, act_rule, out_dtype, config, block_size, x_mx is not None)
         if launch.FAST:
             PLANS.put(key, plan)
     return plan(x, weight, weight_scale, bias, x_mx)
@@ -556,16 +466,10 @@ PLANS = PlanCache()
 def tma_rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself where TMA and the int32 scale view can read it (contiguous, 16-byte aligned), else a
     contiguous copy."""
-    return (
-        t
-        if t.is_contiguous() and t.data_ptr() % 16 == 0
-        else t.clone(memory_format=torch.contiguous_format)
-    )
+    return t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
 
 
-def plan_key(
-    x, weight, weight_scale, bias, act_elem, act_rule, out_dtype, config, block_size, pre
-) -> tuple:
+def plan_key(x, weight, weight_scale, bias, act_elem, act_rule, out_dtype, config, block_size, pre) -> tuple:
     """What a ``_WSPlan`` is built from: shapes, strides, dtypes, 16-byte alignment, options."""
     dev = x.device
     return (
@@ -581,19 +485,7 @@ class _WSPlan:
     """One ``mx_decode_gemm_ws`` call signature: checks, tiles, split, descriptors' block shapes
     and layouts, the quantizer's and the GEMM's launches. Holds no tensor (plans outlive models)."""
 
-    def __init__(
-        self,
-        x,
-        weight,
-        weight_scale,
-        bias,
-        act_elem,
-        act_rule,
-        out_dtype,
-        config,
-        block_size,
-        pre=False,
-    ):
+    def __init__(self, x, weight, weight_scale, bias, act_elem, act_rule, out_dtype, config, block_size, pre=False):
         m, k = check_gemm_args(x, weight, weight_scale, bias, block_size)
         n = weight.shape[0]
         if not ws_supported(m, k, block_size, x.device):
@@ -610,9 +502,7 @@ class _WSPlan:
         # unit inner strides; TMA needs 16-byte rows, the int32 scale view 4-byte ones
         self.copy_x = x.stride(1) != 1
         self.copy_w = weight.stride(1) != 1 or weight.stride(0) % 16 or weight.data_ptr() % 16
-        self.copy_s = (
-            weight_scale.stride(1) != 1 or weight_scale.stride(0) % 4 or weight_scale.data_ptr() % 4
-        )
+        self.copy_s = weight_scale.stride(1) != 1 or weight_scale.stride(0) % 4 or weight_scale.data_ptr() % 4
         cfg = config or pick_decode_ws_config(m, n, k, x.device)
         block_m = cfg.block_m or (8 if m <= 8 else 16)
         self.split, self.k_split, _ = split_k_sizes(k, cfg.split_k, KB * BS)
@@ -634,13 +524,7 @@ class _WSPlan:
         consts = dict(BLOCK_N=cfg.block_n, BLOCK_M=block_m, STAGES=cfg.stages, SPLIT=split, HAS_BIAS=bias is not None,
                       LOADER_REGS=cfg.loader_regs, BOX=cfg.box)  # fmt: skip
         self.pre = pre  # X arrives quantized (``x_mx``): no quantizer, nothing to fuse
-        self.fuse_x = (
-            not pre
-            and cfg.fuse_x
-            and act_rule is not ScaleRule.MSE
-            and cfg.box == 128
-            and hw_cvt(x.device)
-        )
+        self.fuse_x = not pre and cfg.fuse_x and act_rule is not ScaleRule.MSE and cfg.box == 128 and hw_cvt(x.device)
         if self.fuse_x:
             pdl = False  # one kernel: nothing to overlap with
             consts.update(FUSE_X=True, X_FP8=x_gl, X_LAYOUT=self.x_layout, EMAX=act_elem.emax, MBITS=act_elem.mbits,
@@ -650,9 +534,7 @@ class _WSPlan:
                                             pdl=pdl, device=x.device)  # fmt: skip
             self.qgrid = quantize_grid(m, k, act_rule, block_size)
         opts = dict(num_warps=4, maxnreg=cfg.maxnreg, launch_pdl=pdl)
-        self.gemm = {
-            f: Launch(mx_decode_ws_kernel, dict(consts, FUSED=f), opts) for f in (False, True)
-        }
+        self.gemm = {f: Launch(mx_decode_ws_kernel, dict(consts, FUSED=f), opts) for f in (False, True)}
         self.has_bias = bias is not None
 
     def __call__(self, x, weight, weight_scale, bias, x_mx=None):
@@ -667,42 +549,23 @@ class _WSPlan:
             weight_scale = weight_scale.contiguous()
         dev = x.device
         y = torch.empty((m, n), dtype=self.out_dtype, device=dev)
-        w_desc = descriptor(
-            TensorDescriptor, weight, [n, k], [weight.stride(0), 1], self.w_block, self.w_layout
-        )
+        w_desc = descriptor(TensorDescriptor, weight, [n, k], [weight.stride(0), 1], self.w_block, self.w_layout)
         s32 = weight_scale.view(torch.int32)
         if self.fuse_x or self.pre:
-            ws = (
-                torch.empty((self.split, m, n), dtype=torch.float32, device=dev)
-                if self.split > 1
-                else None
-            )
+            ws = torch.empty((self.split, m, n), dtype=torch.float32, device=dev) if self.split > 1 else None
             x_desc, xs32 = w_desc, s32  # fuse_x: unused, the kernel reads x and quantizes it itself
             if self.pre:  # the producer's codes; TMA needs 16-byte aligned rows, the int32 scale view 4-byte ones
                 xq, xs = (t.reshape(m, -1) for t in x_mx)
                 xq, xs = map(tma_rows, (xq, xs))
-                x_desc = descriptor(
-                    TensorDescriptor,
-                    xq.view(self.x_dtype),
-                    [m, k],
-                    [k, 1],
-                    self.x_block,
-                    self.x_layout,
-                )
+                x_desc = descriptor(TensorDescriptor, xq.view(self.x_dtype), [m, k], [k, 1], self.x_block, self.x_layout)
                 xs32 = xs.view(torch.int32)
         else:
             buf = torch.empty(self.scratch, dtype=torch.uint8, device=dev)
             xq = buf[: self.xs_off].view(m, k)
             xs = buf[self.xs_off : self.xs_off + m * (k // BS)].view(m, k // BS)
-            ws = (
-                buf[self.ws_off :].view(torch.float32).view(self.split, m, n)
-                if self.split > 1
-                else None
-            )
+            ws = buf[self.ws_off :].view(torch.float32).view(self.split, m, n) if self.split > 1 else None
             self.quantize(self.qgrid, x, xq, xs, x, m, k, k, k // BS, x.stride(0), k, k // BS, 0)
-            x_desc = descriptor(
-                TensorDescriptor, xq.view(self.x_dtype), [m, k], [k, 1], self.x_block, self.x_layout
-            )
+            x_desc = descriptor(TensorDescriptor, xq.view(self.x_dtype), [m, k], [k, 1], self.x_block, self.x_layout)
             xs32 = xs.view(torch.int32)
         counters = split_counters(dev, self.tiles) if self.want_fused else None
         fused = counters is not None

@@ -91,9 +91,7 @@ if HAVE_GLUON:
         then two exact bf16 products restore 2**(scale - 127) (one would overflow the bf16
         exponent for scale bytes above 134). Triton's fp8 -> bf16 conversion instead costs a
         quarter-rate F2F per element on sm_90."""
-        ROWS: gl.constexpr = w8_tile.type.shape[
-            0
-        ]  # this warpgroup's rows, from ROW0 of the program's tile
+        ROWS: gl.constexpr = w8_tile.type.shape[0]  # this warpgroup's rows, from ROW0 of the program's tile
         BLOCK_W: gl.constexpr = s_flat.type.shape[0] // 2
         w = w8_tile.slice(j * 32, 32, dim=1).load(a_l)
         sb = s_flat.slice(j * BLOCK_W + ROW0, ROWS).load(gl.SliceLayout(1, a_l)).to(gl.int32)
@@ -103,30 +101,14 @@ if HAVE_GLUON:
         wb = _fp8_bits_bf16(w.to(gl.uint8, bitcast=True), MSH)
         e = sb - 127 + SHIFT
         e_lo = gl.minimum(e, 127)
-        f_hi = gl.where(sb == 255, float("nan"), _bf16_exp2(e - e_lo).to(gl.float32)).to(
-            gl.bfloat16
-        )
+        f_hi = gl.where(sb == 255, float("nan"), _bf16_exp2(e - e_lo).to(gl.float32)).to(gl.bfloat16)
         return wb * _bf16_exp2(e_lo)[:, None] * f_hi[:, None]
 
     @gluon.jit
     def _ring_loader(x_desc, w_desc, s_desc, x_smem, w8_smem, s_smem, ready, empty, off_m, off_n, n_k,
                      STAGES: gl.constexpr):  # fmt: skip
         """Loader warp: ``_ring_fill`` of this program's tile from ring step 0."""
-        _ring_fill(
-            x_desc,
-            w_desc,
-            s_desc,
-            x_smem,
-            w8_smem,
-            s_smem,
-            ready,
-            empty,
-            off_m,
-            off_n,
-            n_k,
-            0,
-            STAGES,
-        )
+        _ring_fill(x_desc, w_desc, s_desc, x_smem, w8_smem, s_smem, ready, empty, off_m, off_n, n_k, 0, STAGES)
 
     @gluon.jit
     def _ring_fill(x_desc, w_desc, s_desc, x_smem, w8_smem, s_smem, ready, empty, off_m, off_n, n_k, base,
@@ -135,9 +117,7 @@ if HAVE_GLUON:
         BLOCK_N] (transposed) of one tile's n_k steps into the ring, step i in ring step base + i
         (stage (base + i) % STAGES), once that stage is empty."""
         BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
-        nbytes: gl.constexpr = (
-            x_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes
-        )
+        nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes
         for i in range(n_k):
             r = base + i
             s = r % STAGES
@@ -166,9 +146,7 @@ if HAVE_GLUON:
     def _rs_issue(b0, b1, x_smem, r, acc, use_acc, STAGES: gl.constexpr):
         """Ring step r's wgmmas (two commit groups): acc += b0 · X[:, :32]ᵀ + b1 · X[:, 32:]ᵀ."""
         x = x_smem.index(r % STAGES)
-        acc = hopper.warpgroup_mma(
-            b0, x.slice(0, 32, dim=1).permute((1, 0)), acc, use_acc=use_acc, is_async=True
-        )
+        acc = hopper.warpgroup_mma(b0, x.slice(0, 32, dim=1).permute((1, 0)), acc, use_acc=use_acc, is_async=True)
         return hopper.warpgroup_mma(b1, x.slice(32, 32, dim=1).permute((1, 0)), acc, is_async=True)
 
     @gluon.jit
@@ -188,31 +166,23 @@ if HAVE_GLUON:
         registers stay put (the hazard count checks it)."""
         BLOCK_X: gl.constexpr = x_smem.type.shape[1]
         ROWS: gl.constexpr = 16 * NUM_WARPS
-        acc_l: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_X, 16]
-        )
+        acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_X, 16])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
         acc = gl.zeros([ROWS, BLOCK_X], gl.float32, acc_l)
         b0, b1 = _rs_operands(w8_smem, s_smem, base, a_l, ROW0, ROWS, ready, STAGES)
         a0 = b0
         a1 = b1
         acc = _rs_issue(a0, a1, x_smem, base, acc, False, STAGES)
-        acc = hopper.warpgroup_mma_wait(
-            num_outstanding=2, deps=(acc,)
-        )  # no wait: a tensor for the loop
+        acc = hopper.warpgroup_mma_wait(num_outstanding=2, deps=(acc,))  # no wait: a tensor for the loop
         for j in range((n_k - 1) // 2):
             r = base + 2 * j + 1
             b0, b1 = _rs_operands(w8_smem, s_smem, r, a_l, ROW0, ROWS, ready, STAGES)
             acc = _rs_issue(b0, b1, x_smem, r, acc, True, STAGES)
-            acc, a0, a1 = hopper.warpgroup_mma_wait(
-                num_outstanding=2, deps=(acc, a0, a1)
-            )  # step r-1 retired
+            acc, a0, a1 = hopper.warpgroup_mma_wait(num_outstanding=2, deps=(acc, a0, a1))  # step r-1 retired
             hopper.mbarrier.arrive(empty.index((r - 1) % STAGES))
             a0, a1 = _rs_operands(w8_smem, s_smem, r + 1, a_l, ROW0, ROWS, ready, STAGES)
             acc = _rs_issue(a0, a1, x_smem, r + 1, acc, True, STAGES)
-            acc, b0, b1 = hopper.warpgroup_mma_wait(
-                num_outstanding=2, deps=(acc, b0, b1)
-            )  # step r retired
+            acc, b0, b1 = hopper.warpgroup_mma_wait(num_outstanding=2, deps=(acc, b0, b1))  # step r retired
             hopper.mbarrier.arrive(empty.index(r % STAGES))
         r = base + n_k - 1
         if n_k % 2 == 0:  # the last step on the b pair
@@ -227,9 +197,7 @@ if HAVE_GLUON:
         return acc
 
     @gluon.jit
-    def _rs_store(
-        acc, b_ptr, y_ptr, M, N, stride_ym, off_m, off_n, HAS_BIAS: gl.constexpr, ROW0: gl.constexpr
-    ):
+    def _rs_store(acc, b_ptr, y_ptr, M, N, stride_ym, off_m, off_n, HAS_BIAS: gl.constexpr, ROW0: gl.constexpr):
         """Y [off_m:, off_n + ROW0:] = accᵀ (+ bias), masked to M x N."""
         acc_l: gl.constexpr = acc.type.layout
         ROWS: gl.constexpr = acc.type.shape[0]
@@ -250,11 +218,7 @@ if HAVE_GLUON:
         else:  # fp32 out: 128 KB would not fit beside the ring; store from the MMA layout
             ox = off_m + gl.arange(0, BLOCK_X, layout=gl.SliceLayout(0, acc_l))
             mask = (offs_w < N)[:, None] & (ox < M)[None, :]
-            gl.store(
-                y_ptr + ox.to(gl.int64)[None, :] * stride_ym + offs_w[:, None],
-                acc.to(y_ptr.dtype.element_ty),
-                mask=mask,
-            )
+            gl.store(y_ptr + ox.to(gl.int64)[None, :] * stride_ym + offs_w[:, None], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
     @gluon.jit
     def _rs_mma(x_smem, w8_smem, s_smem, ready, empty, b_ptr, y_ptr, M, N, stride_ym, off_m, off_n, n_k,
@@ -282,9 +246,7 @@ if HAVE_GLUON:
         n_k = gl.cdiv(K, BLOCK_K)
         x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_X, BLOCK_K], x_desc.layout)
         w8_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_W, BLOCK_K], w_desc.layout)
-        s_smem = gl.allocate_shared_memory(
-            s_desc.dtype, [STAGES] + s_desc.block_type.shape, s_desc.layout
-        )
+        s_smem = gl.allocate_shared_memory(s_desc.dtype, [STAGES] + s_desc.block_type.shape, s_desc.layout)
         ready, empty = gluon_api.ring_barriers(STAGES, 2)  # empty: one arrival per MMA warpgroup
         gl.warp_specialize(
             [
@@ -356,19 +318,11 @@ def scales_kn_cached(weight_scale: torch.Tensor) -> torch.Tensor:
     hit = SCALES_KN_CACHE.get(id(weight_scale))
     if hit is not None and hit[0]() is weight_scale and hit[1] == weight_scale._version:
         return hit[2]
-    st = (
-        persistent(lambda: scales_kn(weight_scale), weight_scale.device)
-        if weight_scale.is_cuda
-        else None
-    )
+    st = persistent(lambda: scales_kn(weight_scale), weight_scale.device) if weight_scale.is_cuda else None
     if st is None:
         return scales_kn(weight_scale)
     key = id(weight_scale)
-    SCALES_KN_CACHE[key] = (
-        weakref.ref(weight_scale, lambda _r, key=key: SCALES_KN_CACHE.pop(key, None)),
-        weight_scale._version,
-        st,
-    )
+    SCALES_KN_CACHE[key] = (weakref.ref(weight_scale, lambda _r, key=key: SCALES_KN_CACHE.pop(key, None)), weight_scale._version, st)
     return st
 
 
@@ -397,18 +351,10 @@ class _RSPlan:
     def __call__(self, x, weight, st, bias, y) -> None:
         m, k = x.shape
         n = weight.shape[0]
-        x_desc = descriptor(
-            TensorDescriptor, x, [m, k], [x.stride(0), 1], self.x_block, self.x_layout
-        )
-        w_desc = descriptor(
-            TensorDescriptor, weight, [n, k], [weight.stride(0), 1], self.w_block, self.w_layout
-        )
-        s_desc = descriptor(
-            TensorDescriptor, st, [k // BS, n], [st.stride(0), 1], self.s_block, self.s_layout
-        )
-        self.launch(
-            self.grid, x_desc, w_desc, s_desc, bias if bias is not None else y, y, m, n, k, n
-        )
+        x_desc = descriptor(TensorDescriptor, x, [m, k], [x.stride(0), 1], self.x_block, self.x_layout)
+        w_desc = descriptor(TensorDescriptor, weight, [n, k], [weight.stride(0), 1], self.w_block, self.w_layout)
+        s_desc = descriptor(TensorDescriptor, st, [k // BS, n], [st.stride(0), 1], self.s_block, self.s_layout)
+        self.launch(self.grid, x_desc, w_desc, s_desc, bias if bias is not None else y, y, m, n, k, n)
 
 
 _RS_PLANS = PlanCache()
@@ -433,16 +379,12 @@ def mx_prefill_gemm_ws(
     m, k = check_gemm_args(x, weight, weight_scale, bias, block_size)
     n = weight.shape[0]
     if x.dtype != torch.bfloat16:
-        raise TypeError(
-            f"mx_prefill_gemm_ws takes bf16 X (round W8A8 activations into bf16 first), got {x.dtype}"
-        )
+        raise TypeError(f"mx_prefill_gemm_ws takes bf16 X (round W8A8 activations into bf16 first), got {x.dtype}")
     if not ws_supported(m, k, block_size, x.device):
         raise ValueError(
             f"mx_prefill_gemm_ws needs Gluon, a Hopper GPU and MX block 32; got block {block_size} on {x.device}"
         )
-    x, weight, weight_scale, y, done = operands_and_output(
-        x, weight, weight_scale, bias, out_dtype, n
-    )
+    x, weight, weight_scale, y, done = operands_and_output(x, weight, weight_scale, bias, out_dtype, n)
     if done:
         return y
     # TMA: 16-byte aligned base and row strides
@@ -460,10 +402,4 @@ def mx_prefill_gemm_ws(
     return y
 
 
-__all__ = [
-    "PrefillRSConfig",
-    "mx_prefill_gemm_ws",
-    "pick_prefill_rs_config",
-    "takes",
-    "ws_supported",
-]
+__all__ = ["PrefillRSConfig", "mx_prefill_gemm_ws", "pick_prefill_rs_config", "takes", "ws_supported"]

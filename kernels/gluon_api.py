@@ -55,15 +55,11 @@ else:
     _NEEDED = (
         ("gl.barrier / gl.thread_barrier", lambda: _either(gl, "barrier", "thread_barrier")),
         ("gl.warp_specialize", lambda: gl.warp_specialize),
-        (
-            "shared_memory_descriptor.reinterpret / ._reinterpret",
-            lambda: _either(gl.shared_memory_descriptor, "reinterpret", "_reinterpret"),
-        ),
+        ("shared_memory_descriptor.reinterpret / ._reinterpret",
+         lambda: _either(gl.shared_memory_descriptor, "reinterpret", "_reinterpret")),
         ("gl.NVMMASharedLayout.get_default_for", lambda: gl.NVMMASharedLayout.get_default_for),
-        (
-            "tma.async_load / tma.async_copy_global_to_shared",
-            lambda: _either(hopper.tma, "async_load", "async_copy_global_to_shared"),
-        ),
+        ("tma.async_load / tma.async_copy_global_to_shared",
+         lambda: _either(hopper.tma, "async_load", "async_copy_global_to_shared")),
         ("mbarrier.expect", lambda: hopper.mbarrier.expect),
         ("hopper.warpgroup_mma", lambda: hopper.warpgroup_mma),
         ("hopper.warpgroup_mma_wait", lambda: hopper.warpgroup_mma_wait),
@@ -172,7 +168,7 @@ def run_or_fall_back(name: str, run, fall_back):
 
 
 __all__ = [
-    "DISABLED", "HAVE_GLUON", "NEWER_API", "NEWER_API_UNCHECKED", "PROBLEM", "WARNED", "TensorDescriptor", "cta_barrier", "gl", "gluon", "hopper",
-    "invalidate_ring", "note_unavailable", "ring_barriers", "run_or_fall_back", "smem_view", "tma_load", "unavailable",
-    "usable",
+    "DISABLED", "HAVE_GLUON", "NEWER_API", "NEWER_API_UNCHECKED", "PROBLEM", "WARNED", "TensorDescriptor",
+    "cta_barrier", "gl", "gluon", "hopper", "invalidate_ring", "note_unavailable", "ring_barriers",
+    "run_or_fall_back", "smem_view", "tma_load", "unavailable", "usable",
 ]  # fmt: skip

@@ -110,10 +110,8 @@ def descriptor(cls, base, shape: list, strides: list, block_shape: list, layout=
     """A host TMA descriptor; past the JIT (``FAST``, not ``CHECK``) built without the dataclass's
     checks (~4 µs), which the plan that calls this has made once for these shapes and strides."""
     if not FAST or CHECK:
-        return (
-            cls(base, shape, strides, block_shape, layout)
-            if layout is not None
-            else cls(base, shape, strides, block_shape)
+        return cls(base, shape, strides, block_shape, layout) if layout is not None else cls(
+            base, shape, strides, block_shape
         )
     d = object.__new__(cls)
     d.base, d.shape, d.strides, d.block_shape, d.padding = base, shape, strides, block_shape, "zero"
@@ -182,9 +180,7 @@ def raw_launcher(kernel) -> RawLauncher | None:
         if run.global_scratch_size or run.profile_scratch_size:
             return None
         fn, descs = run.launch, ()
-        if getattr(
-            fn, "__closure__", None
-        ):  # wrap_handle_tensordesc's ``inner``: the C launch inside
+        if getattr(fn, "__closure__", None):  # wrap_handle_tensordesc's ``inner``: the C launch inside
             cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__)))
             fn, idx = cells["launcher"], sorted(cells["tensordesc_indices"])
             metas = cells["tensordesc_meta"] or [None] * len(idx)
@@ -216,22 +212,12 @@ class Launch:
         params = getattr(fn, "params", None)
         if params is not None:  # constexprs left at their defaults
             for p in params:
-                if (
-                    p.is_constexpr
-                    and p.name not in consts
-                    and p.default is not inspect.Parameter.empty
-                ):
+                if p.is_constexpr and p.name not in consts and p.default is not inspect.Parameter.empty:
                     consts[p.name] = p.default
-        elif callable(
-            getattr(fn, "fn", None)
-        ):  # the interpreter's function: constexprs by their annotation
+        elif callable(getattr(fn, "fn", None)):  # the interpreter's function: constexprs by their annotation
             for name, p in inspect.signature(fn.fn).parameters.items():
                 ann = p.annotation
-                const = (
-                    ann.endswith("constexpr")
-                    if isinstance(ann, str)
-                    else getattr(ann, "__name__", "") == "constexpr"
-                )
+                const = ann.endswith("constexpr") if isinstance(ann, str) else getattr(ann, "__name__", "") == "constexpr"
                 if const and name not in consts and p.default is not inspect.Parameter.empty:
                     consts[name] = p.default
         self.consts = consts
@@ -242,11 +228,7 @@ class Launch:
             raise ValueError(f"Launch({fn.__name__}): no parameters named {unknown}")
         slots = [i for i, n in enumerate(names) if n not in consts]
         if slots == list(range(len(slots))):  # constexprs last: arguments + a fixed tail
-            self.tail, self.template, self.slots = (
-                tuple(consts[n] for n in names[len(slots) :]),
-                None,
-                None,
-            )
+            self.tail, self.template, self.slots = tuple(consts[n] for n in names[len(slots) :]), None, None
         else:  # runtime parameters among the constexprs: fill a template
             self.tail, self.template, self.slots = (), [consts.get(n) for n in names], slots
         self.kernel = self.raw = self.stream = None

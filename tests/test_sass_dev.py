@@ -21,9 +21,7 @@ sass_dev = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(sass_dev)
 
 # The warp-specialized kernels exist only where the Gluon API they are written for does (gluon_api).
-needs_gluon = pytest.mark.skipif(
-    gluon_api.PROBLEM is not None, reason=f"Hopper kernels off: {gluon_api.PROBLEM}"
-)
+needs_gluon = pytest.mark.skipif(gluon_api.PROBLEM is not None, reason=f"Hopper kernels off: {gluon_api.PROBLEM}")
 
 
 def test_main_loop_histogram_reads_the_backward_branch():
@@ -59,9 +57,7 @@ def test_decode_kernel_compiles_for_sm90(tmp_path):
 
 
 def _cli(*args) -> str:
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_PTXAS_PATH")
-    }
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_PTXAS_PATH")}
     out = subprocess.run(
         [sys.executable, str(SASS_DEV), *args], capture_output=True, text=True, env=env, timeout=600
     )
@@ -96,47 +92,16 @@ def test_gemm_prefill_register_hazard_follows_ptxas(tmp_path):
     this is what kernels/toolchain.py gates the dispatch on."""
     from mxq.kernels import toolchain
 
-    bundled = os.path.join(
-        os.path.dirname(sass_dev.triton.__file__), "backends", "nvidia", "bin", "ptxas"
-    )
+    bundled = os.path.join(os.path.dirname(sass_dev.triton.__file__), "backends", "nvidia", "bin", "ptxas")
     version = toolchain.ptxas_version(bundled)
     assert version is not None
-    hz = _hazards(
-        _cli(
-            "--kernel",
-            "gemm",
-            "--loop",
-            "zero_dot",
-            "--ptxas",
-            bundled,
-            "--out",
-            str(tmp_path / "a"),
-        )
-    )
+    hz = _hazards(_cli("--kernel", "gemm", "--loop", "zero_dot", "--ptxas", bundled, "--out", str(tmp_path / "a")))
     if version >= toolchain.MIN_SAFE_PTXAS:
         assert hz == 0
     elif sass_dev.triton.__version__.startswith("3.6."):  # the pair the hazard was found with
         assert hz > 0
-    assert (
-        _hazards(
-            _cli(
-                "--kernel",
-                "gemm",
-                "--loop",
-                "old",
-                "--ptxas",
-                bundled,
-                "--out",
-                str(tmp_path / "b"),
-            )
-        )
-        == 0
-    )
-    fixed = [
-        p
-        for p in toolchain.candidate_ptxas()
-        if (toolchain.ptxas_version(p) or (0, 0)) >= toolchain.MIN_SAFE_PTXAS
-    ]
+    assert _hazards(_cli("--kernel", "gemm", "--loop", "old", "--ptxas", bundled, "--out", str(tmp_path / "b"))) == 0
+    fixed = [p for p in toolchain.candidate_ptxas() if (toolchain.ptxas_version(p) or (0, 0)) >= toolchain.MIN_SAFE_PTXAS]
     if not fixed:
         pytest.skip("no ptxas >= 13.3 installed (pip install nvidia-cuda-nvcc)")
     for tile in ("256x128x64", "128x64x64"):
@@ -174,7 +139,7 @@ def test_prefer_fixed_ptxas_respects_the_user(monkeypatch, tmp_path):
     assert env in ("TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH")
     fake = _fake_ptxas(tmp_path / "ptxas", "13.4")
     old = _fake_ptxas(tmp_path / "ptxas-old", "12.8")
-    monkeypatch.setattr(toolchain, "candidate_ptxas", lambda: [str(fake)])
+    monkeypatch.setattr(toolchain, "candidate_ptxas", lambda: [fake])
     monkeypatch.setattr(toolchain, "triton_ptxas", lambda: old)
     monkeypatch.setenv(env, "/somewhere/ptxas")
     assert toolchain.prefer_fixed_ptxas() is None and os.environ[env] == "/somewhere/ptxas"
@@ -207,9 +172,7 @@ def test_ptxas_choice_is_made_at_configuration_not_import(tmp_path):
     )
     drop = ("TRITON_INTERPRET", "TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH")
     env = {k: v for k, v in os.environ.items() if k not in drop}
-    r = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
-    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
 
 
@@ -220,18 +183,7 @@ def test_decode_ws_compiles_warp_specialized(tmp_path):
     loop), registers handed between the loader and math warpgroups (USETMAXREG), at most 128
     registers per thread at launch (two programs per SM) and nothing spilled to local memory."""
     pytest.importorskip("triton.experimental.gluon")
-    out = _cli(
-        "--kernel",
-        "decode_ws",
-        "--split-k",
-        "4",
-        "--stages",
-        "2",
-        "--maxnreg",
-        "128",
-        "--out",
-        str(tmp_path),
-    )
+    out = _cli("--kernel", "decode_ws", "--split-k", "4", "--stages", "2", "--maxnreg", "128", "--out", str(tmp_path))
     sass = (tmp_path / "k.sass").read_text()
     assert len(re.findall(r"QGMMA\.64x16x32\.F32\.E4M3\.E4M3", sass)) == 16
     assert "HGMMA" not in sass and "USETMAXREG" in sass
@@ -246,19 +198,7 @@ def test_decode_ws_fused_x_compiles(tmp_path):
     async proxy, only W by TMA (3 of the unfused kernel's 6 TMA loads), no wait for a producer
     kernel, no spills, at most 128 registers at launch."""
     pytest.importorskip("triton.experimental.gluon")
-    out = _cli(
-        "--kernel",
-        "decode_ws",
-        "--split-k",
-        "4",
-        "--stages",
-        "2",
-        "--maxnreg",
-        "128",
-        "--fuse-x",
-        "--out",
-        str(tmp_path),
-    )
+    out = _cli("--kernel", "decode_ws", "--split-k", "4", "--stages", "2", "--maxnreg", "128", "--fuse-x", "--out", str(tmp_path))
     sass = (tmp_path / "k.sass").read_text()
     assert len(re.findall(r"QGMMA\.64x16x32\.F32\.E4M3\.E4M3", sass)) == 16
     assert "F2FP.SATFINITE.E4M3.F32.PACK" in sass and "STS" in sass and "FENCE.VIEW.ASYNC.S" in sass
@@ -282,9 +222,7 @@ def test_decode_ws_64_row_tiles_compile(tmp_path, maxnreg, block_m):
     assert "USETMAXREG.DEALLOC.CTAPOOL 0x18" in sass
     spills = len(re.findall(r"\b(LDL|STL)\b", sass))
     # Triton 3.9 spills 2 words at 64 registers with 16 rows (4 LDL/STL; same speed on an H200)
-    assert spills <= (4 if gluon_api.NEWER_API and (maxnreg, block_m) == (64, 16) else 0), (
-        "register spills"
-    )
+    assert spills <= (4 if gluon_api.NEWER_API and (maxnreg, block_m) == (64, 16) else 0), "register spills"
     assert int(re.search(r"registers/thread (\d+)", out).group(1)) <= maxnreg
 
 
@@ -293,18 +231,7 @@ def test_decode_ws_waits_for_the_quantizer(tmp_path):
     """Programmatic dependent launch: the decode kernel waits for its producer (griddepcontrol.wait,
     ACQBULK in SASS) before it reads X; the quantizer it follows can release it early."""
     pytest.importorskip("triton.experimental.gluon")
-    _cli(
-        "--kernel",
-        "decode_ws",
-        "--split-k",
-        "4",
-        "--stages",
-        "2",
-        "--maxnreg",
-        "128",
-        "--out",
-        str(tmp_path),
-    )
+    _cli("--kernel", "decode_ws", "--split-k", "4", "--stages", "2", "--maxnreg", "128", "--out", str(tmp_path))
     assert "griddepcontrol.wait" in (tmp_path / "k.ptx").read_text()
     assert "ACQBULK" in (tmp_path / "k.sass").read_text()
     import inspect
@@ -333,9 +260,7 @@ def test_prefill_rs_compiles_register_operand(tmp_path):
     loop = re.search(r"main loop: (\d+) instructions", out)
     assert loop and int(loop.group(1)) < 300 * steps
     waits = set(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x(\d)", sass))
-    if (
-        gluon_api.NEWER_API
-    ):  # Triton 3.9's code for this loop needs more registers than the MMA warps
+    if gluon_api.NEWER_API:  # Triton 3.9's code for this loop needs more registers than the MMA warps
         # have: ptxas serializes the wgmmas (C7512), right but slower (kernels/NOTES.md)
         assert waits == {"0"}
     else:
@@ -357,49 +282,20 @@ def test_attention_decode_ws_compiles_warp_specialized(tmp_path, d, maxnreg):
     warp to the math warpgroup, the launch's register cap (80: three programs per SM), no spills,
     and the wait for the query preparation (programmatic dependent launch)."""
     pytest.importorskip("triton.experimental.gluon")
-    out = _cli(
-        "--kernel",
-        "attn_ws",
-        "--head-dim",
-        str(d),
-        "--maxnreg",
-        str(maxnreg),
-        "--out",
-        str(tmp_path),
-    )
+    out = _cli("--kernel", "attn_ws", "--head-dim", str(d), "--maxnreg", str(maxnreg), "--out", str(tmp_path))
     sass = (tmp_path / "k.sass").read_text()
     per_tile = (d // 32) * 2 + 2 * 2 * (d // 64) * 2
     assert len(re.findall(r"HGMMA\.64x8x16\.F32 ", sass)) == 2 * per_tile
-    tile_loops = [
-        lp for lp in sass_dev.loops(sass) if any(op.startswith("HGMMA") for _, op, _ in lp)
-    ]
+    tile_loops = [lp for lp in sass_dev.loops(sass) if any(op.startswith("HGMMA") for _, op, _ in lp)]
     body = " ".join(op for _, op, _ in min(tile_loops, key=len))  # the unmasked tile loop
     assert body.count("HGMMA") == per_tile and body.count("WARPGROUP.DEPBAR") == 2
     # Q·Kᵀ on the fp8 codes (DecodeAttnWSConfig.qk_fp8): one fp8 wgmma m64n8k32 per D block, both
     # operands from shared memory; the P·V wgmmas as before; fewer shared loads and conversions
     f8 = tmp_path / "f8"
-    out8 = _cli(
-        "--kernel",
-        "attn_ws",
-        "--head-dim",
-        str(d),
-        "--maxnreg",
-        str(maxnreg),
-        "--qk-fp8",
-        "--out",
-        str(f8),
-    )
+    out8 = _cli("--kernel", "attn_ws", "--head-dim", str(d), "--maxnreg", str(maxnreg), "--qk-fp8", "--out", str(f8))
     sass8 = (f8 / "k.sass").read_text()
-    body8 = [
-        op
-        for _, op, _ in min(
-            (lp for lp in sass_dev.loops(sass8) if any(op.startswith("QGMMA") for _, op, _ in lp)),
-            key=len,
-        )
-    ]
-    assert (
-        sum(op.startswith("QGMMA") for op in body8) == d // 32
-    )  # (the opcode as parsed stops at "x")
+    body8 = [op for _, op, _ in min((lp for lp in sass_dev.loops(sass8) if any(op.startswith("QGMMA") for _, op, _ in lp)), key=len)]
+    assert sum(op.startswith("QGMMA") for op in body8) == d // 32  # (the opcode as parsed stops at "x")
     assert sum(op.startswith("HGMMA") for op in body8) == per_tile - (d // 32) * 2
     assert len(re.findall(r"QGMMA\.64x8x32\.F32\.E4M3\.E4M3 ", sass8)) == 2 * (d // 32)
     assert " ".join(body8).count("WARPGROUP.DEPBAR") == 2
@@ -416,11 +312,7 @@ def test_attention_decode_ws_compiles_warp_specialized(tmp_path, d, maxnreg):
     # the fused split merge: one ticket (acq_rel add), one reset; its loads batched (one L2 round
     # trip per group of splits: every load of a merge loop before its first multiply)
     assert sass.count("ATOMG.E.ADD.STRONG.GPU") == 1 and sass.count("ATOMG.E.EXCH.STRONG.GPU") == 1
-    merge = [
-        [op for _, op, _ in lp]
-        for lp in sass_dev.loops(sass)
-        if sum(op.startswith("LDG") for _, op, _ in lp) >= 8
-    ]
+    merge = [[op for _, op, _ in lp] for lp in sass_dev.loops(sass) if sum(op.startswith("LDG") for _, op, _ in lp) >= 8]
     assert len(merge) == 2
     for ops in merge:
         last_ld = max(i for i, op in enumerate(ops) if op.startswith("LDG"))
