@@ -226,12 +226,13 @@ def _sweep_configs(m: int, n: int, k: int):
             if sp >= 1:
                 out += [dataclasses.replace(base, split_k=sp), dataclasses.replace(base, split_k=sp, deq_bf16=True)]
         out.append(dataclasses.replace(base, block_n=128 if base.block_n == 64 else 64, deq_bf16=True))
-    else:
+    else:  # prefill: the dispatched tile with its K loop, then one change at a time
+        R = dataclasses.replace
         out += [
-            C(128, 128, 64, 8, 4, tma_x=True, tma_w=True, deq_bf16=True),
-            C(256, 128, 64, 8, 4, tma_x=True, tma_w=True, deq_bf16=True),
-            C(256, 128, 128, 8, 2, tma_x=True, tma_w=True, deq_bf16=True),
-            C(128, 256, 64, 8, 3, tma_x=True, tma_w=True, deq_bf16=True),
+            R(base, num_stages=4), R(base, num_stages=2), R(base, group=16), R(base, group=4),
+            R(base, block_k=128, num_stages=2),
+            R(base, block_m=128, block_n=256), R(base, block_m=128, block_n=128, num_stages=4),
+            C(256, 128, 64, 8, 3, tma_x=True, tma_w=True, deq_bf16=True),  # first K step peeled
         ]
     return out
 

@@ -86,14 +86,7 @@ if HAVE_GLUON:
 
 # kernel name -> why it stopped being used in this process (a compile error at its first launch)
 DISABLED: dict[str, str] = {}
-# Kernels whose GPU tests have not yet run with a Triton that spells the API the newer way: there
-# they stay off and dispatch takes the next path (Triton 3.9 on an H200: the two GEMMs' GPU tests
-# and figures are in kernels/NOTES.md, "Every Triton release, checked").
-NEWER_API_UNCHECKED = ("attention_decode_ws",)
 NEWER_API = HAVE_GLUON and not hasattr(gl, "thread_barrier")  # the right-hand column of the table above
-if NEWER_API:
-    for _name in NEWER_API_UNCHECKED:
-        DISABLED[_name] = f"not yet checked on a GPU with Triton {triton.__version__}"
 WARNED: set[str] = set()  # what has been warned about once ("import", kernel names)
 
 
@@ -168,7 +161,7 @@ def run_or_fall_back(name: str, run, fall_back):
 
 
 __all__ = [
-    "DISABLED", "HAVE_GLUON", "NEWER_API", "NEWER_API_UNCHECKED", "PROBLEM", "WARNED", "TensorDescriptor",
+    "DISABLED", "HAVE_GLUON", "NEWER_API", "PROBLEM", "WARNED", "TensorDescriptor",
     "cta_barrier", "gl", "gluon", "hopper", "invalidate_ring", "note_unavailable", "ring_barriers",
     "run_or_fall_back", "smem_view", "tma_load", "unavailable", "usable",
 ]  # fmt: skip

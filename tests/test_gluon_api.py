@@ -100,22 +100,18 @@ def test_gluon_import_failure_is_a_problem_not_a_crash(monkeypatch):
 
 def test_the_hopper_kernels_build_with_each_ci_triton():
     """Both CI Tritons (3.6 and the latest) have the Gluon API the kernels call, each under its own
-    spelling; a release that spells it the newer way keeps the kernels not yet checked there on a
-    GPU off, so dispatch takes the next path for them."""
-    import triton
-
+    spelling, and none of the three Hopper kernels is turned off on either."""
     assert gluon_api.HAVE_GLUON, gluon_api.PROBLEM
     gl, tma = gluon_api.gl, gluon_api.hopper.tma
     if gluon_api.NEWER_API:
         assert (gluon_api.cta_barrier, gluon_api.tma_load) == (gl.barrier, tma.async_load)
         assert gluon_api.smem_view is gl.shared_memory_descriptor.reinterpret
-        for name in gluon_api.NEWER_API_UNCHECKED:
-            assert not gluon_api.usable(name) and triton.__version__ in gluon_api.DISABLED[name]
     else:
         assert (gluon_api.cta_barrier, gluon_api.tma_load) == (gl.thread_barrier, tma.async_copy_global_to_shared)
         assert gluon_api.smem_view is gl.shared_memory_descriptor._reinterpret
-        assert not gluon_api.DISABLED
-    assert gluon_api.usable("gemm_decode_ws") and gluon_api.usable("gemm_prefill_ws")
+    assert not gluon_api.DISABLED
+    for name in ("gemm_decode_ws", "gemm_prefill_ws", "attention_decode_ws"):
+        assert gluon_api.usable(name), name
 
 
 def test_direct_launches_only_with_the_launcher_they_were_written_for():
