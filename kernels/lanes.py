@@ -112,9 +112,9 @@ class DecodeLane:
         y = torch.empty(self.out_shape, dtype=plan.out_dtype, device=dev)
         ws = torch.empty(self.ws_shape, dtype=torch.float32, device=dev) if plan.split > 1 else y
         s32 = self.s32
-        raw.launch(
-            plan.tiles, plan.split, 1, self.stream(self.dev_index), *raw.head, *w_exp, *x_exp, x, s32, xs_arg,
-            self.b_arg, y, ws, counters if fused else s32, m, n, k, plan.k_split, k, s32.stride(0), xs_stride, n, *go.tail,
+        raw.go(
+            plan.tiles, plan.split, 1, self.stream(self.dev_index), (*w_exp, *x_exp, x, s32, xs_arg,
+            self.b_arg, y, ws, counters if fused else s32, m, n, k, plan.k_split, k, s32.stride(0), xs_stride, n, *go.tail),
         )  # fmt: skip
         if plan.split > 1 and not fused:
             split_k_finish(ws, y.view(m, n), self.bias, plan.split)

@@ -47,21 +47,26 @@ from mxq import settings
 from mxq.kernels.toolchain import INTERPRET, configure_ptxas
 
 
-def direct_launch_abi(version: str) -> bool:
-    """Whether Triton ``version``'s compiled kernels take the launcher arguments ``RawLauncher`` and
-    ``Launch`` pass (Triton 3.5-3.6). Triton 3.9's C launcher takes another argument list, so there
-    every launch goes through the JIT (correct; more host time per eager call)."""
+def direct_launch_abi(version: str) -> int:
+    """Which argument list Triton ``version``'s compiled-kernel C launcher takes, as ``RawLauncher``
+    passes it: 1 (Triton 3.5-3.6: function, cooperative, PDL, two scratch buffers, packed metadata,
+    launch metadata, two hooks, then the kernel's arguments one by one), 2 (Triton 3.9: function,
+    cooperative, PDL, packed metadata, launch metadata, two hooks, two scratch buffers, the argument
+    annotations and kernel signature, then the kernel's arguments as one tuple), 0 for a release not
+    checked on a GPU, where every launch goes through the JIT (correct; more host time per eager call)."""
     nums = [int(n) for n in version.split("+")[0].split(".")[:2] if n.isdigit()]
-    return len(nums) == 2 and (3, 5) <= tuple(nums) < (3, 7)
+    if len(nums) != 2:
+        return 0
+    return 1 if (3, 5) <= tuple(nums) < (3, 7) else 2 if tuple(nums) == (3, 9) else 0
 
 
 try:
     import triton as _triton
 
-    _ABI = direct_launch_abi(_triton.__version__)
+    ABI = direct_launch_abi(_triton.__version__)
 except ImportError:  # pragma: no cover
-    _ABI = False
-FAST = not INTERPRET and _ABI
+    ABI = 0
+FAST = not INTERPRET and ABI > 0
 CHECK = settings.debug("launch-check")
 
 try:
@@ -115,6 +120,7 @@ def descriptor(cls, base, shape: list, strides: list, block_shape: list, layout=
         )
     d = object.__new__(cls)
     d.base, d.shape, d.strides, d.block_shape, d.padding = base, shape, strides, block_shape, "zero"
+    d.round_f32_to_tf32 = False  # Triton 3.9's descriptors carry it (read when expanded)
     if layout is not None:
         d.layout = layout
     return d
@@ -134,16 +140,20 @@ def stream_getter():
 
 
 def nv_tensordesc_arg(desc, meta) -> list:
-    """A host tensor descriptor as the CUDA launcher takes it (Triton's ``make_tensordesc_arg``)."""
-    return _nv_driver.make_tensordesc_arg(desc, meta)
+    """A host tensor descriptor as the CUDA launcher takes it (Triton's ``make_tensordesc_arg``; Triton
+    3.9's takes a third argument that the CUDA backend does not read)."""
+    return _nv_driver.make_tensordesc_arg(desc, meta, None) if ABI == 2 else _nv_driver.make_tensordesc_arg(desc, meta)
 
 
 def tma_fill_args(meta) -> tuple:
-    """(``fill_tma_descriptor``, swizzle, element size, host dtype enum, block shape) for a
+    """(the tiled-descriptor fill function, swizzle, element size, host dtype enum, block shape) for a
     descriptor position's metadata: ``fill(ptr, *rest, shape, strides, padding)`` encodes what
-    ``make_tensordesc_arg`` encodes for a zero-padded, non-fp4 descriptor."""
-    return (driver.active.utils.fill_tma_descriptor, meta["swizzle"], meta["elem_size"],
-            _nv_driver.TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]], meta["block_size"])  # fmt: skip
+    ``make_tensordesc_arg`` encodes for a zero-padded, non-fp4 descriptor (Triton 3.9 names the
+    function ``fill_tma_descriptor_tiled``, 3.6 ``fill_tma_descriptor``)."""
+    utils = driver.active.utils
+    fill = getattr(utils, "fill_tma_descriptor_tiled", None) or utils.fill_tma_descriptor
+    return (fill, meta["swizzle"], meta["elem_size"], _nv_driver.TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]],
+            meta["block_size"])  # fmt: skip
 
 
 class RawLauncher:
@@ -152,43 +162,64 @@ class RawLauncher:
     descriptors, which visits every argument (``wrap_handle_tensordesc``). ``descs`` are the
     descriptor arguments' positions and their metadata; ``expand`` turns those, and only those,
     into what the C launcher takes, with Triton's own ``make_tensordesc_arg``. ``head`` is
-    everything after the grid and the stream: function, cooperative, PDL, the two scratch
-    buffers (none), packed metadata, launch metadata and the two hooks (none)."""
+    everything after the grid and the stream and before the kernel's arguments, in the order of
+    the release's launcher (``direct_launch_abi``): function, cooperative, PDL, metadata, hooks
+    (none), scratch buffers (none), and on Triton 3.9 the argument annotations and kernel signature.
+    ``go`` launches with the arguments expanded; ``packed``: the launcher takes them as one tuple."""
 
-    __slots__ = ("launch", "head", "descs")
+    __slots__ = ("launch", "head", "descs", "packed")
 
-    def __init__(self, launch, head: tuple, descs: tuple):
-        self.launch, self.head, self.descs = launch, head, descs
+    def __init__(self, launch, head: tuple, descs: tuple, packed: bool = False):
+        self.launch, self.head, self.descs, self.packed = launch, head, descs, packed
+
+    def go(self, g0: int, g1: int, g2: int, stream: int, args: tuple) -> None:
+        """Launch with ``args``, the kernel's arguments with their descriptors already expanded."""
+        if self.packed:
+            self.launch(g0, g1, g2, stream, *self.head, args)
+        else:
+            self.launch(g0, g1, g2, stream, *self.head, *args)
 
     def expand(self, args) -> tuple:
         if not self.descs:
             return args
         out = list(args)
         for i, meta in reversed(self.descs):
-            out[i : i + 1] = _nv_driver.make_tensordesc_arg(out[i], meta)
+            out[i : i + 1] = nv_tensordesc_arg(out[i], meta)
         return tuple(out)
 
     def __call__(self, g0: int, g1: int, g2: int, stream: int, *args) -> None:
-        self.launch(g0, g1, g2, stream, *self.head, *self.expand(args))
+        self.go(g0, g1, g2, stream, self.expand(args))
 
 
 def raw_launcher(kernel) -> RawLauncher | None:
     """``kernel``'s C launcher as a ``RawLauncher``, or None where its launcher is not the CUDA one
-    this reads (another backend or Triton release, a stand-in in tests) or needs scratch memory."""
+    this reads (another backend or Triton release, a stand-in in tests), needs scratch memory or
+    runs under Triton 3.9's sanitizer."""
     try:
         run = kernel.run
-        if run.global_scratch_size or run.profile_scratch_size:
+        if ABI == 0 or run.global_scratch_size or run.profile_scratch_size or getattr(run, "gsan_enabled", False):
             return None
         fn, descs = run.launch, ()
         if getattr(fn, "__closure__", None):  # wrap_handle_tensordesc's ``inner``: the C launch inside
             cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__)))
-            fn, idx = cells["launcher"], sorted(cells["tensordesc_indices"])
+            if "tensordesc_indices" in cells:  # Triton 3.5-3.6: the descriptors' positions
+                idx = sorted(cells["tensordesc_indices"])
+            else:  # Triton 3.9: paths into the (possibly nested) signature; only top-level ones here
+                paths = cells["relevant_paths"]
+                if any(paths.values()):
+                    return None
+                idx = sorted(paths)
+            fn = cells["launcher"]
             metas = cells["tensordesc_meta"] or [None] * len(idx)
             if len(metas) != len(idx):
                 return None
             descs = tuple(zip(idx, metas))
         if not callable(fn) or getattr(fn, "__closure__", None) or _nv_driver is None:
             return None
+        if ABI == 2:
+            head = (kernel.function, run.launch_cooperative_grid, run.launch_pdl, kernel.packed_metadata, None, None,
+                    None, None, None, run.arg_annotations, run.kernel_signature)  # fmt: skip
+            return RawLauncher(fn, head, descs, packed=True)
         head = (kernel.function, run.launch_cooperative_grid, run.launch_pdl, None, None, kernel.packed_metadata,
                 None, None, None)  # fmt: skip
         return RawLauncher(fn, head, descs)
@@ -279,7 +310,7 @@ class Launch:
             self.stream = stream_getter()
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
-        raw.launch(grid[0], g1, g2, self.stream(dev_index), *raw.head, *args, *self.tail)
+        raw.go(grid[0], g1, g2, self.stream(dev_index), (*args, *self.tail))
 
     def _check(self, args) -> None:
         """Raise unless Triton's own binder picks the kernel this Launch holds for ``args`` (all
@@ -289,6 +320,8 @@ class Launch:
         kw = dict(self.options)  # as JITFunction.run completes them
         kw["debug"] = kw.get("debug", self.fn.debug) or _knobs.runtime.debug
         kw["instrumentation_mode"] = _knobs.compilation.instrumentation_mode
+        if hasattr(_knobs.compilation, "fpsan_homomorphic_casts"):  # Triton 3.9 adds it
+            kw["fpsan_homomorphic_casts"] = _knobs.compilation.fpsan_homomorphic_casts
         _, spec, opts = binder(*args, **kw)
         if kernel_cache.get(_cache_key(key_cache, spec, opts)) is not self.kernel:
             raise RuntimeError(

@@ -101,12 +101,12 @@ def test_launch_on_device_calls_the_c_launcher_directly(fast, monkeypatch):
     Every one runs with the given device current (device 0 is current here: switched for the
     call, and back after it)."""
 
-    class Raw:  # a RawLauncher stand-in: ``launch`` is the C launcher, ``__call__`` the general path
+    class Raw:  # a RawLauncher stand-in: ``go`` the C launcher's call, ``__call__`` the general path
         def __init__(self, descs):
-            self.descs, self.head, self.direct, self.general = descs, ("head",), [], []
+            self.descs, self.direct, self.general = descs, [], []
 
-        def launch(self, *a):
-            self.direct.append(a)
+        def go(self, g0, g1, g2, stream, args):
+            self.direct.append((g0, g1, g2, stream, *args))
             launched_on.append(fast.current)
 
         def __call__(self, *a):
@@ -123,7 +123,7 @@ def test_launch_on_device_calls_the_c_launcher_directly(fast, monkeypatch):
     assert fn.jit_calls == [((2, 3), ("X", 5, 32), {})]
     go.raw = raw = Raw(())
     go.on_device((2, 3), 1, "X2", 6)
-    assert raw.direct == [(2, 3, 1, 101, "head", "X2", 6, 32)] and streams == [1] and not raw.general
+    assert raw.direct == [(2, 3, 1, 101, "X2", 6, 32)] and streams == [1] and not raw.general
     go.raw = raw = Raw(((0, None),))  # host descriptors to expand
     go.on_device((4,), 1, "X3", 7)
     assert not raw.direct and raw.general == [(4, 1, 1, 101, "X3", 7, 32)]
@@ -135,6 +135,60 @@ def test_launch_on_device_calls_the_c_launcher_directly(fast, monkeypatch):
     assert fast.entered == [1, 1, 1, 1] and fast.current == 0 and launched_on == [1, 1, 1]
     go.on_device((4,), 0, "X5", 9)  # on the current device: no switch
     assert raw.general[-1] == (4, 1, 1, 100, "X5", 9, 32) and fast.entered == [1, 1, 1, 1]
+
+
+def _closure(launcher, tensordesc_meta, **where):
+    """A stand-in for Triton's ``wrap_handle_tensordesc`` wrapper: a closure over the C launcher, the
+    descriptors' metadata and their positions (3.6: ``tensordesc_indices``; 3.9: ``relevant_paths``)."""
+    if "tensordesc_indices" in where:
+        tensordesc_indices = where["tensordesc_indices"]
+        return lambda *a: (launcher, tensordesc_meta, tensordesc_indices)
+    relevant_paths = where["relevant_paths"]
+    return lambda *a: (launcher, tensordesc_meta, relevant_paths)
+
+
+@pytest.mark.parametrize("abi", [1, 2])
+def test_raw_launcher_passes_each_release_s_argument_list(abi, monkeypatch):
+    """``raw_launcher`` reads a compiled kernel's launcher the way its release builds it and
+    ``RawLauncher`` calls the C launcher with that release's list: on 3.5-3.6 function, cooperative,
+    PDL, two scratch buffers, packed metadata, launch metadata, two hooks, then the arguments one by
+    one; on 3.9 function, cooperative, PDL, packed metadata, launch metadata, two hooks, two scratch
+    buffers, argument annotations, kernel signature, then the arguments as one tuple. Host
+    descriptors (by position) are expanded by Triton's own function; nested ones, scratch memory or
+    the sanitizer give no direct launcher."""
+    monkeypatch.setattr(L, "ABI", abi)
+    monkeypatch.setattr(L, "_nv_driver", SimpleNamespace(
+        make_tensordesc_arg=lambda d, meta, *rest: [f"{d}@{meta}", len(rest)]))  # fmt: skip
+    calls = []
+
+    class CLaunch:  # the C launcher: a builtin, no closure of its own
+        def __call__(self, *a):
+            calls.append(a)
+
+    c_launch = CLaunch()
+
+    meta = ["m0"]
+    wrapped = (_closure(c_launch, meta, tensordesc_indices={1}) if abi == 1 else
+               _closure(c_launch, meta, relevant_paths={1: {}}))  # fmt: skip
+    run = SimpleNamespace(launch=wrapped, global_scratch_size=0, profile_scratch_size=0, launch_cooperative_grid=False,
+                                launch_pdl=True, arg_annotations="ann", kernel_signature="sig")  # fmt: skip
+    kernel = SimpleNamespace(run=run, function="fn", packed_metadata="meta")
+    raw = L.raw_launcher(kernel)
+    assert raw.descs == ((1, "m0"),)
+    raw(1, 2, 3, 77, "x", "DESC", 5)
+    expanded = ("x", "DESC@m0", abi - 1, 5)  # 3.9's function takes a third argument
+    if abi == 1:
+        assert calls == [(1, 2, 3, 77, "fn", False, True, None, None, "meta", None, None, None, *expanded)]
+    else:
+        assert calls == [(1, 2, 3, 77, "fn", False, True, "meta", None, None, None, None, None, "ann", "sig", expanded)]
+    if abi == 2:  # a descriptor inside a tuple argument: Triton's own path
+        run.launch = _closure(c_launch, meta, relevant_paths={1: {0: {}}})
+        assert L.raw_launcher(kernel) is None
+        run.launch, run.gsan_enabled = wrapped, True
+        assert L.raw_launcher(kernel) is None
+        run.gsan_enabled = False
+    run.global_scratch_size = 8
+    assert L.raw_launcher(kernel) is None
 
 
 def test_on_input_device_switches_only_to_another_device(fast):
@@ -213,37 +267,51 @@ class _Recorder:
 def _desc(rnd):
     rows, cols = rnd.choice([16, 64, 128]), rnd.choice([128, 256, 512])
     return SimpleNamespace(base=f"B{rnd.random()}", shape=[rnd.randrange(1, 999), cols], strides=[cols, 1],
-                           padding=rnd.choice(["zero", "nan"]), block_shape=[rows, 128])  # fmt: skip
+                           padding=rnd.choice(["zero", "nan"]), block_shape=[rows, 128], round_f32_to_tf32=False)  # fmt: skip
 
 
 def test_raw_launcher_passes_what_tritons_own_wrapper_passes():
     """The C launcher called directly gets, argument for argument, what Triton's
-    ``wrap_handle_tensordesc`` + launcher object pass it (descriptors expanded in place)."""
+    ``wrap_handle_tensordesc`` + launcher object pass it (descriptors expanded in place), in the
+    installed release's argument list (``direct_launch_abi``)."""
     nv = pytest.importorskip("triton.backends.nvidia.driver")
     rnd = random.Random(11)
     sig = {"w": "tensordesc<fp8e4nv[128, 128]>", "x": "*bf16", "n": "i32", "xd": "tensordesc<fp8e4nv[16, 128]>",
            "k": "i32", "B": "constexpr"}  # fmt: skip
     theirs, ours = _Recorder(), _Recorder()
-    run = SimpleNamespace(launch=nv.wrap_handle_tensordesc(ours, sig, None), global_scratch_size=0,
-                          profile_scratch_size=0, launch_cooperative_grid=False, launch_pdl=True)  # fmt: skip
+    metas = [None, None] if L.ABI == 2 else None  # no layout metadata: decomposed descriptors (3.9 wants a list)
+    run = SimpleNamespace(launch=nv.wrap_handle_tensordesc(ours, sig, metas), global_scratch_size=0,
+                          profile_scratch_size=0, launch_cooperative_grid=False, launch_pdl=True,
+                          arg_annotations=("ann",), kernel_signature=b"sig")  # fmt: skip
     kernel = SimpleNamespace(run=run, function=0xF00, packed_metadata=(4, 1, 0))
     raw = L.raw_launcher(kernel)
-    if "tensordesc_indices" not in run.launch.__code__.co_freevars:  # another release's wrapper (Triton 3.9: shared impl)
+    if L.ABI == 0:  # a release whose launcher no GPU run has checked
         assert raw is None  # declined: Triton's launcher object stays in charge
-        pytest.skip(f"Triton {triton.__version__} wraps its launcher differently; the raw path reads Triton 3.6's")
+        pytest.skip(f"Triton {triton.__version__}'s launcher is not one the direct path knows")
     assert raw is not None and [i for i, _ in raw.descs] == [0, 3]
-    wrapped = nv.wrap_handle_tensordesc(theirs, sig, None)
+    wrapped = nv.wrap_handle_tensordesc(theirs, sig, metas)
     for _ in range(5):
         args = (_desc(rnd), "X", rnd.randrange(1, 10**6), _desc(rnd), rnd.randrange(1, 10**6), 64)
         grid = (rnd.randrange(1, 200), rnd.randrange(1, 9), 1)
         raw(*grid, 1234, *args)
-        wrapped(*grid, 1234, 0xF00, False, True, None, None, (4, 1, 0), None, None, None, *args)
+        if L.ABI == 2:  # CudaLauncher.__call__'s list on Triton 3.9
+            wrapped(*grid, 1234, 0xF00, False, True, (4, 1, 0), None, None, None, None, None, ("ann",), b"sig", args)
+        else:
+            wrapped(*grid, 1234, 0xF00, False, True, None, None, (4, 1, 0), None, None, None, *args)
+    if L.ABI == 2:  # Triton hands the C launcher a list here and a tuple for kernels without descriptors; ours a tuple
+        theirs.calls = [(*c[:-1], tuple(c[-1])) for c in theirs.calls]
     assert ours.calls == theirs.calls and len(ours.calls) == 5
-    assert len(ours.calls[0]) == 13 + 6 + 2 * (4 + 1 + 4)  # each descriptor: base, 2x (shape, strides), padding
+    if L.ABI == 2:  # each descriptor: base, 2x (shape, strides), padding, tf32 rounding; all in one tuple
+        assert len(ours.calls[0]) == 16 and len(ours.calls[0][-1]) == 6 + 2 * (4 + 1 + 1 + 4)
+    else:  # each descriptor: base, 2x (shape, strides), padding
+        assert len(ours.calls[0]) == 13 + 6 + 2 * (4 + 1 + 4)
 
 
 def test_raw_launcher_declines_what_it_cannot_call():
-    run = dict(launch=_Recorder(), global_scratch_size=0, profile_scratch_size=0, launch_cooperative_grid=False, launch_pdl=False)
+    if L.ABI == 0:
+        pytest.skip(f"Triton {triton.__version__}'s launcher is not one the direct path knows")
+    run = dict(launch=_Recorder(), global_scratch_size=0, profile_scratch_size=0, launch_cooperative_grid=False, launch_pdl=False,
+               arg_annotations=(), kernel_signature=b"")  # fmt: skip
     ok = SimpleNamespace(run=SimpleNamespace(**run), function=1, packed_metadata=())
     assert L.raw_launcher(ok) is not None and L.raw_launcher(ok).descs == ()
     scratch = SimpleNamespace(run=SimpleNamespace(**{**run, "global_scratch_size": 256}), function=1, packed_metadata=())
