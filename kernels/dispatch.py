@@ -33,7 +33,7 @@ import torch
 
 from mxq.formats import ElemFormat, ScaleRule, as_elem_format, as_scale_rule
 from mxq.kernels import cpu as cpu_path
-from mxq.kernels.launch import on_input_device
+from mxq.kernels.launch import PlanCache, on_input_device
 from mxq.kernels.reference import mx_linear_reference
 from mxq.kernels.registry import KernelPath, Registry, kernels_spec
 
@@ -231,7 +231,7 @@ if HAS_TRITON:
     ] + _paths  # fmt: skip
 LINEAR = Registry("linear", _paths)
 
-CHOICES: dict = {}  # (problem, kernels spec) -> path; cleared when a Gluon kernel is turned off
+CHOICES = PlanCache()  # (problem, kernels spec) -> path, bounded; cleared when a Gluon kernel is turned off
 
 
 def choose(p: LinearProblem, kernels: str | None = None) -> KernelPath:
@@ -239,7 +239,7 @@ def choose(p: LinearProblem, kernels: str | None = None) -> KernelPath:
     key = (p, kernels)
     path = CHOICES.get(key)
     if path is None:
-        path = CHOICES[key] = LINEAR.choose(p, kernels)
+        path = CHOICES.put(key, LINEAR.choose(p, kernels))
     return path
 
 

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import random
 import warnings
 import zlib
 
@@ -178,6 +179,21 @@ def test_registry_order_and_reference_override():
     assert dispatch.choose(p, "reference") is dispatch.LINEAR["reference"]
     assert dispatch.choose(p, "cpu") is dispatch.LINEAR["cpu"]
     assert not dispatch.LINEAR["cpu"].supports(p._replace(device=torch.device("cuda")))
+
+
+def test_remembered_choices_stay_bounded(monkeypatch):
+    """``choose`` remembers each problem's path in a bounded cache: a long run of distinct shapes
+    (a server seeing every prompt length) keeps at most its limit, and every answer is the
+    registry's own."""
+    from mxq.kernels.launch import PlanCache
+
+    monkeypatch.setattr(dispatch, "CHOICES", PlanCache(5))
+    rnd = random.Random(5)
+    for _ in range(23):
+        m, n = rnd.randrange(1, 3000), 32 * rnd.randrange(1, 40)
+        p = dispatch.LinearProblem.of(m, n, 64, torch.bfloat16, E4M3, ScaleRule.RCEIL, 32, torch.device("cpu"), False)
+        assert dispatch.choose(p) is dispatch.LINEAR.choose(p, None)
+        assert len(dispatch.CHOICES) <= 5
 
 
 def test_no_compiler_falls_back_with_one_warning(monkeypatch):

@@ -39,6 +39,7 @@ from mxq.kernels import cpu as cpu_kernels
 from mxq.kernels import dispatch, gluon_api
 from mxq.kernels import gemm_decode_ws as WS
 from mxq.kernels import gemm_prefill_ws as PWS
+from mxq.kernels.launch import PlanCache
 from mxq.kernels.reference import mx_linear_reference
 
 L = dispatch.LINEAR
@@ -339,7 +340,7 @@ def as_sm90(monkeypatch, sms=132):
     monkeypatch.setattr(gluon_api, "DISABLED", {})
     monkeypatch.setattr(gluon_api, "WARNED", set())
     monkeypatch.setattr(gluon_api, "PROBLEM", None)  # as if the API probe had passed
-    monkeypatch.setattr(dispatch, "CHOICES", {})
+    monkeypatch.setattr(dispatch, "CHOICES", PlanCache())
     of = dispatch.LinearProblem.of
     monkeypatch.setattr(dispatch.LinearProblem, "of", classmethod(
         lambda cls, *a, **kw: of(*a, **kw)._replace(capability=(9, 0), sms=sms, triton=True)))  # fmt: skip

@@ -18,6 +18,7 @@ from mxq.formats import E4M3, ScaleRule, quantize_mx  # noqa: E402
 from mxq.kernels import dispatch, gluon_api  # noqa: E402
 from mxq.kernels import gemm_decode_ws as WS  # noqa: E402
 from mxq.kernels import gemm_prefill_ws as PWS  # noqa: E402
+from mxq.kernels.launch import PlanCache  # noqa: E402
 from mxq.kernels.reference import mx_linear_reference  # noqa: E402
 
 
@@ -26,7 +27,7 @@ def fresh_state(monkeypatch):
     """Fresh Gluon state, no remembered dispatch choices, and every problem seen as on sm_90."""
     monkeypatch.setattr(gluon_api, "DISABLED", {})
     monkeypatch.setattr(gluon_api, "WARNED", set())
-    monkeypatch.setattr(dispatch, "CHOICES", {})
+    monkeypatch.setattr(dispatch, "CHOICES", PlanCache())
     of = dispatch.LinearProblem.of
     monkeypatch.setattr(dispatch.LinearProblem, "of", classmethod(
         lambda cls, *a, **kw: of(*a, **kw)._replace(capability=(9, 0), sms=132, triton=True)))  # fmt: skip
