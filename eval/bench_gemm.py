@@ -216,23 +216,22 @@ def _sweep_configs(m: int, n: int, k: int):
     """Variants around the dispatched config: scale in bf16 or fp32, tile and split choices."""
     import dataclasses
 
-    from mxq.kernels.gemm import GemmConfig as C
     from mxq.kernels.gemm import pick_config
 
+    R = dataclasses.replace
     base = pick_config(m, n, k, torch.device("cuda"))
-    out = [base, dataclasses.replace(base, deq_bf16=True)]
+    out = [base, R(base, deq_bf16=True)]
     if m <= 64:
         for sp in (base.split_k // 2, base.split_k * 2):
             if sp >= 1:
-                out += [dataclasses.replace(base, split_k=sp), dataclasses.replace(base, split_k=sp, deq_bf16=True)]
-        out.append(dataclasses.replace(base, block_n=128 if base.block_n == 64 else 64, deq_bf16=True))
+                out += [R(base, split_k=sp), R(base, split_k=sp, deq_bf16=True)]
+        out.append(R(base, block_n=128 if base.block_n == 64 else 64, deq_bf16=True))
     else:  # prefill: the dispatched tile with its K loop, then one change at a time
-        R = dataclasses.replace
         out += [
             R(base, num_stages=4), R(base, num_stages=2), R(base, group=16), R(base, group=4),
             R(base, block_k=128, num_stages=2),
             R(base, block_m=128, block_n=256), R(base, block_m=128, block_n=128, num_stages=4),
-            C(256, 128, 64, 8, 3, tma_x=True, tma_w=True, deq_bf16=True),  # first K step peeled
+            R(base, peel=True, zero_dot=False),  # the first K step peeled
         ]
     return out
 
