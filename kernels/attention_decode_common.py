@@ -205,6 +205,7 @@ def decode_merge_kernel(
     SPLIT_PAD: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     if PDL:  # launched behind the decode kernel (programmatic dependent launch): wait for its partials
+        gdc_launch_dependents()  # the output projection's GEMM may start streaming its weights
         gdc_wait()
     pid = tl.program_id(0)  # b * Hq + h
     b = pid // Hq

@@ -10,7 +10,8 @@ The MX format as the kernels see it
 - ``SCALE_BIAS``, ``SCALE_NAN`` (E8M0 bias and NaN byte, as constexprs), ``RULE_ID`` (``ScaleRule``
   -> the ``RULE`` constexpr: FLOOR 0, RCEIL 1, EVEN 2, MSE 3), ``fp8_dtype(elem)``;
 - ``hw_cvt(device)``: round with the hardware fp32 -> fp8 conversion; ``pdl_ok(device)``:
-  programmatic dependent launch; the A/B switches ``BIT_ROUNDING`` and ``PDL`` turn them off;
+  programmatic dependent launch, ``pdl_launch(consts)`` its launch option for a kernel with the
+  ``PDL`` constexpr on; the A/B switches ``BIT_ROUNDING`` and ``PDL`` turn them off;
 - ``mx_round_consts(elem, rule, device)``: the constexprs of ``mx_round_codes`` /
   ``mx_round_dequant`` (EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8) for a launch.
 
@@ -111,6 +112,12 @@ def pdl_ok(device: torch.device) -> bool:
     if INTERPRET or device.type != "cuda" or not PDL:
         return False
     return capability(device) >= (9, 0)
+
+
+def pdl_launch(consts: dict) -> dict:
+    """The launch option for a kernel whose ``PDL`` constexpr is on: launched behind its predecessor
+    (programmatic dependent launch), which it waits for (``gdc_wait``) before reading anything."""
+    return {"launch_pdl": True} if consts["PDL"] else {}
 
 
 def mx_round_consts(elem: ElemFormat, rule: ScaleRule, device: torch.device) -> dict:

@@ -8,7 +8,9 @@ Triton's compiler, ptxas and all, which needs no GPU. CI does that with both of 
 (``tests/test_compile_sm90.py``), so a kernel that a new Triton release cannot compile fails CI
 with its name instead of at a user's first call. The Gluon kernels exist only where the Triton
 has the Gluon API they are written for (``gluon_api.HAVE_GLUON``); elsewhere their declared
-fall-back is dispatch's next path, and their variants are reported as not built.
+fall-back is dispatch's next path, and their variants are reported as not built. A Triton kernel
+launched with programmatic dependent launch also fails if its PTX touches global memory before
+``griddepcontrol.wait`` (``pdl_order``): it could read what the kernel before it has not yet written.
 
     python -m mxq.kernels.compile_check record FILE -- PYTEST_ARGS...   (on a GPU: run pytest, note variants)
     python -m mxq.kernels.compile_check select FILE OUT                  (a few variants a kernel)
@@ -21,6 +23,7 @@ import contextlib
 import importlib
 import json
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -159,6 +162,29 @@ def compile_variant(v: dict):
     return triton.compile(src, target=TARGET, options=opts)
 
 
+# Triton kernels launched with programmatic dependent launch that touch global memory before their
+# griddepcontrol.wait, and why that is safe. Every other one must wait first (``pdl_order``).
+PDL_EARLY_ACCESS = {
+    # the router's expert indices, and zero rows for absent slots: the kernel before it (the X
+    # rounding) is not itself launched with PDL, so the router had finished before that one started
+    "mxq.kernels.moe:_grouped_decode_kernel",
+}
+
+
+def pdl_order(v: dict, ptx: str) -> str:
+    """"" if the variant is fine, else why: a (non-Gluon) kernel launched with programmatic dependent
+    launch may start while the kernel before it still runs, so it must not read or write global
+    memory before ``griddepcontrol.wait`` (kernels/NOTES.md, "GEMM: decode fixed cost")."""
+    if not v["options"].get("launch_pdl") or v["gluon"] or v["kernel"] in PDL_EARLY_ACCESS:
+        return ""
+    body = ptx[ptx.index(".entry") :]
+    wait = body.find("griddepcontrol.wait")
+    mem = re.search(r"\b(ld|st|atom|red)\.global|\bcp\.async", body)
+    if mem and (wait < 0 or mem.start() < wait):
+        return f"launched with PDL but {mem.group(0)} comes before griddepcontrol.wait"
+    return ""
+
+
 def check(variants: list[dict]) -> list[tuple[str, str, str]]:
     """(status, kernel, detail) per variant: "ok" (compiled for sm_90), "not-built" (a Gluon kernel
     this Triton cannot build: its declared fall-back runs) or "FAILED" (Triton's error). Run it in a
@@ -174,7 +200,9 @@ def check(variants: list[dict]) -> list[tuple[str, str, str]]:
         try:
             k = compile_variant(v)
             ok = ".target sm_90" in k.asm["ptx"] and len(k.asm["cubin"]) > 0
-            out.append(("ok", v["kernel"], "") if ok else ("FAILED", v["kernel"], "no sm_90 cubin"))
+            why = "" if ok else "no sm_90 cubin"
+            why = why or pdl_order(v, k.asm["ptx"])
+            out.append(("FAILED", v["kernel"], why) if why else ("ok", v["kernel"], ""))
         except Exception as e:  # noqa: BLE001 - reported with the kernel's name
             out.append(("FAILED", v["kernel"], f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
     return out

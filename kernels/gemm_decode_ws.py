@@ -49,6 +49,7 @@ from mxq.kernels.common import (
     capability,
     check_gemm_args,
     e8m0_to_f32,
+    gdc_launch_dependents,
     gdc_wait,
     hw_cvt,
     mx_fast_exponent,
@@ -252,6 +253,7 @@ if HAVE_GLUON:
         # the weight's scale words two steps ahead of their rescale, the first two before anything waits
         sw = gl.load(s_ptrs, mask=nmask, other=0x7F7F7F7F)
         sw1 = gl.load(s_ptrs + 1, mask=nmask & (n_iter > 1), other=0x7F7F7F7F)
+        gdc_wait()  # X comes from the kernel this one was launched behind
         xr = _x_step(x_ptr, rows3, cols3, mmask3, k_lo, K)
         _x_quantize(xr, x_smem.index(0), xs_smem.index(0), x_l, EMAX, MBITS, MAXN, RULE)
         xr = _x_step(x_ptr, rows3, cols3, mmask3, k_lo + 128, K)
@@ -292,10 +294,14 @@ if HAVE_GLUON:
         FUSED: gl.constexpr, HAS_BIAS: gl.constexpr, LOADER_REGS: gl.constexpr, BOX: gl.constexpr,
         FUSE_X: gl.constexpr = False, X_FP8: gl.constexpr = None, X_LAYOUT: gl.constexpr = None,
         EMAX: gl.constexpr = 0, MBITS: gl.constexpr = 0, MAXN: gl.constexpr = 0.0, RULE: gl.constexpr = 1,
+        PDL: gl.constexpr = False,
     ):  # fmt: skip
         """Yᵀ tile [BLOCK_N, BLOCK_M] over this program's K range (4 warps of math + 1 loader warp).
         FUSE_X: X is the raw activations (x_ptr; x_desc unused), quantized by the math warpgroup;
-        otherwise X is the quantizer's fp8 (x_desc) and scales (xs_ptr)."""
+        otherwise X is the quantizer's fp8 (x_desc) and scales (xs_ptr). PDL: the kernel launched
+        behind this one may start at once (it waits for this one before reading what it writes)."""
+        if PDL:
+            gdc_launch_dependents()
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
         k_lo = pid_k * K_SPLIT
@@ -349,12 +355,14 @@ class DecodeWSConfig:
     maxnreg: int = 128
     loader_regs: int = 24
     box: int = 128  # TMA box width in K bytes: 32 (a tile per block) or 128 (one tile per step, sliced)
-    # Programmatic dependent launch: the kernel starts while the X quantizer runs, streams its
-    # first weight tiles, then waits for X (griddepcontrol). Off: the two launches serialize.
+    # Programmatic dependent launch: the kernel starts while the kernel writing X (the quantizer, a
+    # producer, with ``fuse_x`` whatever came before) runs, streams its first weight tiles, then
+    # waits for X (griddepcontrol); and it lets the kernel behind it start the same way. Off: the
+    # launches serialize.
     pdl: bool = True
     # X quantized inside the math warpgroup (one launch, no quantizer): the amax scale rules with
     # the hardware fp8 conversion and box 128; ScaleRule.MSE or ``quantize.BIT_ROUNDING`` keep the
-    # quantizer kernel (and ``pdl``). Faster only where the launch is a large part of the call
+    # quantizer kernel. Faster only where the launch is a large part of the call
     # (``pick_decode_ws_config``): elsewhere the quantization on the math warpgroup's critical
     # path costs more than the quantizer that PDL hides (kernels/NOTES.md, "GEMM: decode fixed cost").
     fuse_x: bool = False
@@ -526,13 +534,15 @@ class _WSPlan:
         self.pre = pre  # X arrives quantized (``x_mx``): no quantizer, nothing to fuse
         self.fuse_x = not pre and cfg.fuse_x and act_rule is not ScaleRule.MSE and cfg.box == 128 and hw_cvt(x.device)
         if self.fuse_x:
-            pdl = False  # one kernel: nothing to overlap with
             consts.update(FUSE_X=True, X_FP8=x_gl, X_LAYOUT=self.x_layout, EMAX=act_elem.emax, MBITS=act_elem.mbits,
                           MAXN=act_elem.max_normal, RULE=RULE_ID[act_rule])  # fmt: skip
         elif not pre:
             self.quantize = quantize_launch(act_elem, act_rule, block_size, write_q=True, write_d=False,
                                             pdl=pdl, device=x.device)  # fmt: skip
             self.qgrid = quantize_grid(m, k, act_rule, block_size)
+        # With PDL the GEMM is launched behind the kernel that writes X (the quantizer, a producer, or
+        # whatever came before: it waits for it before reading X) and lets the one behind it start.
+        consts["PDL"] = pdl
         opts = dict(num_warps=4, maxnreg=cfg.maxnreg, launch_pdl=pdl)
         self.gemm = {f: Launch(mx_decode_ws_kernel, dict(consts, FUSED=f), opts) for f in (False, True)}
         self.has_bias = bias is not None

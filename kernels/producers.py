@@ -24,8 +24,11 @@ exponential are Triton's, so a value can differ from torch's by an ulp before ro
 rarely, by one fp8 step): tests bound that. References: ``reference.rmsnorm_mx_reference``,
 ``reference.silu_mul_mx_reference``.
 
-``PDL``: the kernels let a programmatic-dependent-launch consumer (``gemm_decode_ws``) start and
-stream its weights while they run (sm_90+, not in the interpreter).
+``PDL`` (programmatic dependent launch, sm_90+, not in the interpreter): the kernels let the
+consumer launched behind them (``gemm_decode_ws``) start and stream its weights while they run, and
+are themselves launched behind the kernel before them (a decode GEMM that lets them start early),
+whose finish they wait for before reading anything: in a decode step GEMM, producer and GEMM
+overlap their launches and first weight tiles.
 
 Host cost: an eager decode step calls these three times per layer on one-row inputs, so each call's
 launch is planned once per input signature (``ProducerPlan`` in ``PLANS``: argument checks,
@@ -48,8 +51,10 @@ from mxq.kernels.common import (
     elem_bits,
     fp8_dtype,
     gdc_launch_dependents,
+    gdc_wait,
     hw_cvt,
     mx_round_codes,
+    pdl_launch,
     pdl_ok,
     pow2_f32,
 )
@@ -80,9 +85,12 @@ def _store_mx(v, row64, cols, K, y_ptr, q_ptr, s_ptr, stride_y, stride_q, stride
 
 @triton.jit
 def _start_row(PDL: tl.constexpr):
-    """This program's row; first, with PDL, the consumer launched behind this kernel may start."""
+    """This program's row. With PDL, first: the consumer launched behind this kernel may start
+    (it streams its weights, then waits for this kernel), then wait for the kernel this one was
+    launched behind (it wrote x) to finish."""
     if PDL:
         gdc_launch_dependents()
+        gdc_wait()
     return tl.program_id(0).to(tl.int64)
 
 
@@ -170,7 +178,9 @@ class ProducerPlan:
 
     def __init__(self, fn, grid, consts: dict, options: dict, m: int, k: int, out_shape, elem: ElemFormat,
                  block_size: int, device: torch.device, add: bool):  # fmt: skip
-        self.go = Launch(fn, consts, options)
+        # with PDL the kernel is itself launched behind its predecessor (a decode GEMM lets it start
+        # early) and waits for it before reading anything (``_start_row``)
+        self.go = Launch(fn, consts, dict(options, **pdl_launch(consts)))
         self.grid, self.m, self.k, self.out_shape, self.add = grid, m, k, out_shape, add
         self.q_dtype, self.nblk = elem.torch_dtype, k // block_size
         self.device, self.dev_index = device, device.index if device.type == "cuda" else -1

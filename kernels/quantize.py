@@ -31,9 +31,11 @@ from mxq.kernels.common import (
     elem_bits,
     fp8_dtype,
     gdc_launch_dependents,
+    gdc_wait,
     hw_cvt,
     mx_fast_exponent,
     mx_scaled,
+    pdl_launch,
     pdl_ok,
     pow2_f32,
     round_to_elem,
@@ -101,6 +103,8 @@ def quantize_rows_kernel(
         # A kernel launched after this one with programmatic dependent launch (gemm_decode_ws)
         # may start now: it streams its weights and waits (griddepcontrol.wait) before reading X.
         gdc_launch_dependents()
+        # this one is launched the same way behind the kernel that wrote X: wait for it
+        gdc_wait()
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -189,7 +193,7 @@ def quantize_launch(
     """``quantize_rows_kernel``'s launch for one plan (``gemm_decode_ws``). Runtime arguments:
     x, q, s, d, M, K, KP (K padded to blocks), NBLK, and the row strides of x, q, s, d."""
     consts, warps = _quantize_consts(elem, rule, block_size, write_q, write_d, pdl, device, tile)
-    return Launch(quantize_rows_kernel, consts, dict(num_warps=warps))
+    return Launch(quantize_rows_kernel, consts, dict(num_warps=warps, **pdl_launch(consts)))
 
 
 def _launch(x2, elem: ElemFormat, rule: ScaleRule, block_size: int, q, s, d, tile=None, pdl=False):
@@ -203,7 +207,7 @@ def _launch(x2, elem: ElemFormat, rule: ScaleRule, block_size: int, q, s, d, til
          m, k, nblk * block_size, nblk,
          x2.stride(0), q.stride(0) if q is not None else 0, s.stride(0) if s is not None else 0,
          d.stride(0) if d is not None else 0),
-        consts, num_warps=warps,
+        consts, num_warps=warps, **pdl_launch(consts),
     )  # fmt: skip
 
 

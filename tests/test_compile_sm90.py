@@ -112,3 +112,24 @@ def test_record_notes_mxq_kernels_and_merges(tmp_path, monkeypatch, capsys):
     assert [r["kernel"] for r in rows] == ["mxq.kernels.moe_decode:down_combine_kernel"] * 2 + ["mxq.kernels.x:k"]
     assert sorted(r["constexprs"]["BK"] for r in rows[:2]) == [128, 256]
     assert rows[0]["options"]["num_warps"] == 8 and rows[0]["attrs"] == {"K": [["tt.divisibility", 16]]}
+
+
+def test_pdl_order_finds_a_read_before_the_wait():
+    """A kernel launched with PDL that loads or stores global memory before griddepcontrol.wait is
+    reported (it may run beside the kernel that writes its input); waiting first, no PDL, a Gluon
+    kernel (checked in its SASS tests) and a declared exception are not."""
+    head = ".version 8.7\n.target sm_90\n.visible .entry k(\n.param .u64 p\n)\n{\n"
+    early = head + "ld.global.b32 %r1, [%rd1];\ngriddepcontrol.wait;\nst.global.b32 [%rd2], %r1;\n}\n"
+    late = head + "griddepcontrol.launch_dependents;\ngriddepcontrol.wait;\nld.global.b32 %r1, [%rd1];\n}\n"
+    never = head + "cp.async.ca.shared.global [%r2], [%rd1], 16;\n}\n"
+
+    def v(kernel="mxq.kernels.producers:_rmsnorm_mx_kernel", pdl=True, gluon=False):
+        return {"kernel": kernel, "options": {"launch_pdl": pdl}, "gluon": gluon}
+
+    assert "ld.global comes before griddepcontrol.wait" in compile_check.pdl_order(v(), early)
+    assert "cp.async" in compile_check.pdl_order(v(), never)
+    assert compile_check.pdl_order(v(), late) == ""
+    assert compile_check.pdl_order(v(pdl=False), early) == ""
+    assert compile_check.pdl_order(v(gluon=True), early) == ""
+    for exempt in compile_check.PDL_EARLY_ACCESS:
+        assert compile_check.pdl_order(v(exempt), early) == ""

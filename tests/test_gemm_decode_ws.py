@@ -337,3 +337,71 @@ def test_gpu_decode_ws_nonfinite_and_dispatch():
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(yg, y)
+
+
+def _decode_chain(x, res, layers, eps=1e-5):
+    """The decode step's kernels in a row, as a fused model launches them: per layer the residual
+    add + RMSNorm producer, the gate/up GEMM on its codes, the SiLU·up producer, the down GEMM on
+    its codes, then a GEMM that quantizes its X itself (``fuse_x`` on) and one behind the
+    quantizer kernel (``fuse_x`` off); each output is the next one's input."""
+    from mxq.kernels import producers as P
+
+    for nw, gu_w, d_w, o_w, o_cfg, q_cfg in layers:
+        h, y, q, s = P.add_rmsnorm_mx(x, res, nw, eps, E4M3)
+        gu = WS.mx_decode_gemm_ws(y, *gu_w, x_mx=(q, s))
+        y2, q2, s2 = P.silu_mul_mx(gu, E4M3)
+        d = WS.mx_decode_gemm_ws(y2, *d_w, x_mx=(q2, s2))
+        o = WS.mx_decode_gemm_ws(d, *o_w, config=o_cfg)
+        x, res = WS.mx_decode_gemm_ws(o, *o_w, config=q_cfg), h
+    return x, res
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 5])
+def test_gpu_decode_chain_pdl_same_bits(monkeypatch, m):
+    """Programmatic dependent launch along a decode step: every GEMM lets the kernel behind it
+    start at once, and the producers, the quantizer and the fused-X GEMM are themselves launched
+    behind their predecessor (each waits for it before reading). Eagerly and in a CUDA graph
+    replayed on new inputs, the chain's bits equal those of the same chain with PDL off (every
+    launch serialized): no kernel reads an input before its writer finished."""
+    from mxq.kernels import common
+    from mxq.kernels import producers as P
+
+    gen = torch.Generator().manual_seed(7 + m)
+    hid, inter = 2048, 5632
+    layers = []
+    for _ in range(3):
+        nw = (1 + 0.1 * torch.randn(hid, generator=gen)).to(torch.bfloat16).to(DEV)
+        gu_w, d_w, o_w = (mx_weight(n, k, E4M3, gen)[:2] for n, k in ((2 * inter, hid), (hid, inter), (hid, hid)))
+        o_cfg = WS.pick_decode_ws_config(m, hid, hid, torch.device(DEV))
+        assert o_cfg.pdl
+        layers.append((nw, gu_w, d_w, o_w, dataclasses.replace(o_cfg, fuse_x=True), dataclasses.replace(o_cfg, fuse_x=False)))
+
+    def inputs():
+        return (activations(m, hid, torch.bfloat16, gen, special=False, decades=(-1, 1)),
+                activations(m, hid, torch.bfloat16, gen, special=False, decades=(-1, 1)))  # fmt: skip
+
+    def serialized(x, res):
+        with monkeypatch.context() as mp:
+            mp.setattr(common, "PDL", False)
+            mp.setattr(P, "PLANS", launch.PlanCache())  # producer plans hold their PDL constexpr
+            return _decode_chain(x, res, layers)
+
+    x, res = inputs()
+    on = _decode_chain(x, res, layers)
+    off = serialized(x, res)
+    assert all(torch.equal(a, b) for a, b in zip(on, off))
+    assert torch.isfinite(on[0]).all()
+    xin, rin = torch.empty_like(x), torch.empty_like(res)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = _decode_chain(xin, rin, layers)
+    for _ in range(3):
+        x, res = inputs()
+        xin.copy_(x)
+        rin.copy_(res)
+        g.replay()
+        torch.cuda.synchronize()
+        ref = serialized(x, res)
+        assert all(torch.equal(a, b) for a, b in zip(out, ref))

@@ -195,14 +195,14 @@ def test_decode_ws_compiles_warp_specialized(tmp_path):
 def test_decode_ws_fused_x_compiles(tmp_path):
     """With X quantized inside the kernel (--fuse-x): the same 16 fp8 wgmmas, X rounded by the
     hardware conversion (F2FP.SATFINITE.E4M3), its tiles stored to shared memory and fenced for the
-    async proxy, only W by TMA (3 of the unfused kernel's 6 TMA loads), no wait for a producer
-    kernel, no spills, at most 128 registers at launch."""
+    async proxy, only W by TMA (3 of the unfused kernel's 6 TMA loads), a wait for the kernel before
+    it (which wrote X), no spills, at most 128 registers at launch."""
     pytest.importorskip("triton.experimental.gluon")
     out = _cli("--kernel", "decode_ws", "--split-k", "4", "--stages", "2", "--maxnreg", "128", "--fuse-x", "--out", str(tmp_path))
     sass = (tmp_path / "k.sass").read_text()
     assert len(re.findall(r"QGMMA\.64x16x32\.F32\.E4M3\.E4M3", sass)) == 16
     assert "F2FP.SATFINITE.E4M3.F32.PACK" in sass and "STS" in sass and "FENCE.VIEW.ASYNC.S" in sass
-    assert len(re.findall(r"UTMALDG", sass)) == 3 and "ACQBULK" not in sass
+    assert len(re.findall(r"UTMALDG", sass)) == 3 and "ACQBULK" in sass
     assert not re.search(r"\b(LDL|STL)\b", sass), "register spills"
     assert int(re.search(r"registers/thread (\d+)", out).group(1)) <= 128
 
@@ -227,18 +227,27 @@ def test_decode_ws_64_row_tiles_compile(tmp_path, maxnreg, block_m):
 
 
 @needs_gluon
-def test_decode_ws_waits_for_the_quantizer(tmp_path):
-    """Programmatic dependent launch: the decode kernel waits for its producer (griddepcontrol.wait,
-    ACQBULK in SASS) before it reads X; the quantizer it follows can release it early."""
+@pytest.mark.parametrize("fuse_x", [False, True])
+def test_decode_ws_waits_for_the_quantizer(tmp_path, fuse_x):
+    """Programmatic dependent launch: the decode kernel waits for the kernel that writes X
+    (griddepcontrol.wait, ACQBULK in SASS) before it reads X, with X quantized inside it too, and
+    lets the kernel behind it start (griddepcontrol.launch_dependents) before its weight stream;
+    the quantizer and the producers it follows release it early and wait for their own writer."""
     pytest.importorskip("triton.experimental.gluon")
-    _cli("--kernel", "decode_ws", "--split-k", "4", "--stages", "2", "--maxnreg", "128", "--out", str(tmp_path))
-    assert "griddepcontrol.wait" in (tmp_path / "k.ptx").read_text()
+    _cli("--kernel", "decode_ws", "--split-k", "4", "--stages", "2", "--maxnreg", "128", "--out", str(tmp_path),
+         *(["--fuse-x"] if fuse_x else []))  # fmt: skip
+    ptx = (tmp_path / "k.ptx").read_text()
+    assert "griddepcontrol.wait" in ptx
+    assert ptx.index("griddepcontrol.launch_dependents") < ptx.index("cp.async.bulk.tensor")
     assert "ACQBULK" in (tmp_path / "k.sass").read_text()
     import inspect
 
-    from mxq.kernels import common, quantize
+    from mxq.kernels import common, producers, quantize
 
-    assert "gdc_launch_dependents()" in inspect.getsource(quantize.quantize_rows_kernel.fn)
+    src = inspect.getsource(quantize.quantize_rows_kernel.fn)
+    assert src.index("gdc_launch_dependents()") < src.index("gdc_wait()") < src.index("tl.load(")
+    src = inspect.getsource(producers)
+    assert src.index("gdc_launch_dependents()\n        gdc_wait()") < src.index("def _rmsnorm_mx_kernel")
     assert "griddepcontrol.launch_dependents" in inspect.getsource(common.gdc_launch_dependents.fn)
 
 

@@ -126,14 +126,15 @@ def compile_decode_f8(block_m=16, block_n=128, kb=4, warps=4, stages=4, split=4,
 
 def compile_decode_ws(block_m=16, stages=2, split=4, box=128, maxnreg=128, loader_regs=24, fuse_x=False, block_n=128):
     """``gemm_decode_ws.mx_decode_ws_kernel`` (Gluon) for sm_90 as mx_decode_gemm_ws launches it
-    (E4M3 W and X, bf16 out, no bias); ``fuse_x``: bf16 X quantized in the kernel (RCEIL)."""
+    (E4M3 W and X, bf16 out, no bias, programmatic dependent launch on); ``fuse_x``: bf16 X
+    quantized in the kernel (RCEIL)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from mxq.kernels import gemm_decode_ws as W
 
     cons = dict(BLOCK_N=block_n, BLOCK_M=block_m, STAGES=stages, SPLIT=split, FUSED=True, HAS_BIAS=False,
-                LOADER_REGS=loader_regs, BOX=box)  # fmt: skip
+                LOADER_REGS=loader_regs, BOX=box, PDL=True)  # fmt: skip
     lw = gl.NVMMASharedLayout.get_default_for([block_n, box], gl.float8e4nv)
     lx = gl.NVMMASharedLayout.get_default_for([block_m, box], gl.float8e4nv)
     w_desc = f"tensordesc<fp8e4nv[{block_n}, {box}],{lw!r}>"
