@@ -10,7 +10,10 @@ mxq result is checked against a float32 product of the dequantized operands firs
 Also: activation quantization bandwidth against device-to-device copy bandwidth, and for decode
 sizes (M <= 16) the bytes each GEMM reads per second as a share of a measured copy bandwidth
 (``copy_bandwidth``: one 1 GiB device-to-device copy, read + write bytes), beside a copy moving the
-GEMM's bytes, timed the same way (``same_bytes_copy``): the share a single launch of that size reaches.
+GEMM's bytes, timed the same way (``same_bytes_copy``): the share a single launch of that size reaches;
+and the W8A8 decode GEMM "chained" (``chained_us``): on the producer's codes with the residual-add +
+RMSNorm producer between calls, as in a fused decode step, where each kernel launches behind the one
+before it and overlaps its ramp with that one's tail (programmatic dependent launch).
 Prints tables of ratios (baseline time / mxq time, > 1 is faster) and writes JSON.
 """
 
@@ -57,6 +60,25 @@ def graph_us(fns) -> float:
     from mxq.kernels.tune import time_interleaved
 
     return time_interleaved({"call": fns}, rounds=5, reps=5)["call"]
+
+
+def producer_separator(k: int = 4096):
+    """The decode GEMM's neighbour in a fused model: the residual-add + RMSNorm producer of one token
+    row of ``k`` (launched behind the kernel before it, letting the one behind it start: programmatic
+    dependent launch)."""
+    from mxq.formats import E4M3
+    from mxq.kernels.producers import add_rmsnorm_mx
+
+    x, r, w = (torch.ones(1, k, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    return lambda: add_rmsnorm_mx(x, r, w[0], 1e-5, E4M3)
+
+
+def chained_us(fns, sep) -> float:
+    """``graph_us`` with ``sep`` between the calls instead of a plain kernel: the cost of each call
+    in a chain of kernels that overlap their launches and ramps, as in a fused decode step."""
+    from mxq.kernels.tune import time_interleaved
+
+    return time_interleaved({"call": fns}, rounds=5, reps=5, sep=sep)["call"]
 
 
 def weight_copies(nbytes: int) -> int:
@@ -196,6 +218,15 @@ def bench_gemm(models, ms, sweep: bool, sweep_ms=(1, 16, 64, 2048)) -> tuple[lis
                     row["cublas_weight_gbs"] = 2 * n * k / row["cublas_bf16_us"] / 1e3
                 if m <= 16:  # the floor for one launch of this many bytes: a copy moving them, timed alike
                     row["same_bytes_copy_us"], row["same_bytes_copy_gbs"] = same_bytes_copy(read_bytes(m, n, k, 1 + 1 / 32))
+                    # as in a fused decode step: X's codes from the producer, the producer between calls
+                    xq, xs = quantize_mx_rows(x, E4M3, ScaleRule.RCEIL)
+                    try:
+                        t = chained_us([lambda p=p: mx_linear(x, *p, None, act_elem=E4M3, x_mx=(xq, xs)) for p in packs],
+                                       producer_separator(LLAMA_SHAPES[model]["o"][0]))  # fmt: skip
+                        row["mxq_w8a8_chained_us"] = t
+                        row["mxq_w8a8_chained_gbs"] = read_bytes(m, n, k, 1 + 1 / 32) / t / 1e3
+                    except Exception as e:  # reported, not fatal
+                        row["mxq_w8a8_chained_us"] = f"error: {type(e).__name__}: {str(e)[:120]}"
                 rows.append(row)
                 print(_row_line(row), flush=True)
                 if sweep and model == "8b" and m in sweep_ms:
@@ -273,8 +304,8 @@ def print_tables(res: dict) -> None:
         cp = res["copy_gbs"]
         print(f"\n## Decode (M <= 16): bytes read per second, share of the copy bandwidth ({cp:.0f} GB/s)")
         print("| model | layer | M | W8A8 µs | W8A8 GB/s | % copy | W8A16 GB/s | % copy | cuBLAS bf16 GB/s | % copy | W8A8 ×cuBLAS "
-              "| a copy of the W8A8 bytes: µs | its % copy |")  # fmt: skip
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+              "| a copy of the W8A8 bytes: µs | its % copy | W8A8 chained µs | % copy |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         pct = lambda v: f"{100 * v / cp:.0f}" if isinstance(v, float) else "-"
         for r in res["gemm"]:
             if r["m"] > 16:
@@ -282,7 +313,8 @@ def print_tables(res: dict) -> None:
             a, b, c = r.get("mxq_w8a8_gbs"), r.get("mxq_w8a16_gbs"), r.get("cublas_bf16_gbs")
             print(f"| {r['model']} | {r['layer']} | {r['m']} | {_fmt(r['mxq_w8a8_us'])} | {_fmt(a, '.0f')} | {pct(a)} | "
                   f"{_fmt(b, '.0f')} | {pct(b)} | {_fmt(c, '.0f')} | {pct(c)} | {_fmt(_ratio(r['cublas_bf16_us'], r['mxq_w8a8_us']), '.2f')} | "
-                  f"{_fmt(r.get('same_bytes_copy_us'))} | {pct(r.get('same_bytes_copy_gbs'))} |")
+                  f"{_fmt(r.get('same_bytes_copy_us'))} | {pct(r.get('same_bytes_copy_gbs'))} | "
+                  f"{_fmt(r.get('mxq_w8a8_chained_us'))} | {pct(r.get('mxq_w8a8_chained_gbs'))} |")
     if res.get("quantize"):
         print("\n## Activation quantization (bf16 in), fraction of copy bandwidth")
         print("| M×K | rule | copy GB/s | MX (fp8+scales) GB/s | frac | MX-rounded bf16 GB/s | frac |")

@@ -253,7 +253,9 @@ def separator():
     """A call that launches one small elementwise kernel (a bf16 multiply over 4096 values, the size
     of a token's hidden state), put between the timed calls as a model puts a norm or an add
     between its GEMMs and its attention. Without it, chained copies of one kernel overlap through
-    programmatic dependent launch (PDL), which a model's neighbours do not."""
+    programmatic dependent launch (PDL); with it each call is timed on its own, ramp and tail
+    included (``eval/bench_gemm.py`` also times the decode GEMM between the PDL producers that
+    neighbour it in a fused model)."""
     import torch
 
     buf = torch.ones(1, 4096, dtype=torch.bfloat16, device="cuda")
@@ -265,12 +267,12 @@ def separated(calls: list, sep) -> list:
     return [f for call in calls for f in (call, sep)]
 
 
-def time_interleaved(fns: dict[str, list], rounds: int = 7, reps: int = 5) -> dict[str, float]:
+def time_interleaved(fns: dict[str, list], rounds: int = 7, reps: int = 5, sep=None) -> dict[str, float]:
     """Median µs per call of each named list of calls (one list = the same kernel over several
     weight copies), CUDA-graph replays interleaved across candidates (module doc): each graph makes
-    the calls cycled to ``MIN_GRAPH_CALLS``, a ``separator`` kernel after each; the median time of a
-    graph of separators alone is subtracted."""
-    sep = separator()
+    the calls cycled to ``MIN_GRAPH_CALLS``, a ``separator`` kernel (or the call ``sep``) after each;
+    the median time of a graph of separators alone is subtracted."""
+    sep = sep or separator()
     graphs, base = {}, {}  # name or ("sep", calls) -> (graph, calls); name -> its separators' graph
     for name, calls in fns.items():
         calls = graph_calls(calls)
