@@ -50,7 +50,14 @@ try:
     import triton.language as tl
 
     from mxq.kernels.attention_decode_common import decode_merge_kernel
-    from mxq.kernels.common import INTERPRET, sm_count
+    from mxq.kernels.common import (
+        INTERPRET,
+        gdc_launch_dependents,
+        gdc_wait,
+        pdl_launch,
+        pdl_ok,
+        sm_count,
+    )
     from mxq.kernels.launch import call
 
     HAS_TRITON = True
@@ -75,10 +82,16 @@ if HAS_TRITON:
         stride_mb, stride_ob, stride_oh,
         G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr,
         DOT: tl.constexpr, SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, SINKS: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
         """Program (b · Hkv + kv head, split): the kv head's GROUP query rows against keys
         [split · SPLIT_N, +SPLIT_N) (module doc). One split: the normalized rows into Out; several: m, l
-        (log2 domain) and the unnormalized rows into ML and ACC, row (b · Hq + h) · nsplit + split."""
+        (log2 domain) and the unnormalized rows into ML and ACC, row (b · Hq + h) · nsplit + split.
+        PDL: the kernel behind this one (the output projection's GEMM, or the merge) may launch at
+        once; this one is launched behind its own predecessor and waits for it before any read."""
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         pid = tl.program_id(0)
         sid = tl.program_id(1)
         nsplit = tl.num_programs(1)
@@ -199,8 +212,11 @@ def _run_kernel(p: SdpaDecodeProblem, q, k, v, mask, scale, sinks=None):
     splits, per = plan_splits(b, hkv, n, INTERPRET_SMS if interp else sm_count(q.device))
     block_d = max(16, next_pow2(d))
     dot = tl.float32 if interp else (tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16)
+    # programmatic dependent launch: the output projection's GEMM streams its first weight tiles while
+    # this attention runs (kernels/NOTES.md, "GEMM: decode fixed cost")
+    pdl = pdl_ok(q.device)
     consts = dict(G_PAD=max(16, next_pow2(group)), BLOCK_N=BLOCK_N, BLOCK_D=block_d, MASK=mk, DOT=dot, SPLIT=splits > 1,
-                  NUM_STAGES=2, SINKS=sinks is not None)
+                  NUM_STAGES=2, SINKS=sinks is not None, PDL=pdl)
     if splits > 1:
         ml = torch.empty((b * hq * splits, 2), dtype=torch.float32, device=q.device)
         acc = torch.empty((b * hq * splits, block_d), dtype=torch.float32, device=q.device)
@@ -213,10 +229,11 @@ def _run_kernel(p: SdpaDecodeProblem, q, k, v, mask, scale, sinks=None):
          (q, k, v, m_arg, sinks if sinks is not None else out, out, ml, acc, hkv, n, d, group, scale * LOG2E, per,
           q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
           stride_mb, out.stride(0), out.stride(2)),
-         consts, num_warps=4)  # fmt: skip
+         consts, num_warps=4, **pdl_launch(consts))  # fmt: skip
     if splits > 1:
+        merge = dict(SPLIT_PAD=max(2, next_pow2(splits)), BLOCK_D=block_d, PDL=pdl)
         call(decode_merge_kernel, (b * hq,), (ml, acc, out, hq, d, splits, out.stride(0), out.stride(2)),
-             dict(SPLIT_PAD=max(2, next_pow2(splits)), BLOCK_D=block_d), num_warps=4)  # fmt: skip
+             merge, num_warps=4, **pdl_launch(merge))  # fmt: skip
     return out
 
 

@@ -342,16 +342,20 @@ def test_gpu_decode_ws_nonfinite_and_dispatch():
 def _decode_chain(x, res, layers, eps=1e-5):
     """The decode step's kernels in a row, as a fused model launches them: per layer the residual
     add + RMSNorm producer, the gate/up GEMM on its codes, the SiLU·up producer, the down GEMM on
-    its codes, then a GEMM that quantizes its X itself (``fuse_x`` on) and one behind the
-    quantizer kernel (``fuse_x`` off); each output is the next one's input."""
+    its codes, attention of that output (as 16 query heads of 128) over a cache of 4 kv heads (one
+    launch, and a split context: kernel + merge), then a GEMM that quantizes its X itself
+    (``fuse_x`` on) and one behind the quantizer kernel (``fuse_x`` off); each output is the next
+    one's input."""
     from mxq.kernels import producers as P
+    from mxq.kernels.attention_sdpa_decode import sdpa_decode
 
-    for nw, gu_w, d_w, o_w, o_cfg, q_cfg in layers:
+    for nw, gu_w, d_w, o_w, o_cfg, q_cfg, kv in layers:
         h, y, q, s = P.add_rmsnorm_mx(x, res, nw, eps, E4M3)
         gu = WS.mx_decode_gemm_ws(y, *gu_w, x_mx=(q, s))
         y2, q2, s2 = P.silu_mul_mx(gu, E4M3)
         d = WS.mx_decode_gemm_ws(y2, *d_w, x_mx=(q2, s2))
-        o = WS.mx_decode_gemm_ws(d, *o_w, config=o_cfg)
+        a = sdpa_decode(d.view(d.shape[0], 16, 1, 128), kv, kv)
+        o = WS.mx_decode_gemm_ws(a.reshape(d.shape), *o_w, config=o_cfg)
         x, res = WS.mx_decode_gemm_ws(o, *o_w, config=q_cfg), h
     return x, res
 
@@ -360,9 +364,10 @@ def _decode_chain(x, res, layers, eps=1e-5):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 5])
 def test_gpu_decode_chain_pdl_same_bits(monkeypatch, m):
-    """Programmatic dependent launch along a decode step: every GEMM lets the kernel behind it
-    start at once, and the producers, the quantizer and the fused-X GEMM are themselves launched
-    behind their predecessor (each waits for it before reading). Eagerly and in a CUDA graph
+    """Programmatic dependent launch along a decode step: every GEMM and the attention let the
+    kernel behind them start at once, and the producers, the attention, the quantizer and the
+    fused-X GEMM are themselves launched behind their predecessor (each waits for it before
+    reading). Eagerly and in a CUDA graph
     replayed on new inputs, the chain's bits equal those of the same chain with PDL off (every
     launch serialized): no kernel reads an input before its writer finished."""
     from mxq.kernels import common
@@ -376,7 +381,8 @@ def test_gpu_decode_chain_pdl_same_bits(monkeypatch, m):
         gu_w, d_w, o_w = (mx_weight(n, k, E4M3, gen)[:2] for n, k in ((2 * inter, hid), (hid, inter), (hid, hid)))
         o_cfg = WS.pick_decode_ws_config(m, hid, hid, torch.device(DEV))
         assert o_cfg.pdl
-        layers.append((nw, gu_w, d_w, o_w, dataclasses.replace(o_cfg, fuse_x=True), dataclasses.replace(o_cfg, fuse_x=False)))
+        kv = torch.randn(m, 4, (160, 4000)[len(layers) % 2], 128, generator=gen).to(torch.bfloat16).to(DEV)
+        layers.append((nw, gu_w, d_w, o_w, dataclasses.replace(o_cfg, fuse_x=True), dataclasses.replace(o_cfg, fuse_x=False), kv))
 
     def inputs():
         return (activations(m, hid, torch.bfloat16, gen, special=False, decades=(-1, 1)),
