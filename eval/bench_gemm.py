@@ -11,7 +11,7 @@ Also: activation quantization bandwidth against device-to-device copy bandwidth,
 sizes (M <= 16) the bytes each GEMM reads per second as a share of a measured copy bandwidth
 (``copy_bandwidth``: one 1 GiB device-to-device copy, read + write bytes), beside a copy moving the
 GEMM's bytes, timed the same way (``same_bytes_copy``): the share a single launch of that size reaches;
-and the W8A8 decode GEMM "chained" (``chained_us``): on the producer's codes with the residual-add +
+and the W8A8 decode GEMM "chained" (``graph_us`` with ``producer_separator``): on the producer's codes with the residual-add +
 RMSNorm producer between calls, as in a fused decode step, where each kernel launches behind the one
 before it and overlaps its ramp with that one's tail (programmatic dependent launch).
 Prints tables of ratios (baseline time / mxq time, > 1 is faster) and writes JSON.
@@ -51,15 +51,17 @@ def median_us(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3  # µs
 
 
-def graph_us(fns) -> float:
+def graph_us(fns, sep=None) -> float:
     """Median µs per call of ``fns`` (the same call over different weight copies, so weights come
     from HBM, not L2, as in a model), timed as CUDA-graph replays by ``tune.time_interleaved``: at
     least ``tune.MIN_GRAPH_CALLS`` calls a graph, a model-like separator kernel between calls
     (subtracted), the graph's launch latency hidden behind a spin kernel. Graphs remove launch
-    gaps, which at decode sizes would otherwise be most of what is measured."""
+    gaps, which at decode sizes would otherwise be most of what is measured. ``sep``: the call put
+    between calls instead of the plain kernel (``producer_separator``: the cost of each call in a
+    chain of kernels that overlap their launches and ramps, as in a fused decode step)."""
     from mxq.kernels.tune import time_interleaved
 
-    return time_interleaved({"call": fns}, rounds=5, reps=5)["call"]
+    return time_interleaved({"call": fns}, rounds=5, reps=5, sep=sep)["call"]
 
 
 def producer_separator(k: int = 4096):
@@ -73,14 +75,6 @@ def producer_separator(k: int = 4096):
     return lambda: add_rmsnorm_mx(x, r, w[0], 1e-5, E4M3)
 
 
-def chained_us(fns, sep) -> float:
-    """``graph_us`` with ``sep`` between the calls instead of a plain kernel: the cost of each call
-    in a chain of kernels that overlap their launches and ramps, as in a fused decode step."""
-    from mxq.kernels.tune import time_interleaved
-
-    return time_interleaved({"call": fns}, rounds=5, reps=5, sep=sep)["call"]
-
-
 def weight_copies(nbytes: int) -> int:
     """Weight copies whose total exceeds three times an L2 of 60 MB (the H200's), at most 8."""
     from mxq.kernels import tune
@@ -88,9 +82,9 @@ def weight_copies(nbytes: int) -> int:
     return tune.weight_copies(nbytes, 60_000_000)
 
 
-def _try(fn, graph=None):
+def _try(fn, graph=None, sep=None):
     try:
-        return graph_us(graph) if graph is not None else median_us(fn)
+        return graph_us(graph, sep) if graph is not None else median_us(fn)
     except Exception as e:  # a baseline that cannot take the shape is reported, not fatal
         return f"error: {type(e).__name__}: {str(e)[:120]}"
 
@@ -217,16 +211,15 @@ def bench_gemm(models, ms, sweep: bool, sweep_ms=(1, 16, 64, 2048)) -> tuple[lis
                 if isinstance(row["cublas_bf16_us"], float):
                     row["cublas_weight_gbs"] = 2 * n * k / row["cublas_bf16_us"] / 1e3
                 if m <= 16:  # the floor for one launch of this many bytes: a copy moving them, timed alike
-                    row["same_bytes_copy_us"], row["same_bytes_copy_gbs"] = same_bytes_copy(read_bytes(m, n, k, 1 + 1 / 32))
+                    nbytes = read_bytes(m, n, k, 1 + 1 / 32)
+                    row["same_bytes_copy_us"], row["same_bytes_copy_gbs"] = same_bytes_copy(nbytes)
                     # as in a fused decode step: X's codes from the producer, the producer between calls
                     xq, xs = quantize_mx_rows(x, E4M3, ScaleRule.RCEIL)
-                    try:
-                        t = chained_us([lambda p=p: mx_linear(x, *p, None, act_elem=E4M3, x_mx=(xq, xs)) for p in packs],
-                                       producer_separator(LLAMA_SHAPES[model]["o"][0]))  # fmt: skip
-                        row["mxq_w8a8_chained_us"] = t
-                        row["mxq_w8a8_chained_gbs"] = read_bytes(m, n, k, 1 + 1 / 32) / t / 1e3
-                    except Exception as e:  # reported, not fatal
-                        row["mxq_w8a8_chained_us"] = f"error: {type(e).__name__}: {str(e)[:120]}"
+                    t = _try(None, [lambda p=p: mx_linear(x, *p, None, act_elem=E4M3, x_mx=(xq, xs)) for p in packs],
+                             producer_separator(LLAMA_SHAPES[model]["o"][0]))  # fmt: skip
+                    row["mxq_w8a8_chained_us"] = t
+                    if isinstance(t, float):
+                        row["mxq_w8a8_chained_gbs"] = nbytes / t / 1e3
                 rows.append(row)
                 print(_row_line(row), flush=True)
                 if sweep and model == "8b" and m in sweep_ms:

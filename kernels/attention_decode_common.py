@@ -36,6 +36,7 @@ from mxq.kernels.attention_rotate import (
 from mxq.kernels.common import (
     INTERPRET,
     capability,
+    gdc_follow,
     gdc_launch_dependents,
     gdc_wait,
     mx_round_codes,
@@ -204,9 +205,8 @@ def decode_merge_kernel(
     stride_ob, stride_oh,
     SPLIT_PAD: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
-    if PDL:  # launched behind the decode kernel (programmatic dependent launch): wait for its partials
-        gdc_launch_dependents()  # the output projection's GEMM may start streaming its weights
-        gdc_wait()
+    if PDL:  # the output projection's GEMM may start streaming its weights; wait for the decode kernel's partials
+        gdc_follow()
     pid = tl.program_id(0)  # b * Hq + h
     b = pid // Hq
     h = pid % Hq

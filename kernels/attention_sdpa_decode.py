@@ -52,8 +52,7 @@ try:
     from mxq.kernels.attention_decode_common import decode_merge_kernel
     from mxq.kernels.common import (
         INTERPRET,
-        gdc_launch_dependents,
-        gdc_wait,
+        gdc_follow,
         pdl_launch,
         pdl_ok,
         sm_count,
@@ -90,8 +89,7 @@ if HAS_TRITON:
         PDL: the kernel behind this one (the output projection's GEMM, or the merge) may launch at
         once; this one is launched behind its own predecessor and waits for it before any read."""
         if PDL:
-            gdc_launch_dependents()
-            gdc_wait()
+            gdc_follow()
         pid = tl.program_id(0)
         sid = tl.program_id(1)
         nsplit = tl.num_programs(1)

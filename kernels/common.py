@@ -25,7 +25,8 @@ Triton helpers (``@triton.jit``; the Gluon kernels call them too)
   that kernels call: ``mx_round_codes`` (elements, exponents, non-finite mask) and
   ``mx_round_dequant`` (the rounded values);
 - ``mma``: acc + a @ b for bf16-exact operands, in fp32 under the interpreter;
-- ``gdc_wait``, ``gdc_launch_dependents``: programmatic dependent launch (griddepcontrol);
+- ``gdc_wait``, ``gdc_launch_dependents``, ``gdc_follow`` (both, in that order): programmatic
+  dependent launch (griddepcontrol);
 - ``split_k_epilogue``: a decode GEMM's fp32 Yᵀ tile out, split-K partials summed by the split
   that finishes last (one launch);
 - ``fp8_bits_asm``: PTX that moves two fp8 codes into two bf16 bit patterns (no conversion
@@ -298,6 +299,15 @@ def gdc_wait():
 def gdc_launch_dependents():
     """Let the kernel launched behind this one with programmatic dependent launch start now."""
     tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def gdc_follow():
+    """First thing in a kernel of the decode chain (kernels/NOTES.md, "GEMM: decode fixed cost"): let
+    the kernel launched behind this one start now (it waits for this one before reading what this
+    writes), then wait for the kernel this one was launched behind to finish."""
+    gdc_launch_dependents()
+    gdc_wait()
 
 
 def fp8_bits_asm(shift: int, mask: int) -> str:

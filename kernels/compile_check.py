@@ -200,8 +200,7 @@ def check(variants: list[dict]) -> list[tuple[str, str, str]]:
         try:
             k = compile_variant(v)
             ok = ".target sm_90" in k.asm["ptx"] and len(k.asm["cubin"]) > 0
-            why = "" if ok else "no sm_90 cubin"
-            why = why or pdl_order(v, k.asm["ptx"])
+            why = pdl_order(v, k.asm["ptx"]) if ok else "no sm_90 cubin"
             out.append(("FAILED", v["kernel"], why) if why else ("ok", v["kernel"], ""))
         except Exception as e:  # noqa: BLE001 - reported with the kernel's name
             out.append(("FAILED", v["kernel"], f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))

@@ -50,8 +50,7 @@ from mxq.kernels.common import (
     SCALE_NAN,
     elem_bits,
     fp8_dtype,
-    gdc_launch_dependents,
-    gdc_wait,
+    gdc_follow,
     hw_cvt,
     mx_round_codes,
     pdl_launch,
@@ -89,8 +88,7 @@ def _start_row(PDL: tl.constexpr):
     (it streams its weights, then waits for this kernel), then wait for the kernel this one was
     launched behind (it wrote x) to finish."""
     if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+        gdc_follow()
     return tl.program_id(0).to(tl.int64)
 
 

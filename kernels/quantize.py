@@ -30,8 +30,7 @@ from mxq.kernels.common import (
     SCALE_NAN,
     elem_bits,
     fp8_dtype,
-    gdc_launch_dependents,
-    gdc_wait,
+    gdc_follow,
     hw_cvt,
     mx_fast_exponent,
     mx_scaled,
@@ -100,11 +99,10 @@ def quantize_rows_kernel(
 ):  # fmt: skip
     NB: tl.constexpr = BLOCK_K // BS
     if PDL:
-        # A kernel launched after this one with programmatic dependent launch (gemm_decode_ws)
-        # may start now: it streams its weights and waits (griddepcontrol.wait) before reading X.
-        gdc_launch_dependents()
-        # this one is launched the same way behind the kernel that wrote X: wait for it
-        gdc_wait()
+        # A kernel launched after this one with programmatic dependent launch (gemm_decode_ws) may
+        # start now: it streams its weights and waits before reading X. This one is launched the
+        # same way behind the kernel that wrote X, and waits for it.
+        gdc_follow()
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

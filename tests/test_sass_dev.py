@@ -245,9 +245,11 @@ def test_decode_ws_waits_for_the_quantizer(tmp_path, fuse_x):
     from mxq.kernels import common, producers, quantize
 
     src = inspect.getsource(quantize.quantize_rows_kernel.fn)
-    assert src.index("gdc_launch_dependents()") < src.index("gdc_wait()") < src.index("tl.load(")
+    assert src.index("gdc_follow()") < src.index("tl.load(")
     src = inspect.getsource(producers)
-    assert src.index("gdc_launch_dependents()\n        gdc_wait()") < src.index("def _rmsnorm_mx_kernel")
+    assert src.index("gdc_follow()") < src.index("def _rmsnorm_mx_kernel")
+    src = inspect.getsource(common.gdc_follow.fn)
+    assert src.index("gdc_launch_dependents()") < src.index("gdc_wait()")
     assert "griddepcontrol.launch_dependents" in inspect.getsource(common.gdc_launch_dependents.fn)
 
 
