@@ -91,7 +91,7 @@ class LinearProblem(NamedTuple):
 # --- the paths: supports(p), run(p, x2, weight, weight_scale, bias, out_dtype, x_mx=None), config(p) ---
 #
 # ``x_mx``: X was MX-rounded by its producer (``mx_linear``'s doc). A path that reads the codes
-# (decode_ws) takes them; every other path takes x as given (``_x_as_given``).
+# (decode_ws, decode_f8) takes them; every other path takes x as given (``_x_as_given``).
 
 
 def _x_as_given(p: LinearProblem, supports) -> LinearProblem:
@@ -152,9 +152,9 @@ def _decode_f8_supports(p: LinearProblem) -> bool:
 
 
 def _decode_f8_run(p, x2, weight, weight_scale, bias, out_dtype, x_mx=None):
-    if x_mx is not None:
-        p = _x_as_given(p, _decode_f8_supports)
-    return _decode.mx_decode_gemm(x2, weight, weight_scale, bias, act_elem=p.act_elem, act_rule=p.act_rule, out_dtype=out_dtype)
+    # reads the producer's codes (x_mx is W8A8 RCEIL, which this path takes)
+    return _decode.mx_decode_gemm(x2, weight, weight_scale, bias, act_elem=p.act_elem, act_rule=p.act_rule,
+                                  out_dtype=out_dtype, x_mx=x_mx)  # fmt: skip
 
 
 def _prefill_ws_supports(p: LinearProblem) -> bool:
@@ -267,8 +267,8 @@ def mx_linear(
     "reference" or path names; default ``$MXQ_KERNELS`` or "auto").
 
     ``x_mx``: X is already MX-rounded (RCEIL, ``act_elem``) by its producer (``producers``): x holds
-    the rounded values and ``x_mx`` = (fp8 codes [M, K], scale bytes [M, K/32]). The decode GEMM
-    reads the codes; every other path takes x as it is (W8A16 on rounded values where the path takes
+    the rounded values and ``x_mx`` = (fp8 codes [M, K], scale bytes [M, K/32]). The fp8 decode
+    GEMMs read the codes; every other path takes x as it is (W8A16 on rounded values where the path takes
     that: the same product, without rounding X a second time)."""
     if weight_scale is None:
         raise ValueError("mx_linear needs weight_scale (uint8 [N, K / block_size])")

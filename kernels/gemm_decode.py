@@ -44,10 +44,12 @@ from mxq.kernels.common import (
     check_gemm_args,
     e8m0_to_f32,
     fp8_dtype,
+    gdc_follow,
     hw_cvt,
     mx_fast_exponent,
     mx_scaled,
     operands_and_output,
+    pdl_ok,
     pow2_f32,
     round_to_elem,
     sm_count,
@@ -70,9 +72,13 @@ def mx_decode_f8_kernel(
     SPLIT: tl.constexpr, FUSED: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     TMA_W: tl.constexpr,
     EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
-    RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr,
+    RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """Yᵀ tile [BLOCK_N, BLOCK_M] over this program's K range, KB 32-blocks per loop step."""
+    """Yᵀ tile [BLOCK_N, BLOCK_M] over this program's K range, KB 32-blocks per loop step. PDL: first
+    thing, the kernel behind this one may launch, and this one waits for the kernel it was launched
+    behind (it wrote X)."""
+    if PDL:
+        gdc_follow()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -163,6 +169,7 @@ class DecodeF8Config:
     tma_w: bool = True
     fused: bool = True  # split-K partials summed by the last split (else a reduction launch)
     quant_x: bool = False  # X MX-quantized by a quantizer launch first (else rounded in the kernel)
+    pdl: bool = True  # launched behind its predecessor (programmatic dependent launch, sm_90+)
 
 
 # Largest M the kernel takes: the MMA's N side is max(16, next_pow2(M)), at most 64. Which M the
@@ -200,12 +207,16 @@ def mx_decode_gemm(
     out_dtype: torch.dtype | None = None,
     config: DecodeF8Config | None = None,
     block_size: int = 32,
+    x_mx: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """W8A8 Y [M, N] = MX(X) · dequant(W)ᵀ (+ bias) for M <= 64 on fp8 tensor cores (module doc).
 
     X (bf16/fp16/fp32) is MX-rounded along K with ``act_elem`` / ``act_rule``: inside the kernel,
     or (``config.quant_x``, and always for ScaleRule.MSE) by ``quantize.quantize_mx_rows`` first,
-    whose fp8 tiles then go to the MMA as loaded.
+    whose fp8 tiles then go to the MMA as loaded. ``x_mx``: X was rounded by its producer (x holds
+    the rounded values; ``dispatch.mx_linear``'s doc): its fp8 codes and scale bytes go to the MMA
+    as they are, with no quantizer launch, where their layout allows (else X is rounded again,
+    which gives back the same codes).
     """
     m, k = check_gemm_args(x, weight, weight_scale, bias, block_size)
     n = weight.shape[0]
@@ -224,11 +235,14 @@ def mx_decode_gemm(
     tma_w, w_arg = tma_or_pointer(weight, [cfg.block_n, block_size], cfg.tma_w)
     # Scales as one int32 word per row and step where every step's bytes are whole aligned words.
     s32 = cfg.kb == 4 and even_k and weight_scale.stride(0) % 4 == 0 and weight_scale.data_ptr() % 4 == 0
-    qx = (cfg.quant_x or act_rule is ScaleRule.MSE) and s32
+    qx = (cfg.quant_x or act_rule is ScaleRule.MSE or x_mx is not None) and s32
     if act_rule is ScaleRule.MSE and not qx:
         raise ValueError("mx_decode_gemm takes ScaleRule.MSE only with kb=4 and K % 128 == 0 (X quantized first)")
-    if qx:
-        x, xs = quantize_mx_rows(x, act_elem, act_rule, block_size)  # [M, K] fp8 + [M, K/32] scales
+    pdl = cfg.pdl and pdl_ok(x.device)
+    if qx and x_mx is not None and _codes_usable(x_mx, x, act_elem):
+        x, xs = x_mx
+    elif qx:  # [M, K] fp8 + [M, K/32] scales; the GEMM launched behind the quantizer
+        x, xs = quantize_mx_rows(x, act_elem, act_rule, block_size, pdl=pdl)
     else:
         xs = weight_scale
     configure_ptxas()
@@ -240,9 +254,20 @@ def mx_decode_gemm(
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg.block_n, KB=cfg.kb, BS=block_size, S32=s32, QX=qx,
         SPLIT=split, FUSED=fused, HAS_BIAS=bias is not None, EVEN_K=even_k, TMA_W=tma_w,
         EMAX=act_elem.emax, MBITS=act_elem.mbits, MAXN=act_elem.max_normal, EMIN=1 - act_elem.bias,
-        RULE=RULE_ID[act_rule], HW_CVT=hw_cvt(x.device), FP8=fp8_dtype(act_elem),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        RULE=RULE_ID[act_rule], HW_CVT=hw_cvt(x.device), FP8=fp8_dtype(act_elem), PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )  # fmt: skip
     if split > 1 and not fused:
         split_k_finish(ws, y, bias, split)
     return y
+
+
+def _codes_usable(x_mx, x: torch.Tensor, act_elem: ElemFormat) -> bool:
+    """The producer's codes [M, K] and scale bytes [M, K/32] as the kernel reads them: ``act_elem``'s
+    fp8 dtype, unit inner strides, scale rows as whole aligned int32 words."""
+    q, s = x_mx
+    return (
+        q.dtype == act_elem.torch_dtype and q.shape == x.shape and q.stride(1) == 1 and s.dtype == torch.uint8
+        and s.shape == (x.shape[0], x.shape[1] // 32) and s.stride(1) == 1 and s.stride(0) % 4 == 0
+        and s.data_ptr() % 4 == 0
+    )  # fmt: skip

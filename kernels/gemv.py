@@ -3,13 +3,16 @@
 A weight stream with no MMA and no operand layouts: each program streams [BLOCK_N, BLOCK_K] fp8
 weight tiles, converts them to fp32 with their E8M0 block scales applied, and does one fp32 FMA
 per weight and activation row (fp8 · 2**e times a bf16/fp16 value is exact in fp32). W8A8
-rounds X to MX inside the kernel (one launch). K is split (fp32 partials + one reduction
-launch) until the grid covers the SMs. Any float X dtype; the function every path must compute
+rounds X to MX inside the kernel (one launch). K is split until the grid covers the SMs; the
+last split of each N tile sums the fp32 partials in split order (``split_k_epilogue``: one
+launch, deterministic). On Hopper it is a link of the decode chain: launched behind its
+predecessor, it lets the next kernel launch at once (programmatic dependent launch). Any float X dtype; the function every path must compute
 is ``mxq.kernels.reference.mx_linear_reference``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -17,16 +20,21 @@ import triton
 import triton.language as tl
 
 from mxq.formats import E4M3, ElemFormat, ScaleRule
+from mxq.kernels.buffers import split_counters
 from mxq.kernels.common import (
     INTERPRET,
     RULE_ID,
     check_gemm_args,
     e8m0_to_f32,
     fp8_dtype,
+    gdc_follow,
     hw_cvt,
     mx_round_dequant,
     operands_and_output,
+    pdl_launch,
+    pdl_ok,
     sm_count,
+    split_k_epilogue,
     split_k_finish,
     split_k_plan,
     tma_or_pointer,
@@ -36,14 +44,14 @@ from mxq.kernels.launch import call, cdiv, next_pow2, on_input_device
 
 @triton.jit
 def _mx_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
     M, N, K, K_SPLIT,
     stride_xm, stride_wn, stride_sn, stride_ym,
     M_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+    BS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr, EVEN_K: tl.constexpr,
     TMA_W: tl.constexpr, QUANT: tl.constexpr,
     EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
-    RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr,
+    RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Decode (M <= 16) on CUDA cores: a weight stream with no MMA and no operand layouts.
 
@@ -51,8 +59,12 @@ def _mx_gemv_kernel(
     applies the block scales once, then for each of the M_ROWS activation rows does one fp32
     FMA per weight and a row reduction. fp8 x 2**e times a bf16/fp16 value is exact in fp32.
     With QUANT the activation row is MX-rounded here (per K tile, in registers): W8A8 decode is
-    one launch, no quantizer kernel and no bf16 round trip of X.
+    one launch, no quantizer kernel and no bf16 round trip of X. Split K: ``split_k_epilogue``
+    (the last split of an N tile sums the partials, FUSED). PDL: first thing, the kernel behind this
+    one may launch, and this one waits for the kernel it was launched behind (it wrote X).
     """
+    if PDL:
+        gdc_follow()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -99,14 +111,8 @@ def _mx_gemv_kernel(
         s_ptrs += NB
         x_ptrs += BLOCK_K
 
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    y_offs = offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(y_ptr + pid_k.to(tl.int64) * M * N + y_offs, acc, mask=mask)
+    split_k_epilogue(tl.trans(acc), tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N,
+                     stride_ym, pid_n, pid_k, offs_n, offs_m, offs_n < N, offs_m < M, SPLIT, FUSED, HAS_BIAS)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -119,6 +125,8 @@ class GemvConfig:
     num_stages: int = 3
     split_k: int = 1
     tma_w: bool = False
+    fused: bool = True  # split-K partials summed by the last split (else a reduction launch)
+    pdl: bool = True  # launched behind its predecessor (programmatic dependent launch, sm_90+)
 
 
 # Largest M that takes the CUDA-core decode kernel on a GPU (kernels/NOTES.md, "GEMM: the CUDA-core decode gemv").
@@ -136,7 +144,7 @@ def pick_gemv_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig
     split = 1
     while tiles * split * 2 <= 6 * sms and k // (split * 2) >= 2 * cfg.block_k and split < 8:
         split *= 2
-    return GemvConfig(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, split, cfg.tma_w)
+    return dataclasses.replace(cfg, split_k=split)
 
 
 @on_input_device
@@ -169,17 +177,22 @@ def mx_gemv(
     cfg = config or pick_gemv_config(m, n, k, x.device)
     if cfg.block_k % block_size:
         raise ValueError(f"block_k={cfg.block_k} must be a multiple of block_size={block_size}")
-    split, k_split, even_k, target = split_k_plan(y, k, cfg.split_k, cfg.block_k)
+    split, k_split, even_k, ws = split_k_plan(y, k, cfg.split_k, cfg.block_k)
+    tiles = cdiv(n, cfg.block_n)
+    counters = split_counters(x.device, tiles) if split > 1 and cfg.fused else None
     tma_w, w_arg = tma_or_pointer(weight, [cfg.block_n, cfg.block_k], cfg.tma_w)
     ae = act_elem or E4M3
+    consts = dict(M_ROWS=m, BLOCK_M=next_pow2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BS=block_size,
+                  HAS_BIAS=bias is not None, SPLIT=split, FUSED=counters is not None, EVEN_K=even_k, TMA_W=tma_w,
+                  QUANT=act_elem is not None, EMAX=ae.emax, MBITS=ae.mbits, MAXN=ae.max_normal, EMIN=1 - ae.bias,
+                  RULE=RULE_ID[act_rule], HW_CVT=hw_cvt(x.device), FP8=fp8_dtype(ae), PDL=cfg.pdl and pdl_ok(x.device))
     call(
-        _mx_gemv_kernel, (cdiv(n, cfg.block_n), split),
-        (x, w_arg, weight_scale, bias if bias is not None else weight_scale, target,
+        _mx_gemv_kernel, (tiles, split),
+        (x, w_arg, weight_scale, bias if bias is not None else weight_scale, y, ws,
+         counters if counters is not None else weight_scale,
          m, n, k, k_split, x.stride(0), weight.stride(0), weight_scale.stride(0), n),
-        dict(M_ROWS=m, BLOCK_M=next_pow2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-             BS=block_size, HAS_BIAS=bias is not None, SPLIT_K=min(split, 2), EVEN_K=even_k, TMA_W=tma_w,
-             QUANT=act_elem is not None, EMAX=ae.emax, MBITS=ae.mbits, MAXN=ae.max_normal,
-             EMIN=1 - ae.bias, RULE=RULE_ID[act_rule], HW_CVT=hw_cvt(x.device), FP8=fp8_dtype(ae)),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(consts),
     )  # fmt: skip
-    return split_k_finish(target, y, bias, split)
+    if split > 1 and counters is None:
+        split_k_finish(ws, y, bias, split)
+    return y

@@ -57,6 +57,34 @@ def test_decode_f8_nonfinite_and_errors():
     assert D.mx_decode_gemm(x[:0], w, ws).shape == (0, n)
 
 
+def test_decode_f8_on_producer_codes(monkeypatch):
+    """X rounded by its producer (``x_mx``: the rounded values, their codes and scale bytes): the
+    kernel reads the codes with no quantizer launch, and its bits equal those of the same call
+    rounding X itself; where it cannot read them as they are (scale rows not whole int32 words) it
+    rounds X in the kernel, the same bits. The registry's ``decode_f8`` path passes ``x_mx`` on."""
+    from mxq.kernels import dispatch, gemm_decode
+    from mxq.kernels import quantize as Q
+
+    gen = torch.Generator().manual_seed(23)
+    calls = []
+    monkeypatch.setattr(gemm_decode, "quantize_mx_rows", lambda *a, **kw: calls.append(1) or Q.quantize_mx_rows(*a, **kw))
+    for m, n, k in ((3, 100, 384), (9, 70, 256), (5, 40, 224)):
+        w, ws, w64 = mx_weight(n, k, E4M3, gen)
+        x = activations(m, k, torch.bfloat16, gen, special=False, decades=(-2, 1))
+        q, s = Q.quantize_mx_rows(x, E4M3)
+        xr = Q.fake_quantize_mx_rows(x, E4M3, out_dtype=torch.bfloat16)  # the producer's rounded values
+        cfg = D.DecodeF8Config(block_n=64, split_k=2)
+        want = D.mx_decode_gemm(xr, w, ws, None, config=cfg)  # X rounded in the kernel
+        reads_codes = k % 128 == 0
+        # where the codes are read, X's values are not: zeros there leave the product unchanged
+        got = D.mx_decode_gemm(torch.zeros_like(xr) if reads_codes else xr, w, ws, None, config=cfg, x_mx=(q, s))
+        assert torch.equal(got, want) and not calls, (m, n, k)
+        assert_gemm_close(got, x, w64, None, E4M3, acc_rel=F8_ACC)
+        p = dispatch.LinearProblem.of(m, n, k, xr.dtype, E4M3, ScaleRule.RCEIL, 32, xr.device, True)
+        y = dispatch.LINEAR["decode_f8"].run(p, xr, w, ws, None, torch.bfloat16, (q, s))
+        assert torch.equal(y, D.mx_decode_gemm(xr, w, ws, None, x_mx=(q, s)))
+
+
 def test_decode_f8_config_rule():
     """Off CUDA (the interpreter) 64-row tiles, X quantized first, K split from 256 on; the GPU
     rule's splits are measured on the GPU (test_gpu_decode_f8 runs them)."""
@@ -81,3 +109,63 @@ def test_gpu_decode_f8(m, n, k):
         assert_gemm_close(y, x, w64, bias, E4M3, acc_rel=F8_ACC)
     y = D.mx_decode_gemm(x, w, ws, bias, out_dtype=torch.float32, config=D.DecodeF8Config(split_k=4, fused=False))
     assert_gemm_close(y, x, w64, bias, E4M3, acc_rel=F8_ACC)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0), reason="PDL needs sm_90+")
+@pytest.mark.parametrize("m", [1, 5])
+def test_gpu_portable_decode_chain_pdl_same_bits(monkeypatch, m):
+    """The decode step on the portable paths (``kernels="gemv,decode_f8"``: the CUDA-core gemv at
+    M = 1, the plain-Triton fp8 decode GEMM at M = 5 on the producers' codes), every kernel launched
+    behind the one before (programmatic dependent launch): eagerly and in a CUDA graph replayed on
+    new inputs, its bits equal those of the same chain with PDL off (every launch serialized)."""
+    from mxq.kernels import common, dispatch, launch
+    from mxq.kernels import producers as P
+    from mxq.kernels.attention_sdpa_decode import sdpa_decode
+
+    gen = torch.Generator().manual_seed(70 + m)
+    hid, inter, paths = 2048, 5632, "gemv,decode_f8"
+    assert dispatch.linear_path(m, hid, inter, torch.device(DEV), kernels=paths).name == ("gemv" if m == 1 else "decode_f8")
+    layers = []
+    for i in range(3):
+        nw = (1 + 0.1 * torch.randn(hid, generator=gen)).to(torch.bfloat16).to(DEV)
+        ws = [mx_weight(n, k, E4M3, gen)[:2] for n, k in ((2 * inter, hid), (hid, inter), (hid, hid))]
+        kv = torch.randn(m, 4, (160, 4000)[i % 2], 128, generator=gen).to(torch.bfloat16).to(DEV)
+        layers.append((nw, *ws, kv))
+
+    def chain(x, res):
+        for nw, gu_w, d_w, o_w, kv in layers:
+            h, y, q, s = P.add_rmsnorm_mx(x, res, nw, 1e-5, E4M3)
+            gu = dispatch.mx_linear(y, *gu_w, act_elem=E4M3, kernels=paths, x_mx=(q, s))
+            y2, q2, s2 = P.silu_mul_mx(gu, E4M3)
+            d = dispatch.mx_linear(y2, *d_w, act_elem=E4M3, kernels=paths, x_mx=(q2, s2))
+            a = sdpa_decode(d.view(m, 16, 1, 128), kv, kv)
+            x, res = dispatch.mx_linear(a.reshape(m, hid), *o_w, act_elem=E4M3, kernels=paths), h
+        return x, res
+
+    def inputs():
+        return tuple(activations(m, hid, torch.bfloat16, gen, special=False, decades=(-1, 1)) for _ in range(2))
+
+    def serialized(x, res):
+        with monkeypatch.context() as mp:
+            mp.setattr(common, "PDL", False)
+            mp.setattr(P, "PLANS", launch.PlanCache())  # producer plans hold their PDL constexpr
+            return chain(x, res)
+
+    x, res = inputs()
+    on, off = chain(x, res), serialized(x, res)
+    assert all(torch.equal(a, b) for a, b in zip(on, off)) and torch.isfinite(on[0]).all()
+    xin, rin = torch.empty_like(x), torch.empty_like(res)
+    chain(xin, rin)  # split-K tickets allocated outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = chain(xin, rin)
+    for _ in range(3):
+        x, res = inputs()
+        xin.copy_(x)
+        rin.copy_(res)
+        g.replay()
+        torch.cuda.synchronize()
+        ref = serialized(x, res)
+        assert all(torch.equal(a, b) for a, b in zip(out, ref))

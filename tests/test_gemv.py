@@ -23,8 +23,8 @@ def test_mx_gemv_matches_reference(m, n, k, xdtype, act):
     x = activations(m, k, xdtype, gen, special=False, decades=(-2, 1))
     bias = torch.randn(n, generator=gen).to(xdtype).to(DEV)
     act_elem, rule = act if act else (None, ScaleRule.RCEIL)
-    for split in (1, 3):
-        cfg = V.GemvConfig(block_n=16, block_k=64, num_stages=1, split_k=split, tma_w=True)
+    for split, fused in ((1, True), (3, True), (3, False)):  # the last split sums, or a reduction launch
+        cfg = V.GemvConfig(block_n=16, block_k=64, num_stages=1, split_k=split, tma_w=True, fused=fused)
         y = V.mx_gemv(x, w, ws, bias, config=cfg, act_elem=act_elem, act_rule=rule)
         assert y.dtype == xdtype and y.shape == (m, n)
         assert_gemm_close(y, x, w64, bias, act_elem, rule)
