@@ -376,8 +376,10 @@ def tma_or_pointer(t: torch.Tensor, block: list[int], wanted: bool):
 @triton.jit
 def _splitk_reduce_kernel(
     p_ptr, b_ptr, y_ptr, MN, N,
-    SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    if PDL:
+        gdc_follow()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -404,14 +406,17 @@ def split_k_plan(y: torch.Tensor, k: int, split_k: int, block_k: int):
     return split, k_split, even_k, target
 
 
-def split_k_finish(target: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, split: int) -> torch.Tensor:
-    """Sum the split-K partials (+ bias) into y; nothing to do without a split."""
+def split_k_finish(target: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, split: int,
+                   pdl: bool = False) -> torch.Tensor:  # fmt: skip
+    """Sum the split-K partials (+ bias) into y; nothing to do without a split. ``pdl``: launched
+    behind the GEMM that wrote them (programmatic dependent launch, where ``pdl_ok``)."""
     if split > 1:
         block, mn = 1024, y.numel()
+        pdl = pdl and pdl_ok(y.device)
         configure_ptxas()
         _splitk_reduce_kernel[(triton.cdiv(mn, block),)](
             target, bias if bias is not None else target, y, mn, y.shape[1],
-            SPLIT_K=split, BLOCK=block, HAS_BIAS=bias is not None, num_warps=4,
+            SPLIT_K=split, BLOCK=block, HAS_BIAS=bias is not None, PDL=pdl, num_warps=4, launch_pdl=pdl,
         )  # fmt: skip
     return y
 

@@ -169,7 +169,9 @@ class DecodeF8Config:
     tma_w: bool = True
     fused: bool = True  # split-K partials summed by the last split (else a reduction launch)
     quant_x: bool = False  # X MX-quantized by a quantizer launch first (else rounded in the kernel)
-    pdl: bool = True  # launched behind its predecessor (programmatic dependent launch, sm_90+)
+    # launched behind its predecessor (programmatic dependent launch, sm_90+): off, slower in the
+    # decode chain (kernels/NOTES.md, "GEMM: the portable decode paths in the chain")
+    pdl: bool = False
 
 
 # Largest M the kernel takes: the MMA's N side is max(16, next_pow2(M)), at most 64. Which M the

@@ -125,7 +125,9 @@ class GemvConfig:
     num_stages: int = 3
     split_k: int = 1
     tma_w: bool = False
-    fused: bool = True  # split-K partials summed by the last split (else a reduction launch)
+    # split-K partials summed by the last split, or by a reduction launch (faster in the PDL chain on
+    # most shapes: kernels/NOTES.md, "GEMM: the portable decode paths in the chain")
+    fused: bool = False
     pdl: bool = True  # launched behind its predecessor (programmatic dependent launch, sm_90+)
 
 
@@ -194,5 +196,5 @@ def mx_gemv(
         consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(consts),
     )  # fmt: skip
     if split > 1 and counters is None:
-        split_k_finish(ws, y, bias, split)
+        split_k_finish(ws, y, bias, split, pdl=consts["PDL"])
     return y
