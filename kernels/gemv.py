@@ -4,9 +4,10 @@ A weight stream with no MMA and no operand layouts: each program streams [BLOCK_
 weight tiles, converts them to fp32 with their E8M0 block scales applied, and does one fp32 FMA
 per weight and activation row (fp8 · 2**e times a bf16/fp16 value is exact in fp32). W8A8
 rounds X to MX inside the kernel (one launch). K is split until the grid covers the SMs; the
-last split of each N tile sums the fp32 partials in split order (``split_k_epilogue``: one
-launch, deterministic). On Hopper it is a link of the decode chain: launched behind its
-predecessor, it lets the next kernel launch at once (programmatic dependent launch). Any float X dtype; the function every path must compute
+fp32 partials are summed in split order by a reduction launch, or (``GemvConfig.fused``) by the
+last split of each N tile (``split_k_epilogue``): both deterministic. On Hopper it is a link of
+the decode chain: launched behind its predecessor, it lets the next kernel launch at once
+(programmatic dependent launch), and so does its reduction. Any float X dtype; the function every path must compute
 is ``mxq.kernels.reference.mx_linear_reference``.
 """
 
@@ -60,7 +61,7 @@ def _mx_gemv_kernel(
     FMA per weight and a row reduction. fp8 x 2**e times a bf16/fp16 value is exact in fp32.
     With QUANT the activation row is MX-rounded here (per K tile, in registers): W8A8 decode is
     one launch, no quantizer kernel and no bf16 round trip of X. Split K: ``split_k_epilogue``
-    (the last split of an N tile sums the partials, FUSED). PDL: first thing, the kernel behind this
+    (partials out, and with FUSED the last split of an N tile sums them). PDL: first thing, the kernel behind this
     one may launch, and this one waits for the kernel it was launched behind (it wrote X).
     """
     if PDL:
