@@ -117,9 +117,10 @@ def test_gpu_decode_f8(m, n, k):
 @pytest.mark.parametrize("m", [1, 5])
 def test_gpu_portable_decode_chain_pdl_same_bits(monkeypatch, m):
     """The decode step on the portable paths (``kernels="gemv,decode_f8"``: the CUDA-core gemv at
-    M = 1, the plain-Triton fp8 decode GEMM at M = 5 on the producers' codes), every kernel launched
-    behind the one before (programmatic dependent launch): eagerly and in a CUDA graph replayed on
-    new inputs, its bits equal those of the same chain with PDL off (every launch serialized)."""
+    M = 1, the plain-Triton fp8 decode GEMM at M = 5 on the producers' codes), with programmatic
+    dependent launch where each kernel takes it (the producers, the attention, gemv and its split-K
+    reduction): eagerly and in a CUDA graph replayed on new inputs, its bits equal those of the same
+    chain with PDL off (every launch serialized)."""
     from mxq.kernels import common, dispatch, launch
     from mxq.kernels import producers as P
     from mxq.kernels.attention_sdpa_decode import sdpa_decode
