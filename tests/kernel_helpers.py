@@ -115,3 +115,26 @@ def assert_gemm_close(y, x, w64, bias, act_elem, act_rule=ScaleRule.RCEIL, acc_r
         diff = (y.to(torch.float64) - ref.to(torch.float64)).reshape(exact.shape).abs()
         worst = (diff - both).max().item()
         assert worst <= 0, f"max excess over the reference by {worst:.3g} (diff {diff.max().item():.3g})"
+
+
+def assert_chain_same_bits(chain, inputs, serialized, replays: int = 3) -> None:
+    """A decode chain with programmatic dependent launch against the same chain serialized:
+    ``chain(x, res)`` and ``serialized(x, res)`` (PDL off) give the same bits on ``inputs()``,
+    eagerly and from a CUDA graph of ``chain`` replayed on ``replays`` fresh inputs."""
+    x, res = inputs()
+    on, off = chain(x, res), serialized(x, res)
+    assert all(torch.equal(a, b) for a, b in zip(on, off))
+    assert torch.isfinite(on[0]).all()
+    xin, rin = torch.empty_like(x), torch.empty_like(res)
+    chain(xin, rin)  # buffers (split-K tickets) allocated outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = chain(xin, rin)
+    for _ in range(replays):
+        x, res = inputs()
+        xin.copy_(x)
+        rin.copy_(res)
+        g.replay()
+        torch.cuda.synchronize()
+        ref = serialized(x, res)
+        assert all(torch.equal(a, b) for a, b in zip(out, ref))

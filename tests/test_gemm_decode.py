@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_helpers import DEV, F8_ACC, activations, assert_gemm_close, gpu, mx_weight
+from kernel_helpers import (
+    DEV,
+    F8_ACC,
+    activations,
+    assert_chain_same_bits,
+    assert_gemm_close,
+    gpu,
+    mx_weight,
+)
 
 from mxq.formats import E4M3, E5M2, ScaleRule
 from mxq.kernels import buffers
@@ -154,19 +162,4 @@ def test_gpu_portable_decode_chain_pdl_same_bits(monkeypatch, m):
             mp.setattr(P, "PLANS", launch.PlanCache())  # producer plans hold their PDL constexpr
             return chain(x, res)
 
-    x, res = inputs()
-    on, off = chain(x, res), serialized(x, res)
-    assert all(torch.equal(a, b) for a, b in zip(on, off)) and torch.isfinite(on[0]).all()
-    xin, rin = torch.empty_like(x), torch.empty_like(res)
-    chain(xin, rin)  # split-K tickets allocated outside the capture
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = chain(xin, rin)
-    for _ in range(3):
-        x, res = inputs()
-        xin.copy_(x)
-        rin.copy_(res)
-        g.replay()
-        torch.cuda.synchronize()
-        ref = serialized(x, res)
-        assert all(torch.equal(a, b) for a, b in zip(out, ref))
+    assert_chain_same_bits(chain, inputs, serialized)
