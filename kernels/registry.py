@@ -24,6 +24,8 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from mxq import settings
 
 ENV = settings.KERNELS
@@ -81,6 +83,10 @@ class Registry:
     def allowed(self, kernels: str | None) -> tuple[KernelPath, ...]:
         """The paths ``kernels`` admits, in registry order (module doc); raises on an unknown name."""
         spec = kernels_spec(kernels)
+        if torch.compiler.is_compiling():
+            # parsed, not memoised: dynamo guards on what a traced call reads, and a memo read (and
+            # filled) while tracing fails its own guard on the next call, a recompile of the model
+            return self._parse(spec)
         hit = self._allowed.get(spec)
         if hit is None:
             hit = self._allowed[spec] = self._parse(spec)
@@ -124,7 +130,10 @@ def check_kernels(kernels: str | None, source: str | None = None) -> str:
     naming ``source`` (the option or variable it came from) and the unknown name otherwise.
     Memoized (calls sit on the decode path) in a plain dict, not ``functools.lru_cache``: traced code
     calls it (the attention's kernel choice under ``torch.compile``), and an lru_cache wrapper there
-    makes Dynamo warn the user. A name not known yet is not cached."""
+    makes Dynamo warn the user. A name not known yet is not cached. Nor is anything while Dynamo traces
+    (``Registry.allowed`` says why)."""
+    if torch.compiler.is_compiling():
+        return _normalised(kernels, source)
     key = (kernels, source)
     spec = CHECKED.get(key)
     if spec is None:

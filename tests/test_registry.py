@@ -114,3 +114,25 @@ def test_a_spec_may_name_a_path_whose_module_was_not_imported_yet():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "moe_block,attn_decode_gqa,sdpa_decode"
+
+
+def test_choose_under_torch_compile_compiles_once(toy):
+    """A one-token step is first run under ``torch.compile`` (transformers' static-cache
+    ``generate``). Dynamo guards on what a traced call reads. A per-spec memo filled while
+    tracing makes its own guard fail on the next call: the whole model recompiled once."""
+    import torch
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+
+    @torch.compile(backend=counter)
+    def step(x):
+        return x * 2 if toy.choose(3, "toy_small,toy_even") is toy["toy_small"] else x * 3
+
+    x = torch.arange(5.0)
+    for _ in range(3):
+        assert torch.equal(step(x), x * 2)
+    assert counter.frame_count == 1
+    assert toy.choose(6, "toy_small,toy_even") is toy["toy_even"]  # eager calls still see the same paths
+    torch._dynamo.reset()
