@@ -61,11 +61,11 @@ DTYPES = {
 }
 
 
-def _dtype(name: str):
+def _dtype(name: str, option: str = "--dtype"):
     import torch
 
     if name.lower() not in DTYPES:
-        raise typer.BadParameter(f"--dtype must be one of bfloat16, float16, float32, got {name!r}")
+        raise typer.BadParameter(f"{option} must be one of bfloat16, float16, float32, got {name!r}")
     return getattr(torch, DTYPES[name.lower()])
 
 
@@ -305,6 +305,13 @@ def chat_cmd(
     first: int = typer.Option(8, "--first", help="Tokens compared at the start of each answer."),
     device: str = typer.Option("auto", "--device", help="auto (cuda if available), cpu or cuda."),
     kernels: str = typer.Option("auto", "--kernels", help=KERNELS_HELP),
+    dtype: str | None = typer.Option(
+        None, "--dtype", help="Compute dtype of MODEL's non-quantized parts: bfloat16, float16, float32 (default: the loader's)."
+    ),
+    baseline_dtype: str | None = typer.Option(
+        None, "--baseline-dtype",
+        help="The same for --baseline (default: --dtype). The same model at another dtype measures the check's own floor.",
+    ),
     out: Path | None = typer.Option(None, "--out", help="Write the report as JSON here."),
 ) -> None:
     """Greedy chat answers of MODEL beside --baseline's: agreement on the first tokens and on the
@@ -317,10 +324,13 @@ def chat_cmd(
             raise typer.BadParameter(f"{opt} must be at least 1, got {v}")
     items = load_prompts(prompts)[:limit]
     dev, kernels = resolve_device(device), _kernels(kernels)
-    answers = {}
+    dtypes = {"model": dtype and _dtype(dtype)}
+    dtypes["baseline"] = _dtype(baseline_dtype, "--baseline-dtype") if baseline_dtype else dtypes["model"]
+    answers, ran = {}, {}
     for role, source in (("baseline", baseline), ("model", model)):
-        m, tok = _load(source, dev, kernels=kernels)
+        m, tok = _load(source, dev, dtypes[role], kernels=kernels)
         answers[role] = answer(m, tok, items, max_new_tokens, label=f"{role} answering")
+        ran[role] = str(m.dtype).removeprefix("torch.")
         del m
         gc.collect()
     rep = compare(items, answers["baseline"], answers["model"], first)
@@ -339,7 +349,8 @@ def chat_cmd(
     if differ:
         typer.echo(f"Differ within the first {first} tokens: " + ", ".join(r["id"] for r in differ))
     if out is not None:
-        write_json(out, {"model": _label(model), "baseline": _label(baseline), "max_new_tokens": max_new_tokens, **rep.to_json()})
+        write_json(out, {"model": _label(model), "baseline": _label(baseline), "dtype": ran["model"],
+                         "baseline_dtype": ran["baseline"], "max_new_tokens": max_new_tokens, **rep.to_json()})  # fmt: skip
         err.print(f"wrote {out}")
 
 

