@@ -309,9 +309,13 @@ void mxq_gemv(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint
             for (int64_t b = 0; b < nb; b++) {
                 float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
                 const uint8_t *wb = w + n * K + b * bs;
-                for (int64_t j = 0; j < bs; j++) part[j & 7] += lut[wb[j]] * xr[b * bs + j];
+                float sc = scale_of(s[n * nb + b]);
+                /* A dequantized weight may overflow (E5M2's top code is < 2**16): scale each one first, as
+                 * the reference does, so mixed-sign infinities sum to NaN as there. Exact otherwise. */
+                int each = sc >= 0x1p112f;
+                for (int64_t j = 0; j < bs; j++) part[j & 7] += (each ? lut[wb[j]] * sc : lut[wb[j]]) * xr[b * bs + j];
                 float p = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-                acc += p * scale_of(s[n * nb + b]);
+                acc += each ? p : p * sc;
             }
             if (bias) acc += bias[n];
             y[m * N + n] = acc;
