@@ -24,7 +24,7 @@ is what the kernel registry chooses under a CUDA graph (``attention.decode_path`
 warp-specialized kernel on Hopper, ``attention_decode_ws``), the Triton kernel ("gqa") beside it;
 the tables name the path that ran. The sweeps try other tiles of both. Ratios are against the
 strongest baseline measured in the same run. Medians of ``triton.testing.do_bench``.
-The MXFP8 calls include the Q/K rotation as shipped (``mxq.attention``); ``--no-rotation``
+The MXFP8 calls include the Q/K rotation as shipped (``mxq.runtime.attention``); ``--no-rotation``
 times them without it.
 """
 
@@ -40,7 +40,6 @@ import torch
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from mxq.attention import MXFP8CacheLayer
 from mxq.kernels import attention_decode_ws as W
 from mxq.kernels.attention import (
     decode_path,
@@ -51,6 +50,7 @@ from mxq.kernels.attention import (
 from mxq.kernels.attention_decode import VARIANTS
 from mxq.kernels.attention_decode_common import decode_problem
 from mxq.kernels.toolchain import triton_ptxas
+from mxq.runtime.attention import MXFP8CacheLayer
 
 ROT = {"qk_rotation": True}
 
@@ -317,8 +317,8 @@ BF16_DECODE = [  # (label, B, Hq, Hkv, D, cache length, keys visible)
 def bf16_decode(results) -> None:
     """The ``--bf16-decode`` table (module doc): µs per call and each path's ratio to the fastest
     baseline in the row (> 1: faster than it)."""
-    from mxq.fuse import grouped_sdpa_forward
     from mxq.kernels.attention_sdpa_decode import plan_splits, sdpa_decode, sdpa_decode_reference
+    from mxq.runtime.fuse import grouped_sdpa_forward
 
     backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
                 "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}  # fmt: skip
@@ -342,7 +342,7 @@ def bf16_decode(results) -> None:
         row["mxq_us"] = 1e3 * _bench_gpu(lambda: sdpa_decode(q, k, v, mask, d**-0.5))
 
         def grouped():
-            import mxq.fuse as F
+            import mxq.runtime.fuse as F
 
             F.DECODE_KERNEL = False  # what ran before the kernel
             try:

@@ -117,7 +117,13 @@ def generate(shape: str, path: Path, shard_bytes: int = 4 * 1024**3, device: str
 
 
 def io_floor(src: Path, out: Path) -> float:
-    from mxq.checkpoint import DTYPE_NAMES, PlannedTensor, ShardWriter, read_index, read_tensor
+    from mxq.checkpoint.files import (
+        DTYPE_NAMES,
+        PlannedTensor,
+        ShardWriter,
+        read_index,
+        read_tensor,
+    )
 
     infos = read_index(src)
     layout = [PlannedTensor(i.name, i.dtype, i.shape) for i in infos.values()]
@@ -141,7 +147,7 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the generated checkpoint for the next run")
     args = ap.parse_args()
 
-    from mxq.convert import quantize_checkpoint
+    from mxq.convert.converter import quantize_checkpoint
 
     src = args.work / f"src-{args.shape}"
     if not (src / "model.safetensors.index.json").is_file():

@@ -4,7 +4,7 @@
 
 Each model loads in a fresh process (a worker, ``--worker ROLE``), through ``from_pretrained`` as a
 user loads it: ``bf16`` is the embedded default model (SmolLM2-135M-Instruct, GGUF dequantized to
-bf16, ``mxq.models.load_model``); ``mxfp8`` is its ``mxq quantize`` checkpoint (the default recipe,
+bf16, ``mxq.hf.models.load_model``); ``mxfp8`` is its ``mxq quantize`` checkpoint (the default recipe,
 W8A8 E4M3; written to ``--checkpoint`` first when that folder has no config) on the default kernels
 (the ``cpu`` path where it builds); ``mxfp8-reference`` is the same checkpoint with
 ``kernels="reference"`` (the torch reference: what the CPU ran before the ``cpu`` path);
@@ -68,7 +68,7 @@ def _weight_bytes(model) -> tuple[int, int]:
     recipe quantizes (every Linear but the output head): fp8 codes and scales, or bf16)."""
     import torch
 
-    from mxq.linear import MXLinear
+    from mxq.runtime.linear import MXLinear
 
     seen, total = set(), 0
     for t in [*model.parameters(), *model.buffers()]:
@@ -96,7 +96,7 @@ def worker(role: str, a) -> dict:
 
     t0 = time.perf_counter()
     if role == "bf16":
-        from mxq.models import load_model
+        from mxq.hf.models import load_model
 
         model, _ = load_model("default", tokenizer=False)
     else:
@@ -104,7 +104,7 @@ def worker(role: str, a) -> dict:
 
         model = AutoModelForCausalLM.from_pretrained(checkpoint_for(role, a.checkpoint), dtype=torch.bfloat16).eval()
         if role == "mxfp8-reference":
-            from mxq.linear import set_kernels
+            from mxq.runtime.linear import set_kernels
 
             set_kernels(model, "reference")
     load_s = time.perf_counter() - t0

@@ -19,7 +19,7 @@ compiled kernels, allocator state or CUDA graphs. Through the calls a user makes
   after a ``--prompt-len`` prompt (on CUDA transformers compiles the forward and replays CUDA
   graphs): decode tokens/s = B * n / (t(1 + n) - t(1)), after warm-up calls of both lengths (the longer first: one static cache shape and graph serve both);
 * ``model.generate(ids)`` with the default dynamic cache at B=1 (``--generate-tokens`` new);
-* ``mxq.decode.StaticGreedyDecoder`` at each ``--batch``: the decode step replayed from a CUDA
+* ``mxq.runtime.decode.StaticGreedyDecoder`` at each ``--batch``: the decode step replayed from a CUDA
   graph, compiled first with ``--compile``; ``--eager-decoder`` adds the same step without graph.
   The graph path is checked to give the same tokens as the eager static path first. Beside it, on a
   GPU, its byte bound: B x copy bandwidth (one 1 GiB device copy, read + written bytes) / the weight
@@ -111,7 +111,7 @@ SHAPES = {
                          attention_bias=True, rms_norm_eps=1e-5),
     # Llama-4-Scout widths with 4 of its 48 layers (16 experts top-1 of width 8192 with a shared expert of
     # 16384; chunked attention in three of four layers, QK norm): transformers runs every expert on every
-    # token, mxq only the chosen one (``mxq.routing``); and a tiny one of the same family.
+    # token, mxq only the chosen one (``mxq.runtime.routing``); and a tiny one of the same family.
     "llama4-scout-4l": dict(model_type="llama4_text", hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16384,
                             num_local_experts=16, num_experts_per_tok=1, num_hidden_layers=4, num_attention_heads=40,
                             num_key_value_heads=8, head_dim=128, vocab_size=202048, max_position_embeddings=8192),
@@ -182,7 +182,7 @@ def step_bytes(model, batch: int) -> int:
     it), routed experts by their expected share: with k of E chosen a token, uniformly, a step reads
     1 - (1 - k/E)^batch of each experts module (at B=1, k/E). Shards a rank holds under tensor
     parallelism; no KV cache (a short context's is small beside the weights)."""
-    from mxq.experts import is_experts
+    from mxq.runtime.experts import is_experts
 
     k = getattr(getattr(model, "config", None), "num_experts_per_tok", None)
     k = getattr(getattr(getattr(model, "config", None), "text_config", None), "num_experts_per_tok", k)
@@ -287,8 +287,8 @@ def random_source(shape: str, device: torch.device, seed: int = 0, layers: int |
 
     from transformers import AutoModelForCausalLM
 
-    from mxq.checkpoint import DTYPE_NAMES
-    from mxq.convert import TensorSource
+    from mxq.checkpoint.files import DTYPE_NAMES
+    from mxq.convert.converter import TensorSource
 
     cfg = shape_config(shape, layers)
     with torch.device("meta"):
@@ -317,7 +317,7 @@ def write_bf16(source, out: str) -> None:
     import json
     import shutil
 
-    from mxq.checkpoint import PlannedTensor, ShardWriter
+    from mxq.checkpoint.files import PlannedTensor, ShardWriter
 
     tmp = out + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -341,9 +341,9 @@ def bf16_bytes(config) -> int:
 
 
 def moe_layers(model) -> int:
-    """Modules holding routed experts (``mxq.experts.is_experts``: transformers' 3-D experts or
+    """Modules holding routed experts (``mxq.runtime.experts.is_experts``: transformers' 3-D experts or
     ``MXExperts``), one per MoE layer; 0 for a dense model."""
-    from mxq.experts import is_experts
+    from mxq.runtime.experts import is_experts
 
     return sum(1 for m in model.modules() if is_experts(m))
 
@@ -417,7 +417,7 @@ def count_launches(model, batch: int, seq_len: int) -> dict | None:
 def bench_decode_static(
     model, batch: int, prompt_len: int, new_tokens: int, cuda_graph: bool, compile: bool = False
 ) -> tuple[dict, torch.Tensor]:
-    from mxq.decode import StaticGreedyDecoder
+    from mxq.runtime.decode import StaticGreedyDecoder
 
     device = next(model.parameters()).device
     g = torch.Generator(device=device).manual_seed(batch)  # the same prompt for every mode
@@ -763,7 +763,7 @@ def env_info(device: torch.device) -> dict:
 def _build(a, device: torch.device):
     """The bf16 model the arguments describe, and its label (the same weights in every process)."""
     if a.model:
-        from mxq.models import load_model
+        from mxq.hf.models import load_model
 
         model, _ = load_model(a.model, device=device, tokenizer=False)
         return model, a.model
@@ -782,7 +782,7 @@ def prepare_checkpoints(a, device: torch.device) -> None:
     bf16, mx = os.path.join(a.checkpoint_dir, "bf16"), os.path.join(a.checkpoint_dir, a.recipe)
     if a.mx_only:
         if not os.path.exists(os.path.join(mx, "config.json")):
-            from mxq.convert import quantize_checkpoint
+            from mxq.convert.converter import quantize_checkpoint
 
             t0 = time.perf_counter()
             quantize_checkpoint(random_source(a.shape or "llama3-8b", device, layers=a.layers), mx, a.recipe,
@@ -824,7 +824,7 @@ def _load_checkpoint(a, role: str, device: torch.device):
 
 def worker(a, device: torch.device) -> dict:
     """One model in this process: bf16 as built, or quantized with ``a.recipe`` (``a.worker``);
-    ``bf16-grouped``: bf16 with mxq's attention without repeated K/V (``mxq.fuse.GROUPED_SDPA``),
+    ``bf16-grouped``: bf16 with mxq's attention without repeated K/V (``mxq.runtime.fuse.GROUPED_SDPA``),
     to tell that part of the MXFP8 model's gain from the rest. With ``--checkpoint-dir``, the
     role's checkpoint loaded (``_load_checkpoint``; one shard per rank under torchrun)."""
     import mxq
@@ -844,7 +844,7 @@ def worker(a, device: torch.device) -> dict:
         return res
     model, label = _build(a, device)
     if a.worker == "bf16-grouped":
-        from mxq.fuse import use_grouped_sdpa
+        from mxq.runtime.fuse import use_grouped_sdpa
 
         assert use_grouped_sdpa(model), "the bf16 model does not use sdpa attention"
     res = {"model": label, "config": {k: getattr(model.config, k, None) for k in ("hidden_size", "intermediate_size",
@@ -917,7 +917,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-launch-count", action="store_true",
                    help="skip counting the kernel launches of one prefill forward (torch.profiler, CUDA only; by default "
                         "once per worker, after every timed figure, so it costs a few seconds and perturbs no timing)")
-    p.add_argument("--no-fuse", action="store_true", help="the quantized model as transformers builds it: no fused projections, producers or grouped attention (mxq.fuse)")
+    p.add_argument("--no-fuse", action="store_true", help="the quantized model as transformers builds it: no fused projections, producers or grouped attention (mxq.runtime.fuse)")
     p.add_argument("--eager-decoder", action="store_true", help="also time the StaticGreedyDecoder step without a graph")
     p.add_argument("--roles", default="bf16,mxfp8",
                    help="models to run, each in a fresh process: bf16, mxfp8, bf16-grouped (bf16 with mxq's attention "

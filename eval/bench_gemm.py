@@ -35,7 +35,7 @@ LLAMA_SHAPES = {  # layer: (N, K); qkv and gate/up fused as serving stacks run t
 
 
 def tp_shapes(shapes: dict, tp: int) -> dict:
-    """One rank's shapes under tensor parallelism ``tp`` as ``mxq.tp`` shards them: qkv and gate/up by
+    """One rank's shapes under tensor parallelism ``tp`` as ``mxq.runtime.tp`` shards them: qkv and gate/up by
     output rows (N / tp), o and down by input columns (K / tp)."""
     return {layer: (n // tp, k) if layer in ("qkv", "gate_up") else (n, k // tp) for layer, (n, k) in shapes.items()}
 

@@ -1,4 +1,4 @@
-"""GPTQ calibration cost at scale: time and peak device memory of ``mxq.gptq.gptq_model``.
+"""GPTQ calibration cost at scale: time and peak device memory of ``mxq.calib.gptq.gptq_model``.
 
     python -m mxq.eval.bench_gptq --shape llama3-8b --samples 128 --seq-len 2048 --out gptq-8b.json
 
@@ -37,8 +37,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     import mxq
+    from mxq.calib.gptq import gptq_model
     from mxq.formats import quantize_mx
-    from mxq.gptq import gptq_model
     from mxq.recipe import load_recipe
 
     device = torch.device(a.device)

@@ -46,11 +46,11 @@ def host_us(fn, calls: int = 200, rounds: int = 5) -> float:
 def rows_for(n: int, k: int, m: int, device) -> list[tuple[str, float]]:
     import torch.nn.functional as F
 
-    from mxq import linear as mxq_linear
     from mxq.formats import E4M3, ScaleRule, quantize_mx
     from mxq.kernels import dispatch, mx_linear
-    from mxq.linear import MXLinear
     from mxq.recipe import TensorSpec
+    from mxq.runtime import linear as mxq_linear
+    from mxq.runtime.linear import MXLinear
 
     w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
     x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
@@ -120,8 +120,8 @@ def profile_call(n: int, k: int, m: int, device, calls: int = 3000, top: int = 2
     import pstats
 
     from mxq.formats import E4M3, ScaleRule
-    from mxq.linear import MXLinear
     from mxq.recipe import TensorSpec
+    from mxq.runtime.linear import MXLinear
 
     lin = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
     mod = MXLinear.from_linear(lin, TensorSpec(E4M3, ScaleRule.RCEIL), TensorSpec(E4M3, ScaleRule.RCEIL))

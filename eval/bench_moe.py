@@ -26,7 +26,7 @@ strongest baseline's time / mxq's, > 1 = mxq faster) and writes JSON with device
 module is transformers' own experts module of the family (``--family qwen3``: Qwen3-30B-A3B's
 128 experts top-8, hidden 2048, width 768; ``gpt-oss``: gpt-oss-20b's 32 experts top-4, hidden 2880,
 width 2880, with biases and its clamped GLU), bf16 random weights, run with transformers'
-``grouped_mm`` experts implementation (the baseline), and ``mxq.experts.MXExperts.from_experts`` of
+``grouped_mm`` experts implementation (the baseline), and ``mxq.runtime.experts.MXExperts.from_experts`` of
 it in W8A16 and W8A8 (E4M3, RCEIL). Every call takes what the model's router hands over: hidden
 [T, H] bf16, ``top_k_index`` [T, k] int64 (random distinct experts), ``top_k_weights`` [T, k] bf16,
 at T = ``--layer-tokens`` (1, 8, 32, 128, 2048). First, at every T, mxq's output is checked against
@@ -455,9 +455,9 @@ def bench_layer(family: str, experts: int, top_k: int, hidden: int, width: int, 
       ``<role>_frac_copy``, that over ``copy_gbs``.
 
     Returns the rows and the failed checks (empty when every check passed; then nothing is timed)."""
-    from mxq.experts import MXExperts
     from mxq.formats import E4M3
     from mxq.recipe import TensorSpec
+    from mxq.runtime.experts import MXExperts
 
     cuda = device.type == "cuda"
     bf16 = build_experts_layer(family, experts, top_k, hidden, width, device)

@@ -1,7 +1,7 @@
 """The NaN-code scan that every load of an mxq checkpoint runs, word-wise against byte-wise.
 
 Writes one fp8 tensor of ``--mib`` MiB of random finite E4M3 codes (no NaN: the case every good
-checkpoint is, so the scan reads it all), then times ``mxq.validate.count_codes`` over it with the
+checkpoint is, so the scan reads it all), then times ``mxq.checkpoint.validate.count_codes`` over it with the
 word-wise test (the default) and byte by byte (the reference), at each ``--threads`` count (torchrun
 starts each rank with one), alternating the two, median of ``--reps``. Both must count the same. Prints a
 table of GB/s with the ratio word-wise / byte-wise and writes JSON.
@@ -25,8 +25,8 @@ import torch
 def main(argv=None) -> int:
     from safetensors.torch import save_file
 
-    from mxq.checkpoint import read_header
-    from mxq.validate import count_codes
+    from mxq.checkpoint.files import read_header
+    from mxq.checkpoint.validate import count_codes
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mib", type=int, default=1024, help="size of the tensor scanned (MiB)")

@@ -104,8 +104,8 @@ def _files_digest(files: Sequence[tuple[str, Path]]) -> str:
 
 def source_digest(source: str | os.PathLike | None) -> str | None:
     """The content hash of a model reference (see the module doc), or None where it cannot be
-    cached (a hub id, or anything ``mxq.models.resolve_source`` does not resolve)."""
-    from mxq.models import ModelSourceError, resolve_source
+    cached (a hub id, or anything ``mxq.hf.models.resolve_source`` does not resolve)."""
+    from mxq.hf.models import ModelSourceError, resolve_source
 
     try:
         src = resolve_source(source)

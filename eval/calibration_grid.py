@@ -3,9 +3,9 @@
     python -m mxq.eval.calibration_grid --calib calib.txt --heldout heldout.txt --device cuda --out grid.json
 
 Loads the model once (default: the embedded SmolLM2-135M), measures it in bf16, then for each
-recipe calibrates once (statistics and per-layer sensitivity, ``mxq.calibrate.calibrate``) and
+recipe calibrates once (statistics and per-layer sensitivity, ``mxq.calib.calibrator.calibrate``) and
 builds every variant in memory from that calibration: direct cast, GPTQ rounding
-(``mxq.gptq.round_plan``), kept layers, each applied with ``mxq.calibrate.apply_plan`` exactly as
+(``mxq.calib.gptq.round_plan``), kept layers, each applied with ``mxq.calib.calibrator.apply_plan`` exactly as
 ``mxq quantize --plan`` writes it (``tests/test_gptq.py`` holds the two equal). Every variant is
 scored on the same held-out windows. The table gives each row's perplexity against bf16 and its
 bytes against the recipe's direct cast; the JSON keeps the calibration provenance and times.
@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from mxq.signround import SIGNROUND_ITERS, SIGNROUND_LR
+from mxq.calib.signround import SIGNROUND_ITERS, SIGNROUND_LR
 
 
 class Variant(NamedTuple):
@@ -83,11 +83,11 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     import mxq
-    from mxq.calibrate import apply_plan, calibrate, make_plan
+    from mxq.calib.calibrator import apply_plan, calibrate, make_plan
+    from mxq.calib.gptq import round_plan
     from mxq.eval.data import load_texts
     from mxq.eval.perplexity import make_windows, perplexity
-    from mxq.gptq import round_plan
-    from mxq.models import load_model
+    from mxq.hf.models import load_model
     from mxq.recipe import load_recipe
 
     names = [v.strip() for v in a.variants.split(",") if v.strip()]
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
         t1 = time.perf_counter()
         m = copy.deepcopy(model)
         if rec.attention == "mxfp8":
-            import mxq.attention  # noqa: F401
+            import mxq.runtime.attention  # noqa: F401
 
             m.set_attn_implementation("mxfp8")
         plan = make_plan(m, cal, keep_bf16=keep, progress=False)
@@ -140,7 +140,7 @@ def main(argv=None) -> int:
             round_plan(m, plan, cal.batches, progress=False, quantized_inputs=qin, act_order=rounding == "gptq-actorder")
             t_gptq = time.perf_counter() - t2
         elif rounding == "signround":  # the "GPTQ s" column then holds signround's time
-            from mxq.signround import signround_plan
+            from mxq.calib.signround import signround_plan
 
             t2 = time.perf_counter()
             signround_plan(m, plan, cal.batches, iters=a.iters, lr=a.lr, progress=False)

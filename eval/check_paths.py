@@ -58,7 +58,7 @@ def path(name: str, model):
     ``triton`` the dispatch's choice (``kernels`` as the model had it, default "auto"), ``reference``
     ``mxq.set_kernels(model, "reference")``, ``reference_fp64`` the float64 product below."""
     import mxq.kernels as K
-    from mxq.linear import MXLinear, set_kernels
+    from mxq.runtime.linear import MXLinear, set_kernels
 
     # what set_kernels writes: each MXLinear's ``kernels``, every other module's ``mxq_kernels``
     saved = [(m, "kernels" if isinstance(m, MXLinear) else "mxq_kernels") for m in model.modules()]
@@ -83,7 +83,7 @@ def path(name: str, model):
 
 def check(model, windows, device: torch.device, paths=None) -> dict:
     from mxq.eval.perplexity import perplexity
-    from mxq.linear import MXLinear
+    from mxq.runtime.linear import MXLinear
 
     paths = paths or (["triton"] if device.type == "cuda" else []) + ["reference", "reference_fp64"]
     layers = [m for m in model.modules() if isinstance(m, MXLinear)]
@@ -114,7 +114,7 @@ _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp
 def main(argv=None) -> int:
     from mxq.eval.data import load_texts
     from mxq.eval.perplexity import make_windows
-    from mxq.models import load_model, resolve_device
+    from mxq.hf.models import load_model, resolve_device
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("checkpoint")

@@ -5,7 +5,7 @@
 #
 #   bash eval/e2e_smollm2.sh GGUF_FILE TEXT_FILE OUT_DIR
 #
-# GGUF_FILE: the embedded default model's file (python -c "import mxq.models as m; print(m.default_model_file())")
+# GGUF_FILE: the embedded default model's file (python -c "import mxq.hf.models as m; print(m.default_model_file())")
 # TEXT_FILE: e.g. WikiText-2 validation (tokenized release); OUT_DIR receives JSON reports.
 set -euo pipefail
 G=${1:?GGUF file}; TEXT=${2:?text file}; OUT=${3:?output dir}

@@ -55,9 +55,9 @@ class LayerSQNR:
 
 
 def is_quantized_module(m: torch.nn.Module) -> bool:
-    """An MX projection (``mxq.linear.mx_layers``' kind, or another tool's module of that shape);
+    """An MX projection (``mxq.runtime.linear.mx_layers``' kind, or another tool's module of that shape);
     not the stacked weight of a fused group, whose projections are reported one by one."""
-    from mxq.linear import FusedMXLinear
+    from mxq.runtime.linear import FusedMXLinear
 
     if isinstance(m, FusedMXLinear):
         return False

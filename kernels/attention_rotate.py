@@ -5,7 +5,7 @@ Hadamard blocks along head_dim, entries ±1 and 0), the torch reference being
 ``reference.rotate_qk`` (float64 accumulation, so within fp32 rounding of it), and with the MX
 rounding fused (``round_to``) the format core's rounding of those fp32 products. Attention with
 the rotation is ``mx_attention_reference(..., qk_rotation=True)``: Q and K are multiplied by R
-before they are MX-rounded and the scores divided by its block size (``mxq.attention`` uses it).
+before they are MX-rounded and the scores divided by its block size (``mxq.runtime.attention`` uses it).
 
 The kernels compute x·R as MMAs on bf16 pieces of x (1 piece for bf16 input, 2 for fp16, 3 for
 fp32), so every product is exact and only the fp32 accumulation rounds: Q inside the prefill and

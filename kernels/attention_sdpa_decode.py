@@ -1,6 +1,6 @@
 """Decode attention on a 16-bit KV cache: one query token per sequence, a KV head's query heads in one program.
 
-The default recipe keeps the KV cache in bf16, and ``mxq.fuse``'s grouped SDPA (``grouped_sdpa_forward``)
+The default recipe keeps the KV cache in bf16, and ``mxq.runtime.fuse``'s grouped SDPA (``grouped_sdpa_forward``)
 computes its attention. At one query token that was cuDNN's flash kernel: ~8.7 µs a layer for a
 160-token context on an H100 (Qwen3-30B-A3B widths; 19.7 µs for the whole grouped call in a CUDA graph),
 most of it fixed cost, paid once a layer and step. ``sdpa_decode`` is the same function in one small

@@ -260,7 +260,7 @@ def act_rule_in_c(rule: ScaleRule) -> bool:
     return rule in RULES
 
 
-# --- producers (``mxq.fuse``): their output MX-rounded in one C pass -----------------------------
+# --- producers (``mxq.runtime.fuse``): their output MX-rounded in one C pass -----------------------------
 
 
 def _mx_rounded(v: torch.Tensor, elem, block_size: int):

@@ -34,9 +34,10 @@ from __future__ import annotations
 
 import warnings
 
+from mxq.compat import installed
+
 PROBLEM: str | None = None
 try:
-    import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia import hopper
@@ -72,7 +73,7 @@ else:
         except AttributeError:
             _missing.append(_name)
     if _missing:
-        PROBLEM = f"Triton {triton.__version__}'s Gluon has no {', '.join(_missing)}"
+        PROBLEM = f"Triton {installed('triton')}'s Gluon has no {', '.join(_missing)}"
 
 HAVE_GLUON = PROBLEM is None  # the Gluon API as the kernels spell it: their modules define them
 
@@ -152,7 +153,7 @@ def run_or_fall_back(name: str, run, fall_back):
         if name not in WARNED:
             WARNED.add(name)
             warnings.warn(
-                f"mxq: {name} does not compile with Triton {triton.__version__} ({DISABLED[name]}); "
+                f"mxq: {name} does not compile with Triton {installed('triton')} ({DISABLED[name]}); "
                 f"using the next kernel in dispatch order",
                 RuntimeWarning,
                 stacklevel=3,

@@ -44,28 +44,10 @@ import torch
 from torch import Tensor as _Tensor
 
 from mxq import settings
+from mxq.compat import direct_launch_abi
 from mxq.kernels.toolchain import INTERPRET, configure_ptxas
 
-
-def direct_launch_abi(version: str) -> int:
-    """Which argument list Triton ``version``'s compiled-kernel C launcher takes, as ``RawLauncher``
-    passes it: 1 (Triton 3.5-3.6: function, cooperative, PDL, two scratch buffers, packed metadata,
-    launch metadata, two hooks, then the kernel's arguments one by one), 2 (Triton 3.9: function,
-    cooperative, PDL, packed metadata, launch metadata, two hooks, two scratch buffers, the argument
-    annotations and kernel signature, then the kernel's arguments as one tuple), 0 for a release not
-    checked on a GPU, where every launch goes through the JIT (correct; more host time per eager call)."""
-    nums = [int(n) for n in version.split("+")[0].split(".")[:2] if n.isdigit()]
-    if len(nums) != 2:
-        return 0
-    return 1 if (3, 5) <= tuple(nums) < (3, 7) else 2 if tuple(nums) == (3, 9) else 0
-
-
-try:
-    import triton as _triton
-
-    ABI = direct_launch_abi(_triton.__version__)
-except ImportError:  # pragma: no cover
-    ABI = 0
+ABI = direct_launch_abi()  # the installed Triton's launcher (0: none, or a release no GPU run checked)
 FAST = not INTERPRET and ABI > 0
 CHECK = settings.debug("launch-check")
 

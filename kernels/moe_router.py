@@ -4,7 +4,7 @@ transformers' routers compute the router logits with one GEMM and then, in torch
 (two kernels on a GPU: a radix select and a sort), a normalisation and a cast: five launches of a few
 microseconds each per layer, as long as a decode step's whole experts GEMM at one token.
 ``router_topk`` does everything after the GEMM in one program per token, by the rule of the family
-(``mxq.fuse``, "routers"):
+(``mxq.runtime.fuse``, "routers"):
 
 - ``"softmax"`` (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral): p = softmax(logits) in float32, the k
   largest, optionally divided by their sum;

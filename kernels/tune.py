@@ -46,6 +46,7 @@ import warnings
 from pathlib import Path
 
 from mxq import settings
+from mxq.compat import versions
 
 VERSION = 1
 # A candidate replaces the rule's config only if it is at least this much faster (the interleaved
@@ -303,12 +304,7 @@ def record(config, us: float, default_us: float, m: int, n_candidates: int) -> d
     """A cache entry: the config's fields and how it was chosen."""
     import torch
 
-    try:
-        import triton
-
-        tv = triton.__version__
-    except ImportError:  # pragma: no cover
-        tv = None
+    tv = versions()["triton"]
     return {
         "config": dataclasses.asdict(config), "us": round(us, 3), "default_us": round(default_us, 3), "m": m,
         "candidates": n_candidates, "date": datetime.date.today().isoformat(), "torch": torch.__version__,

@@ -17,6 +17,8 @@ import sys
 import warnings
 from importlib.metadata import PackageNotFoundError, version
 
+from mxq.lazy import submodules_on_demand
+
 try:
     __version__ = version("mxq")
 except PackageNotFoundError:  # a source tree that was never installed
@@ -24,28 +26,27 @@ except PackageNotFoundError:  # a source tree that was never installed
 
 # public name -> the module that defines it (loaded on first use)
 _PUBLIC = {
-    "MXQConfig": "mxq.hf",
-    "load": "mxq.hf",
-    "MXLinear": "mxq.linear",
-    "set_kernels": "mxq.linear",
-    "MXEmbedding": "mxq.embedding",
-    "quantize_model": "mxq.quantize",
+    "MXQConfig": "mxq.hf.quantizer",
+    "load": "mxq.hf.quantizer",
+    "MXLinear": "mxq.runtime.linear",
+    "set_kernels": "mxq.runtime.linear",
+    "MXEmbedding": "mxq.runtime.embedding",
+    "quantize_model": "mxq.hf.quantize",
     "Recipe": "mxq.recipe",
     "load_recipe": "mxq.recipe",
     **dict.fromkeys(("E4M3", "E5M2", "ElemFormat", "MXTensor", "ScaleRule", "quantize_mx", "dequantize_mx",
                      "fake_quantize_mx"), "mxq.formats"),  # fmt: skip
 }
 __all__ = [*_PUBLIC, "__version__"]
+_submodule = submodules_on_demand(__name__)
 
 
 def __getattr__(name: str):
     module = _PUBLIC.get(name)
     if module is not None:
         value = getattr(importlib.import_module(module), name)
-    elif not name.startswith("_") and importlib.util.find_spec(f"mxq.{name}") is not None:
-        value = importlib.import_module(f"mxq.{name}")  # a submodule, as ``mxq.linear`` after ``import mxq``
     else:
-        raise AttributeError(f"module 'mxq' has no attribute {name!r}")
+        value = _submodule(name)  # a subpackage, as ``mxq.runtime`` after ``import mxq``
     globals()[name] = value
     return value
 
@@ -62,8 +63,8 @@ def _register() -> None:
     these modules does it). A failure here is said, never raised: it must not break the import of
     transformers' own module that triggered it."""
     try:
-        import mxq.attention  # noqa: F401
-        import mxq.hf  # noqa: F401
+        import mxq.hf.quantizer  # noqa: F401
+        import mxq.runtime.attention  # noqa: F401
     except Exception as e:  # noqa: BLE001
         warnings.warn(f"mxq: could not register with transformers ({type(e).__name__}: {e}); "
                       "mxq checkpoints will not load through from_pretrained", stacklevel=2)  # fmt: skip

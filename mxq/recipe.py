@@ -50,7 +50,7 @@ class Recipe:
     include: tuple[str, ...] = ("*",)
     exclude: tuple[str, ...] = ("lm_head",)
     attention: str | None = None
-    embeddings: str | None = None  # "mxfp8": the input embedding in the weights' format (mxq.embedding)
+    embeddings: str | None = None  # "mxfp8": the input embedding in the weights' format (mxq.runtime.embedding)
     rounding: str = "nearest"  # weights: "nearest" (direct cast) or "gptq" (needs calibration text)
     source: str = ""  # where the recipe was read from
 

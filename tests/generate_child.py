@@ -31,8 +31,8 @@ def main() -> None:
                    help="A/B: make kept buffers on the calling thread, as before kernels/buffers.py")
     a = p.parse_args()
     if a.kept_in_pool:
-        from mxq import attention as mx_attention
         from mxq.kernels import attention_rotate, buffers, gemm_prefill_ws
+        from mxq.runtime import attention as mx_attention
 
         def in_caller_thread(make, device):
             return None if device.type == "cuda" and torch.cuda.is_current_stream_capturing() else make()

@@ -19,12 +19,12 @@ from mxq.formats import E4M3, E5M2, ScaleRule, dequantize_mx, quantize_mx
 
 triton = pytest.importorskip("triton")
 
-from mxq.attention import MXFP8Cache, MXFP8CacheLayer  # noqa: E402
 from mxq.kernels.attention import (  # noqa: E402
     mx_attention_decode,
     mx_attention_prefill,
     mx_attention_reference,
 )
+from mxq.runtime.attention import MXFP8Cache, MXFP8CacheLayer  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -314,7 +314,7 @@ def test_prefill_kernel_padding_mask():
 @pytest.mark.usefixtures("kernel_device")
 @pytest.mark.parametrize("rotation", ["hadamard", "none"])
 def test_cache_appends_equal_whole_sequence_bytes(rotation, monkeypatch):
-    monkeypatch.setattr("mxq.attention.QK_ROTATION", rotation)
+    monkeypatch.setattr("mxq.runtime.attention.QK_ROTATION", rotation)
     b, h, d, n = 2, 2, 40, 77
     k, v = torch.randn(b, h, n, d), torch.randn(b, h, n, d)
     layer = MXFP8CacheLayer()
@@ -639,7 +639,7 @@ def _independent_attention(module, query, key, value, attention_mask, dropout=0.
 
 @pytest.fixture(scope="module")
 def tiny_mxfp8_attn(tmp_path_factory):
-    from mxq.convert import quantize_checkpoint
+    from mxq.convert.converter import quantize_checkpoint
 
     root = tmp_path_factory.mktemp("attn")
     src = _tiny_llama(root / "src")
@@ -654,7 +654,7 @@ def test_hf_checkpoint_uses_mxfp8_attention(tiny_mxfp8_attn):
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     from mxq.formats import fake_quantize_mx
-    from mxq.linear import mx_layers
+    from mxq.runtime.linear import mx_layers
 
     src, qdir = tiny_mxfp8_attn
     assert json.loads((qdir / "config.json").read_text())["quantization_config"]["attention"] == "mxfp8"

@@ -11,7 +11,7 @@ import torch
 from typer.testing import CliRunner
 
 from mxq.cli import app
-from mxq.cli_bench import part_commands
+from mxq.cli.bench import part_commands
 from mxq.eval import plots
 
 RESULTS = Path(__file__).resolve().parents[1] / "eval" / "results" / "2026-11-21-h200"
@@ -328,10 +328,10 @@ def test_bench_scan_times_both_paths_and_writes_json(tmp_path):
 
 
 def test_bench_gemm_tp2_shapes_are_one_ranks_shards():
-    """bench_gemm's 70b-tp2 rows are what one rank of two holds under mxq.tp's split of Llama's
+    """bench_gemm's 70b-tp2 rows are what one rank of two holds under mxq.runtime.tp's split of Llama's
     projections (column-parallel q/k/v and gate/up by N, row-parallel o and down by K)."""
-    from mxq import tp
     from mxq.eval.bench_gemm import LLAMA_SHAPES
+    from mxq.runtime import tp
 
     modules = {"qkv": ["q_proj", "k_proj", "v_proj"], "o": ["o_proj"], "gate_up": ["gate_proj", "up_proj"],
                "down": ["down_proj"]}  # fmt: skip
@@ -342,7 +342,7 @@ def test_bench_gemm_tp2_shapes_are_one_ranks_shards():
         assert style in ("colwise", "rowwise") and tp.check_shard(layer, (n, k), style, 2).ok
         assert LLAMA_SHAPES["70b-tp2"][layer] == ((n // 2, k) if style == "colwise" else (n, k // 2))
     # `mxq tune --shapes llama3-70b-tp2` tunes the same shapes
-    from mxq.cli_tune import PRESETS
+    from mxq.cli.tune import PRESETS
 
     assert PRESETS["llama3-70b-tp2"] == list(LLAMA_SHAPES["70b-tp2"].values())
     assert PRESETS["llama3-70b"] == list(LLAMA_SHAPES["70b"].values())

@@ -25,7 +25,7 @@ from transformers import (
 )
 
 import mxq
-from mxq.calibrate import (
+from mxq.calib.calibrator import (
     LinearStats,
     _candidates,
     _output_sqnr,
@@ -35,12 +35,12 @@ from mxq.calibrate import (
     layer_sensitivity,
     make_plan,
 )
-from mxq.convert import quantize_checkpoint
+from mxq.calib.plan import LayerPlan, Plan, PlanError, load_plan, save_plan
+from mxq.calib.reorder import Geometry, Permutations, permute_model
+from mxq.convert.converter import quantize_checkpoint
 from mxq.formats import E4M3, E5M2, ScaleRule
-from mxq.linear import linear_layers
-from mxq.plan import LayerPlan, Plan, PlanError, load_plan, save_plan
 from mxq.recipe import TensorSpec, load_recipe, parse_recipe
-from mxq.reorder import Geometry, Permutations, permute_model
+from mxq.runtime.linear import linear_layers
 
 
 def _llama(seed=0) -> LlamaForCausalLM:
@@ -148,7 +148,7 @@ def test_folded_permutations_through_converter(tmp_path, arch):
 
 def test_converter_plan_equals_in_memory_apply(tmp_path):
     """Quantized with permutations and per-layer rules: the converter and apply_plan agree exactly."""
-    from mxq.calibrate import apply_plan
+    from mxq.calib.calibrator import apply_plan
 
     model = _llama()
     model.save_pretrained(tmp_path / "src")
@@ -402,6 +402,6 @@ def test_gpu_calibration_on_cuda_equals_cpu(tmp_path):
     model.save_pretrained(src)
     quantize_checkpoint(src, tmp_path / "out", plan=gpu, device="cuda", progress=False)
     q = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
-    mem = mxq.calibrate.apply_plan(copy.deepcopy(model), gpu)
+    mem = mxq.calib.calibrator.apply_plan(copy.deepcopy(model), gpu)
     ids = _ids(320)
     assert torch.equal(_logits(q, ids), _logits(mem, ids))

@@ -59,7 +59,7 @@ def test_shards_outside_the_model_directory_are_refused(tmp_path, where):
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
     import mxq
-    from mxq.checkpoint import CheckpointError
+    from mxq.checkpoint.files import CheckpointError
 
     with pytest.raises(CheckpointError, match="outside the model directory|is not a file name"):
         mxq.load(model)
@@ -374,7 +374,7 @@ def test_force_never_touches_the_source_or_foreign_files(tmp_path):
 def test_out_that_appears_meanwhile_is_left_alone(tmp_path, monkeypatch):
     """Two runs onto one OUT: the one that finishes second fails instead of replacing the other's
     result (no --force), and removes its own temporary directory."""
-    from mxq import convert
+    from mxq.convert.converter import converter as convert
 
     model = tmp_path / "model"
     _tiny_model(model)

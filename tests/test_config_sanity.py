@@ -17,8 +17,8 @@ from cli_helpers import run_cli
 from moe_models import FAMILIES, moe_model
 from safetensors import safe_open
 
-from mxq.config import EXPERT_COUNT_KEYS
-from mxq.models import ModelSourceError, check_moe_config
+from mxq.checkpoint.config import EXPERT_COUNT_KEYS
+from mxq.hf.models import ModelSourceError, check_moe_config
 
 
 @pytest.fixture(scope="module")
@@ -71,15 +71,15 @@ def _forbid_work(monkeypatch):
     (pytest.fail is no Exception, so the command line's one-line handler does not swallow it)."""
     import transformers
 
-    import mxq.checkpoint
-    import mxq.tensor_source  # imported before the patch: it binds read_tensor by name when first imported
+    import mxq.checkpoint.files
+    import mxq.convert.source  # imported before the patch: it binds read_tensor by name when first imported
 
     def fail(*a, **k):
         pytest.fail("work started before config.json was checked")
 
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", fail)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", fail)
-    for module in (mxq.checkpoint, mxq.tensor_source):
+    for module in (mxq.checkpoint.files, mxq.convert.source):
         monkeypatch.setattr(module, "read_tensor", fail)
 
 
@@ -113,7 +113,7 @@ def test_a_negative_count_would_build_dense_mlps(tmp_path, sources):
     model without any experts module (so the checkpoint's experts would be dropped); mxq refuses."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from mxq.experts import experts_layers
+    from mxq.runtime.experts import experts_layers
 
     bad = _edited(sources("qwen3_moe"), tmp_path / "src", num_local_experts=..., num_experts=-4)
     with torch.device("meta"):
@@ -181,8 +181,8 @@ def test_expert_names_cost_what_the_checkpoint_lists():
     """Matching an experts module to the checkpoint never builds a structure of the config's size:
     a count of 10**12 against a checkpoint of 4 experts is answered at once (an expected-name set
     would need terabytes)."""
-    from mxq.convert_layout import ConversionError, experts_on_disk
-    from mxq.experts import GATED, ExpertsLayer
+    from mxq.convert.layout import ConversionError, experts_on_disk
+    from mxq.runtime.experts import GATED, ExpertsLayer
 
     info = ExpertsLayer(
         "model.layers.0.mlp.experts", 10**12, GATED, ((128, 64), (64, 64)), False, False

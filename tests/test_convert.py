@@ -28,11 +28,11 @@ from transformers import (
 )
 
 import mxq
-from mxq.checkpoint import ShardWriter, read_index
-from mxq.convert import ConversionError, quantize_checkpoint
+from mxq.checkpoint.files import ShardWriter, read_index
+from mxq.convert.converter import ConversionError, quantize_checkpoint
 from mxq.formats import E4M3, E5M2, fake_quantize_mx
-from mxq.linear import MXLinear, mx_layers
 from mxq.recipe import RecipeError, load_recipe
+from mxq.runtime.linear import MXLinear, mx_layers
 
 torch.manual_seed(0)
 
@@ -261,8 +261,8 @@ def test_lm_head_recipe_untied_and_tied(tmp_path, llama_dir):
     assert tied.lm_head.weight is tied.model.embed_tokens.weight
     cfg = tied.config.quantization_config.to_dict()
     assert "lm_head" in cfg["ignore"] and "lm_head" not in cfg["layers"]
-    from mxq.experts import select_model_layers as select_layers
     from mxq.recipe import load_recipe
+    from mxq.runtime.experts import select_model_layers as select_layers
 
     fresh = AutoModelForCausalLM.from_pretrained(tmp_path / "qw", dtype=torch.bfloat16)
     assert (
@@ -526,7 +526,7 @@ def test_disk_full_leaves_nothing(tmp_path, llama_dir, monkeypatch):
 
 
 def test_interrupt_leaves_nothing(tmp_path, llama_dir, monkeypatch):
-    import mxq.convert as conv
+    import mxq.convert.converter as conv
 
     real = conv._quantize_weight
     calls = {"n": 0}
@@ -567,7 +567,7 @@ def test_cli_quantize_inspect_and_errors(tmp_path, llama_dir):
 
 
 def test_inspect_reports_bad_scale_shape_by_name(tmp_path, llama_dir):
-    from mxq.inspect import inspect_checkpoint
+    from mxq.checkpoint.describe import inspect_checkpoint
 
     out = tmp_path / "q"
     quantize_checkpoint(llama_dir, out, progress=False)
@@ -624,8 +624,8 @@ def test_malformed_headers_refused_alike_by_inspect_and_loader(tmp_path, llama_d
     """The safetensors rules (offsets contiguous from 0 and covering the data exactly, string
     metadata, sane shapes): `mxq inspect` and `mxq.load` refuse the same file with the same
     one-line message naming it."""
-    from mxq.checkpoint import CheckpointError, read_header
-    from mxq.inspect import inspect_checkpoint
+    from mxq.checkpoint.describe import inspect_checkpoint
+    from mxq.checkpoint.files import CheckpointError, read_header
 
     out = tmp_path / "q"
     quantize_checkpoint(llama_dir, out, progress=False)
@@ -649,7 +649,7 @@ STREAM_SCRIPT = textwrap.dedent(
     """
     import json, sys
     from pathlib import Path
-    from mxq.convert import quantize_checkpoint
+    from mxq.convert.converter import quantize_checkpoint
 
     def status(key):
         for line in open("/proc/self/status"):
@@ -795,7 +795,7 @@ def test_transformers_fp8_1x32_ue8m0_checkpoint_loads(tmp_path, llama_dir):
     """transformers' FineGrainedFP8Config(weight_block_size=(1, 32), scale_fmt="ue8m0") writes MXFP8
     under quant_method "fp8" (E8M0 weight_scale_inv, 1x32 blocks, RCEIL scales): mxq reads it; any
     other fp8 layout is refused in one line naming config.json."""
-    from mxq.checkpoint import CheckpointError
+    from mxq.checkpoint.files import CheckpointError
 
     native = tmp_path / "native"
     quantize_checkpoint(llama_dir, native, progress=False)
@@ -848,7 +848,7 @@ def test_tensor_source_from_memory_equals_the_directory(tmp_path, llama_dir, fam
     once per tensor, in the listed order."""
     from moe_models import moe_model
 
-    from mxq.convert import TensorSource
+    from mxq.convert.converter import TensorSource
 
     if family == "llama":
         model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.bfloat16)

@@ -11,7 +11,7 @@
   and the final rounding (the operands are exact: module doc of kernels/cpu.py); against the
   reference's own output the same bound doubled, and most bf16 outputs bit-equal;
 - non-finite weights (NaN codes, NaN and byte-0 scales) give what the reference gives;
-- the producers of ``mxq.fuse`` (RMSNorm, SiLU·up, MX-rounded) equal their references byte for byte;
+- the producers of ``mxq.runtime.fuse`` (RMSNorm, SiLU·up, MX-rounded) equal their references byte for byte;
 - the registry: ``cpu`` before the reference, ``kernels="reference"`` forces the reference, and
   without a compiler one warning and the reference.
 """

@@ -30,10 +30,10 @@ from transformers import (
 )
 
 import mxq
-from mxq.convert import quantize_checkpoint
-from mxq.decode import StaticGreedyDecoder
-from mxq.fuse import QKV, _layer_forward, unfuse
-from mxq.linear import FusedMXLinear
+from mxq.convert.converter import quantize_checkpoint
+from mxq.runtime.decode import StaticGreedyDecoder
+from mxq.runtime.fuse import QKV, _layer_forward, unfuse
+from mxq.runtime.linear import FusedMXLinear
 
 accelerate = pytest.importorskip("accelerate")
 from accelerate import dispatch_model  # noqa: E402

@@ -15,8 +15,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, StaticCache
 
 import mxq
-from mxq.decode import StaticGreedyDecoder
-from mxq.linear import MXLinear
+from mxq.runtime.decode import StaticGreedyDecoder
+from mxq.runtime.linear import MXLinear
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
@@ -30,7 +30,7 @@ def _llama(seed=0, vocab=211):
 
 
 def _llama_eager(seed=3):
-    """Eager attention: its additive mask comes from ``mxq.fuse.device_eager_mask`` in the decoder."""
+    """Eager attention: its additive mask comes from ``mxq.runtime.fuse.device_eager_mask`` in the decoder."""
     m = _llama(seed)
     m.config._attn_implementation = "eager"
     return m
@@ -123,8 +123,8 @@ def test_eager_mask_on_device_is_transformers_eager_mask(dtype, window):
     offsets, a sliding window)."""
     from transformers import masking_utils as mu
 
-    from mxq.decode import capturable_masks
-    from mxq.fuse import SINKS_ATTENTION, device_eager_mask
+    from mxq.runtime.decode import capturable_masks
+    from mxq.runtime.fuse import SINKS_ATTENTION, device_eager_mask
 
     g = torch.Generator().manual_seed(11)
     pad = torch.rand(3, 17, generator=g) > 0.2
@@ -182,7 +182,7 @@ def test_compile_fullgraph_static_cache(recipe):
 
 
 def test_loaded_checkpoint_is_compileable(tmp_path):
-    from mxq.convert import quantize_checkpoint
+    from mxq.convert.converter import quantize_checkpoint
 
     model = _llama(seed=4).to(torch.bfloat16)
     model.save_pretrained(tmp_path / "src")

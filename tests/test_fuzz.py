@@ -29,8 +29,8 @@ from hypothesis import strategies as st  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import mxq  # noqa: E402
-from mxq.checkpoint import CheckpointError  # noqa: E402
-from mxq.convert import ConversionError, quantize_checkpoint  # noqa: E402
+from mxq.checkpoint.files import CheckpointError  # noqa: E402
+from mxq.convert.converter import ConversionError, quantize_checkpoint  # noqa: E402
 from mxq.recipe import RecipeError  # noqa: E402
 
 MXQ_DIRS = tuple(str(Path(p).resolve()) for p in (Path(mxq.__file__).parent, Path(mxq.__file__).parent.parent / "eval"))
@@ -283,7 +283,7 @@ def test_load_survives_damage(pristine, data):
             event(f"load refused: {type(e).__name__}")
         else:  # loaded: no quantized weight holds a NaN (a large scale may overflow to inf: E8M0 allows 2**127)
             event("loaded")
-            for m in mxq.linear.mx_layers(model).values():
+            for m in mxq.runtime.linear.mx_layers(model).values():
                 assert not torch.isnan(m.dequantized_weight()).any()
         assert _files(tmp) == before
 

@@ -113,17 +113,3 @@ def test_the_hopper_kernels_build_with_each_ci_triton():
     assert not gluon_api.DISABLED
     for name in ("gemm_decode_ws", "gemm_prefill_ws", "attention_decode_ws"):
         assert gluon_api.usable(name), name
-
-
-def test_direct_launches_only_with_the_launcher_they_were_written_for():
-    """The direct launch hands arguments to the C launcher in the list of the release it knows:
-    Triton 3.5-3.6's (1) and 3.9's (2, another order, the arguments as one tuple); on any other
-    release every launch goes through the JIT."""
-    import triton
-
-    from mxq.kernels import launch
-    from mxq.kernels.toolchain import INTERPRET
-
-    assert [launch.direct_launch_abi(v) for v in ("3.5.1", "3.6.0", "3.6.1+git7f3a", "3.7.0", "3.9.0", "4.0.0", "3")] == [
-        1, 1, 1, 0, 2, 0, 0]  # fmt: skip
-    assert launch.FAST == (not INTERPRET and launch.direct_launch_abi(triton.__version__) > 0)

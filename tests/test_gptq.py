@@ -20,11 +20,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from mxq.calibrate import calibration_batches, make_plan
-from mxq.convert import ConversionError, quantize_checkpoint
+from mxq.calib.calibrator import calibration_batches, make_plan
+from mxq.calib.gptq import GPTQError, gptq_model, gptq_mx, hessian, round_plan
+from mxq.calib.plan import load_plan, save_plan
+from mxq.convert.converter import ConversionError, quantize_checkpoint
 from mxq.formats import E4M3, E5M2, ScaleRule, fake_quantize_mx, shared_exponents
-from mxq.gptq import GPTQError, gptq_model, gptq_mx, hessian, round_plan
-from mxq.plan import load_plan, save_plan
 from mxq.recipe import RecipeError, TensorSpec, parse_recipe
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -235,7 +235,7 @@ def test_checkpoint_has_the_direct_cast_format_and_loads_the_rounded_model(tmp_p
             assert torch.equal(m.dequantized_weight(), want), n
             assert n not in kept
     # and the same model through apply_plan (direct cast of the rounded bf16 values)
-    mem = mxq.calibrate.apply_plan(copy.deepcopy(rounded), load_plan(tmp_path / "plan.json"))
+    mem = mxq.calib.calibrator.apply_plan(copy.deepcopy(rounded), load_plan(tmp_path / "plan.json"))
     ids = _ids(model.config.vocab_size)
     assert torch.equal(_logits(loaded, ids), _logits(mem, ids))
 
@@ -250,7 +250,7 @@ def test_gptq_recipe_without_calibration_is_one_line(tmp_path):
 
 
 def test_plan_codes_file_must_sit_beside_the_plan(tmp_path):
-    from mxq.plan import PlanError
+    from mxq.calib.plan import PlanError
 
     model = _llama()
     rec, cal = _tiny_plan_inputs(model)

@@ -26,14 +26,14 @@ from safetensors import safe_open
 from test_calibrate import TEXT, _CharTokenizer
 
 import mxq
-from mxq.calibrate import apply_plan, calibrate, make_plan
-from mxq.checkpoint import checkpoint_files
-from mxq.convert import ConversionError, quantize_checkpoint
-from mxq.experts import MXExperts, experts_layers, quantize_experts, select_model_layers
+from mxq.calib.calibrator import apply_plan, calibrate, make_plan
+from mxq.calib.gptq import EXPERT_MIN_TOKENS, gptq_model, gptq_mx, hessian, round_plan
+from mxq.calib.plan import PlanError, load_plan, save_plan
+from mxq.checkpoint.files import checkpoint_files
+from mxq.convert.converter import ConversionError, quantize_checkpoint
 from mxq.formats import E4M3, ScaleRule, fake_quantize_mx
-from mxq.gptq import EXPERT_MIN_TOKENS, gptq_model, gptq_mx, hessian, round_plan
-from mxq.plan import PlanError, load_plan, save_plan
 from mxq.recipe import TensorSpec, load_recipe
+from mxq.runtime.experts import MXExperts, experts_layers, quantize_experts, select_model_layers
 
 W = TensorSpec(E4M3, ScaleRule.RCEIL)
 SPEC = (W, TensorSpec(E4M3, ScaleRule.RCEIL))  # mxfp8: W8A8
@@ -426,7 +426,7 @@ def test_one_expert_hessian_at_a_time(monkeypatch):
     """Per-expert Hessians are built and consumed one at a time: when one is built, none other is alive."""
     import weakref
 
-    import mxq.gptq_experts as gptq_experts
+    import mxq.calib.gptq_experts as gptq_experts
 
     alive, most = [], [0]
     make = gptq_experts.hessian

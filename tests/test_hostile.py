@@ -156,8 +156,8 @@ def test_compressed_tensors_refuses_fused_experts_at_planning(tmp_path, monkeypa
     """compressed-tensors stores one Linear per expert, so fused 3-D experts (gpt-oss) are refused
     while planning: no tensor is read, no shard opened, no calibration run."""
     import mxq.cli
-    import mxq.convert
-    import mxq.tensor_source
+    import mxq.convert.converter
+    import mxq.convert.source
 
     src = _moe_source(tmp_path, "gpt_oss")
     (tmp_path / "text.txt").write_text("calibration text\n")
@@ -166,8 +166,8 @@ def test_compressed_tensors_refuses_fused_experts_at_planning(tmp_path, monkeypa
         # pytest.fail raises no Exception: the command line's one-line handler does not catch it
         pytest.fail("work started before the format was checked")
 
-    monkeypatch.setattr(mxq.tensor_source, "read_tensor", fail)
-    monkeypatch.setattr(mxq.convert, "ShardWriter", fail)
+    monkeypatch.setattr(mxq.convert.source, "read_tensor", fail)
+    monkeypatch.setattr(mxq.convert.converter, "ShardWriter", fail)
     monkeypatch.setattr(mxq.cli, "_run_calibration", fail)
     out = tmp_path / "out"
     cal = ["--calibrate", "--dataset", str(tmp_path / "text.txt")] if calibrate else []

@@ -1,4 +1,4 @@
-"""``mxq.install``: the one way mxq gives a module another forward. Under an accelerate hook the hook
+"""``mxq.runtime.install``: the one way mxq gives a module another forward. Under an accelerate hook the hook
 keeps running around mxq's forward; a forward someone else set (a user's patch, another owner) is
 left alone with a warning, and the model computes what it computed; restoring undoes only mxq's own."""
 
@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import mxq
-from mxq import fuse as F
-from mxq.install import install_forward, installed_by, restore_forward
+from mxq.runtime import fuse as F
+from mxq.runtime.install import install_forward, installed_by, restore_forward
 
 accelerate = pytest.importorskip("accelerate")
 from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module  # noqa: E402

@@ -14,8 +14,8 @@ from kernel_helpers import DEV, activations, hopper
 from mxq.formats import E4M3, ScaleRule
 from mxq.kernels import dispatch, mx_linear, reference
 from mxq.kernels.quantize import quantize_mx_rows
-from mxq.linear import MXLinear
 from mxq.recipe import TensorSpec
+from mxq.runtime.linear import MXLinear
 
 ACT = TensorSpec(E4M3, ScaleRule.RCEIL)
 

@@ -1,14 +1,15 @@
-"""The import graph of ``mxq/*.py`` follows docs/ARCHITECTURE.md: imports run only downward.
+"""The import graph of ``mxq/`` (its modules and rooms) follows docs/ARCHITECTURE.md: imports run only downward.
 
 Also ``kernels/*.py`` (``mxq.kernels``): its modules form no circle and reach nothing in mxq but
-``mxq.formats`` and ``mxq.settings`` (the environment); no kernel file grows past ``MAX_KERNEL_LINES``. And ``eval/*.py`` (``mxq.eval``)
-sits beside ``calibrate``/``convert``: it imports neither the CLI nor upward.
+``mxq.formats``, ``mxq.settings`` (the environment) and ``mxq.compat`` (the releases); no module of
+mxq/ or kernels/ grows past ``MAX_KERNEL_LINES``. And ``eval/*.py`` (``mxq.eval``) sits beside the
+pipeline stages: it imports neither the CLI nor upward.
 
-``cli → {calibrate, convert, hf, eval} → {linear, attention, checkpoint, recipe, config, plan} →
-{formats, kernels}``; no two modules import each other, not even lazily inside a function; the
-on-disk config schema (``mxq.config``) and ``mxq.formats`` need no transformers. The graph is read
-with ``ast`` from the source (imports inside functions included), so a lazy import that closes a
-circle fails here although Python would tolerate it.
+``cli → {calib, convert, hf, eval} → {runtime, checkpoint, recipe} → {formats, kernels, settings, compat}``;
+no two modules import each other, not even lazily inside a function; the on-disk config schema
+(``mxq.checkpoint.config``) and ``mxq.formats`` need no transformers. The graph is read with ``ast``
+from the source (imports inside functions included), so a lazy import that closes a circle fails
+here although Python would tolerate it.
 """
 
 from __future__ import annotations
@@ -23,24 +24,42 @@ import pytest
 SRC = Path(__file__).resolve().parent.parent / "mxq"
 PACKAGE = "mxq"  # the node of mxq/__init__.py: what ``import mxq`` runs (public API, registration)
 OUTSIDE = ("kernels", "eval")  # subpackages mapped into mxq (package-dir), one node each
+ROOMS = ("calib", "checkpoint", "cli", "convert", "hf", "runtime")  # mxq's subpackages: a step of the pipeline each
 
-# Layer of every module, top (0) to bottom (3). A module may import its own layer or lower ones.
+# Layer of every module (named by its path under mxq/, dotted), top (0) to bottom (3). A module may
+# import its own layer or lower ones. A room's ``__init__`` (node: the room's name) only documents it
+# and loads its modules on demand, except ``cli``'s, which is the command line itself.
 LAYERS = {
-    0: {"cli", "cli_bench", "cli_eval", "cli_inspect", "cli_tune"},
-    1: {PACKAGE, "calibrate", "sensitivity", "gptq", "gptq_core", "gptq_experts", "signround", "convert", "convert_layout", "tensor_source", "hf", "eval", "inspect",
-        "models", "quantize"},
-    2: {"experts", "tp", "fuse", "routing", "linear", "embedding", "attention", "checkpoint", "validate", "recipe", "config", "plan", "reorder",
-        "progress", "decode"},
-    3: {"formats", "kernels", "install", "settings"},
-}
+    0: {"cli", "cli.__main__", "cli.bench", "cli.eval", "cli.inspect_cmd", "cli.tune"},
+    1: {PACKAGE, "calib.calibrator", "calib.sensitivity", "calib.gptq", "calib.gptq_core", "calib.gptq_experts",
+        "calib.signround", "convert.converter", "convert.layout", "convert.source", "checkpoint.describe",
+        "hf.quantizer", "hf.models", "hf.quantize", "eval"},
+    2: {"runtime.experts", "runtime.tp", "runtime.fuse", "runtime.routing", "runtime.linear", "runtime.embedding",
+        "runtime.attention", "runtime.decode", "checkpoint.files", "checkpoint.validate", "checkpoint.config",
+        "calib.plan", "calib.reorder", "recipe", "progress"},
+    3: {"formats", "kernels", "runtime.install", "settings", "lazy", "compat", *(r for r in ROOMS if r != "cli")},
+}  # fmt: skip
 LAYER = {m: rank for rank, mods in LAYERS.items() for m in mods}
-NO_TRANSFORMERS = ("config", "formats", "settings")
+NO_TRANSFORMERS = ("checkpoint.config", "formats", "settings")
+
+
+def _node(path: Path) -> str:
+    rel = path.relative_to(SRC).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts) or PACKAGE
 
 
 def _modules() -> dict[str, Path]:
-    mods = {p.stem: p for p in SRC.glob("*.py") if p.stem != "__init__"}
-    mods[PACKAGE] = SRC / "__init__.py"
-    return mods
+    return {_node(p): p for p in SRC.rglob("*.py")}
+
+
+def _known(dotted: str, known: set[str]) -> str:
+    """The longest known node that ``dotted`` (a path under mxq, dotted) lies in."""
+    parts = dotted.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in known:
+            return ".".join(parts[:n])
+    return PACKAGE
 
 
 def _target(dotted: str, names: list[str], known: set[str]) -> set[str]:
@@ -48,12 +67,12 @@ def _target(dotted: str, names: list[str], known: set[str]) -> set[str]:
     parts = dotted.split(".")
     if parts[0] != PACKAGE:
         return set()
-    if len(parts) > 1:
-        return {parts[1]}
-    # ``import mxq`` or ``from mxq import a, b``: submodules by name, anything else is the package
-    if not names:
-        return {PACKAGE}
-    return {n if n in known else PACKAGE for n in names}
+    base = ".".join(parts[1:])
+    if not names:  # ``import mxq.a.b``
+        return {_known(base, known)} if base else {PACKAGE}
+    # ``from mxq.a import b, c``: submodules by name, anything else is the package ``a``
+    return {_known(f"{base}.{n}" if base else n, known) if f"{base}.{n}".strip(".") in known
+            else (_known(base, known) if base else PACKAGE) for n in names}  # fmt: skip
 
 
 def _imports(path: Path, known: set[str]) -> tuple[set[str], set[str]]:
@@ -66,10 +85,8 @@ def _imports(path: Path, known: set[str]) -> tuple[set[str], set[str]]:
                 mxq_deps |= _target(alias.name, [], known)
                 other.add(alias.name.split(".")[0])
         elif isinstance(node, ast.ImportFrom):
-            if node.level:  # relative: from . import x / from .x import y, inside mxq/
-                dotted = ".".join(filter(None, [PACKAGE, node.module]))
-            else:
-                dotted = node.module or ""
+            assert not node.level, f"{path}: relative import (mxq imports by absolute name)"
+            dotted = node.module or ""
             mxq_deps |= _target(dotted, [a.name for a in node.names], known)
             other.add(dotted.split(".")[0])
     return mxq_deps, other - {PACKAGE}
@@ -96,7 +113,7 @@ def test_every_module_has_a_layer(graph):
 def test_no_upward_import(graph):
     edges, _ = graph
     upward = sorted(
-        f"mxq/{a}.py imports mxq.{b} (layer {LAYER[a]} -> {LAYER[b]})"
+        f"mxq.{a} imports mxq.{b} (layer {LAYER[a]} -> {LAYER[b]})"
         for a, ds in edges.items()
         for b in ds
         if a in LAYER and b in LAYER and LAYER[b] < LAYER[a]
@@ -113,20 +130,21 @@ def test_no_import_cycle(graph):
 def test_config_and_formats_reach_no_transformers(graph):
     edges, external = graph
     for root in NO_TRANSFORMERS:
-        assert root in edges, f"mxq/{root}.py is missing"
+        assert root in edges, f"mxq.{root} is missing"
         seen, todo = set(), [root]
         while todo:
             n = todo.pop()
             if n not in seen:
                 seen.add(n)
                 todo.extend(edges.get(n, ()))
-        assert not seen & {PACKAGE, "hf", "attention"}, f"mxq.{root} reaches {sorted(seen & {PACKAGE, 'hf', 'attention'})}"
+        glue = {PACKAGE, "hf.quantizer", "runtime.attention"}
+        assert not seen & glue, f"mxq.{root} reaches {sorted(seen & glue)}"
         bad = sorted(m for m in seen if "transformers" in external.get(m, ()))
         assert not bad, f"mxq.{root} imports (through {bad}) transformers"
 
 
 def test_config_and_formats_import_without_transformers():
-    """Import ``mxq.config`` and ``mxq.formats`` for real, past ``mxq/__init__.py`` (which loads the
+    """Import ``mxq.checkpoint.config`` and ``mxq.formats`` for real, past ``mxq/__init__.py`` (which loads the
     transformers glue on purpose): nothing they pull in, third-party packages included, may load
     transformers."""
     code = (
@@ -205,14 +223,16 @@ def test_kernels_form_no_import_cycle_and_reach_only_formats():
     edges, outside = _subpackage_graph(KERNELS, "kernels")
     cycles = _cycles({k: v for k, v in edges.items() if k != "__init__"})
     assert not cycles, "import cycles among kernels/ modules:\n" + "\n".join(cycles)
-    bad = sorted(f"kernels/{m}.py imports mxq.{o}" for m, os_ in outside.items() for o in os_ if o not in ("formats", "settings"))
-    assert not bad, "kernels/ reaches mxq modules other than formats and settings:\n" + "\n".join(bad)
+    bad = sorted(f"kernels/{m}.py imports mxq.{o}" for m, os_ in outside.items() for o in os_ if o not in ("formats", "settings", "compat"))
+    assert not bad, "kernels/ reaches mxq modules other than formats, settings and compat:\n" + "\n".join(bad)
 
 
-def test_kernel_files_stay_small():
-    sizes = {p.name: len(p.read_text().splitlines()) for p in KERNELS.glob("*.py")}
-    big = sorted(f"kernels/{n}: {c} lines" for n, c in sizes.items() if c > MAX_KERNEL_LINES)
-    assert not big, f"kernel modules over {MAX_KERNEL_LINES} lines (split them by topic):\n" + "\n".join(big)
+def test_modules_stay_small():
+    """No module of mxq/ or kernels/ past ``MAX_KERNEL_LINES``: one concept a module."""
+    files = [*SRC.rglob("*.py"), *KERNELS.glob("*.py")]
+    sizes = {str(p.relative_to(SRC.parent)): len(p.read_text().splitlines()) for p in files}
+    big = sorted(f"{n}: {c} lines" for n, c in sizes.items() if c > MAX_KERNEL_LINES)
+    assert not big, f"modules over {MAX_KERNEL_LINES} lines (split them by concept):\n" + "\n".join(big)
 
 
 def test_eval_imports_no_cli_and_no_cycle():
@@ -233,7 +253,7 @@ def test_the_environment_is_read_in_one_place():
     assert len(settings.VARIABLES) <= 5
     named, reads = set(), []
     for root in (SRC, KERNELS, SRC.parent / "eval"):
-        for p in root.glob("*.py"):
+        for p in root.rglob("*.py"):
             text = p.read_text()
             named |= set(re.findall(r"[\"'](MXQ_[A-Z0-9_]+)[\"']", text))
             if p.name != "settings.py":
@@ -251,7 +271,7 @@ def test_architecture_names_what_the_code_holds():
     import re
 
     text = ARCH.read_text()
-    rows = {int(m.group(1)): set(re.findall(r"`([a-z_]+)`", m.group(2)))
+    rows = {int(m.group(1)): set(re.findall(r"`([a-z_.]+)`", m.group(2)))
             for m in re.finditer(r"^\| (\d): [^|]+\| (.+) \|$", text, re.M)}  # fmt: skip
     assert rows.keys() == LAYERS.keys()
     for rank, mods in LAYERS.items():
@@ -260,3 +280,16 @@ def test_architecture_names_what_the_code_holds():
     assert paths, "no file paths found: the pattern no longer matches the document"
     missing = sorted(p for p in paths if not (SRC.parent / p).exists())
     assert not missing, missing
+    # the rooms' tree: every module of mxq/ listed, in its room, and nothing else
+    tree = text[text.index("## The rooms"):text.index("## The data path")]
+    listed, room = set(), None
+    for line in tree.splitlines():
+        if m := re.match(r"^(mxq/(?:\w+/)?)(\S*)", line):
+            room = m.group(1) if not m.group(2) else None
+            listed |= {m.group(1) + m.group(2)} if m.group(2) else set()
+        elif room and line.startswith("  "):
+            listed |= {room + f for f in line.split()}
+    held = {str(p.relative_to(SRC.parent)) for p in SRC.rglob("*.py")}
+    rooms_init = {f"mxq/{r}/__init__.py" for r in ROOMS}  # listed or not: a room's own file
+    assert listed - rooms_init == held - rooms_init, sorted((listed ^ held) - rooms_init)
+    assert {f"mxq/{r}/" for r in ROOMS} <= {line.split()[0] for line in tree.splitlines() if line.startswith("mxq/")}

@@ -19,8 +19,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import mxq
-from mxq.checkpoint import CheckpointError, checkpoint_files
-from mxq.experts import MXExperts
+from mxq.checkpoint.files import CheckpointError, checkpoint_files
+from mxq.runtime.experts import MXExperts
 
 pytest.importorskip("compressed_tensors")
 from foreign_layouts import per_expert_checkpoint  # noqa: E402  (needs compressed_tensors)

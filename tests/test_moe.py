@@ -18,8 +18,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import mxq
-from mxq.checkpoint import checkpoint_files
-from mxq.experts import MXExperts, experts_layers
+from mxq.checkpoint.files import checkpoint_files
+from mxq.runtime.experts import MXExperts, experts_layers
 
 FP8 = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 
@@ -192,7 +192,7 @@ def _quantized(tmp_path, family):
 
 
 def test_validator_names_a_bad_experts_tensor(tmp_path):
-    from mxq.checkpoint import CheckpointError
+    from mxq.checkpoint.files import CheckpointError
 
     out, f, tensors = _quantized(tmp_path, "gpt_oss")
     name = "model.layers.1.mlp.experts.down_proj_scale"
@@ -251,7 +251,7 @@ def test_save_pretrained_round_trip(tmp_path, family):
 
 
 def test_validator_names_a_missing_expert_scale(tmp_path):
-    from mxq.checkpoint import CheckpointError
+    from mxq.checkpoint.files import CheckpointError
 
     out, f, tensors = _quantized(tmp_path, "qwen3_moe")
     tensors.pop("model.layers.1.mlp.experts.2.up_proj.weight_scale")
@@ -314,7 +314,7 @@ def test_quantize_refuses_broken_experts(tmp_path, case):
 
 
 def test_load_refuses_a_router_in_fp8_and_unequal_experts(tmp_path):
-    from mxq.checkpoint import CheckpointError
+    from mxq.checkpoint.files import CheckpointError
 
     out, f, good = _quantized(tmp_path, "qwen3_moe")
     router = "model.layers.0.mlp.gate.weight"

@@ -11,7 +11,6 @@ import torch
 from moe_models import FAMILIES, moe_model
 
 import mxq
-from mxq.experts import MXExperts
 from mxq.kernels import buffers, moe_block, moe_decode
 from mxq.kernels.moe_block import (
     BLOCK,
@@ -21,6 +20,7 @@ from mxq.kernels.moe_block import (
     GATE_NONE,
     GATE_SILU,
 )
+from mxq.runtime.experts import MXExperts
 
 pytestmark = pytest.mark.skipif(not moe_block.HAS_TRITON, reason="needs triton")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

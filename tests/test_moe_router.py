@@ -1,4 +1,4 @@
-"""The router's top-k in one kernel (``mxq.kernels.moe_router``, ``mxq.routing``) against
+"""The router's top-k in one kernel (``mxq.kernels.moe_router``, ``mxq.runtime.routing``) against
 independent references: torch's softmax, sigmoid and top-k as the families write them, and each known
 family's own router forward (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, gpt-oss, DeepSeek-V3 and GLM-4-MoE
 with group-limited choice; Llama 4's whole MoE block), on awkward shapes (the kernel in the Triton
@@ -13,8 +13,6 @@ import torch
 from moe_models import moe_model
 
 import mxq
-from mxq import fuse as F
-from mxq import routing as R
 from mxq.kernels.moe_router import (
     HAS_TRITON,
     router_group_topk,
@@ -22,6 +20,8 @@ from mxq.kernels.moe_router import (
     router_topk,
     router_topk_reference,
 )
+from mxq.runtime import fuse as F
+from mxq.runtime import routing as R
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

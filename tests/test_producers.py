@@ -1,4 +1,4 @@
-"""Activation quantization fused into its producer (kernels/producers.py, mxq/fuse.py), and
+"""Activation quantization fused into its producer (kernels/producers.py, mxq/runtime/fuse.py), and
 attention without repeated K/V.
 
 Kernels: RMSNorm → MX and SiLU·up → MX against the torch reference (transformers' arithmetic,
@@ -30,7 +30,6 @@ from test_fuse import FAMILIES, compiled_linear_calls  # FAMILIES: Llama, Mistra
 
 import mxq
 from mxq.formats import E4M3, E5M2, ScaleRule, fake_quantize_mx
-from mxq.fuse import GROUPED_SDPA, fuse, grouped_sdpa_forward, unfuse, use_grouped_sdpa
 from mxq.kernels import dispatch
 from mxq.kernels import producers as P
 from mxq.kernels.reference import (
@@ -40,7 +39,8 @@ from mxq.kernels.reference import (
     rmsnorm_mx_reference,
     silu_mul_mx_reference,
 )
-from mxq.linear import MXLinear
+from mxq.runtime.fuse import GROUPED_SDPA, fuse, grouped_sdpa_forward, unfuse, use_grouped_sdpa
+from mxq.runtime.linear import MXLinear
 
 SMALL = dict(vocab_size=97, hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32, max_position_embeddings=128)  # fmt: skip
@@ -222,7 +222,7 @@ def test_fast_structure_computes_the_unfused_model(family, dtype):
 
 
 def _count_producers(monkeypatch):
-    from mxq import fuse as F
+    from mxq.runtime import fuse as F
 
     calls, impl = [], F._producer_impl
     monkeypatch.setattr(F, "_producer_impl", lambda name, t, kernels: calls.append(name) or impl(name, t, kernels))
@@ -278,7 +278,7 @@ def test_layer_fusion_only_for_known_forwards():
     gets the fused forward; a subclass that changes it keeps its own."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    from mxq.fuse import KNOWN_LAYER_FORWARD, known_layer
+    from mxq.runtime.fuse import KNOWN_LAYER_FORWARD, known_layer
 
     assert known_layer(LlamaDecoderLayer) in ("past_key_values", "cache")
     ns = {}

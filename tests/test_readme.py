@@ -1,7 +1,7 @@
 """Every ```python block of README.md runs as written, on the CPU, and raises nothing.
 
 Each block runs in a fresh interpreter (a subprocess) whose working directory holds what the blocks
-name: ``out/smollm2-mxfp8``, an MXFP8 checkpoint written by ``mxq.convert.quantize_checkpoint``.
+name: ``out/smollm2-mxfp8``, an MXFP8 checkpoint written by ``mxq.convert.converter.quantize_checkpoint``.
 By default that checkpoint is a tiny Llama (2 layers, hidden 64) with a byte-level tokenizer, and
 ``default`` (the embedded SmolLM2-135M) is redirected to the tiny model's bf16 original by a few
 lines run before the block, so the test takes seconds; ``MXQ_README_REAL=1`` runs the blocks as a
@@ -76,7 +76,7 @@ def _tiny_original(path: Path) -> Path:
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> tuple[Path, str]:
     """(the directory the blocks run in, the code run before each block)."""
-    from mxq.convert import quantize_checkpoint
+    from mxq.convert.converter import quantize_checkpoint
 
     root = tmp_path_factory.mktemp("readme")
     if REAL:
@@ -85,7 +85,7 @@ def workdir(tmp_path_factory) -> tuple[Path, str]:
     original = _tiny_original(root / "tiny-bf16")
     quantize_checkpoint(original, root / CHECKPOINT, "mxfp8", progress=False)
     prefix = textwrap.dedent(f"""\
-        import mxq.models as mxq_models
+        import mxq.hf.models as mxq_models
         _resolve = mxq_models.resolve_source
         def _tiny_for_default(source=None):
             if source is None or str(source).lower() in mxq_models.DEFAULT_ALIASES:

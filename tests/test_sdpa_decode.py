@@ -14,9 +14,9 @@ import torch
 pytest.importorskip("triton")
 
 import mxq  # noqa: E402
-from mxq import fuse as F  # noqa: E402
 from mxq.kernels import attention_sdpa_decode as A  # noqa: E402
 from mxq.kernels.common import INTERPRET  # noqa: E402
+from mxq.runtime import fuse as F  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -195,7 +195,7 @@ def _tiny_qwen3():
 
 
 def _watch_decode_calls(monkeypatch) -> list:
-    """Watch the eager one-token seam (``mxq.fuse._sdpa_decode``): per call (q's shape, whether sinks
+    """Watch the eager one-token seam (``mxq.runtime.fuse._sdpa_decode``): per call (q's shape, whether sinks
     and an additive mask came with it, the error against float64 attention, the tolerance)."""
     calls = []
     real = F._sdpa_decode

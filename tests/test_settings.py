@@ -72,7 +72,7 @@ def test_debug_flags(monkeypatch):
 
 
 def test_debug_switches_reach_the_modules_that_read_them_at_import():
-    code = "from mxq import linear; from mxq.kernels import launch; print(linear.LANES, launch.CHECK)"
+    code = "from mxq.runtime import linear; from mxq.kernels import launch; print(linear.LANES, launch.CHECK)"
     for value, want in (("", "True False"), ("no-lanes,launch-check", "False True")):
         env = {"MXQ_DEBUG": value, "PATH": "/usr/bin:/bin"}
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)

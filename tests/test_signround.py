@@ -1,4 +1,4 @@
-"""Signed-gradient rounding (``mxq.signround``): tuned codes are standard MX codes, and the layers'
+"""Signed-gradient rounding (``mxq.calib.signround``): tuned codes are standard MX codes, and the layers'
 outputs move toward the unquantized model's."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import mxq
+from mxq.calib.signround import TunedLinear, signround_model
 from mxq.formats import fake_quantize_mx
 from mxq.recipe import load_recipe
-from mxq.signround import TunedLinear, signround_model
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cli_helpers import run_cli  # noqa: E402

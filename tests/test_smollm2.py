@@ -40,8 +40,8 @@ def text_ids(quantized):
 def test_logits_equal_independent_fake_quant(quantized, text_ids):
     from transformers import AutoModelForCausalLM
 
-    from mxq.linear import mx_layers
-    from mxq.models import resolve_source
+    from mxq.hf.models import resolve_source
+    from mxq.runtime.linear import mx_layers
 
     q = AutoModelForCausalLM.from_pretrained(quantized, dtype=torch.float32)
     names = set(mx_layers(q))

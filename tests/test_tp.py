@@ -1,4 +1,4 @@
-"""The tensor-parallel shard rule for MX weights (``mxq.tp``), against a brute-force split, and as
+"""The tensor-parallel shard rule for MX weights (``mxq.runtime.tp``), against a brute-force split, and as
 `mxq quantize` warns and `mxq inspect --tp` reports it on a checkpoint built to fail it."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 from cli_helpers import run_cli
 
-from mxq.tp import check_shard, split_style
+from mxq.runtime.tp import check_shard, split_style
 
 
 def _brute(shape, style, tp) -> bool:
@@ -53,8 +53,8 @@ def test_quantize_warns_and_inspect_reports(tmp_path):
     """A Llama whose MLP width (96) and hidden size (64) break the 32-block rule at TP 2, 4 and 8."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from mxq.convert import quantize_checkpoint
-    from mxq.inspect import inspect_checkpoint
+    from mxq.checkpoint.describe import inspect_checkpoint
+    from mxq.convert.converter import quantize_checkpoint
 
     cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=2,
                       num_key_value_heads=1, vocab_size=128, tie_word_embeddings=False)  # fmt: skip

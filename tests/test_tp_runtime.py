@@ -75,7 +75,7 @@ def test_tp2_equals_tp1(tmp_path, family, device):
     if family == "qwen3_moe_fused":  # experts stored fused: converted from the model in memory
         from moe_models import moe_model
 
-        from mxq.convert import TensorSource, quantize_checkpoint
+        from mxq.convert.converter import TensorSource, quantize_checkpoint
 
         quantize_checkpoint(TensorSource.from_model(moe_model("qwen3_moe", seed=4)), ckpt, progress=False)
         assert '"layout": "fused"' in (ckpt / "config.json").read_text()

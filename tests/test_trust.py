@@ -15,10 +15,10 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import mxq
-from mxq.checkpoint import CheckpointError, read_header
-from mxq.convert import quantize_checkpoint
-from mxq.inspect import inspect_checkpoint
-from mxq.linear import mx_layers
+from mxq.checkpoint.describe import inspect_checkpoint
+from mxq.checkpoint.files import CheckpointError, read_header
+from mxq.convert.converter import quantize_checkpoint
+from mxq.runtime.linear import mx_layers
 
 LAYER = "model.layers.0.mlp.gate_proj"  # [96, 64]: scales [96, 2]
 
@@ -178,7 +178,7 @@ def test_index_naming_a_tensor_its_shard_lacks_is_refused(quantized, tmp_path):
 
 def test_the_scan_reads_only_what_it_needs_in_bounded_chunks(tmp_path):
     """count_codes on a 64 MiB tensor: chunks, right count and first position."""
-    from mxq.validate import _CHUNK, count_codes
+    from mxq.checkpoint.validate import _CHUNK, count_codes
 
     w = torch.zeros(4096, 16384, dtype=torch.uint8)
     w[3000, 5] = w[4000, 9] = 0xFF
@@ -195,7 +195,7 @@ def test_the_word_wise_scan_counts_what_a_byte_wise_one_counts(tmp_path, mask, s
     bytes with matches planted near chunk and word edges (and none), sizes not a multiple of 8."""
     import numpy as np
 
-    from mxq.validate import _CHUNK, count_codes
+    from mxq.checkpoint.validate import _CHUNK, count_codes
 
     rng = np.random.default_rng(size * 7 + mask)
     for planted in ([], [size - 1], [0, size // 2], [min(_CHUNK, size - 1), min(_CHUNK + 7, size - 1)]):
@@ -213,8 +213,8 @@ def test_the_word_wise_scan_counts_what_a_byte_wise_one_counts(tmp_path, mask, s
 def test_ranks_share_the_scan_and_together_read_every_layer(quantized, tmp_path):
     """Tensor-parallel loading: each of N processes reads the data of its share of the layers (the
     headers of all); a NaN code in any layer is found by exactly one of them."""
-    from mxq.checkpoint import read_index
-    from mxq.validate import check_checkpoint
+    from mxq.checkpoint.files import read_index
+    from mxq.checkpoint.validate import check_checkpoint
 
     d = _copy(quantized / "u8", tmp_path / "q")
     layers = sorted(n[: -len(".weight_scale")] for n in read_index(d) if n.endswith(".weight_scale"))
@@ -395,8 +395,8 @@ def test_calibration_reads_only_what_it_needs(tmp_path, monkeypatch):
     seen = []
     real = data.load_texts
     monkeypatch.setattr(data, "load_texts", lambda ds, max_chars=None: seen.append(max_chars) or real(ds, max_chars))
-    monkeypatch.setattr("mxq.models.load_model", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("stop")))
-    from mxq.calibrate import CalibrationOptions
+    monkeypatch.setattr("mxq.hf.models.load_model", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("stop")))
+    from mxq.calib.calibrator import CalibrationOptions
     from mxq.cli import _run_calibration
     from mxq.recipe import load_recipe
 

@@ -1,4 +1,4 @@
-"""The tuning cache (kernels/tune.py) and ``mxq tune`` (mxq/cli_tune.py): file format, atomic
+"""The tuning cache (kernels/tune.py) and ``mxq tune`` (mxq/cli/tune.py): file format, atomic
 writes, bad files, the choice rule, the command's inputs; the timing itself on a Hopper GPU
 (``test_gpu_tune_decode_ws_writes_and_dispatch_reads``, marked gpu)."""
 
@@ -203,7 +203,7 @@ def test_shipped_entries_are_candidates(monkeypatch):
     assert set(devices) >= {"NVIDIA H100 80GB HBM3", "NVIDIA H200"}
     for dev, kernels in devices.items():
         # the Llama-3 8B and 70B shapes at every bucket on both; the H100 also has 70B's TP=2 rank shapes
-        from mxq.cli_tune import PRESETS
+        from mxq.cli.tune import PRESETS
 
         shapes = PRESETS["llama3-8b"] + PRESETS["llama3-70b"]
         assert {tune.shape_key(m, n, k) for n, k in shapes for m in (1, 8, 16)} <= set(kernels["decode_ws"])
@@ -269,7 +269,7 @@ def test_gpu_tune_decode_ws_writes_and_dispatch_reads(monkeypatch, tmp_path):
 
     if not HOPPER:
         pytest.skip("needs a Hopper GPU and Gluon")
-    from mxq.cli_tune import tune_decode_ws
+    from mxq.cli.tune import tune_decode_ws
     from mxq.formats import E4M3
     from mxq.kernels import dispatch
     from mxq.kernels import gemm_decode_ws as WS

@@ -25,7 +25,7 @@ def main() -> None:
         logits = model(ids).logits
         tokens = model.generate(ids[:2, :9], max_new_tokens=12, do_sample=False)
     # the compiled decode step (fullgraph): tensor parallelism's backward hooks must not stop it
-    from mxq.decode import StaticGreedyDecoder
+    from mxq.runtime.decode import StaticGreedyDecoder
 
     static = StaticGreedyDecoder(model, 2, 32, cuda_graph=False).generate(ids[:2, :9], 12)
     compiled = StaticGreedyDecoder(model, 2, 32, cuda_graph=False, compile="eager").generate(ids[:2, :9], 12)
