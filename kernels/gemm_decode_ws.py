@@ -547,6 +547,15 @@ class _WSPlan:
         self.gemm = {f: Launch(mx_decode_ws_kernel, dict(consts, FUSED=f), opts) for f in (False, True)}
         self.has_bias = bias is not None
 
+    def args(self, x, s32, xs, bias, y, ws, counters, x_stride: int, xs_stride: int) -> tuple:
+        """The GEMM kernel's arguments after its two descriptors, in its order: the one list that
+        both this plan and a lane (``kernels/lanes.py``) launch with. ``s32``: the weight scales as
+        int32; ``xs``: X's scales (read as int32 words, ``xs_stride`` of them a row); ``bias``,
+        ``ws`` (split-K partials) and ``counters`` (fused split-K tickets) may be None."""
+        return (x, s32, xs, bias if bias is not None else s32, y, ws if ws is not None else y,
+                counters if counters is not None else s32, self.m, self.n, self.k, self.k_split, x_stride,
+                s32.stride(0), xs_stride, self.n)  # fmt: skip
+
     def __call__(self, x, weight, weight_scale, bias, x_mx=None):
         m, n, k = self.m, self.n, self.k
         if self.trivial:
@@ -579,11 +588,8 @@ class _WSPlan:
             xs32 = xs.view(torch.int32)
         counters = split_counters(dev, self.tiles) if self.want_fused else None
         fused = counters is not None
-        self.gemm[fused](
-            (self.tiles, self.split), w_desc, x_desc, x, s32, xs32, bias if self.has_bias else s32, y,
-            ws if ws is not None else y, counters if fused else s32,
-            m, n, k, self.k_split, x.stride(0), s32.stride(0), xs32.stride(0), n,
-        )  # fmt: skip
+        self.gemm[fused]((self.tiles, self.split), w_desc, x_desc,
+                         *self.args(x, s32, xs32, bias, y, ws, counters, x.stride(0), xs32.stride(0)))  # fmt: skip
         if self.split > 1 and not fused:
             split_k_finish(ws, y, bias, self.split)
         return y

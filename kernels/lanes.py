@@ -48,13 +48,12 @@ class DecodeLane:
     launches once. Anything it does not hold yet (a kernel variant not compiled, a profiler's
     launch hooks) goes through the plan: the same kernels, the same bits."""
 
-    __slots__ = ("plan", "weight", "weight_scale", "bias", "s32", "b_arg", "device", "dev_index", "out_shape",
+    __slots__ = ("plan", "weight", "weight_scale", "bias", "s32", "device", "dev_index", "out_shape",
                  "ws_shape", "x2_shape", "exp", "xs_stride", "stream")  # fmt: skip
 
     def __init__(self, plan, x, weight, weight_scale, bias):
         self.plan, self.weight, self.weight_scale, self.bias = plan, weight, weight_scale, bias
         self.s32 = weight_scale.view(torch.int32)
-        self.b_arg = bias if bias is not None else self.s32
         self.device, self.dev_index = x.device, x.get_device()
         m, n, k = plan.m, plan.n, plan.k
         self.out_shape = (*x.shape[:-1], n)
@@ -110,12 +109,9 @@ class DecodeLane:
             xs_arg, xs_stride = self.s32, self.s32.stride(0)
         dev = self.device
         y = torch.empty(self.out_shape, dtype=plan.out_dtype, device=dev)
-        ws = torch.empty(self.ws_shape, dtype=torch.float32, device=dev) if plan.split > 1 else y
-        s32 = self.s32
-        raw.go(
-            plan.tiles, plan.split, 1, self.stream(self.dev_index), (*w_exp, *x_exp, x, s32, xs_arg,
-            self.b_arg, y, ws, counters if fused else s32, m, n, k, plan.k_split, k, s32.stride(0), xs_stride, n, *go.tail),
-        )  # fmt: skip
+        ws = torch.empty(self.ws_shape, dtype=torch.float32, device=dev) if plan.split > 1 else None
+        args = plan.args(x, self.s32, xs_arg, self.bias, y, ws, counters, k, xs_stride)
+        raw.go(plan.tiles, plan.split, 1, self.stream(self.dev_index), (*w_exp, *x_exp, *args, *go.tail))
         if plan.split > 1 and not fused:
             split_k_finish(ws, y.view(m, n), self.bias, plan.split)
         return y

@@ -374,7 +374,7 @@ def test_force_never_touches_the_source_or_foreign_files(tmp_path):
 def test_out_that_appears_meanwhile_is_left_alone(tmp_path, monkeypatch):
     """Two runs onto one OUT: the one that finishes second fails instead of replacing the other's
     result (no --force), and removes its own temporary directory."""
-    from mxq.convert.converter import converter as convert
+    from mxq.convert import converter as convert
 
     model = tmp_path / "model"
     _tiny_model(model)
