@@ -293,3 +293,21 @@ def test_architecture_names_what_the_code_holds():
     rooms_init = {f"mxq/{r}/__init__.py" for r in ROOMS}  # listed or not: a room's own file
     assert listed - rooms_init == held - rooms_init, sorted((listed ^ held) - rooms_init)
     assert {f"mxq/{r}/" for r in ROOMS} <= {line.split()[0] for line in tree.splitlines() if line.startswith("mxq/")}
+
+
+def test_forwards_are_set_in_one_place():
+    """No module of mxq/ or kernels/ sets a forward on a module but ``mxq.runtime.install`` (an
+    assignment to ``<x>.forward``, ``setattr(<x>, "forward", ...)`` or ``<x>.__dict__["forward"]``)."""
+    found = []
+    for path in [*SRC.rglob("*.py"), *KERNELS.glob("*.py")]:
+        if path == SRC / "runtime" / "install.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign | ast.AugAssign) else []
+            hit = any(isinstance(t, ast.Attribute) and t.attr == "forward" for t in targets)
+            hit |= any(isinstance(t, ast.Subscript) and isinstance(t.slice, ast.Constant) and t.slice.value == "forward" for t in targets)
+            hit |= (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr" and len(node.args) >= 2
+                    and isinstance(node.args[1], ast.Constant) and node.args[1].value == "forward")  # fmt: skip
+            if hit:
+                found.append(f"{path.relative_to(SRC.parent)}:{node.lineno}")
+    assert not found, f"forwards set outside mxq/runtime/install.py: {found}"
