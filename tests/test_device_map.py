@@ -32,7 +32,7 @@ from transformers import (
 import mxq
 from mxq.convert.converter import quantize_checkpoint
 from mxq.runtime.decode import StaticGreedyDecoder
-from mxq.runtime.fuse import QKV, _layer_forward, unfuse
+from mxq.runtime.fuse import QKV, fused_layer_forward, unfuse
 from mxq.runtime.linear import FusedMXLinear
 
 accelerate = pytest.importorskip("accelerate")
@@ -134,7 +134,7 @@ def test_dispatched_checkpoint_computes_the_plain_one(tmp_path, family, moving):
         # the resident layers have the fast structure, inside the hooks (the offloaded one cannot)
         assert isinstance(getattr(layers[0].self_attn, QKV), FusedMXLinear)
         if family in DENSE:
-            assert all(layer._old_forward.__func__ is _layer_forward for layer in layers[:-1])
+            assert all(layer._old_forward.__func__ is fused_layer_forward for layer in layers[:-1])
         with torch.no_grad():
             del moving[:]
             assert torch.equal(hooked(ids).logits, want)
@@ -152,7 +152,7 @@ def test_quantizing_a_dispatched_model_keeps_its_hooks(moving):
     layer = hooked.model.layers[0]
     assert (
         isinstance(layer._hf_hook, AlignDevicesHook)
-        and layer._old_forward.__func__ is _layer_forward
+        and layer._old_forward.__func__ is fused_layer_forward
     )
     assert isinstance(getattr(layer.self_attn, QKV), FusedMXLinear)  # hooked siblings fused too
     assert (

@@ -178,13 +178,13 @@ def test_index_naming_a_tensor_its_shard_lacks_is_refused(quantized, tmp_path):
 
 def test_the_scan_reads_only_what_it_needs_in_bounded_chunks(tmp_path):
     """count_codes on a 64 MiB tensor: chunks, right count and first position."""
-    from mxq.checkpoint.validate import _CHUNK, count_codes
+    from mxq.checkpoint.validate import SCAN_CHUNK, count_codes
 
     w = torch.zeros(4096, 16384, dtype=torch.uint8)
     w[3000, 5] = w[4000, 9] = 0xFF
     save_file({"w": w.view(torch.float8_e4m3fn)}, tmp_path / "x.safetensors")
     info = read_header(tmp_path / "x.safetensors")[0]["w"]
-    assert info.nbytes > 2 * _CHUNK
+    assert info.nbytes > 2 * SCAN_CHUNK
     assert count_codes(info, 0x7F) == (2, 3000 * 16384 + 5)
 
 
@@ -195,10 +195,10 @@ def test_the_word_wise_scan_counts_what_a_byte_wise_one_counts(tmp_path, mask, s
     bytes with matches planted near chunk and word edges (and none), sizes not a multiple of 8."""
     import numpy as np
 
-    from mxq.checkpoint.validate import _CHUNK, count_codes
+    from mxq.checkpoint.validate import SCAN_CHUNK, count_codes
 
     rng = np.random.default_rng(size * 7 + mask)
-    for planted in ([], [size - 1], [0, size // 2], [min(_CHUNK, size - 1), min(_CHUNK + 7, size - 1)]):
+    for planted in ([], [size - 1], [0, size // 2], [min(SCAN_CHUNK, size - 1), min(SCAN_CHUNK + 7, size - 1)]):
         data = rng.integers(0, 256, size, dtype=np.uint8)
         data[(data & mask) == mask] &= ~np.uint8(1 << 2)  # clear every accidental match (bit 2 is in each mask)
         for i in planted:

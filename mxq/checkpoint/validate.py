@@ -40,7 +40,7 @@ SCALE_DTYPES = {"u8": "U8", "e8m0": "F8_E8M0"}
 SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv")
 # bytes b with (b & mask) == mask are not finite numbers
 _NONFINITE_MASK = {"F8_E4M3": 0x7F, "F8_E5M2": 0x7C}
-_CHUNK = 1 << 24
+SCAN_CHUNK = 1 << 24  # bytes the NaN-code scan reads from a file at a time
 
 
 @dataclass
@@ -370,7 +370,7 @@ def count_nonfinite(info: TensorInfo) -> tuple[int, int]:
     with open(info.file, "rb") as f:
         f.seek(info.begin)
         while done < info.nbytes:
-            want = min(_CHUNK, info.nbytes - done)
+            want = min(SCAN_CHUNK, info.nbytes - done)
             buf = f.read(want)
             if len(buf) != want:
                 raise CheckpointError(f"{info.file}: tensor {info.name}: truncated ({done + len(buf)} of {info.nbytes} bytes)")
@@ -414,7 +414,7 @@ def count_codes(info: TensorInfo, mask: int, wordwise: bool = True) -> tuple[int
     only where that finds a match. ``wordwise=False``: byte by byte throughout (the reference the
     tests and ``bench_scan`` hold the word-wise test against)."""
     n, first = 0, -1
-    buf = bytearray(min(_CHUNK, info.nbytes))
+    buf = bytearray(min(SCAN_CHUNK, info.nbytes))
     if not buf:
         return 0, -1
     t = torch.frombuffer(buf, dtype=torch.uint8)

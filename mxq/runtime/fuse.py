@@ -343,7 +343,7 @@ def fuse_layers(model: nn.Module) -> list[str]:
         for i, layer in enumerate(layers):
             cache = known_layer(type(layer))
             if cache is None or "_mxq_feeds" not in layer.post_attention_layernorm.__dict__ \
-                    or not install_forward(layer, _layer_forward, "fuse"):  # fmt: skip
+                    or not install_forward(layer, fused_layer_forward, "fuse"):  # fmt: skip
                 continue
             nxt = layers[i + 1] if i + 1 < len(layers) else None
             nxt_norm = getattr(nxt, "input_layernorm", None) if nxt is not None and known_layer(type(nxt)) else None
@@ -364,7 +364,7 @@ def unfuse_layers(model: nn.Module) -> None:
         m.__dict__.pop("_mxq_ready", None)
 
 
-def _layer_forward(self, hidden_states, *args, **kwargs):
+def fused_layer_forward(self, hidden_states, *args, **kwargs):
     """``KNOWN_LAYER_FORWARD`` with the post-attention residual add and norm one kernel, and the
     closing residual add done with the next layer's input norm where that is fused. The
     model passes everything but the hidden states by name; a positional call runs the class's own
