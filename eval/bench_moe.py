@@ -60,20 +60,11 @@ PROJ = {"gate_up": (1536, 2048), "down": (2048, 768)}  # (N, K) of Qwen3-30B-A3B
 TOKENS = (2048, 8192)
 BATCHES = (1, 4, 8)
 ROUTINGS = 16  # decode calls per graph, each on its own routing
-PREFILL_CANDIDATES = (
-    G(256, 128, 64, num_warps=8, num_stages=3),
-    G(128, 128, 64, num_warps=8, num_stages=4),
-    G(128, 64, 64, num_warps=4, num_stages=4),
-    G(64, 128, 64, num_warps=4, num_stages=4),
-    G(128, 256, 64, num_warps=8, num_stages=3),
-)
-DECODE_CANDIDATES = (
-    D(1, 16, 256, num_warps=4, num_stages=3),
-    D(1, 32, 128, num_warps=4, num_stages=3),
-    D(1, 16, 256, num_warps=4, num_stages=1),
-    D(1, 32, 256, num_warps=4, num_stages=3),
-    D(1, 64, 256, num_warps=8, num_stages=3),
-)
+# Tiles tried, as (block_m, block_n, block_k, warps, stages).
+PREFILL_TILES = ((256, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 256, 64, 8, 3))
+DECODE_TILES = ((1, 16, 256, 4, 3), (1, 32, 128, 4, 3), (1, 16, 256, 4, 1), (1, 32, 256, 4, 3), (1, 64, 256, 8, 3))
+PREFILL_CANDIDATES = tuple(G(m, n, k, num_warps=w, num_stages=s) for m, n, k, w, s in PREFILL_TILES)
+DECODE_CANDIDATES = tuple(D(m, n, k, num_warps=w, num_stages=s) for m, n, k, w, s in DECODE_TILES)
 
 
 def _bench(fn, rep: int = 60) -> float:

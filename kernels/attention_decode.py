@@ -45,7 +45,7 @@ from mxq.kernels.attention_rotate import (
     padded_head_dim,
     q_rotation_operand,
 )
-from mxq.kernels.common import INTERPRET, mma, mx_round_consts
+from mxq.kernels.common import INTERPRET, masked_max, mma, mx_round_consts
 from mxq.kernels.launch import call, cdiv, next_pow2, on_input_device
 from mxq.kernels.reference import hadamard_block, mx_attention_reference
 from mxq.kernels.registry import KernelPath, Registry
@@ -118,15 +118,10 @@ def _gqa_tile(
     ok = (offs_g < GROUP_C)[None, :]
     if MASKED:
         ok = ok & kin[:, None]
+    mv = 0
     if HAS_MASK:
         mv = tl.load(mbase + offs_g[None, :] * stride_mh + cols[:, None] * stride_mn, mask=ok, other=0)
-        if MASK_BOOL:
-            ok = ok & (mv != 0)
-        else:
-            s = s + mv.to(tl.float32) * 1.4426950408889634
-    s = tl.where(ok, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 0))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    s, m_new, m_use = masked_max(s, ok, mv, m_i, 0, HAS_MASK, MASK_BOOL)
     alpha = tl.math.exp2(m_i - m_use)
     p = tl.math.exp2(s - m_use[None, :])
     l_i = l_i * alpha + tl.sum(p, 0)
@@ -158,24 +153,13 @@ def _gqa_tile(
 
 
 @triton.jit
-def _decode_q(
-    Q, ROT, b, hk, stride_qb, stride_qh, stride_qd, D,
-    GROUP_C: tl.constexpr, GP: tl.constexpr, BLOCK_D: tl.constexpr, DB: tl.constexpr,
-    EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
-    RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr,
-    QPARTS: tl.constexpr, QM: tl.constexpr, ROT_NB: tl.constexpr,
-):  # fmt: skip
-    """The decode kernel's query operand: ``decode_qn``'s blocks laid block-diagonally over the
-    D blocks: qb [BLOCK_D, GP * DB] fp16, cq [GP, DB]."""
-    qn, cq = decode_qn(
-        Q, ROT, b, hk, stride_qb, stride_qh, stride_qd, D, GROUP_C, GP, BLOCK_D, DB,
-        EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8, INTERP, QPARTS, QM, ROT_NB,
-    )  # fmt: skip
+def _block_diagonal(qn, BLOCK_D: tl.constexpr, DB: tl.constexpr, GP: tl.constexpr):
+    """``decode_qn``'s query blocks [GP, BLOCK_D] laid block-diagonally over the D blocks:
+    [BLOCK_D, GP * DB] fp16, column (g, j) holding head g's block j."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_j = tl.arange(0, DB)
     qb = tl.where((offs_d // 32)[:, None, None] == offs_j[None, None, :], tl.trans(qn)[:, :, None], 0.0)
-    qb = tl.reshape(qb, (BLOCK_D, GP * DB)).to(tl.float16)  # [D, (g, j)] block-diagonal
-    return qb, cq
+    return tl.reshape(qb, (BLOCK_D, GP * DB)).to(tl.float16)
 
 
 @triton.jit
@@ -214,10 +198,11 @@ def decode_gqa_kernel(
     lo = split * CHUNK
     hi = tl.minimum(lo + CHUNK, L)
     n_full = tl.maximum(lo, lo + (hi - lo) // BLOCK_N * BLOCK_N)
-    qb, cq = _decode_q(
+    qn, cq = decode_qn(
         Q, ROT, b, hk, stride_qb, stride_qh, stride_qd, D, GROUP_C, GP, BLOCK_D, DB,
         EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8, INTERP, QPARTS, QM, ROT_NB,
     )  # fmt: skip
+    qb = _block_diagonal(qn, BLOCK_D, DB, GP)  # Q·Kᵀ for every D block in one MMA
 
     kbase = KD + b.to(tl.int64) * stride_kb + hk * stride_kh
     ksbase = KS + b.to(tl.int64) * stride_ksb + hk * stride_ksh

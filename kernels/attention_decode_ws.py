@@ -51,8 +51,6 @@ from mxq.kernels.attention_decode_common import (
 from mxq.kernels.buffers import split_counters
 from mxq.kernels.common import e8m0_to_f32, gdc_launch_dependents, gdc_wait, pdl_ok
 from mxq.kernels.gluon_api import (
-    HAVE_GLUON,
-    TensorDescriptor,
     cta_barrier,
     gl,
     gluon,
@@ -69,7 +67,7 @@ BLOCK_N = 64  # keys per tile: 2 V pages
 LOG2E = 1.4426950408889634
 
 
-if HAVE_GLUON:
+if gluon_api.HAVE_GLUON:
 
     @gluon.jit
     def _load_stage(k_desc, ks_desc, v_desc, vs_desc, k_smem, ks_smem, v_smem, vs_smem, bar, s, i, key0, page0,
@@ -528,7 +526,7 @@ def mx_attention_decode_ws(
     v2 = v_data.view(-1, 128 if cfg.wide_v else 32)  # a page = D·32 contiguous bytes
     vs2 = v_scale.view(-1, d)
     k_desc, ks_desc, v_desc, vs_desc, q_desc = (
-        TensorDescriptor(t, list(t.shape), list(t.stride()), box, lay)
+        gluon_api.TensorDescriptor(t, list(t.shape), list(t.stride()), box, lay)
         for t, box, lay in zip((k2, ks2, v2, vs2, qn), *tma_boxes(bn, d, k_data.dtype, cfg.wide_v, qn.dtype))
     )
     configure_ptxas()

@@ -47,6 +47,7 @@ from mxq.kernels.common import (
     SCALE_BIAS,
     SCALE_NAN,
     elem_bits,
+    masked_max,
     mma,
     mx_fast_exponent,
     mx_round_consts,
@@ -91,15 +92,10 @@ def _prefill_block(
         ok = (cols < Sk)[None, :] & (offs_m < Sq)[:, None]
         if CAUSAL:
             ok = ok & (offs_m[:, None] + (Sk - Sq) >= cols[None, :])
+        mv = 0
         if HAS_MASK:
             mv = tl.load(mask_ptrs + start_n * stride_mn, mask=ok, other=0)
-            if MASK_BOOL:
-                ok = ok & (mv != 0)
-            else:
-                s = s + mv.to(tl.float32) * 1.4426950408889634
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s, m_new, m_use = masked_max(s, ok, mv, m_i, 1, HAS_MASK, MASK_BOOL)
         p = tl.math.exp2(s - m_use[:, None])
     else:  # the scale folded into the exponent's argument: one FMA an element
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)

@@ -27,14 +27,11 @@ Triton helpers (``@triton.jit``; the Gluon kernels call them too)
 - ``mma``: acc + a @ b for bf16-exact operands, in fp32 under the interpreter;
 - ``gdc_wait``, ``gdc_launch_dependents``, ``gdc_follow`` (both, in that order): programmatic
   dependent launch (griddepcontrol);
-- ``split_k_epilogue``: a decode GEMM's fp32 Yᵀ tile out, split-K partials summed by the split
-  that finishes last (one launch);
 - ``fp8_bits_asm``: PTX that moves two fp8 codes into two bf16 bit patterns (no conversion
   instruction); the caller multiplies by the power of two that the move leaves out.
 
 The GEMM host side every MX GEMM shares: ``check_gemm_args``, ``operands_and_output``,
-``tma_or_pointer`` and split-K (``split_k_sizes``, ``split_k_plan``, ``split_k_finish``: fp32
-partials [splits, M, N] summed, with the bias and the cast, by one reduction launch).
+``tma_or_pointer``; the split of K is ``splitk``'s.
 """
 
 from __future__ import annotations
@@ -43,9 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mxq.formats import E8M0_BIAS, E8M0_NAN, ElemFormat, ScaleRule
-from mxq.kernels.launch import cdiv
-from mxq.kernels.toolchain import INTERPRET, configure_ptxas
+from mxq.formats import E4M3, E8M0_BIAS, E8M0_NAN, ElemFormat, ScaleRule
+from mxq.kernels.toolchain import INTERPRET
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -121,12 +117,19 @@ def pdl_launch(consts: dict) -> dict:
     return {"launch_pdl": True} if consts["PDL"] else {}
 
 
-def mx_round_consts(elem: ElemFormat, rule: ScaleRule, device: torch.device) -> dict:
-    """The element format's constexprs for ``mx_round_codes`` / ``mx_round_dequant`` (every kernel that rounds)."""
-    return dict(
+def mx_round_consts(elem: ElemFormat | None, rule: ScaleRule | None, device: torch.device) -> dict:
+    """The element format's constexprs for ``mx_round_codes`` / ``mx_round_dequant`` (every kernel that rounds).
+
+    ``elem`` None: E4M3's, for a kernel whose rounding is switched off (W8A16). ``rule`` None: no
+    ``RULE`` (a kernel with its rule fixed)."""
+    elem = elem or E4M3
+    consts = dict(
         EMAX=elem.emax, MBITS=elem.mbits, MAXN=elem.max_normal, EMIN=1 - elem.bias,
-        RULE=RULE_ID[rule], HW_CVT=hw_cvt(device), FP8=fp8_dtype(elem),
+        HW_CVT=hw_cvt(device), FP8=fp8_dtype(elem),
     )  # fmt: skip
+    if rule is not None:
+        consts["RULE"] = RULE_ID[rule]
+    return consts
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,6 +292,21 @@ def mma(a, b, acc, INTERP: tl.constexpr):
 
 
 @triton.jit
+def masked_max(s, ok, mv, m_i, AXIS: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr):
+    """An online-softmax step's scores and maxima (base-2 scores): the user's mask ``mv`` applied
+    (bool: drops keys; additive: added, times log2 e), keys outside ``ok`` at -inf. Returns (scores,
+    the new running max along ``AXIS``, the max to subtract: 0 where no key has been seen yet)."""
+    if HAS_MASK:
+        if MASK_BOOL:
+            ok = ok & (mv != 0)
+        else:
+            s = s + mv.to(tl.float32) * 1.4426950408889634
+    s = tl.where(ok, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, AXIS))
+    return s, m_new, tl.where(m_new == float("-inf"), 0.0, m_new)
+
+
+@triton.jit
 def gdc_wait():
     """Wait for the kernel this one was launched behind (programmatic dependent launch, e.g. the
     X quantizer) to finish and its writes to be visible; a no-op without PDL."""
@@ -326,7 +344,7 @@ def fp8_bits_asm(shift: int, mask: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# The GEMM host side, split-K
+# The GEMM host side
 # ---------------------------------------------------------------------------------------------
 
 def check_gemm_args(x, weight, weight_scale, bias, block_size):
@@ -371,84 +389,3 @@ def tma_or_pointer(t: torch.Tensor, block: list[int], wanted: bool):
         and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
     )  # fmt: skip
     return ok, (TensorDescriptor.from_tensor(t, block) if ok else t)
-
-
-@triton.jit
-def _splitk_reduce_kernel(
-    p_ptr, b_ptr, y_ptr, MN, N,
-    SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False,
-):  # fmt: skip
-    if PDL:
-        gdc_follow()
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < MN
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for i in tl.static_range(SPLIT_K):
-        acc += tl.load(p_ptr + i * MN + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-def split_k_sizes(k: int, split_k: int, block_k: int) -> tuple[int, int, bool]:
-    """(splits, K per split (a multiple of block_k), whether no K tile is partial) for at most
-    ``split_k`` splits of K."""
-    split = max(1, min(split_k, cdiv(k, block_k)))
-    k_split = cdiv(cdiv(k, split), block_k) * block_k
-    return cdiv(k, k_split), k_split, k % block_k == 0 and k_split % block_k == 0
-
-
-def split_k_plan(y: torch.Tensor, k: int, split_k: int, block_k: int):
-    """``split_k_sizes`` and where the kernel writes: y itself, or float32 partials
-    [splits, M, N] for ``split_k_finish``."""
-    split, k_split, even_k = split_k_sizes(k, split_k, block_k)
-    target = y if split == 1 else torch.empty((split, *y.shape), dtype=torch.float32, device=y.device)
-    return split, k_split, even_k, target
-
-
-def split_k_finish(target: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, split: int,
-                   pdl: bool = False) -> torch.Tensor:  # fmt: skip
-    """Sum the split-K partials (+ bias) into y; nothing to do without a split. ``pdl``: launched
-    behind the GEMM that wrote them (programmatic dependent launch, where ``pdl_ok``)."""
-    if split > 1:
-        block, mn = 1024, y.numel()
-        pdl = pdl and pdl_ok(y.device)
-        configure_ptxas()
-        _splitk_reduce_kernel[(triton.cdiv(mn, block),)](
-            target, bias if bias is not None else target, y, mn, y.shape[1],
-            SPLIT_K=split, BLOCK=block, HAS_BIAS=bias is not None, PDL=pdl, num_warps=4, launch_pdl=pdl,
-        )  # fmt: skip
-    return y
-
-
-@triton.jit
-def split_k_epilogue(
-    acc, zero, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, pid_n, pid_k, offs_n, offs_m, nmask, mmask,
-    SPLIT: tl.constexpr, FUSED: tl.constexpr, HAS_BIAS: tl.constexpr,
-):  # fmt: skip
-    """A decode GEMM's fp32 Yᵀ tile ``acc`` [BLOCK_N, BLOCK_M] (rows ``offs_n`` of N, columns
-    ``offs_m`` of M) out: without a split straight to Y (+ bias); else this split's fp32 partial
-    into ``ws_ptr`` [SPLIT, M, N] (stored from the accumulator layout, transposed addresses) and,
-    FUSED, the split that takes the last ticket of ``cnt_ptr[pid_n]`` sums the partials in split
-    order, adds the bias, writes Y and resets the ticket: one launch, no reduction kernel.
-    ``zero``: zeros shaped like acc (in Gluon, in acc's layout). Shared by ``gemm_decode`` and the
-    Gluon ``gemm_decode_ws``."""
-    mask_t = nmask[:, None] & mmask[None, :]
-    y_offs_t = offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
-    if SPLIT == 1:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[:, None]
-        tl.store(y_ptr + y_offs_t, acc.to(y_ptr.dtype.element_ty), mask=mask_t)
-    else:
-        tl.store(ws_ptr + pid_k.to(tl.int64) * M * N + y_offs_t, acc, mask=mask_t)
-        if FUSED:
-            tl.debug_barrier()  # every thread's partial is stored before the release below
-            ticket = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-            if ticket == SPLIT - 1:
-                tot = zero
-                for s in tl.static_range(SPLIT):  # split order: the same sum whoever is last
-                    tot += tl.load(ws_ptr + s * M * N + y_offs_t, mask=mask_t, other=0.0, cache_modifier=".cg")
-                if HAS_BIAS:
-                    tot += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[:, None]
-                tl.store(y_ptr + y_offs_t, tot.to(y_ptr.dtype.element_ty), mask=mask_t)
-                tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next call

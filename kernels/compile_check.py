@@ -167,7 +167,7 @@ def compile_variant(v: dict):
 PDL_EARLY_ACCESS = {
     # the router's expert indices, and zero rows for absent slots: the kernel before it (the X
     # rounding) is not itself launched with PDL, so the router had finished before that one started
-    "mxq.kernels.moe:_grouped_decode_kernel",
+    "mxq.kernels.moe:grouped_decode_kernel",
 }
 
 

@@ -15,7 +15,7 @@ The result equals an fp32 product of the dequantized operands up to accumulation
   (exact, see quantize.py), then multiplied as in W8A16.
 - Small M (decode batches): the same kernel with a narrow activation tile (16..64) is a weight
   stream; when N / BLOCK_N programs leave SMs idle, K is split (fp32 partials summed with the
-  bias by ``common.split_k_finish``). W8A8 up to ``GEMM_QUANT_MAX_M`` rows rounds X inside the
+  bias by ``splitk.split_k_finish``). W8A8 up to ``GEMM_QUANT_MAX_M`` rows rounds X inside the
   kernel where ``pick_config`` says so (``quant_x``). Which M takes this kernel and which the
   decode kernels is ``dispatch``'s registry.
 
@@ -32,23 +32,20 @@ import torch
 import triton
 import triton.language as tl
 
-from mxq.formats import E4M3, ElemFormat, ScaleRule
+from mxq.formats import ElemFormat, ScaleRule
 from mxq.kernels import toolchain
 from mxq.kernels.common import (
     INTERPRET,
-    RULE_ID,
     check_gemm_args,
     e8m0_to_f32,
-    fp8_dtype,
-    hw_cvt,
+    mx_round_consts,
     mx_round_dequant,
     operands_and_output,
     sm_count,
-    split_k_finish,
-    split_k_plan,
     tma_or_pointer,
 )
 from mxq.kernels.launch import call, next_pow2, on_input_device
+from mxq.kernels.splitk import split_k_finish, split_k_plan
 
 # Largest M whose W8A8 may round X inside this kernel (``GemmConfig.quant_x``).
 GEMM_QUANT_MAX_M = 64
@@ -340,7 +337,6 @@ def mx_gemm(
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
     tma_x, x_arg = tma_or_pointer(x, [cfg.block_m, cfg.block_k], cfg.tma_x and not quant)
     tma_w, w_arg = tma_or_pointer(weight, [cfg.block_n, cfg.block_k], cfg.tma_w)
-    ae = act_elem or E4M3
     # through launch.call: the prefill path runs this for every projection too narrow for the
     # register-operand kernel, where the JIT's per-call binding made the model's forward host-bound
     call(
@@ -352,8 +348,7 @@ def mx_gemm(
              HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_K=even_k,
              TMA_X=tma_x, TMA_W=tma_w, DEQ_BF16=cfg.deq_bf16 and dot == tl.bfloat16, PEEL=cfg.peel,
              ZERO_DOT=cfg.zero_dot and not cfg.peel,
-             QUANT=quant, EMAX=ae.emax, MBITS=ae.mbits, MAXN=ae.max_normal, EMIN=1 - ae.bias,
-             RULE=RULE_ID[act_rule], HW_CVT=hw_cvt(x.device), FP8=fp8_dtype(ae)),
+             QUANT=quant, **mx_round_consts(act_elem, act_rule, x.device)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return split_k_finish(target, y, bias, split)

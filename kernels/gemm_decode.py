@@ -40,26 +40,22 @@ from mxq.formats import E4M3, ElemFormat, ScaleRule
 from mxq.kernels.buffers import split_counters
 from mxq.kernels.common import (
     INTERPRET,
-    RULE_ID,
     check_gemm_args,
     e8m0_to_f32,
-    fp8_dtype,
     gdc_follow,
-    hw_cvt,
     mx_fast_exponent,
+    mx_round_consts,
     mx_scaled,
     operands_and_output,
     pdl_ok,
     pow2_f32,
     round_to_elem,
     sm_count,
-    split_k_epilogue,
-    split_k_finish,
-    split_k_plan,
     tma_or_pointer,
 )
 from mxq.kernels.launch import on_input_device
 from mxq.kernels.quantize import quantize_mx_rows
+from mxq.kernels.splitk import split_k_epilogue, split_k_finish, split_k_plan
 from mxq.kernels.toolchain import configure_ptxas
 
 
@@ -255,8 +251,7 @@ def mx_decode_gemm(
         x.stride(0), xs.stride(0) // 4, weight.stride(0), weight_scale.stride(0), weight_scale.stride(0) // 4, n,
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg.block_n, KB=cfg.kb, BS=block_size, S32=s32, QX=qx,
         SPLIT=split, FUSED=fused, HAS_BIAS=bias is not None, EVEN_K=even_k, TMA_W=tma_w,
-        EMAX=act_elem.emax, MBITS=act_elem.mbits, MAXN=act_elem.max_normal, EMIN=1 - act_elem.bias,
-        RULE=RULE_ID[act_rule], HW_CVT=hw_cvt(x.device), FP8=fp8_dtype(act_elem), PDL=pdl,
+        **mx_round_consts(act_elem, act_rule, x.device), PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )  # fmt: skip
     if split > 1 and not fused:

@@ -57,13 +57,8 @@ from mxq.kernels.common import (
     operands_and_output,
     pdl_ok,
     sm_count,
-    split_k_epilogue,
-    split_k_finish,
-    split_k_sizes,
 )
 from mxq.kernels.gluon_api import (
-    HAVE_GLUON,
-    TensorDescriptor,
     cta_barrier,
     gl,
     gluon,
@@ -72,6 +67,7 @@ from mxq.kernels.gluon_api import (
 )
 from mxq.kernels.launch import Launch, PlanCache, cdiv, descriptor, on_input_device
 from mxq.kernels.quantize import quantize_grid, quantize_launch
+from mxq.kernels.splitk import split_k_epilogue, split_k_finish, split_k_sizes
 
 BS = 32  # MX block = one fp8 wgmma's K
 KB = 4  # blocks per step: one int32 scale word per row
@@ -80,7 +76,7 @@ KB = 4  # blocks per step: one int32 scale word per row
 WS_MAX_M = 16
 
 
-if HAVE_GLUON:
+if gluon_api.HAVE_GLUON:
 
     @gluon.jit
     def _e8m0(word, j: gl.constexpr):
@@ -568,7 +564,7 @@ class _WSPlan:
             weight_scale = weight_scale.contiguous()
         dev = x.device
         y = torch.empty((m, n), dtype=self.out_dtype, device=dev)
-        w_desc = descriptor(TensorDescriptor, weight, [n, k], [weight.stride(0), 1], self.w_block, self.w_layout)
+        w_desc = descriptor(gluon_api.TensorDescriptor, weight, [n, k], [weight.stride(0), 1], self.w_block, self.w_layout)
         s32 = weight_scale.view(torch.int32)
         if self.fuse_x or self.pre:
             ws = torch.empty((self.split, m, n), dtype=torch.float32, device=dev) if self.split > 1 else None
@@ -576,7 +572,7 @@ class _WSPlan:
             if self.pre:  # the producer's codes; TMA needs 16-byte aligned rows, the int32 scale view 4-byte ones
                 xq, xs = (t.reshape(m, -1) for t in x_mx)
                 xq, xs = map(tma_rows, (xq, xs))
-                x_desc = descriptor(TensorDescriptor, xq.view(self.x_dtype), [m, k], [k, 1], self.x_block, self.x_layout)
+                x_desc = descriptor(gluon_api.TensorDescriptor, xq.view(self.x_dtype), [m, k], [k, 1], self.x_block, self.x_layout)
                 xs32 = xs.view(torch.int32)
         else:
             buf = torch.empty(self.scratch, dtype=torch.uint8, device=dev)
@@ -584,7 +580,7 @@ class _WSPlan:
             xs = buf[self.xs_off : self.xs_off + m * (k // BS)].view(m, k // BS)
             ws = buf[self.ws_off :].view(torch.float32).view(self.split, m, n) if self.split > 1 else None
             self.quantize(self.qgrid, x, xq, xs, x, m, k, k, k // BS, x.stride(0), k, k // BS, 0)
-            x_desc = descriptor(TensorDescriptor, xq.view(self.x_dtype), [m, k], [k, 1], self.x_block, self.x_layout)
+            x_desc = descriptor(gluon_api.TensorDescriptor, xq.view(self.x_dtype), [m, k], [k, 1], self.x_block, self.x_layout)
             xs32 = xs.view(torch.int32)
         counters = split_counters(dev, self.tiles) if self.want_fused else None
         fused = counters is not None

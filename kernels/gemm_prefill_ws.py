@@ -34,8 +34,6 @@ from mxq.kernels import gluon_api
 from mxq.kernels.buffers import persistent
 from mxq.kernels.common import capability, check_gemm_args, fp8_bits_asm, operands_and_output
 from mxq.kernels.gluon_api import (
-    HAVE_GLUON,
-    TensorDescriptor,
     gl,
     gluon,
     hopper,
@@ -47,7 +45,21 @@ from mxq.kernels.launch import Launch, PlanCache, cdiv, descriptor, on_input_dev
 BS = 32  # MX block along K
 
 
-if HAVE_GLUON:
+@dataclass(frozen=True)
+class PrefillRSConfig:
+    """Tiles of ``mx_prefill_rs_kernel`` (the weight as wgmma's register operand)."""
+
+    block_x: int = 256  # X rows per program: the wgmma's N (m64n256k16)
+    block_w: int = 128  # weight rows per program: 2 MMA warpgroups x 64
+    block_k: int = 64  # K per step (two MX blocks)
+    stages: int = 4  # X + fp8 W + scales ring (40.25 KB a stage; 5 fit; 4 beat 3, 5 ties: NOTES)
+    group: int = 8  # row tiles per L2 group
+    maxnreg: int = 168  # registers per thread at launch; the workers give theirs back (setmaxnreg)
+    loader_regs: int = 24
+    mma_regs: int = 240  # the worker MMA warpgroup's registers after setmaxnreg
+
+
+if gluon_api.HAVE_GLUON:
     _BITS_E4M3 = gl.constexpr(fp8_bits_asm(4, 0x07F007F0))  # (code & 0x7F) << 4: x · 2**-120
     _BITS_E5M2 = gl.constexpr(fp8_bits_asm(3, 0x0FE00FE0))  # (code & 0x7F) << 5: x · 2**-112
 
@@ -265,20 +277,6 @@ else:  # pragma: no cover
     mx_prefill_rs_kernel = gluon_api.unavailable("gemm_prefill_ws")
 
 
-@dataclass(frozen=True)
-class PrefillRSConfig:
-    """Tiles of ``mx_prefill_rs_kernel`` (the weight as wgmma's register operand)."""
-
-    block_x: int = 256  # X rows per program: the wgmma's N (m64n256k16)
-    block_w: int = 128  # weight rows per program: 2 MMA warpgroups x 64
-    block_k: int = 64  # K per step (two MX blocks)
-    stages: int = 4  # X + fp8 W + scales ring (40.25 KB a stage; 5 fit; 4 beat 3, 5 ties: NOTES)
-    group: int = 8  # row tiles per L2 group
-    maxnreg: int = 168  # registers per thread at launch; the workers give theirs back (setmaxnreg)
-    loader_regs: int = 24
-    mma_regs: int = 240  # the worker MMA warpgroup's registers after setmaxnreg
-
-
 def takes(m: int, k: int, block_size: int) -> bool:
     """The shapes this kernel takes (on a Hopper GPU): Gluon usable (``gluon_api``), M >= 1, MX block 32."""
     return gluon_api.usable("gemm_prefill_ws") and m >= 1 and k % BS == 0 and block_size == BS
@@ -351,9 +349,9 @@ class _RSPlan:
     def __call__(self, x, weight, st, bias, y) -> None:
         m, k = x.shape
         n = weight.shape[0]
-        x_desc = descriptor(TensorDescriptor, x, [m, k], [x.stride(0), 1], self.x_block, self.x_layout)
-        w_desc = descriptor(TensorDescriptor, weight, [n, k], [weight.stride(0), 1], self.w_block, self.w_layout)
-        s_desc = descriptor(TensorDescriptor, st, [k // BS, n], [st.stride(0), 1], self.s_block, self.s_layout)
+        x_desc = descriptor(gluon_api.TensorDescriptor, x, [m, k], [x.stride(0), 1], self.x_block, self.x_layout)
+        w_desc = descriptor(gluon_api.TensorDescriptor, weight, [n, k], [weight.stride(0), 1], self.w_block, self.w_layout)
+        s_desc = descriptor(gluon_api.TensorDescriptor, st, [k // BS, n], [st.stride(0), 1], self.s_block, self.s_layout)
         self.launch(self.grid, x_desc, w_desc, s_desc, bias if bias is not None else y, y, m, n, k, n)
 
 

@@ -20,27 +20,23 @@ import torch
 import triton
 import triton.language as tl
 
-from mxq.formats import E4M3, ElemFormat, ScaleRule
+from mxq.formats import ElemFormat, ScaleRule
 from mxq.kernels.buffers import split_counters
 from mxq.kernels.common import (
     INTERPRET,
-    RULE_ID,
     check_gemm_args,
     e8m0_to_f32,
-    fp8_dtype,
     gdc_follow,
-    hw_cvt,
+    mx_round_consts,
     mx_round_dequant,
     operands_and_output,
     pdl_launch,
     pdl_ok,
     sm_count,
-    split_k_epilogue,
-    split_k_finish,
-    split_k_plan,
     tma_or_pointer,
 )
 from mxq.kernels.launch import call, cdiv, next_pow2, on_input_device
+from mxq.kernels.splitk import split_k_epilogue, split_k_finish, split_k_plan
 
 
 @triton.jit
@@ -184,11 +180,10 @@ def mx_gemv(
     tiles = cdiv(n, cfg.block_n)
     counters = split_counters(x.device, tiles) if split > 1 and cfg.fused else None
     tma_w, w_arg = tma_or_pointer(weight, [cfg.block_n, cfg.block_k], cfg.tma_w)
-    ae = act_elem or E4M3
     consts = dict(M_ROWS=m, BLOCK_M=next_pow2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BS=block_size,
                   HAS_BIAS=bias is not None, SPLIT=split, FUSED=counters is not None, EVEN_K=even_k, TMA_W=tma_w,
-                  QUANT=act_elem is not None, EMAX=ae.emax, MBITS=ae.mbits, MAXN=ae.max_normal, EMIN=1 - ae.bias,
-                  RULE=RULE_ID[act_rule], HW_CVT=hw_cvt(x.device), FP8=fp8_dtype(ae), PDL=cfg.pdl and pdl_ok(x.device))
+                  QUANT=act_elem is not None, **mx_round_consts(act_elem, act_rule, x.device),
+                  PDL=cfg.pdl and pdl_ok(x.device))
     call(
         _mx_gemv_kernel, (tiles, split),
         (x, w_arg, weight_scale, bias if bias is not None else weight_scale, y, ws,

@@ -18,8 +18,8 @@ import torch
 from mxq.kernels import gemm_decode_ws as WS
 from mxq.kernels import launch
 from mxq.kernels.buffers import split_counters
-from mxq.kernels.common import split_k_finish
 from mxq.kernels.launch import descriptor
+from mxq.kernels.splitk import split_k_finish
 
 
 def lane(x, weight, weight_scale, bias, act_elem, act_rule, out_dtype, block_size: int, pre: bool) -> DecodeLane | None:

@@ -8,7 +8,7 @@ only (shapes, dtypes, device), so a call never syncs and can be captured in a CU
 
 Both kernels read ``group_end`` on the device. Their grids come from shapes alone: an upper bound
 of row tiles, ``cdiv(S, BM) + min(S, E)`` (an expert's rows add at most one partial tile), and each
-program maps its tile index to (expert, first row) with a scan over the E row ends (``_tile``).
+program maps its tile index to (expert, first row) with a scan over the E row ends (``row_tile``).
 Tiles past the last expert's end cover the rows past ``group_end[-1]`` (stored as zeros); the
 rest exit before loading anything.
 
@@ -38,7 +38,7 @@ from typing import NamedTuple
 
 import torch
 
-from mxq.formats import E4M3, ElemFormat, ScaleRule, as_elem_format, as_scale_rule
+from mxq.formats import ElemFormat, ScaleRule, as_elem_format, as_scale_rule
 from mxq.kernels.dispatch import triton_runs
 from mxq.kernels.launch import on_input_device
 from mxq.kernels.reference import mx_grouped_linear_reference
@@ -51,12 +51,10 @@ try:
     from mxq.kernels.common import (
         GATE_NONE,
         INTERPRET,
-        RULE_ID,
         e8m0_to_f32,
-        fp8_dtype,
         gdc_wait,
         glu,
-        hw_cvt,
+        mx_round_consts,
         mx_round_dequant,
         tma_or_pointer,
         to_out,
@@ -101,7 +99,7 @@ class GroupedProblem(NamedTuple):
 
 
 @jit
-def _tile(ge_ptr, t, S, E, BM: tl.constexpr, EP2: tl.constexpr):
+def row_tile(ge_ptr, t, S, E, BM: tl.constexpr, EP2: tl.constexpr):
     """Row tile ``t`` of the sorted rows: (expert, first row, end of the rows it may store, kind);
     kind 0: rows of expert e, 1: rows past group_end[-1] (zeros), 2: nothing to do. Row ends are
     non-decreasing (the contract); an end past S counts as S."""
@@ -130,7 +128,7 @@ def _tile(ge_ptr, t, S, E, BM: tl.constexpr, EP2: tl.constexpr):
 
 
 @jit
-def _grouped_order(pid, N, T, BN: tl.constexpr, GROUP: tl.constexpr):
+def grouped_order(pid, N, T, BN: tl.constexpr, GROUP: tl.constexpr):
     """Program ``pid``'s (row tile, N tile): GROUP consecutive row tiles (a few experts) under every
     N tile, so that their weight panels and X rows stay in L2 while the group runs."""
     per_group = GROUP * tl.cdiv(N, BN)
@@ -140,17 +138,72 @@ def _grouped_order(pid, N, T, BN: tl.constexpr, GROUP: tl.constexpr):
 
 
 @jit
-def _out_tile(row0, row_end, pid_n, N, stride_ym, BM: tl.constexpr, BN: tl.constexpr):
-    """The output tile's rows, columns, store mask (rows before ``row_end``, columns inside N) and
-    offsets into Y."""
-    offs_m = row0 + tl.arange(0, BM)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    mask = (offs_m < row_end)[:, None] & (offs_n < N)[None, :]
-    return offs_m, offs_n, mask, offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+def weight_block_step(w_ptrs, s_ptrs, i, K, BK: tl.constexpr, BS: tl.constexpr, EVEN_K: tl.constexpr):
+    """Step ``i`` along K of a one-row-tile weight ([BN, NB, BS] codes from ``w_ptrs``, [BN, NB]
+    scales from ``s_ptrs``; a block's sum stays in-thread): (codes, scales) as fp32, zeros past K."""
+    NB: tl.constexpr = BK // BS
+    k = i * BK
+    offs_b = tl.arange(0, NB)
+    if EVEN_K:
+        w = tl.load(w_ptrs + k)
+        sc = tl.load(s_ptrs + i * NB)
+    else:
+        kk = offs_b[:, None] * BS + tl.arange(0, BS)[None, :]
+        w = tl.load(w_ptrs + k, mask=((k + kk) < K)[None, :, :], other=0.0)
+        sc = tl.load(s_ptrs + i * NB, mask=((k + offs_b * BS) < K)[None, :], other=127)
+    return w.to(tl.float32), e8m0_to_f32(sc)
 
 
 @jit
-def _grouped_gemm_kernel(
+def out_tile(y_ptr, row0, row_end, kind, pid_n, N, stride_ym, BM: tl.constexpr, BN: tl.constexpr):
+    """The output tile's rows, columns, store mask (rows before ``row_end``, columns inside N) and
+    offsets into Y; a kind-1 tile (``row_tile``) gets its zeros stored here. The kernel returns
+    unless ``kind`` is 0."""
+    offs_m = row0 + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mask = (offs_m < row_end)[:, None] & (offs_n < N)[None, :]
+    y_offs = offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    if kind == 1:
+        tl.store(y_ptr + y_offs, tl.zeros((BM, BN), y_ptr.dtype.element_ty), mask=mask)
+    return offs_m, offs_n, mask, y_offs
+
+
+@jit
+def prefill_tile(ge_ptr, y_ptr, S, N, E, T, stride_ym, BM: tl.constexpr, BN: tl.constexpr, EP2: tl.constexpr,
+                 GROUP: tl.constexpr):  # fmt: skip
+    """This program's tile of a grouped prefill kernel (``grouped_order``, ``row_tile``,
+    ``out_tile``): (expert, first row, N tile, kind, rows, columns, store mask, offsets into Y)."""
+    t, pid_n = grouped_order(tl.program_id(0), N, T, BN, GROUP)
+    e, row0, row_end, kind = row_tile(ge_ptr, t, S, E, BM, EP2)
+    offs_m, offs_n, mask, y_offs = out_tile(y_ptr, row0, row_end, kind, pid_n, N, stride_ym, BM, BN)
+    return e, row0, pid_n, kind, offs_m, offs_n, mask, y_offs
+
+
+@jit
+def dequant_tile(w, sc, BN: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr, DEQ_BF16: tl.constexpr):
+    """A [BN, NB·BS] fp8 tile times its E8M0 scales (exact; bf16 where the dot is bf16: a
+    power-of-two product is exact there, half the work of the fp32 route)."""
+    if DEQ_BF16:
+        wf = tl.reshape(w.to(tl.bfloat16), (BN, NB, BS)) * e8m0_to_f32(sc).to(tl.bfloat16)[:, :, None]
+    else:
+        wf = tl.reshape(w.to(tl.float32), (BN, NB, BS)) * e8m0_to_f32(sc)[:, :, None]
+    return tl.reshape(wf, (BN, NB * BS))
+
+
+@jit
+def x_tile(x_ptr, x_ptrs, row0, k, K, offs_k, TMA_X: tl.constexpr, EVEN_K: tl.constexpr):
+    """Xᵀ [BK, BM] at K offset ``k`` for a grouped prefill kernel: by TMA (``x_ptr`` a descriptor,
+    rows from ``row0``) or by pointers (``x_ptrs``), zeros past K."""
+    if TMA_X:
+        return tl.trans(x_ptr.load([row0, k]))
+    elif EVEN_K:
+        return tl.load(x_ptrs + k)
+    else:
+        return tl.load(x_ptrs + k, mask=((k + offs_k) < K)[:, None], other=0.0)
+
+
+@jit
+def grouped_gemm_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ge_ptr,
     S, N, K, E, T,
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
@@ -160,13 +213,8 @@ def _grouped_gemm_kernel(
     ZERO_DOT: tl.constexpr,
 ):  # fmt: skip
     """Yᵀ tile [BN weight rows, BM sorted rows] of one expert over the whole K."""
-    t, pid_n = _grouped_order(tl.program_id(0), N, T, BN, GROUP)
-    e, row0, row_end, kind = _tile(ge_ptr, t, S, E, BM, EP2)
-    if kind == 2:
-        return
-    offs_m, offs_n, mask, y_offs = _out_tile(row0, row_end, pid_n, N, stride_ym, BM, BN)
-    if kind == 1:
-        tl.store(y_ptr + y_offs, tl.zeros((BM, BN), y_ptr.dtype.element_ty), mask=mask)
+    e, row0, pid_n, kind, offs_m, offs_n, mask, y_offs = prefill_tile(ge_ptr, y_ptr, S, N, E, T, stride_ym, BM, BN, EP2, GROUP)
+    if kind != 0:
         return
     NB: tl.constexpr = BK // BS
     offs_k = tl.arange(0, BK)
@@ -198,19 +246,10 @@ def _grouped_gemm_kernel(
             w = tl.load(w_ptrs + k)
         else:
             w = tl.load(w_ptrs + k, mask=((k + offs_k) < K)[None, :], other=0.0)
-        if TMA_X:
-            xt = tl.trans(x_ptr.load([row0, k]))
-        elif EVEN_K:
-            xt = tl.load(x_ptrs + k)
-        else:
-            xt = tl.load(x_ptrs + k, mask=((k + offs_k) < K)[:, None], other=0.0)
+        xt = x_tile(x_ptr, x_ptrs, row0, k, K, offs_k, TMA_X, EVEN_K)
         sc = sc_next
         sc_next = tl.load(s_ptrs + (i + 1) * NB, mask=((k + BK + offs_b * BS) < K)[None, :], other=127)
-        if DEQ_BF16:  # a power-of-two product is exact in bf16: half the work of the fp32 route
-            wf = tl.reshape(w.to(tl.bfloat16), (BN, NB, BS)) * e8m0_to_f32(sc).to(tl.bfloat16)[:, :, None]
-        else:
-            wf = tl.reshape(w.to(tl.float32), (BN, NB, BS)) * e8m0_to_f32(sc)[:, :, None]
-        acc = tl.dot(tl.reshape(wf, (BN, BK)).to(DOT), xt.to(DOT), acc, input_precision=PRECISION)
+        acc = tl.dot(dequant_tile(w, sc, BN, NB, BS, DEQ_BF16).to(DOT), xt.to(DOT), acc, input_precision=PRECISION)
     # The bias goes in while acc is in the MMA layout (as gemm.py: after tl.trans it gave garbage).
     if HAS_BIAS:
         acc += tl.load(b_ptr + e64 * N + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
@@ -218,7 +257,7 @@ def _grouped_gemm_kernel(
 
 
 @jit
-def _grouped_decode_kernel(
+def grouped_decode_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ge_ptr, idx_ptr,
     S, N, K, E, UO,
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_ym, alpha, limit,
@@ -246,12 +285,9 @@ def _grouped_decode_kernel(
         row0, row_end = t, t + 1
         kind = tl.where((ed >= 0) & (ed < E), 0, 1)
     else:
-        e, row0, row_end, kind = _tile(ge_ptr, t, S, E, BM, EP2)
-    if kind == 2:
-        return
-    offs_m, offs_n, mask, y_offs = _out_tile(row0, row_end, pid_n, N, stride_ym, BM, BN)
-    if kind == 1:
-        tl.store(y_ptr + y_offs, tl.zeros((BM, BN), y_ptr.dtype.element_ty), mask=mask)
+        e, row0, row_end, kind = row_tile(ge_ptr, t, S, E, BM, EP2)
+    offs_m, offs_n, mask, y_offs = out_tile(y_ptr, row0, row_end, kind, pid_n, N, stride_ym, BM, BN)
+    if kind != 0:
         return
     NB: tl.constexpr = BK // BS
     offs_b = tl.arange(0, NB)
@@ -281,21 +317,9 @@ def _grouped_decode_kernel(
     for i in tl.range(tl.cdiv(K, BK), num_stages=NUM_STAGES):
         k = i * BK
         kmask = (k + kk) < K
-        if EVEN_K:
-            w = tl.load(w_ptrs + k)
-            sc = tl.load(s_ptrs + i * NB)
-        else:
-            w = tl.load(w_ptrs + k, mask=kmask[None, :, :], other=0.0)
-            sc = tl.load(s_ptrs + i * NB, mask=((k + offs_b * BS) < K)[None, :], other=127)
-        wf = w.to(tl.float32)
-        sf = e8m0_to_f32(sc)
+        wf, sf = weight_block_step(w_ptrs, s_ptrs, i, K, BK, BS, EVEN_K)
         if GATE:
-            if EVEN_K:
-                wuf = tl.load(wu_ptrs + k).to(tl.float32)
-                suf = e8m0_to_f32(tl.load(su_ptrs + i * NB))
-            else:
-                wuf = tl.load(wu_ptrs + k, mask=kmask[None, :, :], other=0.0).to(tl.float32)
-                suf = e8m0_to_f32(tl.load(su_ptrs + i * NB, mask=((k + offs_b * BS) < K)[None, :], other=127))
+            wuf, suf = weight_block_step(wu_ptrs, su_ptrs, i, K, BK, BS, EVEN_K)
         for m in tl.static_range(BM):
             row = row0 + m
             xrow = row
@@ -341,7 +365,7 @@ def _grouped_decode_kernel(
 
 @dataclass(frozen=True)
 class GroupedGemmConfig:
-    """Tiles of ``_grouped_gemm_kernel``."""
+    """Tiles of ``grouped_gemm_kernel``."""
 
     block_m: int  # sorted rows per tile (the MMA's N side)
     block_n: int  # weight rows per tile (the MMA's M side)
@@ -355,7 +379,7 @@ class GroupedGemmConfig:
 
 @dataclass(frozen=True)
 class GroupedDecodeConfig:
-    """Tiles of ``_grouped_decode_kernel``."""
+    """Tiles of ``grouped_decode_kernel``."""
 
     block_m: int = 1  # rows per tile (1: an expert with r rows is streamed r times, from L2)
     block_n: int = 16
@@ -448,7 +472,7 @@ def mx_grouped_gemm(
     tma_w, w_arg = tma_or_pointer(weight.view(e * n, k), [cfg.block_n, cfg.block_k], cfg.tma and weight.is_contiguous())
     w_arg = w_arg if tma_w else weight
     call(
-        _grouped_gemm_kernel, (tiles * cdiv(n, cfg.block_n),),
+        grouped_gemm_kernel, (tiles * cdiv(n, cfg.block_n),),
         (x_arg, w_arg, weight_scale, bias if bias is not None else weight_scale, y, group_end,
          s, n, k, e, tiles, x.stride(0), weight.stride(0), weight.stride(1), weight_scale.stride(0),
          weight_scale.stride(1), y.stride(0)),
@@ -492,16 +516,14 @@ def mx_grouped_decode(
         return y
     bm = cfg.block_m
     tiles = s if bm == 1 else cdiv(s, bm) + min(s, e)  # one row per tile: exactly the rows
-    ae = act_elem or E4M3
     call(
-        _grouped_decode_kernel, (cdiv(n, cfg.block_n), tiles),
+        grouped_decode_kernel, (cdiv(n, cfg.block_n), tiles),
         (x, weight, weight_scale, bias if bias is not None else weight_scale, y, group_end, group_end,
          s, n, k, e, 0, x.stride(0), weight.stride(0), weight.stride(1), weight_scale.stride(0), weight_scale.stride(1),
          n, y.stride(0), 0.0, 0.0),
         dict(BM=bm, BN=cfg.block_n, BK=cfg.block_k, BS=block_size, EP2=max(16, next_pow2(e)),
              HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, QUANT=act_elem is not None,
-             EMAX=ae.emax, MBITS=ae.mbits, MAXN=ae.max_normal, EMIN=1 - ae.bias, RULE=RULE_ID[act_rule],
-             HW_CVT=hw_cvt(x.device), FP8=fp8_dtype(ae), GATE=GATE_NONE, GS=1, X_IDX=False),
+             **mx_round_consts(act_elem, act_rule, x.device), GATE=GATE_NONE, GS=1, X_IDX=False),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return y

@@ -11,7 +11,7 @@ returns the weighted sum of the chosen experts' outputs per token. Here that is:
 3. The gate-up grouped GEMM with the family's gate in its epilogue (``glu``: SiLU·up on
    [gate | up] halves, or gpt-oss's clamped GLU on interleaved rows, biases included), writing the
    down projection's input, MX-rounded for W8A8 (prefill: ``_grouped_glu_kernel`` on tensor cores;
-   decode: ``moe._grouped_decode_kernel`` with ``GATE``, reading X through ``token``, no gather).
+   decode: ``moe.grouped_decode_kernel`` with ``GATE``, reading X through ``token``, no gather).
 4. The down grouped GEMM (``moe``'s prefill or decode kernel).
 5. ``_combine_kernel``: out[t] = Σ_j y[pos[t, j]] · w[t, j] in fp32, in slot order (deterministic;
    no float32 [T·k, H] temporary, no ``index_add_``).
@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-from mxq.formats import E4M3, ElemFormat, ScaleRule
+from mxq.formats import ElemFormat, ScaleRule
 from mxq.kernels import launch, moe_decode
 from mxq.kernels.buffers import split_counters
 from mxq.kernels.dispatch import triton_runs
@@ -51,12 +51,9 @@ try:
         GATE_NONE,
         GATE_SILU,
         INTERPRET,
-        RULE_ID,
         TensorDescriptor,
-        e8m0_to_f32,
-        fp8_dtype,
         glu,
-        hw_cvt,
+        mx_round_consts,
         mx_round_dequant,
         pdl_ok,
         to_out,
@@ -65,13 +62,13 @@ try:
     from mxq.kernels.moe import (
         HAS_TRITON,
         GroupedGemmConfig,
-        _grouped_decode_kernel,
-        _grouped_gemm_kernel,
-        _grouped_order,
-        _out_tile,
-        _tile,
+        dequant_tile,
+        grouped_decode_kernel,
+        grouped_gemm_kernel,
         jit,
         pick_grouped_gemm_config,
+        prefill_tile,
+        x_tile,
     )
     from mxq.kernels.moe_decode import down_combine_kernel, down_slots_kernel, pick_decode_configs
     from mxq.kernels.moe_gather import gather_rows_kernel
@@ -166,16 +163,6 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, H, stride_ym, stride_om, TOP
 
 
 @jit
-def _deq(w, sc, BN: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr, DEQ_BF16: tl.constexpr):
-    """A [BN, NB·BS] fp8 tile times its E8M0 scales (exact; bf16 where the dot is bf16)."""
-    if DEQ_BF16:
-        wf = tl.reshape(w.to(tl.bfloat16), (BN, NB, BS)) * e8m0_to_f32(sc).to(tl.bfloat16)[:, :, None]
-    else:
-        wf = tl.reshape(w.to(tl.float32), (BN, NB, BS)) * e8m0_to_f32(sc)[:, :, None]
-    return tl.reshape(wf, (BN, NB * BS))
-
-
-@jit
 def _grouped_glu_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ge_ptr,
     S, N, K, E, T, UO, NG, UROW, UCOL,
@@ -187,17 +174,12 @@ def _grouped_glu_kernel(
     EMAX: tl.constexpr, MBITS: tl.constexpr, MAXN: tl.constexpr, EMIN: tl.constexpr,
     RULE: tl.constexpr, HW_CVT: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
-    """``moe._grouped_gemm_kernel`` for the gate-up projection: Yᵀ [BN columns, BM rows] of
+    """``moe.grouped_gemm_kernel`` for the gate-up projection: Yᵀ [BN columns, BM rows] of
     ``glu(gate, up)``, from weight rows j·GS and j·GS + UO of output column j (as the decode kernel
     reads them); the TMA view of W holds NG rows per expert, the up tile at (+UROW, +UCOL) from the
     gate tile. ``QUANT_OUT``: the result MX-rounded along its columns (the down projection's K)."""
-    t, pid_n = _grouped_order(tl.program_id(0), N, T, BN, GROUP)
-    e, row0, row_end, kind = _tile(ge_ptr, t, S, E, BM, EP2)
-    if kind == 2:
-        return
-    offs_m, offs_n, mask, y_offs = _out_tile(row0, row_end, pid_n, N, stride_ym, BM, BN)
-    if kind == 1:
-        tl.store(y_ptr + y_offs, tl.zeros((BM, BN), y_ptr.dtype.element_ty), mask=mask)
+    e, row0, pid_n, kind, offs_m, offs_n, mask, y_offs = prefill_tile(ge_ptr, y_ptr, S, N, E, T, stride_ym, BM, BN, EP2, GROUP)
+    if kind != 0:
         return
     NB: tl.constexpr = BK // BS
     offs_k = tl.arange(0, BK)
@@ -222,7 +204,7 @@ def _grouped_glu_kernel(
     scu_next = tl.load(su_ptrs, mask=smask, other=127)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     acc_u = tl.zeros((BN, BM), dtype=tl.float32)
-    if ZERO_DOT:  # as in moe._grouped_gemm_kernel: a wgmma defines the accumulators
+    if ZERO_DOT:  # as in moe.grouped_gemm_kernel: a wgmma defines the accumulators
         acc = tl.dot(tl.zeros((BN, BK), DOT), tl.zeros((BK, BM), DOT), acc, input_precision=PRECISION)
         acc_u = tl.dot(tl.zeros((BN, BK), DOT), tl.zeros((BK, BM), DOT), acc_u, input_precision=PRECISION)
     for i in range(tl.cdiv(K, BK)):
@@ -237,21 +219,16 @@ def _grouped_glu_kernel(
             kmask = ((k + offs_k) < K)[None, :]
             w = tl.load(w_ptrs + k, mask=kmask, other=0.0)
             wu = tl.load(wu_ptrs + k, mask=kmask, other=0.0)
-        if TMA_X:
-            xt = tl.trans(x_ptr.load([row0, k]))
-        elif EVEN_K:
-            xt = tl.load(x_ptrs + k)
-        else:
-            xt = tl.load(x_ptrs + k, mask=((k + offs_k) < K)[:, None], other=0.0)
+        xt = x_tile(x_ptr, x_ptrs, row0, k, K, offs_k, TMA_X, EVEN_K)
         sc = sc_next
         scu = scu_next
         nmask = ((k + BK + offs_b * BS) < K)[None, :]
         sc_next = tl.load(s_ptrs + (i + 1) * NB, mask=nmask, other=127)
         scu_next = tl.load(su_ptrs + (i + 1) * NB, mask=nmask, other=127)
         xd = xt.to(DOT)
-        acc = tl.dot(_deq(w, sc, BN, NB, BS, DEQ_BF16).to(DOT), xd, acc, input_precision=PRECISION)
-        acc_u = tl.dot(_deq(wu, scu, BN, NB, BS, DEQ_BF16).to(DOT), xd, acc_u, input_precision=PRECISION)
-    if HAS_BIAS:  # in the MMA layout, before any transpose (moe._grouped_gemm_kernel)
+        acc = tl.dot(dequant_tile(w, sc, BN, NB, BS, DEQ_BF16).to(DOT), xd, acc, input_precision=PRECISION)
+        acc_u = tl.dot(dequant_tile(wu, scu, BN, NB, BS, DEQ_BF16).to(DOT), xd, acc_u, input_precision=PRECISION)
+    if HAS_BIAS:  # in the MMA layout, before any transpose (moe.grouped_gemm_kernel)
         acc += tl.load(b_ptr + e64 * stride_be + rn, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
         acc_u += tl.load(b_ptr + e64 * stride_be + ru, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
     h = tl.trans(glu(acc, acc_u, y_ptr.dtype.element_ty, GATE, alpha, limit).to(tl.float32))
@@ -270,7 +247,7 @@ def _grouped_glu_kernel(
 class ExpertsWeights:
     """What the fused block reads of an ``MXExperts``: gate-up and down codes [E, N, K], scales
     [E, N, K/bs], biases [E, N] or None; the gate (``GATE_*``), its row rule (GS, UO: module doc
-    of ``moe._grouped_decode_kernel``) and gpt-oss's alpha and limit; the activations' MX format
+    of ``moe.grouped_decode_kernel``) and gpt-oss's alpha and limit; the activations' MX format
     (None: W8A16) and rule."""
 
     w1: torch.Tensor
@@ -286,12 +263,6 @@ class ExpertsWeights:
     act_elem: ElemFormat | None
     act_rule: ScaleRule
     block_size: int
-
-
-def _rounding(ae: ElemFormat | None, rule: ScaleRule, device) -> dict:
-    ae2 = ae or E4M3
-    return dict(EMAX=ae2.emax, MBITS=ae2.mbits, MAXN=ae2.max_normal, EMIN=1 - ae2.bias, RULE=RULE_ID[rule],
-                HW_CVT=hw_cvt(device), FP8=fp8_dtype(ae2))  # fmt: skip
 
 
 def _rows_per_expert(s: int, e: int) -> int:
@@ -357,7 +328,7 @@ class BlockPlan:
         self.bh = min(1024, max(16, next_pow2(h)))
         self.combine = Launch(_combine_kernel, dict(TOPK=k_top, BH=self.bh), dict(num_warps=4))
         w8a8 = ex.act_elem is not None
-        rnd = _rounding(ex.act_elem, ex.act_rule, dev)
+        rnd = mx_round_consts(ex.act_elem, ex.act_rule, dev)
         bs = ex.block_size
         gate_rows = dict(GS=2 if ex.interleaved else 1)
         if self.decode:
@@ -374,7 +345,7 @@ class BlockPlan:
                                                           BS=bs, QUANT=True, **rnd, IDX=False, PDL=pdl),
                                  dict(num_warps=4))  # fmt: skip
                 self.bkx = self.xq.consts["BK"]
-            self.g1 = Launch(_grouped_decode_kernel, dict(
+            self.g1 = Launch(grouped_decode_kernel, dict(
                 BM=1, BN=c1.block_n, BK=c1.block_k, BS=bs, EP2=max(16, next_pow2(e)), HAS_BIAS=ex.b1 is not None,
                 EVEN_K=h % c1.block_k == 0, QUANT=w8a8 and self.xq is None, NUM_STAGES=c1.num_stages, **rnd,
                 GATE=ex.gate, GS=gate_rows["GS"], X_IDX=not self.direct, DIRECT=self.direct, TOPK=k_top,
@@ -402,7 +373,7 @@ class BlockPlan:
             BM=c1.block_m, BN=c1.block_n, BK=c1.block_k, HAS_BIAS=ex.b1 is not None, EVEN_K=h % c1.block_k == 0,
             TMA_X=tma, TMA_W=tma, DEQ_BF16=dot == tl.bfloat16, GATE=ex.gate, QUANT_OUT=w8a8, **gate_rows, **rnd,
             **common), dict(num_warps=c1.num_warps, num_stages=c1.num_stages))  # fmt: skip
-        self.g2 = Launch(_grouped_gemm_kernel, dict(
+        self.g2 = Launch(grouped_gemm_kernel, dict(
             BM=c2.block_m, BN=c2.block_n, BK=c2.block_k, HAS_BIAS=ex.b2 is not None, EVEN_K=i % c2.block_k == 0,
             TMA_X=tma, TMA_W=tma, DEQ_BF16=dot == tl.bfloat16, **{**common, "GROUP": c2.group}),
             dict(num_warps=c2.num_warps, num_stages=c2.num_stages))  # fmt: skip

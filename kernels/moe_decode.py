@@ -22,12 +22,18 @@ import dataclasses
 
 import torch
 
-from mxq.kernels.moe import HAS_TRITON, GroupedDecodeConfig, jit, pick_grouped_decode_config
+from mxq.kernels.moe import (
+    HAS_TRITON,
+    GroupedDecodeConfig,
+    jit,
+    pick_grouped_decode_config,
+    weight_block_step,
+)
 
 if HAS_TRITON:
     import triton.language as tl
 
-    from mxq.kernels.common import INTERPRET, e8m0_to_f32, mx_round_dequant, to_out
+    from mxq.kernels.common import INTERPRET, mx_round_dequant, to_out
 
 
 @jit
@@ -38,7 +44,7 @@ def _expert_row(h_ptr, w_ptr, s_ptr, b_ptr, pos_ptr, ej, slot, rn, nmask, K, str
                 MAXN: tl.constexpr, EMIN: tl.constexpr, RULE: tl.constexpr, HW_CVT: tl.constexpr,
                 FP8: tl.constexpr):  # fmt: skip
     """y = h[row] · W[ej]ᵀ (+ b[ej]) for the BN weight rows ``rn``, rounded to ``OUT``, as fp32; row is
-    ``slot``, or ``pos[slot]`` where h is in sorted order. W as ``moe._grouped_decode_kernel``'s
+    ``slot``, or ``pos[slot]`` where h is in sorted order. W as ``moe.grouped_decode_kernel``'s
     one-row tiles ([BN, NB, BS] codes, a block's sum in-thread), h MX-rounded as loaded for W8A8."""
     row = slot.to(tl.int64)
     if SORTED:
@@ -51,19 +57,15 @@ def _expert_row(h_ptr, w_ptr, s_ptr, b_ptr, pos_ptr, ej, slot, rn, nmask, K, str
     acc = tl.zeros((BN, NB), dtype=tl.float32)
     for i in tl.range(tl.cdiv(K, BK), num_stages=NUM_STAGES):
         k = i * BK
-        kmask = (k + kk) < K
+        wf, sf = weight_block_step(w_ptrs, s_ptrs, i, K, BK, BS, EVEN_K)
         if EVEN_K:
-            w = tl.load(w_ptrs + k)
-            sc = tl.load(s_ptrs + i * NB)
             hm = tl.load(h_ptr + row * stride_hm + k + kk)
         else:
-            w = tl.load(w_ptrs + k, mask=kmask[None, :, :], other=0.0)
-            sc = tl.load(s_ptrs + i * NB, mask=((k + offs_b * BS) < K)[None, :], other=127)
-            hm = tl.load(h_ptr + row * stride_hm + k + kk, mask=kmask, other=0.0)
+            hm = tl.load(h_ptr + row * stride_hm + k + kk, mask=(k + kk) < K, other=0.0)
         hm = hm.to(tl.float32)[None, :, :]
         if QUANT:
             hm = mx_round_dequant(hm, EMAX, MBITS, MAXN, EMIN, RULE, HW_CVT, FP8)
-        acc += tl.sum(w.to(tl.float32) * hm, axis=2) * e8m0_to_f32(sc)
+        acc += tl.sum(wf * hm, axis=2) * sf
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + ej * stride_be + rn, mask=nmask, other=0.0).to(tl.float32)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from mxq.formats import E4M3, ElemFormat, ScaleRule, as_elem_format, as_scale_rule
+from mxq.formats import ElemFormat, ScaleRule, as_elem_format, as_scale_rule
 from mxq.kernels import reference
 from mxq.kernels.launch import on_input_device
 
@@ -19,10 +19,8 @@ try:
 
     from mxq.kernels.common import (
         INTERPRET,
-        RULE_ID,
-        fp8_dtype,
         gdc_launch_dependents,
-        hw_cvt,
+        mx_round_consts,
         mx_round_dequant,
     )
     from mxq.kernels.launch import call, cdiv, next_pow2
@@ -91,13 +89,11 @@ def gather_mx_rows(
     x = x if x.stride(1) == 1 else x.contiguous()
     y = torch.empty((r, k), dtype=out_dtype, device=x.device)
     if r and k:
-        ae = act_elem or E4M3
         bk = max(block_size, min(512, next_pow2(k)))
         call(
             gather_rows_kernel, (cdiv(r, 8), cdiv(k, bk)),
             (x, index.contiguous(), y, r, k, x.stride(0), y.stride(0)),
-            dict(BR=8, BK=bk, BS=block_size, QUANT=act_elem is not None, EMAX=ae.emax, MBITS=ae.mbits, MAXN=ae.max_normal,
-                 EMIN=1 - ae.bias, RULE=RULE_ID[act_rule], HW_CVT=hw_cvt(x.device), FP8=fp8_dtype(ae)),
+            dict(BR=8, BK=bk, BS=block_size, QUANT=act_elem is not None, **mx_round_consts(act_elem, act_rule, x.device)),
             num_warps=4,
         )  # fmt: skip
     return y

@@ -49,10 +49,9 @@ from mxq.kernels.common import (
     SCALE_BIAS,
     SCALE_NAN,
     elem_bits,
-    fp8_dtype,
     gdc_follow,
-    hw_cvt,
     mx_round_codes,
+    mx_round_consts,
     pdl_launch,
     pdl_ok,
     pow2_f32,
@@ -147,8 +146,8 @@ RMSNORM_MAX_K = 32768
 
 def _consts(elem: ElemFormat, block_size: int, device: torch.device, block: int, pdl: bool) -> dict:
     return dict(
-        BLOCK=block, BS=block_size, EMAX=elem.emax, MBITS=elem.mbits, MAXN=elem.max_normal, EMIN=1 - elem.bias,
-        EBIAS=elem.bias, NAN_BYTE=elem.nan_byte, HW_CVT=hw_cvt(device), FP8=fp8_dtype(elem), PDL=pdl and pdl_ok(device),
+        BLOCK=block, BS=block_size, **mx_round_consts(elem, None, device),
+        EBIAS=elem.bias, NAN_BYTE=elem.nan_byte, PDL=pdl and pdl_ok(device),
     )  # fmt: skip
 
 

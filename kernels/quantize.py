@@ -25,14 +25,12 @@ import triton.language as tl
 
 from mxq.formats import ElemFormat, ScaleRule, as_elem_format, as_scale_rule
 from mxq.kernels.common import (
-    RULE_ID,
     SCALE_BIAS,
     SCALE_NAN,
     elem_bits,
-    fp8_dtype,
     gdc_follow,
-    hw_cvt,
     mx_fast_exponent,
+    mx_round_consts,
     mx_scaled,
     pdl_launch,
     pdl_ok,
@@ -177,9 +175,8 @@ def _quantize_consts(elem: ElemFormat, rule: ScaleRule, block_size: int, write_q
     block_m, block_k, warps = quantize_tile(rule, block_size, tile)
     consts = dict(
         BLOCK_M=block_m, BLOCK_K=block_k, BS=block_size,
-        EMAX=elem.emax, MBITS=elem.mbits, MAXN=elem.max_normal, NAN_BYTE=elem.nan_byte,
-        EMIN=1 - elem.bias, EBIAS=elem.bias, RULE=RULE_ID[rule],
-        WRITE_Q=write_q, WRITE_D=write_d, HW_CVT=hw_cvt(device), FP8=fp8_dtype(elem), PDL=pdl and pdl_ok(device),
+        **mx_round_consts(elem, rule, device), NAN_BYTE=elem.nan_byte, EBIAS=elem.bias,
+        WRITE_Q=write_q, WRITE_D=write_d, PDL=pdl and pdl_ok(device),
     )  # fmt: skip
     return consts, warps
 

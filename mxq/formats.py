@@ -75,33 +75,21 @@ class ElemFormat:
     def __str__(self) -> str:
         return self.name
 
+    @classmethod
+    def fp8(cls, name: str, ebits: int, mbits: int, *, ieee: bool, nan_byte: int, torch_dtype: torch.dtype):
+        """An OCP FP8 format from its field widths. ``ieee``: the top exponent field is Inf/NaN
+        (E5M2); otherwise only S.1…1.1…1 is NaN, so the top binade stops one step short (E4M3)."""
+        bias = 2 ** (ebits - 1) - 1
+        emax = 2**ebits - (2 if ieee else 1) - bias  # the largest finite exponent field, unbiased
+        top = 2**mbits - (1 if ieee else 2)  # the largest mantissa field there
+        return cls(
+            name, ebits, mbits, bias, emax, (1 + top / 2**mbits) * 2.0**emax,
+            2.0 ** (1 - bias), 2.0 ** (1 - bias - mbits), ieee, nan_byte, torch_dtype,
+        )  # fmt: skip
 
-E4M3 = ElemFormat(
-    name="e4m3",
-    ebits=4,
-    mbits=3,
-    bias=7,
-    emax=8,
-    max_normal=448.0,  # 1.75 * 2**8: S.1111.111 is the only NaN, so the top binade stops at .110
-    min_normal=2.0**-6,
-    min_subnormal=2.0**-9,
-    has_inf=False,
-    nan_byte=0x7F,
-    torch_dtype=torch.float8_e4m3fn,
-)
-E5M2 = ElemFormat(
-    name="e5m2",
-    ebits=5,
-    mbits=2,
-    bias=15,
-    emax=15,
-    max_normal=57344.0,  # 1.75 * 2**15, IEEE-style: exponent 11111 is Inf/NaN
-    min_normal=2.0**-14,
-    min_subnormal=2.0**-16,
-    has_inf=True,
-    nan_byte=0x7E,
-    torch_dtype=torch.float8_e5m2,
-)
+
+E4M3 = ElemFormat.fp8("e4m3", 4, 3, ieee=False, nan_byte=0x7F, torch_dtype=torch.float8_e4m3fn)  # max 448
+E5M2 = ElemFormat.fp8("e5m2", 5, 2, ieee=True, nan_byte=0x7E, torch_dtype=torch.float8_e5m2)  # max 57344
 ELEM_FORMATS: dict[str, ElemFormat] = {f.name: f for f in (E4M3, E5M2)}
 
 

@@ -16,24 +16,26 @@ from pathlib import Path
 
 import pytest
 import torch
+from calib_helpers import (
+    logits_of,
+    tiny_llama,
+    tiny_plan_inputs,
+    tiny_qwen,
+    token_ids,
+)
 from transformers import (
     AutoModelForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
 )
 
 import mxq
 from mxq.calib.calibrator import (
     LinearStats,
-    _candidates,
-    _output_sqnr,
     block_spread,
-    calibrate,
+    channel_orders,
     collect_statistics,
     layer_sensitivity,
     make_plan,
+    output_sqnr,
 )
 from mxq.calib.plan import LayerPlan, Plan, PlanError, load_plan, save_plan
 from mxq.calib.reorder import Geometry, Permutations, permute_model
@@ -42,29 +44,7 @@ from mxq.formats import E4M3, E5M2, ScaleRule
 from mxq.recipe import TensorSpec, load_recipe, parse_recipe
 from mxq.runtime.linear import linear_layers
 
-
-def _llama(seed=0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=320, max_position_embeddings=128, tie_word_embeddings=False)
-    return LlamaForCausalLM(cfg).float().eval()
-
-
-def _qwen(seed=1) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=6,
-                      num_key_value_heads=2, vocab_size=300, max_position_embeddings=128, tie_word_embeddings=True)
-    m = Qwen2ForCausalLM(cfg).float().eval()
-    with torch.no_grad():
-        for layer in m.model.layers:
-            for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                p.bias.normal_(0, 0.5)
-            layer.input_layernorm.weight.uniform_(0.5, 2.0)  # non-trivial norms, so their permutation matters
-            layer.post_attention_layernorm.weight.uniform_(0.5, 2.0)
-    return m
-
-
-MODELS = {"llama": _llama, "qwen2": _qwen}
+MODELS = {"llama": tiny_llama, "qwen2": tiny_qwen}
 
 
 def _random_perms(model, which: str, seed: int = 0) -> Permutations:
@@ -81,28 +61,8 @@ def _random_perms(model, which: str, seed: int = 0) -> Permutations:
     return p
 
 
-def _ids(vocab: int, n: int = 2, s: int = 33) -> torch.Tensor:
-    return torch.randint(0, vocab, (n, s), generator=torch.Generator().manual_seed(5))
-
-
 def _rel(a, b) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
-
-
-def _logits(model, ids):
-    with torch.no_grad():
-        return model(input_ids=ids, use_cache=False).logits
-
-
-class _CharTokenizer:
-    def __init__(self, vocab: int):
-        self.vocab = vocab
-
-    def __call__(self, text, verbose=False):
-        return {"input_ids": [ord(c) % self.vocab for c in text]}
-
-
-TEXT = " ".join(f"The {w} of channel {i} rises and falls." for i, w in enumerate(["range", "scale", "block"] * 40))
 
 
 # --- permutations leave the function unchanged --------------------------------------------------
@@ -111,15 +71,15 @@ TEXT = " ".join(f"The {w} of channel {i} rises and falls." for i, w in enumerate
 @pytest.mark.parametrize("which", ["mlp", "v", "residual", "all"])
 def test_folded_permutations_in_memory(arch, which):
     model = MODELS[arch]()
-    ids = _ids(model.config.vocab_size)
-    ref = _logits(model, ids)
+    ids = token_ids(model.config.vocab_size)
+    ref = logits_of(model, ids)
     perms = _random_perms(model, which)
     permuted = permute_model(copy.deepcopy(model), perms)
     if which in ("mlp", "all"):  # the permutation really moved weights
         assert not torch.equal(permuted.model.layers[0].mlp.down_proj.weight, model.model.layers[0].mlp.down_proj.weight)
     if arch == "qwen2" and which in ("residual", "all"):
         assert permuted.lm_head.weight is permuted.model.embed_tokens.weight  # still tied
-    assert _rel(_logits(permuted, ids), ref) <= 1e-5
+    assert _rel(logits_of(permuted, ids), ref) <= 1e-5
 
 
 def _all_kept_plan(model, perms: Permutations, recipe="mxfp8") -> Plan:
@@ -134,8 +94,8 @@ def test_folded_permutations_through_converter(tmp_path, arch):
     """Convert with a plan that keeps every layer (so nothing is rounded) and load it back."""
     model = MODELS[arch]()
     model.save_pretrained(tmp_path / "src")
-    ids = _ids(model.config.vocab_size)
-    ref = _logits(model, ids)
+    ids = token_ids(model.config.vocab_size)
+    ref = logits_of(model, ids)
     for which in ("mlp", "v", "residual", "all"):
         plan = _all_kept_plan(model, _random_perms(model, which, seed=3))
         out = tmp_path / f"out-{which}"
@@ -143,14 +103,14 @@ def test_folded_permutations_through_converter(tmp_path, arch):
         qc = json.loads((out / "config.json").read_text())["quantization_config"]
         assert qc["layers"] == {} and qc["calibration"]["permutations_folded"]["residual"] == (which in ("residual", "all"))
         loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-        assert _rel(_logits(loaded, ids), ref) <= 1e-5, which
+        assert _rel(logits_of(loaded, ids), ref) <= 1e-5, which
 
 
 def test_converter_plan_equals_in_memory_apply(tmp_path):
     """Quantized with permutations and per-layer rules: the converter and apply_plan agree exactly."""
     from mxq.calib.calibrator import apply_plan
 
-    model = _llama()
+    model = tiny_llama()
     model.save_pretrained(tmp_path / "src")
     rec = load_recipe("mxfp8")
     layers = {}
@@ -165,8 +125,8 @@ def test_converter_plan_equals_in_memory_apply(tmp_path):
     assert sorted(rep.kept) == sorted(kept)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
     mem = apply_plan(copy.deepcopy(model), load_plan(tmp_path / "plan.json"))
-    ids = _ids(320)
-    assert torch.equal(_logits(loaded, ids), _logits(mem, ids))
+    ids = token_ids(320)
+    assert torch.equal(logits_of(loaded, ids), logits_of(mem, ids))
     qc = loaded.config.quantization_config
     assert qc.layers["model.layers.0.self_attn.k_proj"]["weights"]["scale_rule"] == "mse"
     assert qc.layers["model.layers.0.self_attn.q_proj"]["weights"]["scale_rule"] == "rceil"
@@ -176,8 +136,8 @@ def test_converter_plan_equals_in_memory_apply(tmp_path):
 # --- statistics ------------------------------------------------------------------------------------
 
 def test_statistics_equal_direct_computation():
-    model = _llama()
-    batches = [_ids(320, 2, 40), _ids(320, 3, 40) + 1]
+    model = tiny_llama()
+    batches = [token_ids(320, 2, 40), token_ids(320, 3, 40) + 1]
     caught = []
     h = model.model.layers[1].mlp.down_proj.register_forward_pre_hook(lambda m, a: caught.append(a[0].reshape(-1, 96)))
     stats = collect_statistics(model, batches, sample_rows=7, progress=False)
@@ -219,31 +179,24 @@ def _outlier_layer(k=512, n=256, rows=256, seed=0):
 
 def test_reordering_groups_magnitudes_on_outlier_inputs():
     lin, x, st = _outlier_layer()
-    cands = _candidates(st, lin.weight)
+    cands = channel_orders(st, lin.weight)
     before = block_spread(st.absmax)
     for p in cands.values():
         assert sorted(p.tolist()) == list(range(512))
         assert block_spread(st.absmax, p) < before / 4
     a = TensorSpec(E4M3, ScaleRule.RCEIL)
-    direct = _output_sqnr(lin, x, a, a)
-    sorted_ = _output_sqnr(lin, x, a, a, cands["absmax"])
+    direct = output_sqnr(lin, x, a, a)
+    sorted_ = output_sqnr(lin, x, a, a, cands["absmax"])
     assert sorted_ > direct + 3.0  # the small channels no longer sit in the outliers' blocks
 
 
-def _tiny_plan_inputs(model):
-    rec = load_recipe("mxfp8")
-    cal = calibrate(model, _CharTokenizer(model.config.vocab_size), TEXT, rec, samples=4, seq_len=48,
-                    sample_rows=64, sensitivity_samples=2, sensitivity_seq_len=40, progress=False)
-    return rec, cal
-
-
 def test_make_plan_chooses_reordering_for_outlier_channels():
-    model = _llama()
+    model = tiny_llama()
     with torch.no_grad():  # make four gate/up rows huge: outlier channels at the down_proj input
         for layer in model.model.layers:
             layer.mlp.up_proj.weight[[5, 40, 61, 90]] *= 2.0**16
             layer.mlp.down_proj.weight[:, [5, 40, 61, 90]] *= 2.0**-16
-    rec, cal = _tiny_plan_inputs(model)
+    rec, cal = tiny_plan_inputs(model)
     plan = make_plan(model, cal, residual=False, scale_search=False, progress=False)
     assert plan.permutations.mlp, plan.choices
     for i in plan.permutations.mlp:
@@ -252,27 +205,27 @@ def test_make_plan_chooses_reordering_for_outlier_channels():
         st = plan.statistics[f"model.layers.{i}.mlp.down_proj"]["block_spread_log2"]
         assert st["after"] < st["before"]
     # the folded plan computes what the per-layer choice measured: function unchanged before rounding
-    ids = _ids(320)
-    ref = _logits(model, ids)
-    assert _rel(_logits(permute_model(copy.deepcopy(model), plan.permutations), ids), ref) <= 1e-5
+    ids = token_ids(320)
+    ref = logits_of(model, ids)
+    assert _rel(logits_of(permute_model(copy.deepcopy(model), plan.permutations), ids), ref) <= 1e-5
 
 
 # --- sensitivity and kept layers ------------------------------------------------------------------
 
 def _brute_force_kl(model, name, ids):
-    ref = torch.log_softmax(_logits(model, ids).float(), -1)
+    ref = torch.log_softmax(logits_of(model, ids).float(), -1)
     rec = parse_recipe({"name": "one", "weights": {"elem": "e4m3", "scale_rule": "rceil"},
                         "activations": {"elem": "e4m3", "scale_rule": "rceil"}, "include": [name], "exclude": []})
     q = mxq.quantize_model(copy.deepcopy(model), rec)
-    logq = torch.log_softmax(_logits(q, ids).float(), -1)
+    logq = torch.log_softmax(logits_of(q, ids).float(), -1)
     return float((ref.exp() * (ref - logq)).sum(-1).double().mean())
 
 
 def test_sensitivity_equals_brute_force_loop():
-    model = _llama()
+    model = tiny_llama()
     rec = load_recipe("mxfp8")
     names = [n for n in linear_layers(model) if n != "lm_head"]
-    batches = [_ids(320, 1, 40), _ids(320, 1, 40) + 3]
+    batches = [token_ids(320, 1, 40), token_ids(320, 1, 40) + 3]
     sens = layer_sensitivity(model, {n: (rec.weights, rec.activations) for n in names}, batches, progress=False)
     brute = {n: sum(_brute_force_kl(model, n, b) for b in batches) / 2 for n in names}
     for n in names:
@@ -282,8 +235,8 @@ def test_sensitivity_equals_brute_force_loop():
 
 @pytest.fixture(scope="module")
 def qwen_cal():
-    model = _qwen()
-    return model, _tiny_plan_inputs(model)
+    model = tiny_qwen()
+    return model, tiny_plan_inputs(model)
 
 
 @pytest.mark.parametrize("n", [0, 1, 3])
@@ -354,7 +307,7 @@ def test_cli_bad_plan_is_one_line(tmp_path):
 
 
 def test_plan_for_another_model_is_refused(tmp_path):
-    a, b = _llama(), _qwen()
+    a, b = tiny_llama(), tiny_qwen()
     b.save_pretrained(tmp_path / "src")
     with pytest.raises(Exception, match="plan: model: made for"):
         quantize_checkpoint(tmp_path / "src", tmp_path / "out", plan=_all_kept_plan(a, Permutations()), progress=False)
@@ -363,7 +316,7 @@ def test_plan_for_another_model_is_refused(tmp_path):
 
 def test_e5m2_geometry_and_layer_specs_survive(tmp_path):
     """A plan made with the E5M2 recipe writes E5M2 weights with its per-layer rules."""
-    model = _llama()
+    model = tiny_llama()
     model.save_pretrained(tmp_path / "src")
     rec = load_recipe("mxfp8-e5m2")
     layers = {n: LayerPlan(TensorSpec(E5M2, ScaleRule.MSE), rec.activations) for n in linear_layers(model) if n != "lm_head"}
@@ -381,7 +334,7 @@ def test_gpu_calibration_on_cuda_equals_cpu(tmp_path):
     the host, the model's weights on the device): the same permutations, scale rules and kept
     layers, SQNRs within 0.05 dB (what ``mxq calibrate`` / ``mxq quantize --calibrate`` run with
     ``--device cuda``); the converter on the GPU with that plan writes what ``apply_plan`` makes."""
-    model = _llama()
+    model = tiny_llama()
     with torch.no_grad():  # outlier channels at the down_proj inputs, so reordering is chosen
         for layer in model.model.layers:
             layer.mlp.up_proj.weight[[5, 40, 61, 90]] *= 2.0**16
@@ -389,7 +342,7 @@ def test_gpu_calibration_on_cuda_equals_cpu(tmp_path):
     plans = {}
     for dev in ("cpu", "cuda"):
         m = copy.deepcopy(model).to(dev)
-        rec, cal = _tiny_plan_inputs(m)
+        rec, cal = tiny_plan_inputs(m)
         plans[dev] = make_plan(m, cal, keep_bf16=1, max_dppl=50.0, progress=False)
     cpu, gpu = plans["cpu"], plans["cuda"]
     assert cpu.permutations == gpu.permutations and cpu.permutations.mlp
@@ -403,5 +356,5 @@ def test_gpu_calibration_on_cuda_equals_cpu(tmp_path):
     quantize_checkpoint(src, tmp_path / "out", plan=gpu, device="cuda", progress=False)
     q = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
     mem = mxq.calib.calibrator.apply_plan(copy.deepcopy(model), gpu)
-    ids = _ids(320)
-    assert torch.equal(_logits(q, ids), _logits(mem, ids))
+    ids = token_ids(320)
+    assert torch.equal(logits_of(q, ids), logits_of(mem, ids))

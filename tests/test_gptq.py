@@ -28,8 +28,16 @@ from mxq.formats import E4M3, E5M2, ScaleRule, fake_quantize_mx, shared_exponent
 from mxq.recipe import RecipeError, TensorSpec, parse_recipe
 
 sys.path.insert(0, str(Path(__file__).parent))
+from calib_helpers import (  # noqa: E402
+    TEXT,
+    CharTokenizer,
+    logits_of,
+    tiny_llama,
+    tiny_plan_inputs,
+    tiny_qwen,
+    token_ids,
+)
 from cli_helpers import run_cli  # noqa: E402
-from test_calibrate import TEXT, _CharTokenizer, _ids, _llama, _logits, _qwen, _tiny_plan_inputs  # noqa: E402
 
 
 def _problem(n: int, k: int, rows: int, seed: int):
@@ -182,8 +190,8 @@ def _capture_inputs(model, ids, names):
 def test_gptq_model_lowers_every_layer_output_error(arch):
     """On a tiny model and a fixed calibration set, each rounded layer's output error on its
     inputs (captured from the rounded model) is below round-to-nearest's."""
-    model = _llama() if arch == "llama" else _qwen()
-    tok = _CharTokenizer(model.config.vocab_size)
+    model = tiny_llama() if arch == "llama" else tiny_qwen()
+    tok = CharTokenizer(model.config.vocab_size)
     batches = calibration_batches(tok, TEXT, 8, 64)
     rec = parse_recipe({"name": "w", "weights": {"elem": "e4m3"}, "activations": None})
     names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
@@ -208,12 +216,12 @@ def test_checkpoint_has_the_direct_cast_format_and_loads_the_rounded_model(tmp_p
 
     import mxq
 
-    model = _qwen()
+    model = tiny_qwen()
     model.save_pretrained(tmp_path / "src")
-    rec, cal = _tiny_plan_inputs(model)
+    rec, cal = tiny_plan_inputs(model)
     plan = make_plan(model, cal, keep_bf16=1, progress=False)
     rounded = copy.deepcopy(model)
-    round_plan(rounded, plan, calibration_batches(_CharTokenizer(model.config.vocab_size), TEXT, 4, 48), progress=False)
+    round_plan(rounded, plan, calibration_batches(CharTokenizer(model.config.vocab_size), TEXT, 4, 48), progress=False)
     save_plan(plan, tmp_path / "plan.json")
     assert (tmp_path / "plan.safetensors").is_file()
     quantize_checkpoint(tmp_path / "src", tmp_path / "gptq", plan=tmp_path / "plan.json", progress=False)
@@ -236,12 +244,12 @@ def test_checkpoint_has_the_direct_cast_format_and_loads_the_rounded_model(tmp_p
             assert n not in kept
     # and the same model through apply_plan (direct cast of the rounded bf16 values)
     mem = mxq.calib.calibrator.apply_plan(copy.deepcopy(rounded), load_plan(tmp_path / "plan.json"))
-    ids = _ids(model.config.vocab_size)
-    assert torch.equal(_logits(loaded, ids), _logits(mem, ids))
+    ids = token_ids(model.config.vocab_size)
+    assert torch.equal(logits_of(loaded, ids), logits_of(mem, ids))
 
 
 def test_gptq_recipe_without_calibration_is_one_line(tmp_path):
-    model = _llama()
+    model = tiny_llama()
     model.save_pretrained(tmp_path / "src")
     (tmp_path / "r.yaml").write_text("name: g\nweights: {elem: e4m3, scale_rule: rceil, rounding: gptq}\n")
     with pytest.raises(ConversionError, match="needs calibration text"):
@@ -252,10 +260,10 @@ def test_gptq_recipe_without_calibration_is_one_line(tmp_path):
 def test_plan_codes_file_must_sit_beside_the_plan(tmp_path):
     from mxq.calib.plan import PlanError
 
-    model = _llama()
-    rec, cal = _tiny_plan_inputs(model)
+    model = tiny_llama()
+    rec, cal = tiny_plan_inputs(model)
     plan = make_plan(model, cal, progress=False)
-    round_plan(copy.deepcopy(model), plan, calibration_batches(_CharTokenizer(320), TEXT, 2, 48), progress=False)
+    round_plan(copy.deepcopy(model), plan, calibration_batches(CharTokenizer(320), TEXT, 2, 48), progress=False)
     save_plan(plan, tmp_path / "plan.json")
     d = json.loads((tmp_path / "plan.json").read_text())
     for bad in ("../plan.safetensors", "/etc/passwd", "missing.safetensors"):
@@ -272,8 +280,8 @@ def test_gpu_gptq_equals_cpu_and_offload_bounds_device_memory():
     with ``offload`` the device holds one decoder layer at a time, not the model."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    model = _llama()
-    batches = calibration_batches(_CharTokenizer(320), TEXT, 8, 64)
+    model = tiny_llama()
+    batches = calibration_batches(CharTokenizer(320), TEXT, 8, 64)
     specs = {n: (parse_recipe({"name": "w", "weights": {}}).weights, None)
              for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
     on = {}
@@ -326,7 +334,7 @@ def model_dir(tmp_path_factory):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.train_from_iterator([TEXT], trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
-    model = _llama()
+    model = tiny_llama()
     assert len(fast) <= model.config.vocab_size
     model.save_pretrained(d / "src")
     fast.save_pretrained(d / "src")
@@ -357,9 +365,9 @@ def test_cli_calibrate_then_quantize_with_gptq(model_dir, tmp_path):
 def test_keep_bytes_budget_against_written_checkpoints(tmp_path, percent):
     """``keep_bytes``: the kept layers are the most sensitive in rank order, and the written
     checkpoint is at most PCT percent larger than the direct-cast one (one more would pass it)."""
-    model = _qwen()
+    model = tiny_qwen()
     model.save_pretrained(tmp_path / "src")
-    rec, cal = _tiny_plan_inputs(model)
+    rec, cal = tiny_plan_inputs(model)
     plan = make_plan(model, cal, keep_bytes=percent, progress=False)
     direct = quantize_checkpoint(tmp_path / "src", tmp_path / "d", recipe="mxfp8", progress=False)
     kept = quantize_checkpoint(tmp_path / "src", tmp_path / "k", plan=plan, progress=False)

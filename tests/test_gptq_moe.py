@@ -20,10 +20,10 @@ import json
 
 import pytest
 import torch
+from calib_helpers import TEXT, CharTokenizer
 from cli_helpers import run_cli
 from moe_models import moe_model
 from safetensors import safe_open
-from test_calibrate import TEXT, _CharTokenizer
 
 import mxq
 from mxq.calib.calibrator import apply_plan, calibrate, make_plan
@@ -271,7 +271,7 @@ def test_round_plan_then_converter_and_apply_plan_agree(tmp_path):
     expert codes and compute the same logits."""
     model = moe_model("mixtral")
     model.save_pretrained(tmp_path / "src")
-    cal = calibrate(model, _CharTokenizer(256), TEXT, load_recipe("mxfp8"), samples=8, seq_len=64, sample_rows=64,
+    cal = calibrate(model, CharTokenizer(256), TEXT, load_recipe("mxfp8"), samples=8, seq_len=64, sample_rows=64,
                     sensitivity_samples=1, sensitivity_seq_len=16, progress=False)  # fmt: skip
     plan = make_plan(model, cal, keep_bytes=0, progress=False)
     rounded = copy.deepcopy(model)
@@ -339,7 +339,7 @@ def _correlated(family: str, seed: int = 0):
     return model.to(torch.bfloat16)
 
 
-def _logits(model, batches) -> torch.Tensor:
+def logits_of(model, batches) -> torch.Tensor:
     with torch.no_grad():
         return torch.cat([model(input_ids=b, use_cache=False).logits.float() for b in batches])
 
@@ -352,7 +352,7 @@ def _held_out_errors(family: str, seed: int) -> tuple[dict, dict]:
     rec = load_recipe("mxfp8")
     base = _correlated(family, seed)
     cal, held = _batches(2 * seed, 16), _batches(2 * seed + 1, 16)
-    ref = _logits(base, held)
+    ref = logits_of(base, held)
     chosen, _ = select_model_layers(base, rec)
     moe = experts_layers(base)
     every = {n: (rec.weights, rec.activations) for n in chosen}
@@ -362,12 +362,12 @@ def _held_out_errors(family: str, seed: int) -> tuple[dict, dict]:
         if specs:
             res = gptq_model(m, cal, specs, progress=False)
         rounded[key] = m
-        err[key] = float((_logits(mxq.quantize_model(copy.deepcopy(m), rec), held) - ref).norm() / ref.norm())
+        err[key] = float((logits_of(mxq.quantize_model(copy.deepcopy(m), rec), held) - ref).norm() / ref.norm())
     # every expert saw enough calibration tokens for GPTQ
     assert res.experts_summary()["nearest"] == {"gate_up_proj": 0, "down_proj": 0}
     calls = {n: [] for n in moe}  # each experts module on the bf16 model's held-out inputs
     hooks = [base.get_submodule(n).register_forward_pre_hook(lambda m, a, n=n: calls[n].append(a)) for n in moe]
-    _logits(base, held)
+    logits_of(base, held)
     for h in hooks:
         h.remove()
     modules = {}

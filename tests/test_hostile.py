@@ -168,7 +168,7 @@ def test_compressed_tensors_refuses_fused_experts_at_planning(tmp_path, monkeypa
 
     monkeypatch.setattr(mxq.convert.source, "read_tensor", fail)
     monkeypatch.setattr(mxq.convert.converter, "ShardWriter", fail)
-    monkeypatch.setattr(mxq.cli, "_run_calibration", fail)
+    monkeypatch.setattr(mxq.cli, "run_calibration", fail)
     out = tmp_path / "out"
     cal = ["--calibrate", "--dataset", str(tmp_path / "text.txt")] if calibrate else []
     rc, err = run_cli(["quantize", str(src), str(out), "--format", "compressed-tensors", *cal])

@@ -397,11 +397,11 @@ def test_calibration_reads_only_what_it_needs(tmp_path, monkeypatch):
     monkeypatch.setattr(data, "load_texts", lambda ds, max_chars=None: seen.append(max_chars) or real(ds, max_chars))
     monkeypatch.setattr("mxq.hf.models.load_model", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("stop")))
     from mxq.calib.calibrator import CalibrationOptions
-    from mxq.cli import _run_calibration
+    from mxq.cli import run_calibration
     from mxq.recipe import load_recipe
 
     p = tmp_path / "c.txt"
     p.write_text("text " * 1000)
     with pytest.raises(RuntimeError, match="stop"):
-        _run_calibration(None, load_recipe("mxfp8"), CalibrationOptions(dataset=str(p), samples=8, seq_len=128))
+        run_calibration(None, load_recipe("mxfp8"), CalibrationOptions(dataset=str(p), samples=8, seq_len=128))
     assert seen == [data.chars_for_tokens(8 * 128)]

@@ -194,8 +194,10 @@ def collect_statistics(
 
 # --- quantized layer outputs on the sampled rows ----------------------------------------------
 
-def _output_sqnr(lin: nn.Linear, x: torch.Tensor, w: TensorSpec, a: TensorSpec | None, perm=None,
+def output_sqnr(lin: nn.Linear, x: torch.Tensor, w: TensorSpec, a: TensorSpec | None, perm=None,
                  block_size: int = 32) -> float:  # fmt: skip
+    """The layer's output SQNR (dB) on rows ``x`` with its weight as ``w`` and inputs as ``a`` (None:
+    as given), the input channels in order ``perm`` first."""
     x = x.to(lin.weight.device)  # the sampled rows are kept on the host; the model may be on a GPU
     ref = x.float() @ lin.weight.detach().float().t()
     return sqnr_db(ref, quantized_output(x, fake_quant_weight(lin.weight, w, perm, block_size), None, a, perm, block_size))
@@ -286,7 +288,9 @@ def calibrate(
 
 # --- choosing ------------------------------------------------------------------------------------
 
-def _candidates(st: LinearStats, w: torch.Tensor) -> dict[str, torch.Tensor]:
+def channel_orders(st: LinearStats, w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The input-channel orders a reordering may choose, largest first: by the activations' absmax,
+    their RMS, and absmax times the weight column's absmax."""
     wcol = w.detach().float().abs().amax(0).double().cpu()  # beside the host-side statistics
     keys = {"absmax": st.absmax.double(), "rms": st.second_moment.sqrt(), "absmax_x_weight": st.absmax.double() * wcol}
     return {k: torch.argsort(v, descending=True, stable=True) for k, v in keys.items()}
@@ -361,7 +365,7 @@ class _SampledOutputs:
 
     def sqnr(self, name: str, perm: torch.Tensor | None = None, weights: TensorSpec | None = None) -> float:
         w = self.recipe.weights if weights is None else weights
-        return _output_sqnr(self.lins[name], self.rows[name], w, self.recipe.activations, perm, self.recipe.block_size)
+        return output_sqnr(self.lins[name], self.rows[name], w, self.recipe.activations, perm, self.recipe.block_size)
 
 
 @dataclass
@@ -425,7 +429,7 @@ def _choose_producer_orders(cal: Calibration, sampled: _SampledOutputs, direct: 
         leaf, i = n.rsplit(".", 1)[-1], layer_index(n)
         st, w = cal.stats[n], sampled.lins[n].weight
         if leaf == "down_proj":
-            cands = _candidates(st, w)
+            cands = channel_orders(st, w)
         else:
             vc = _v_candidates(st, cal.geometry, w)
             cands = {k: Permutations(v={i: p}).o_cols(i, cal.geometry) for k, p in vc.items()}

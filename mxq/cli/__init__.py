@@ -340,7 +340,7 @@ def _quantize_plan(model: str | None, recipe: str, plan: Path | None, opts: Cali
         return rec, None
     if not opts.dataset:
         raise typer.BadParameter("--calibrate needs --dataset")
-    cplan = _run_calibration(model, rec, opts)
+    cplan = run_calibration(model, rec, opts)
     if plan_out:
         from mxq.calib.plan import save_plan
 
@@ -349,7 +349,7 @@ def _quantize_plan(model: str | None, recipe: str, plan: Path | None, opts: Cali
     return rec, cplan
 
 
-def _run_calibration(model: str | None, rec: Recipe, opts: CalibrationOptions) -> Plan:
+def run_calibration(model: str | None, rec: Recipe, opts: CalibrationOptions) -> Plan:
     """Calibrate ``model`` on ``opts.dataset``, make the plan and round its weights as
     ``opts.rounding`` says; the plan is printed and returned."""
     import torch
@@ -492,7 +492,7 @@ def calibrate_cmd(
 
     opts = _calibration_options(locals())
     resolve_source(model)  # a model reference or config.json that cannot work, before the text is read
-    p = _run_calibration(model, load_recipe(recipe), opts)
+    p = run_calibration(model, load_recipe(recipe), opts)
     save_plan(p, out)
     console.print(f"plan written to {out}")
 
