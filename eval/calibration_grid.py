@@ -46,9 +46,11 @@ VARIANTS = {
     "gptq+keep16": Variant("mxfp8", "gptq", keep_bf16=16),
     "signround": Variant("mxfp8", "signround"),
     "signround+keep8": Variant("mxfp8", "signround", keep_bf16=8),
+    "signround-scales": Variant("mxfp8", "signround-scales"),
     "w8a16 direct": Variant("mxfp8-w8a16", "nearest"),
     "w8a16 signround": Variant("mxfp8-w8a16", "signround"),
     "w8a16 signround+keep8": Variant("mxfp8-w8a16", "signround", keep_bf16=8),
+    "w8a16 signround-scales": Variant("mxfp8-w8a16", "signround-scales"),
     "w8a16 gptq": Variant("mxfp8-w8a16", "gptq"),
     "attn direct": Variant("mxfp8-attn", "nearest"),
     "attn gptq": Variant("mxfp8-attn", "gptq"),
@@ -139,11 +141,11 @@ def main(argv=None) -> int:
             t2 = time.perf_counter()
             round_plan(m, plan, cal.batches, progress=False, quantized_inputs=qin, act_order=rounding == "gptq-actorder")
             t_gptq = time.perf_counter() - t2
-        elif rounding == "signround":  # the "GPTQ s" column then holds signround's time
+        elif rounding.startswith("signround"):  # the "GPTQ s" column then holds signround's time
             from mxq.calib.signround import signround_plan
 
             t2 = time.perf_counter()
-            signround_plan(m, plan, cal.batches, iters=a.iters, lr=a.lr, progress=False)
+            signround_plan(m, plan, cal.batches, iters=a.iters, lr=a.lr, scales=rounding == "signround-scales", progress=False)
             t_gptq = time.perf_counter() - t2
         apply_plan(m, plan)
         row = {"variant": v, "recipe": rname, "rounding": rounding, "keep_bf16": keep, "quantized_inputs": qin,

@@ -36,15 +36,23 @@ def _specs(model, recipe):
             if isinstance(m, nn.Linear)}  # fmt: skip
 
 
+def _wide_range_linear(n: int, k: int, g: torch.Generator, lo: float, hi: float) -> nn.Linear:
+    """A Linear [n, k] whose columns grow from 10^lo to 10^hi in magnitude (blocks of many binades)."""
+    lin = nn.Linear(k, n)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=g) * torch.logspace(lo, hi, k))
+    return lin
+
+
+@pytest.mark.parametrize("scales", [False, True])
 @pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8-w8a16", "mxfp8-e5m2"])
-def test_untuned_layer_is_direct_cast(recipe):
-    """v = 0: the rounded weights are the recipe's direct cast, bit for bit (awkward N, several blocks)."""
+def test_untuned_layer_is_direct_cast(recipe, scales):
+    """v = 0 (and a = 1): the rounded weights are the recipe's direct cast, bit for bit (awkward N,
+    several blocks)."""
     rec = load_recipe(recipe)
     g = torch.Generator().manual_seed(3)
-    lin = nn.Linear(96, 37)
-    with torch.no_grad():
-        lin.weight.copy_(torch.randn(37, 96, generator=g) * torch.logspace(-6, 2, 96))
-    t = TunedLinear(lin, rec.weights, rec.activations, rec.block_size)
+    lin = _wide_range_linear(37, 96, g, -6, 2)
+    t = TunedLinear(lin, rec.weights, rec.activations, rec.block_size, scales=scales)
     want = fake_quantize_mx(lin.weight.detach(), -1, rec.weights.elem, rec.block_size, rec.weights.scale_rule)
     assert torch.equal(t.rounded().detach(), want)
     x = torch.randn(5, 96, generator=g)
@@ -52,14 +60,32 @@ def test_untuned_layer_is_direct_cast(recipe):
     assert torch.allclose(t(x), nn.functional.linear(xq, want, lin.bias), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8-w8a16"])
-def test_tuning_lowers_layer_error_and_keeps_standard_codes(recipe):
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8-e5m2"])
+def test_halved_amax_lowers_every_block_exponent(recipe):
+    """a = 1/2: every block takes the exponent below the recipe's, its largest values clipped to the
+    format's top. Reference: the block clipped to max_normal · 2^(e - 1) first, then direct cast,
+    whose rule then picks that exponent (awkward N, magnitudes over 8 binades)."""
+    rec = load_recipe(recipe)
+    lin = _wide_range_linear(29, 160, torch.Generator().manual_seed(4), -4, 4)
+    t = TunedLinear(lin, rec.weights, rec.activations, rec.block_size, scales=True)
+    with torch.no_grad():
+        t.a.fill_(0.5)
+    w = lin.weight.detach().reshape(29, 5, 32)
+    top = rec.weights.elem.max_normal * t.scale / 2  # the lowered range of each block
+    clipped = torch.maximum(torch.minimum(w, top), -top).reshape(29, 160)
+    want = fake_quantize_mx(clipped, -1, rec.weights.elem, 32, rec.weights.scale_rule)
+    assert torch.equal(t.rounded().detach(), want)
+    assert not torch.equal(want, fake_quantize_mx(lin.weight.detach(), -1, rec.weights.elem, 32, rec.weights.scale_rule))
+
+
+@pytest.mark.parametrize(("recipe", "scales"), [("mxfp8", False), ("mxfp8-w8a16", False), ("mxfp8", True)])
+def test_tuning_lowers_layer_error_and_keeps_standard_codes(recipe, scales):
     model = _llama()
     ref = copy.deepcopy(model)
     g = torch.Generator().manual_seed(10)
     batches = [torch.randint(0, 199, (4, 64), generator=g) for _ in range(4)]
     specs = _specs(model, recipe)
-    res = signround_model(model, batches, specs, iters=40, progress=False)
+    res = signround_model(model, batches, specs, iters=40, scales=scales, progress=False)
     assert len(res.layers) == 2
     for name, (before, after) in res.layers.items():
         assert after < 0.9 * before, (name, before, after)  # measured 0.52-0.74x (seeds 0-2)

@@ -45,7 +45,8 @@ class TunedLinear(nn.Module):
     ``F.linear`` of the (MX-rounded, for W8A8) input with the rounded weights; gradients reach
     ``v`` straight through the rounding."""
 
-    def __init__(self, lin: nn.Linear, weights: TensorSpec, acts: TensorSpec | None, block_size: int):
+    def __init__(self, lin: nn.Linear, weights: TensorSpec, acts: TensorSpec | None, block_size: int,
+                 scales: bool = False):  # fmt: skip
         super().__init__()
         w = lin.weight.detach().float()
         n, k = w.shape
@@ -54,21 +55,47 @@ class TunedLinear(nn.Module):
         blocks = w.reshape(n, k // block_size, block_size)
         e, _ = shared_exponents(blocks, weights.elem, weights.scale_rule)
         self.register_buffer("scale", exp2_f32(e.long()).unsqueeze(-1), persistent=False)
-        y = blocks / self.scale  # exact: a power of two
         elem = weights.elem
-        binade = torch.floor(torch.log2(y.abs().clamp_min(2.0**-126))).clamp_min(1 - elem.bias)
-        self.register_buffer("y", y, persistent=False)
-        self.register_buffer("step", torch.exp2(binade - elem.mbits), persistent=False)
-        self.v = nn.Parameter(torch.zeros_like(y))
+        self.v = nn.Parameter(torch.zeros_like(blocks))
+        # ``scales``: a factor a in [1/2, 1] on each block's amax, the shared exponent the recipe's
+        # rule gives the shrunk amax (so a block may clip its largest values for a finer step)
+        self.a = nn.Parameter(torch.ones_like(self.scale)) if scales else None
+        if scales:  # log2 of amax over the top of the block's current range: in (-1, 0] for RCEIL
+            self.register_buffer("blocks", blocks, persistent=False)
+            amax = blocks.abs().amax(-1, keepdim=True).clamp_min(2.0**-126)
+            self.register_buffer("lg", torch.log2(amax / (self.scale * elem.max_normal)), persistent=False)
+        else:  # the scales stay: the scaled values and their element steps are fixed, worked out once
+            self.register_buffer("y", blocks / self.scale, persistent=False)  # exact: a power of two
+            self.register_buffer("step", self._steps(self.y, elem), persistent=False)
         self.bias = lin.bias
         self.elem, self.acts, self.block_size, self.shape = elem, acts, block_size, (n, k)
 
+    @staticmethod
+    def _steps(y: torch.Tensor, elem) -> torch.Tensor:
+        """The element step at each scaled value: 2^(its binade - mbits), the subnormal step at least."""
+        return torch.exp2(torch.floor(torch.log2(y.abs().clamp_min(2.0**-126))).clamp_min(1 - elem.bias) - elem.mbits)
+
+    def block_scales(self) -> torch.Tensor:
+        """Each block's power of two: the recipe's, or with ``a`` the exponent lowered where the
+        shrunk amax fits a lower one (straight-through in ``a``, as log2 of the scale moves with log2 a)."""
+        if self.a is None:
+            return self.scale
+        lg = self.lg + torch.log2(self.a)
+        shift = torch.ceil(lg.detach()) - torch.ceil(self.lg)  # 0 or -1 with a in [1/2, 1]
+        return self.scale * torch.exp2(shift + (lg - lg.detach()))
+
     def rounded(self) -> torch.Tensor:
-        """The weights as MX values (float32 [N, K]), straight-through in ``v``."""
-        z = self.y + self.v * self.step
+        """The weights as MX values (float32 [N, K]), straight-through in ``v`` (and ``a``). v is
+        measured in the element step of the value it moves (module doc)."""
+        scale = self.block_scales()
+        if self.a is None:
+            z = self.y + self.v * self.step
+        else:
+            y = self.blocks / scale  # exact where the scale is a power of two
+            z = y + self.v * self._steps(y.detach(), self.elem)
         q = z.clamp(-self.elem.max_normal, self.elem.max_normal).to(self.elem.torch_dtype).float()
         z = z + (q - z).detach()
-        return (z * self.scale).reshape(self.shape)
+        return (z * scale).reshape(self.shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.acts is not None:
@@ -111,12 +138,14 @@ def _mse(layer: nn.Module, hidden, extra, targets) -> float:
 
 
 def signround_model(model: nn.Module, batches: list[torch.Tensor], specs: dict[str, tuple[TensorSpec, TensorSpec | None]],
-               *, iters: int = SIGNROUND_ITERS, lr: float = SIGNROUND_LR, block_size: int = 32, progress: bool = True) -> SignRoundResult:  # fmt: skip
+               *, iters: int = SIGNROUND_ITERS, lr: float = SIGNROUND_LR, block_size: int = 32, scales: bool = False,
+               progress: bool = True) -> SignRoundResult:  # fmt: skip
     """Tune the codes of the Linear layers named in ``specs`` (name -> (weights, activations); other
     entries, such as experts modules, are left alone), in place: afterwards ``model`` holds the
     tuned MX values in its own dtype, and direct cast with the same specs reproduces them. The
     decoder layers run in order on ``batches`` (token ids [B, T]) on the model's device, one
-    calibration batch per step, round robin (module doc)."""
+    calibration batch per step, round robin (module doc). ``scales``: each block's shared exponent
+    tuned too (``TunedLinear``)."""
     if iters < 0 or lr <= 0:
         raise ValueError(f"signround_model: iters must be >= 0 and lr > 0, got {iters} and {lr}")
     t0 = time.perf_counter()
@@ -134,7 +163,7 @@ def signround_model(model: nn.Module, batches: list[torch.Tensor], specs: dict[s
             bar.update(task, layer=prefix)
             with torch.no_grad():
                 targets = _outputs(layer, teacher, student.extra)
-            result.layers[prefix] = _tune_layer(layer, prefix, specs, student, targets, iters, lr, block_size)
+            result.layers[prefix] = _tune_layer(layer, prefix, specs, student, targets, iters, lr, block_size, scales)
             with torch.no_grad():
                 hooks = [m.register_forward_pre_hook(_rounded_input(s[1], block_size))
                          for n, m in layer.named_modules() if isinstance(m, nn.Linear)
@@ -158,7 +187,7 @@ def _rounded_input(acts: TensorSpec, block_size: int):
 
 
 def _tune_layer(layer: nn.Module, prefix: str, specs: dict, inputs: LayerInputs, targets: list[torch.Tensor],
-                iters: int, lr: float, block_size: int) -> tuple[float, float]:  # fmt: skip
+                iters: int, lr: float, block_size: int, scales: bool = False) -> tuple[float, float]:  # fmt: skip
     """One decoder layer's Linear layers in ``specs`` tuned together, in float32 (a bf16 layer goes
     back to bf16 after, its tuned values exact there); returns the output error before and after."""
     dtype = next(layer.parameters()).dtype
@@ -169,11 +198,12 @@ def _tune_layer(layer: nn.Module, prefix: str, specs: dict, inputs: LayerInputs,
         for n, m in list(layer.named_modules()):
             spec = specs.get(f"{prefix}.{n}")
             if isinstance(m, nn.Linear) and spec is not None:
-                tuned = TunedLinear(m, spec[0], spec[1], block_size)
+                tuned = TunedLinear(m, spec[0], spec[1], block_size, scales)
                 layer.set_submodule(n, tuned)
                 swapped.append((n, m, tuned))
         before = _mse(layer, hidden, inputs.extra, targets)
-        params = [t.v for _, _, t in swapped]
+        params = [t.v for _, _, t in swapped] + [t.a for _, _, t in swapped if t.a is not None]
+        bounds = [(-0.5, 0.5)] * len(swapped) + [(0.5, 1.0)] * (len(params) - len(swapped))
         frozen = [p for p in layer.parameters() if p.requires_grad and all(p is not q for q in params)]
         for p in frozen:
             p.requires_grad_(False)
@@ -189,8 +219,8 @@ def _tune_layer(layer: nn.Module, prefix: str, specs: dict, inputs: LayerInputs,
                     loss.backward()
                     step = lr * (1.0 - it / iters)
                     with torch.no_grad():
-                        for p in params:
-                            p.sub_(step * p.grad.sign()).clamp_(-0.5, 0.5)
+                        for p, (lo, hi) in zip(params, bounds):
+                            p.sub_(step * p.grad.sign()).clamp_(lo, hi)
         finally:
             for p in frozen:
                 p.requires_grad_(True)
@@ -205,7 +235,7 @@ def _tune_layer(layer: nn.Module, prefix: str, specs: dict, inputs: LayerInputs,
 
 
 def signround_plan(model: nn.Module, plan, batches: list[torch.Tensor], *, iters: int = SIGNROUND_ITERS, lr: float = SIGNROUND_LR,
-                   progress: bool = True):  # fmt: skip
+                   scales: bool = False, progress: bool = True):  # fmt: skip
     """``signround_model`` over the Linear layers a calibration plan quantizes (experts keep direct
     cast); the plan then carries their codes, as ``mxq.calib.gptq.round_plan`` does for GPTQ. ``model``:
     the model the plan was made from (its weights are overwritten with the tuned values; the plan's
@@ -215,7 +245,8 @@ def signround_plan(model: nn.Module, plan, batches: list[torch.Tensor], *, iters
 
     permute_model(model, plan.permutations)
     bs = plan.recipe.block_size
-    res = signround_model(model, batches, dict(plan.quantized), iters=iters, lr=lr, block_size=bs, progress=progress)
+    res = signround_model(model, batches, dict(plan.quantized), iters=iters, lr=lr, block_size=bs, scales=scales,
+                         progress=progress)
     mods = dict(model.named_modules())
     rounded = {}
     for name, (wspec, _act) in plan.quantized.items():
@@ -223,5 +254,5 @@ def signround_plan(model: nn.Module, plan, batches: list[torch.Tensor], *, iters
         rounded[name] = (q.data.cpu(), q.scales.cpu())
     plan.rounded = rounded
     plan.choices["rounding"] = "signround"
-    plan.choices["signround"] = {**res.summary(), "error_basis": "each decoder layer's output on the calibration tokens"}
+    plan.choices["signround"] = {**res.summary(), "scales": scales, "error_basis": "each decoder layer's output on the calibration tokens"}
     return plan
