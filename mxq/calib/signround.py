@@ -13,7 +13,9 @@ the step of the value it perturbs (``2^(floor(log2|y|) - mbits)``, at least the 
 and the shared scale of every 1x32 block stays the one the recipe's rule gives the starting
 weights. Every tuned value is therefore an element code times the block's power of two, and direct
 cast with the same recipe reproduces the tuned codes bit for bit, as for GPTQ: the checkpoint is
-the standard one, only the codes differ.
+the standard one, only the codes differ. With ``scales`` a block may instead take the exponent below
+(a tuned factor on its amax, ``TunedLinear``); its values are then clipped to that range, and the
+recipe's rule gives that exponent back, so direct cast still reproduces them.
 
 The layers run in order. Layer i's student inputs are the outputs of layers < i as already tuned
 (with MX-rounded activations for W8A8); its target is the unquantized layer's output on the
