@@ -477,27 +477,29 @@ def union_length(intervals) -> float:
     return busy + ((end - start) if end is not None else 0.0)
 
 
-def profile_steps(gen, new_tokens: int) -> dict:
-    """Where a decode step of ``gen(n)`` (a generate call of n new tokens) goes, from two profiled
-    calls (n = 1 and n = 1 + new_tokens; their difference is decoding alone): wall ms per step,
-    device-busy ms per step (the union of kernel and copy intervals), kernels per step, and the
-    kernels by time per step. Wall minus busy is the time the device waits for the host."""
+def profile_steps(gen, new_tokens: int, reps: int = 3) -> dict:
+    """Where a decode step of ``gen(n)`` (a generate call of n new tokens) goes, from profiled calls
+    of n = 1 and n = 1 + new_tokens (their difference is decoding alone), ``reps`` alternated calls
+    of each: wall ms per step (from the median wall of each length), device-busy ms per step (the
+    union of kernel and copy intervals), kernels per step, and the kernels by time per step (from
+    the last call of each length). Wall minus busy is the time the device waits for the host."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    stats = {}
-    for n in (1, 1 + new_tokens):
-        with profile(activities=acts) as prof:
-            wall = gen(n)
-        ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        busy = union_length([(e.time_range.start, e.time_range.end) for e in ev])
-        kernels = {}
-        for e in ev:
-            if not e.name.startswith(("Memcpy", "Memset")):
-                c = kernels.setdefault(e.name[:100], [0, 0.0])
-                c[0] += 1
-                c[1] += e.time_range.elapsed_us()
-        stats[n] = dict(wall_ms=1e3 * wall, busy_ms=busy / 1e3, kernels=kernels)
+    stats, walls = {}, {1: [], 1 + new_tokens: []}
+    for _ in range(max(1, reps)):
+        for n in walls:
+            with profile(activities=acts) as prof:
+                walls[n].append(gen(n))
+            ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            busy = union_length([(e.time_range.start, e.time_range.end) for e in ev])
+            kernels = {}
+            for e in ev:
+                if not e.name.startswith(("Memcpy", "Memset")):
+                    c = kernels.setdefault(e.name[:100], [0, 0.0])
+                    c[0] += 1
+                    c[1] += e.time_range.elapsed_us()
+            stats[n] = dict(wall_ms=1e3 * statistics.median(walls[n]), busy_ms=busy / 1e3, kernels=kernels)
     a, b = stats[1], stats[1 + new_tokens]
     per = {k: [(c - a["kernels"].get(k, [0, 0.0])[0]) / new_tokens, (us - a["kernels"].get(k, [0, 0.0])[1]) / new_tokens]
            for k, (c, us) in b["kernels"].items()}  # fmt: skip
@@ -539,7 +541,7 @@ def bench_generate_static(model, batch: int, prompt_len: int, new_tokens: int, p
     out = dict(batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, decode_s=dt, setup_s=setup_s,
                tokens_per_s=batch * new_tokens / dt, ms_per_step=1e3 * dt / new_tokens, peak_bytes=_peak(device))  # fmt: skip
     if profile:
-        out["profile"] = profile_steps(gen, min(new_tokens, 32))
+        out["profile"] = profile_steps(gen, min(new_tokens, 32), reps=reps)
     return out
 
 

@@ -4,7 +4,8 @@
   names joined by commas; ``mxq.kernels.registry.default_kernels``). Read at each call.
 - ``MXQ_CACHE``: the folder of mxq's caches, else ``$XDG_CACHE_HOME/mxq``, else ``~/.cache/mxq``:
   ``tune.json`` (``mxq tune``'s decode tiles), ``cpu/`` (the compiled CPU kernels), ``ppl/`` (the
-  eval harness's results). ``off`` (or ``none``, ``0``, ``false``, ``no``): tuned tiles are not read, results are not
+  eval harness's results), ``gguf/`` (GGUF models, the embedded default among them, saved as
+  transformers dequantizes them: later loads skip the slow GGUF parse). ``off`` (or ``none``, ``0``, ``false``, ``no``): tuned tiles are not read, results are not
   cached, and the CPU kernels are built in a temporary folder of the process.
 - ``MXQ_CPU_KERNELS=0``: no compiled C kernels on the CPU (the torch reference, slower).
 - ``MXQ_DEBUG``: developer switches, comma-separated: ``launch-check`` (every direct kernel launch

@@ -1,6 +1,7 @@
 """A test's own mxq cache folder (``MXQ_CACHE``): tuned tiles and perplexity results start empty,
-and the compiled CPU kernels are shared with the machine's cache folder, so they are built once per
-machine, not once per test (about 2-5 s each on the 2-core CPU)."""
+and the compiled CPU kernels and the saved GGUF models are shared with the machine's cache folder,
+so they are built once per machine, not once per test (about 2-5 s each for a CPU kernel on the
+2-core CPU, ~40 s for the embedded default model and its tokenizer)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from mxq import settings
 
 
 def own_cache(root: Path) -> Path:
-    shared = settings.cache_dir("cpu", ignore_off=True)  # before the test sets MXQ_CACHE
-    shared.mkdir(parents=True, exist_ok=True)
     root.mkdir(parents=True, exist_ok=True)
-    if not (root / "cpu").exists():
-        (root / "cpu").symlink_to(shared, target_is_directory=True)
+    for kind in ("cpu", "gguf"):
+        shared = settings.cache_dir(kind, ignore_off=True)  # before the test sets MXQ_CACHE
+        shared.mkdir(parents=True, exist_ok=True)
+        if not (root / kind).exists():
+            (root / kind).symlink_to(shared, target_is_directory=True)
     return root

@@ -7,6 +7,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist the workers share the machine's cores: one worker's torch threads would
+# otherwise contend with the other's.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 def _repair_interpreter_scalar_masks() -> None:
     """Triton 3.9's interpreter types a scalar comparison by its operands (an int32 handle holding

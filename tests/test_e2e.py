@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 
 import pytest
 import torch
@@ -258,7 +259,8 @@ def test_bench_e2e_cpu_smoke(tmp_path):
     part = json.loads(parts[0].read_text())
     assert "summary" not in part
     prof = part["bf16"]["decode"][0]["profile"]  # on a CPU: no device intervals, host time only
-    assert prof["wall_ms_per_step"] > 0 and prof["busy_ms_per_step"] == 0 and prof["kernels_per_step"] == 0
+    # (a difference of two short timings: its sign is not asserted, a busy CPU can flip it)
+    assert math.isfinite(prof["wall_ms_per_step"]) and prof["busy_ms_per_step"] == 0 and prof["kernels_per_step"] == 0
     assert bench_e2e.main([*common, "--roles", "mxfp8,bf16-grouped", "--out", str(parts[1])]) == 0
     out = tmp_path / "e2e.json"
     assert bench_e2e.main(["--merge", *map(str, parts), "--out", str(out)]) == 0

@@ -236,8 +236,8 @@ def test_a_quantized_models_decode_steps_take_the_kernel(monkeypatch):
     ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(1)).to(DEV)
     calls = _watch_decode_calls(monkeypatch)
 
-    def steps(kernels):
-        return _static_steps(model, ids, kernels)
+    def steps(kernels):  # the linear layers on torch: the interpreter is slow
+        return _static_steps(model, ids, f"{kernels},reference")
 
     with monkeypatch.context() as m:  # what ran before the kernel: the grouped SDPA
         m.setattr(F, "DECODE_KERNEL", False)

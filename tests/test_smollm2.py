@@ -70,6 +70,41 @@ def test_logits_equal_independent_fake_quant(quantized, text_ids):
     assert abs(ratio - 0.515625) < 1e-9
 
 
+def test_the_saved_gguf_model_is_the_gguf_model(tmp_path, monkeypatch):
+    """The embedded default is saved to mxq's cache as transformers dequantizes it: the next load
+    reads the saved entry and gets the same weights, logits and tokenizer (ids and chat template)
+    as the GGUF file; an entry that does not fill every parameter is not used, and is rewritten."""
+    from safetensors.torch import save_file
+
+    from mxq.hf.models import load_model, resolve_source
+
+    monkeypatch.setenv("MXQ_CACHE", str(tmp_path))
+    ref, ref_tok = load_model("default")  # an empty cache: transformers reads the GGUF file; saved
+    (entry,) = (tmp_path / "gguf").iterdir()
+    assert sorted(p.name for p in entry.iterdir()) == ["bfloat16", "tokenizer"]
+    assert ref.name_or_path == resolve_source("default").path == ref_tok.name_or_path
+    model, tok = load_model("default")  # from the entry
+    assert Path(model.name_or_path) == entry / "bfloat16" and Path(tok.name_or_path) == entry / "tokenizer"
+    want = ref.state_dict()
+    assert sorted(model.state_dict()) == sorted(want)
+    assert all(torch.equal(t, want[k]) for k, t in model.state_dict().items())
+    text = WIKITEXT.read_text()[:3000] if WIKITEXT.is_file() else "Café déjà vu: 12 + 30 = 42. " * 20
+    ids = ref_tok(text, return_tensors="pt").input_ids[:, :64]
+    assert torch.equal(tok(text, return_tensors="pt").input_ids[:, :64], ids)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    assert tok.apply_chat_template(chat, add_generation_prompt=True) == ref_tok.apply_chat_template(chat, add_generation_prompt=True)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+
+    # an entry missing a tensor: not used (the GGUF file is read again) and written anew
+    save_file({"model.norm.weight": want["model.norm.weight"].clone()}, str(entry / "bfloat16" / "model.safetensors"))
+    again, _ = load_model("default", tokenizer=False)
+    assert Path(again.name_or_path) != entry / "bfloat16"
+    assert all(torch.equal(t, want[k]) for k, t in again.state_dict().items())
+    healed, _ = load_model("default", tokenizer=False)
+    assert Path(healed.name_or_path) == entry / "bfloat16"
+
+
 def test_greedy_generation_stays_sensible(quantized):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -14,7 +14,13 @@ import torch
 
 from mxq.checkpoint.config import read_config
 from mxq.checkpoint.files import DTYPE_NAMES, TensorInfo, read_index, read_tensor
-from mxq.hf.models import ModelSource, ModelSourceError, check_config, resolve_source
+from mxq.hf.models import (
+    ModelSource,
+    ModelSourceError,
+    check_config,
+    load_gguf_model,
+    resolve_source,
+)
 from mxq.progress import stage
 
 __all__ = ["ConversionError", "TensorSource", "open_source", "error_line"]
@@ -76,12 +82,12 @@ def _open_dir(path: Path) -> TensorSource:
 
 
 def _open_gguf(src: ModelSource) -> TensorSource:
-    from transformers import AutoModelForCausalLM
-
     # GGUF weights are block-quantized in their own formats: transformers dequantizes the
     # whole file, so this source holds the model in memory (small models only).
-    model = AutoModelForCausalLM.from_pretrained(src.path, gguf_file=src.gguf_file, dtype=torch.bfloat16,
-                                                 trust_remote_code=False)
+    try:
+        model = load_gguf_model(src, torch.bfloat16)
+    except ModelSourceError as e:
+        raise ConversionError(str(e)) from None
     out = TensorSource.from_model(model)
     out.gguf, out.label = src, src.display
     return out

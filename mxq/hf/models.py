@@ -128,7 +128,108 @@ def load_tokenizer(source: ModelSource | str | None):
     from transformers import AutoTokenizer
 
     src = source if isinstance(source, ModelSource) else resolve_source(source)
+    if src.kind == "gguf":
+        d = _gguf_cache(src)
+        if d is not None and (d / "tokenizer" / _DONE).is_file():
+            return AutoTokenizer.from_pretrained(d / "tokenizer", trust_remote_code=False)
+        tok = AutoTokenizer.from_pretrained(src.path, **src.hf_kwargs)
+        if d is not None:
+            _publish(d / "tokenizer", tok.save_pretrained)
+        return tok
     return AutoTokenizer.from_pretrained(src.path, **src.hf_kwargs)
+
+
+# A GGUF file as a Hugging Face directory in mxq's cache (``gguf/`` in ``MXQ_CACHE``). Reading GGUF
+# parses every metadata field in Python: the embedded default takes ~20 s on a 2-core CPU, and as
+# long again for its tokenizer. The model transformers builds from it (at the dtype asked for) and
+# the tokenizer are saved once, as safetensors and JSON, and later loads read those (about a second).
+# The key holds the file's resolved path, size and modification time, and transformers' version (its
+# GGUF conversion can change between releases). Each entry is written to a temporary folder and
+# renamed into place, with a marker file written last; an entry without its marker is not read.
+_DONE = "mxq-complete"
+
+
+def _gguf_cache(src: ModelSource) -> Path | None:
+    import hashlib
+
+    import transformers
+
+    from mxq.settings import cache_dir
+
+    root = cache_dir("gguf")
+    if root is None:
+        return None
+    f = Path(src.path, str(src.gguf_file)).resolve()
+    try:
+        st = f.stat()
+    except OSError:
+        return None
+    key = f"{f}\0{st.st_size}\0{st.st_mtime_ns}\0{transformers.__version__}"
+    return root / f"{f.stem[:40]}-{hashlib.sha256(key.encode('utf-8', 'surrogatepass')).hexdigest()[:16]}"
+
+
+def _publish(dest: Path, save) -> None:
+    """``save(folder)`` into a temporary folder beside ``dest``, then rename it to ``dest``. A cache
+    that cannot be written (read-only, full, another process first) leaves the load as it was."""
+    import shutil
+    import tempfile
+
+    tmp = None
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+        save(tmp)
+        (tmp / _DONE).write_text("")
+        if dest.exists():  # an entry without its marker: an earlier write that did not finish
+            shutil.rmtree(dest, ignore_errors=True)
+        os.rename(tmp, dest)
+        tmp = None
+    except (OSError, ValueError, RuntimeError):
+        pass
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_gguf_model(src: ModelSource, dtype: torch.dtype):
+    """The causal LM of a GGUF source as transformers dequantizes it at ``dtype``, from mxq's cache
+    of it where one was saved (module-level note above ``_gguf_cache``), else from the file (then
+    saved). A cached entry must fill every parameter of the model it builds; one that does not is
+    not used."""
+    from transformers import AutoModelForCausalLM
+
+    d = _gguf_cache(src)
+    entry = None if d is None else d / str(dtype).removeprefix("torch.")
+    if entry is not None and (entry / _DONE).is_file():
+        try:
+            model, info = AutoModelForCausalLM.from_pretrained(entry, dtype=dtype, trust_remote_code=False,
+                                                               output_loading_info=True)  # fmt: skip
+        except (OSError, ValueError):
+            model, info = None, None
+        if model is not None and not any(info.get(k) for k in ("missing_keys", "mismatched_keys", "unexpected_keys")):
+            return model
+    try:
+        model = AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype, **src.hf_kwargs)
+    except OSError as e:
+        raise ModelSourceError(f"{src.display}: cannot load model ({_first_line(e)})") from e
+    if entry is not None:
+        _publish(entry, lambda d: _save_plain(model, d))
+    return model
+
+
+def _save_plain(model, folder: Path) -> None:
+    """A model transformers built from GGUF as a plain directory: ``save_pretrained`` refuses one
+    (it is marked as GGUF-quantized, though its weights are dequantized)."""
+    import json
+
+    from safetensors.torch import save_model
+
+    cfg = model.config.to_dict()
+    cfg.pop("quantization_config", None)
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
+    save_model(model, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
 def load_model(
@@ -154,10 +255,13 @@ def load_model(
     if mx_format(src) != "none":  # every MXFP8 layout mxq reads runs on mxq's layers and kernels, checked
         model = mxq.hf.quantizer.load(src.path, device=device, dtype=dtype, kernels=kernels, fuse=fuse)
         return model, (load_tokenizer(src) if tokenizer else None)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype, **src.hf_kwargs)
-    except OSError as e:
-        raise ModelSourceError(f"{src.display}: cannot load model ({_first_line(e)})") from e
+    if src.kind == "gguf":
+        model = load_gguf_model(src, dtype)
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype, **src.hf_kwargs)
+        except OSError as e:
+            raise ModelSourceError(f"{src.display}: cannot load model ({_first_line(e)})") from e
     if not fuse:
         from mxq.runtime.fuse import unfuse
 
