@@ -78,7 +78,7 @@ _TOP_KEYS = {"name", "description", "block_size", "weights", "activations", "inc
 _SPEC_KEYS = {"elem", "scale_rule"}
 _WEIGHT_KEYS = _SPEC_KEYS | {"rounding"}
 _ACT_KEYS = _SPEC_KEYS | {"dynamic"}
-ROUNDINGS = ("nearest", "gptq", "signround")
+ROUNDINGS = ("nearest", "gptq", "signround", "signround-scales")
 
 
 def _matches_any(name: str, patterns: tuple[str, ...]) -> bool:
@@ -144,7 +144,7 @@ def parse_recipe(data: object, where: str = "<recipe>") -> Recipe:
     rounding = data["weights"].get("rounding", "nearest")
     if rounding not in ROUNDINGS:
         raise RecipeError(f"{where}: weights.rounding: expected one of {', '.join(ROUNDINGS)}, got {rounding!r}"[:300])
-    if rounding in ("gptq", "signround") and weights.scale_rule not in (ScaleRule.RCEIL, ScaleRule.MSE):
+    if rounding != "nearest" and weights.scale_rule not in (ScaleRule.RCEIL, ScaleRule.MSE):
         raise RecipeError(f"{where}: weights.rounding: {rounding} takes scale_rule rceil or mse, got {weights.scale_rule.value!r}")
     acts = _spec(data.get("activations"), where, "activations", _ACT_KEYS)
     if acts is not None and data["activations"].get("dynamic", True) is not True:

@@ -113,15 +113,17 @@ def test_tune_rejects_bad_options():
 
 
 
-def test_cli_quantize_with_signround(model_dir, tmp_path):  # noqa: F811
-    """``mxq quantize --calibrate --rounding signround``: the checkpoint holds the tuned codes,
-    loads through mxq and records what was tuned."""
+@pytest.mark.parametrize("rounding", ["signround", "signround-scales"])
+def test_cli_quantize_with_signround(model_dir, tmp_path, rounding):  # noqa: F811
+    """``mxq quantize --calibrate --rounding signround`` (or ``signround-scales``): the checkpoint
+    holds the tuned codes, loads through mxq and records what was tuned."""
     src, text = str(model_dir / "src"), str(model_dir / "text.txt")
     cal = ["--dataset", text, "--samples", "4", "--seq-len", "32", "--sensitivity-seq-len", "16"]
-    rc, err = run_cli(["quantize", src, str(tmp_path / "s"), "--calibrate", *cal, "--rounding", "signround", "--iters", "7"])
+    rc, err = run_cli(["quantize", src, str(tmp_path / "s"), "--calibrate", *cal, "--rounding", rounding, "--iters", "7"])
     assert rc == 0, err
     choices = json.loads((tmp_path / "s" / "config.json").read_text())["quantization_config"]["calibration"]["choices"]
-    assert choices["rounding"] == "signround" and choices["signround"]["iters"] == 7
+    assert choices["rounding"] == rounding and choices["signround"]["iters"] == 7
+    assert choices["signround"]["scales"] == (rounding == "signround-scales")
     assert choices["signround"]["output_mse_sum_after"] < choices["signround"]["output_mse_sum_before"]
     m = mxq.load(str(tmp_path / "s"))
     with torch.no_grad():
@@ -129,8 +131,8 @@ def test_cli_quantize_with_signround(model_dir, tmp_path):  # noqa: F811
 
 
 @pytest.mark.parametrize("args,msg", [
-    (["--calibrate", "--rounding", "signround", "--iters", "0"], "--iters 0: a number of steps >= 1, with --rounding signround"),
-    (["--calibrate", "--iters", "5"], "--iters 5: a number of steps >= 1, with --rounding signround"),  # GPTQ, the default
+    (["--calibrate", "--rounding", "signround", "--iters", "0"], "--iters 0: a number of steps >= 1, with --rounding signround or signround-scales"),
+    (["--calibrate", "--iters", "5"], "--iters 5: a number of steps >= 1, with --rounding signround or signround-scales"),  # GPTQ, the default
     (["--iters", "5"], "--iters and --experts-all-tokens go with --calibrate"),
 ])  # fmt: skip
 def test_cli_iters_goes_with_signround(model_dir, tmp_path, args, msg):  # noqa: F811

@@ -255,6 +255,6 @@ def signround_plan(model: nn.Module, plan, batches: list[torch.Tensor], *, iters
         q = quantize_mx(mods[name].weight.detach(), -1, wspec.elem, bs, wspec.scale_rule)
         rounded[name] = (q.data.cpu(), q.scales.cpu())
     plan.rounded = rounded
-    plan.choices["rounding"] = "signround"
+    plan.choices["rounding"] = "signround-scales" if scales else "signround"
     plan.choices["signround"] = {**res.summary(), "scales": scales, "error_basis": "each decoder layer's output on the calibration tokens"}
     return plan

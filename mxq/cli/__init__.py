@@ -66,7 +66,7 @@ ScaleSearch = Annotated[bool, typer.Option(
 SensSamples = Annotated[int, typer.Option("--sensitivity-samples", help="Windows for the per-layer KL.")]
 SensSeqLen = Annotated[int, typer.Option("--sensitivity-seq-len", help="Tokens per KL window.")]
 DATASET_HELP = "Calibration text: wikitext2, pydoc, or a .txt/.jsonl/.parquet file."
-Rounding = Annotated[str, typer.Option("--rounding", help="Weight codes: gptq, signround (each layer's codes tuned against its output) or nearest (direct cast).")]
+Rounding = Annotated[str, typer.Option("--rounding", help="Weight codes: gptq, signround (each layer's codes tuned against its output), signround-scales (its block scales tuned too) or nearest (direct cast).")]
 Iters = Annotated[int | None, typer.Option(
     "--iters", show_default=False, help="signround: signed steps per layer (default 50; more: closer, slower).")]
 ExpertsAllTokens = Annotated[bool, typer.Option(
@@ -383,10 +383,10 @@ def run_calibration(model: str | None, rec: Recipe, opts: CalibrationOptions) ->
         from mxq.calib.gptq import round_plan
 
         round_plan(m, p, cal.batches, experts_all_tokens=opts.experts_all_tokens)
-    elif opts.rounding == "signround":
+    elif opts.rounding in ("signround", "signround-scales"):
         from mxq.calib.signround import SIGNROUND_ITERS, signround_plan
 
-        signround_plan(m, p, cal.batches, iters=opts.iters or SIGNROUND_ITERS)
+        signround_plan(m, p, cal.batches, iters=opts.iters or SIGNROUND_ITERS, scales=opts.rounding == "signround-scales")
     else:
         p.choices["rounding"] = "nearest"
     _print_plan(p)
@@ -404,12 +404,12 @@ def _checked_calibration(opts: CalibrationOptions, rec: Recipe) -> CalibrationOp
         raise typer.BadParameter("--keep-bf16, --max-dppl and --keep-bytes must not be negative")
     if opts.rounding not in ROUNDINGS:
         raise typer.BadParameter(f"--rounding {opts.rounding!r}: expected one of {', '.join(ROUNDINGS)}")
-    if opts.rounding in ("gptq", "signround") and rec.weights.scale_rule.value not in ("rceil", "mse"):
+    if opts.rounding != "nearest" and rec.weights.scale_rule.value not in ("rceil", "mse"):
         raise typer.BadParameter(f"--rounding {opts.rounding}: recipe {rec.name!r} uses scale_rule {rec.weights.scale_rule.value!r}; {opts.rounding} takes rceil or mse (or pass --rounding nearest)")
     if opts.experts_all_tokens and opts.rounding != "gptq":
         raise typer.BadParameter("--experts-all-tokens goes with --rounding gptq")
-    if opts.iters is not None and (opts.rounding != "signround" or opts.iters < 1):
-        raise typer.BadParameter(f"--iters {opts.iters}: a number of steps >= 1, with --rounding signround")
+    if opts.iters is not None and (not opts.rounding.startswith("signround") or opts.iters < 1):
+        raise typer.BadParameter(f"--iters {opts.iters}: a number of steps >= 1, with --rounding signround or signround-scales")
     if opts.keep_bytes is None and not opts.keep_bf16 and opts.max_dppl is None:
         return dataclasses.replace(opts, keep_bytes=KEEP_BYTES_DEFAULT)
     return opts
