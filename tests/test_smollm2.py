@@ -4,6 +4,7 @@ independent fake-quant forward of the original GGUF model on real WikiText-2 tex
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -76,7 +77,7 @@ def test_the_saved_gguf_model_is_the_gguf_model(tmp_path, monkeypatch):
     as the GGUF file; an entry that does not fill every parameter is not used, and is rewritten."""
     from safetensors.torch import save_file
 
-    from mxq.hf.models import load_model, resolve_source
+    from mxq.hf.models import load_model, load_tokenizer, resolve_source
 
     monkeypatch.setenv("MXQ_CACHE", str(tmp_path))
     ref, ref_tok = load_model("default")  # an empty cache: transformers reads the GGUF file; saved
@@ -103,6 +104,10 @@ def test_the_saved_gguf_model_is_the_gguf_model(tmp_path, monkeypatch):
     assert all(torch.equal(t, want[k]) for k, t in again.state_dict().items())
     healed, _ = load_model("default", tokenizer=False)
     assert Path(healed.name_or_path) == entry / "bfloat16"
+    # a tokenizer entry that does not parse: the file's tokenizer, and the entry written anew
+    (entry / "tokenizer" / "tokenizer.json").write_text("{not json")
+    assert load_tokenizer("default")(text).input_ids[:64] == ids[0].tolist()
+    assert json.loads((entry / "tokenizer" / "tokenizer.json").read_text())
 
 
 def test_greedy_generation_stays_sensible(quantized):

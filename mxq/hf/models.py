@@ -131,7 +131,12 @@ def load_tokenizer(source: ModelSource | str | None):
     if src.kind == "gguf":
         d = _gguf_cache(src)
         if d is not None and (d / "tokenizer" / _DONE).is_file():
-            return AutoTokenizer.from_pretrained(d / "tokenizer", trust_remote_code=False)
+            try:
+                return AutoTokenizer.from_pretrained(d / "tokenizer", trust_remote_code=False)
+            except Exception:  # noqa: BLE001 - a damaged entry, whatever the reader raises: read the file
+                import shutil
+
+                shutil.rmtree(d / "tokenizer", ignore_errors=True)
         tok = AutoTokenizer.from_pretrained(src.path, **src.hf_kwargs)
         if d is not None:
             _publish(d / "tokenizer", tok.save_pretrained)
@@ -180,9 +185,9 @@ def _publish(dest: Path, save) -> None:
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
         save(tmp)
         (tmp / _DONE).write_text("")
-        if dest.exists():  # an entry without its marker: an earlier write that did not finish
+        if dest.exists() and not (dest / _DONE).is_file():  # an earlier write that did not finish
             shutil.rmtree(dest, ignore_errors=True)
-        os.rename(tmp, dest)
+        os.rename(tmp, dest)  # fails where another process has just written it: theirs is kept
         tmp = None
     except (OSError, ValueError, RuntimeError):
         pass
@@ -204,10 +209,13 @@ def load_gguf_model(src: ModelSource, dtype: torch.dtype):
         try:
             model, info = AutoModelForCausalLM.from_pretrained(entry, dtype=dtype, trust_remote_code=False,
                                                                output_loading_info=True)  # fmt: skip
-        except (OSError, ValueError):
+        except Exception:  # noqa: BLE001 - a damaged entry, whatever the reader raises: read the file
             model, info = None, None
         if model is not None and not any(info.get(k) for k in ("missing_keys", "mismatched_keys", "unexpected_keys")):
             return model
+        import shutil
+
+        shutil.rmtree(entry, ignore_errors=True)  # damaged: written anew below
     try:
         model = AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype, **src.hf_kwargs)
     except OSError as e:
