@@ -81,11 +81,16 @@ LAUNCH = [sys.executable, "-m", "mxq_launch"]  # what the `mxq` console script r
 NOISE = ("Converting and de-quantizing", "Loading weights", "it/s]", "Ignoring clean_up_tokenization_spaces")
 
 
+# no saved copy of the GGUF model (mxq's cache): the file is read, with transformers' progress bar
+READ_THE_GGUF = {"MXQ_CACHE": "off"}
+
+
 class _Running:
     """A command whose stderr is read as it comes (a pipe: mxq writes plain progress lines)."""
 
-    def __init__(self, cmd, cwd=None):
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=cwd)
+    def __init__(self, cmd, cwd=None, env=None):
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=cwd,
+                                     env=None if env is None else {**os.environ, **env})  # fmt: skip
         self.chunks: list[str] = []
         self.reader = threading.Thread(target=lambda: self.chunks.extend(iter(lambda: self.proc.stderr.read(1), "")),
                                        daemon=True)  # fmt: skip
@@ -117,7 +122,7 @@ def test_ctrl_c_exits_130_with_one_line_and_leaves_nothing(tmp_path, sig, status
     line says so, no traceback, and neither OUT nor a temporary directory beside it remains. What
     came before on stderr is mxq's own progress lines only (the libraries' bars are off)."""
     out = tmp_path / "out"
-    run = _Running(LAUNCH + ["quantize", "default", str(out)])
+    run = _Running(LAUNCH + ["quantize", "default", str(out)], env=READ_THE_GGUF)
     run.wait_for("mxq quantize: converting 0/")
     rc, err = run.interrupt(getattr(signal, sig))
     lines = err.strip().splitlines()
@@ -133,7 +138,7 @@ def test_verbose_brings_the_libraries_output_back(tmp_path):
     """`mxq --verbose`: transformers' own bar for reading the GGUF file is back (the test above
     shows it gone without the flag); Ctrl-C in the middle of it still ends in the one line."""
     out = tmp_path / "out"
-    run = _Running(LAUNCH + ["--verbose", "quantize", "default", str(out)])
+    run = _Running(LAUNCH + ["--verbose", "quantize", "default", str(out)], env=READ_THE_GGUF)
     run.wait_for("Converting and de-quantizing GGUF tensors")
     rc, err = run.interrupt()
     assert rc == 130 and err.rstrip().endswith("mxq: interrupted") and "Traceback" not in err, err[-1500:]

@@ -157,8 +157,7 @@ _DONE = "mxq-complete"
 def _gguf_cache(src: ModelSource) -> Path | None:
     import hashlib
 
-    import transformers
-
+    from mxq.compat import installed
     from mxq.settings import cache_dir
 
     root = cache_dir("gguf")
@@ -169,7 +168,7 @@ def _gguf_cache(src: ModelSource) -> Path | None:
         st = f.stat()
     except OSError:
         return None
-    key = f"{f}\0{st.st_size}\0{st.st_mtime_ns}\0{transformers.__version__}"
+    key = f"{f}\0{st.st_size}\0{st.st_mtime_ns}\0{installed('transformers')}"
     return root / f"{f.stem[:40]}-{hashlib.sha256(key.encode('utf-8', 'surrogatepass')).hexdigest()[:16]}"
 
 
