@@ -1,7 +1,6 @@
 """A test's own mxq cache folder (``MXQ_CACHE``): tuned tiles and perplexity results start empty,
 and the compiled CPU kernels and the saved GGUF models are shared with the machine's cache folder,
-so they are built once per machine, not once per test (about 2-5 s each for a CPU kernel on the
-2-core CPU, ~40 s for the embedded default model and its tokenizer)."""
+so they are built once per machine, not once per test (the README says what each costs)."""
 
 from __future__ import annotations
 

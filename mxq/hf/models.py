@@ -145,9 +145,9 @@ def load_tokenizer(source: ModelSource | str | None):
 
 
 # A GGUF file as a Hugging Face directory in mxq's cache (``gguf/`` in ``MXQ_CACHE``). Reading GGUF
-# parses every metadata field in Python: the embedded default takes ~20 s on a 2-core CPU, and as
-# long again for its tokenizer. The model transformers builds from it (at the dtype asked for) and
-# the tokenizer are saved once, as safetensors and JSON, and later loads read those (about a second).
+# parses every metadata field in Python, once for the model and again for its tokenizer (README,
+# "MXQ_CACHE", for the time it takes). The model transformers builds from it (at the dtype asked for)
+# and the tokenizer are saved once, as safetensors and JSON, and later loads read those.
 # The key holds the file's resolved path, size and modification time, and transformers' version (its
 # GGUF conversion can change between releases). Each entry is written to a temporary folder and
 # renamed into place, with a marker file written last; an entry without its marker is not read.
