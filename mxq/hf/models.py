@@ -128,19 +128,12 @@ def load_tokenizer(source: ModelSource | str | None):
     from transformers import AutoTokenizer
 
     src = source if isinstance(source, ModelSource) else resolve_source(source)
-    if src.kind == "gguf":
+    if src.kind == "gguf":  # read through mxq's saved copy (below)
         d = _gguf_cache(src)
-        if d is not None and (d / "tokenizer" / _DONE).is_file():
-            try:
-                return AutoTokenizer.from_pretrained(d / "tokenizer", trust_remote_code=False)
-            except Exception:  # noqa: BLE001 - a damaged entry, whatever the reader raises: read the file
-                import shutil
-
-                shutil.rmtree(d / "tokenizer", ignore_errors=True)
-        tok = AutoTokenizer.from_pretrained(src.path, **src.hf_kwargs)
-        if d is not None:
-            _publish(d / "tokenizer", tok.save_pretrained)
-        return tok
+        return _through_cache(None if d is None else d / "tokenizer",
+                              lambda e: AutoTokenizer.from_pretrained(e, trust_remote_code=False),
+                              lambda: AutoTokenizer.from_pretrained(src.path, **src.hf_kwargs),
+                              lambda tok, folder: tok.save_pretrained(folder))  # fmt: skip
     return AutoTokenizer.from_pretrained(src.path, **src.hf_kwargs)
 
 
@@ -195,33 +188,50 @@ def _publish(dest: Path, save) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def load_gguf_model(src: ModelSource, dtype: torch.dtype):
-    """The causal LM of a GGUF source as transformers dequantizes it at ``dtype``, from mxq's cache
-    of it where one was saved (module-level note above ``_gguf_cache``), else from the file (then
-    saved). A cached entry must fill every parameter of the model it builds; one that does not is
-    not used."""
-    from transformers import AutoModelForCausalLM
+def _through_cache(entry: Path | None, read_entry, read_file, save):
+    """``read_entry(entry)`` where the entry is complete and reads (returns not None), else
+    ``read_file()``, saved with ``save(value, folder)`` through ``_publish``. An entry that does not
+    read, whatever its reader raises, is removed and written anew."""
+    import shutil
 
-    d = _gguf_cache(src)
-    entry = None if d is None else d / str(dtype).removeprefix("torch.")
     if entry is not None and (entry / _DONE).is_file():
         try:
-            model, info = AutoModelForCausalLM.from_pretrained(entry, dtype=dtype, trust_remote_code=False,
-                                                               output_loading_info=True)  # fmt: skip
+            got = read_entry(entry)
         except Exception:  # noqa: BLE001 - a damaged entry, whatever the reader raises: read the file
-            model, info = None, None
-        if model is not None and not any(info.get(k) for k in ("missing_keys", "mismatched_keys", "unexpected_keys")):
-            return model
-        import shutil
+            got = None
+        if got is not None:
+            return got
+        shutil.rmtree(entry, ignore_errors=True)
+    got = read_file()
+    if entry is not None:
+        _publish(entry, lambda folder: save(got, folder))
+    return got
 
-        shutil.rmtree(entry, ignore_errors=True)  # damaged: written anew below
+
+def load_gguf_model(src: ModelSource, dtype: torch.dtype):
+    """The causal LM of a GGUF source as transformers dequantizes it at ``dtype``, from mxq's saved
+    copy of it (the note above ``_gguf_cache``), else from the file (then saved). A saved copy must
+    fill every parameter of the model it builds; one that does not is not used."""
+    from transformers import AutoModelForCausalLM
+
+    def read_entry(entry):
+        model, info = AutoModelForCausalLM.from_pretrained(entry, dtype=dtype, trust_remote_code=False,
+                                                           output_loading_info=True)  # fmt: skip
+        bad = any(info.get(k) for k in ("missing_keys", "mismatched_keys", "unexpected_keys"))
+        return None if bad else model
+
+    d = _gguf_cache(src)
+    return _through_cache(None if d is None else d / str(dtype).removeprefix("torch."), read_entry,
+                          lambda: _from_pretrained(src, dtype), _save_plain)  # fmt: skip
+
+
+def _from_pretrained(src: ModelSource, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
     try:
-        model = AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype, **src.hf_kwargs)
+        return AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype, **src.hf_kwargs)
     except OSError as e:
         raise ModelSourceError(f"{src.display}: cannot load model ({_first_line(e)})") from e
-    if entry is not None:
-        _publish(entry, lambda d: _save_plain(model, d))
-    return model
 
 
 def _save_plain(model, folder: Path) -> None:
@@ -254,7 +264,6 @@ def load_model(
     the returned model holds ``MXLinear`` modules in the fast structure of ``mxq.runtime.fuse`` (unless
     ``fuse=False``: the model as transformers builds it); ``kernels`` as in ``mxq.runtime.linear.set_kernels``.
     """
-    from transformers import AutoModelForCausalLM
 
     import mxq.hf.quantizer  # registers quant_method "mxq" with transformers
 
@@ -262,13 +271,7 @@ def load_model(
     if mx_format(src) != "none":  # every MXFP8 layout mxq reads runs on mxq's layers and kernels, checked
         model = mxq.hf.quantizer.load(src.path, device=device, dtype=dtype, kernels=kernels, fuse=fuse)
         return model, (load_tokenizer(src) if tokenizer else None)
-    if src.kind == "gguf":
-        model = load_gguf_model(src, dtype)
-    else:
-        try:
-            model = AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype, **src.hf_kwargs)
-        except OSError as e:
-            raise ModelSourceError(f"{src.display}: cannot load model ({_first_line(e)})") from e
+    model = load_gguf_model(src, dtype) if src.kind == "gguf" else _from_pretrained(src, dtype)
     if not fuse:
         from mxq.runtime.fuse import unfuse
 
