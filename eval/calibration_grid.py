@@ -47,6 +47,7 @@ VARIANTS = {
     "signround": Variant("mxfp8", "signround"),
     "signround+keep8": Variant("mxfp8", "signround", keep_bf16=8),
     "signround-scales": Variant("mxfp8", "signround-scales"),
+    "signround-scales+keep8": Variant("mxfp8", "signround-scales", keep_bf16=8),
     "w8a16 direct": Variant("mxfp8-w8a16", "nearest"),
     "w8a16 signround": Variant("mxfp8-w8a16", "signround"),
     "w8a16 signround+keep8": Variant("mxfp8-w8a16", "signround", keep_bf16=8),
@@ -77,6 +78,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--eval-seq-len", type=int, default=2048)
     ap.add_argument("--max-windows", type=int, default=None)
+    ap.add_argument("--batch-size", type=int, default=4, help="calibration samples per batch: signround's samples per step (default 4)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of: " + ", ".join(VARIANTS))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--iters", type=int, default=SIGNROUND_ITERS, help=f"signround's steps per layer (default {SIGNROUND_ITERS})")
@@ -110,7 +112,7 @@ def main(argv=None) -> int:
         if a.out:
             out = {
                 "model": a.model or "default", "calib": a.calib, "heldout": a.heldout, "samples": a.samples,
-                "seq_len": a.seq_len, "iters": a.iters, "lr": a.lr, "windows": windows.n_windows, "eval_seq_len": a.eval_seq_len, "rows": rows,
+                "seq_len": a.seq_len, "batch_size": a.batch_size, "iters": a.iters, "lr": a.lr, "windows": windows.n_windows, "eval_seq_len": a.eval_seq_len, "rows": rows,
                 "calibrate_s": {k: round(v[2], 1) for k, v in cals.items()}, "load_s": t_load,
                 "versions": {"mxq": mxq.__version__, "torch": torch.__version__, "python": platform.python_version(),
                              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()},
@@ -127,7 +129,7 @@ def main(argv=None) -> int:
             rec = load_recipe(rname)
             t1 = time.perf_counter()
             cals[rname] = (rec, calibrate(model, tok, texts, rec, samples=a.samples, seq_len=a.seq_len,
-                                          dataset=str(a.calib), progress=False), time.perf_counter() - t1)
+                                          batch_size=a.batch_size, dataset=str(a.calib), progress=False), time.perf_counter() - t1)
         rec, cal, t_cal = cals[rname]
         t1 = time.perf_counter()
         m = copy.deepcopy(model)
