@@ -98,6 +98,9 @@ def ppl_markdown(report: dict) -> str:
         + (" (whole process, never decreases: models evaluated later include earlier ones)" if "process peak RSS" in kinds else "")
         + "; tokens/s counts every window token through the forward pass.",
     ]
+    if "dtype" in report:
+        note = report.get("dtype_note")
+        lines.append(f"Computed in {report['dtype']}" + (f" ({note})." if note else "."))
     return "\n".join(lines)
 
 

@@ -81,7 +81,8 @@ def _compiler() -> str | None:
     return None
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The processor's feature flags as /proc/cpuinfo lists them (the platform's name elsewhere)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
@@ -91,6 +92,14 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def native_bf16_matmul(flags: str | None = None) -> bool:
+    """Whether this CPU has bf16 matrix instructions: AMX-BF16 or AVX512-BF16 on x86, BF16 on Arm. Without
+    them torch computes a bf16 matmul by converting to float32 on the way, slower than float32 itself
+    (README, "Two commands", has the measurement)."""
+    have = set((cpu_flags() if flags is None else flags).split())
+    return bool(have & {"amx_bf16", "avx512_bf16", "bf16"})
+
+
 def cache_dir() -> Path:
     return settings.cpu_build_dir()
 
@@ -98,7 +107,7 @@ def cache_dir() -> Path:
 def build(cc: str) -> Path:
     """Compile ``SOURCE`` (or find it compiled): the shared library's path. Raises on failure."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256("\n".join([SOURCE, cc, version, " ".join(FLAGS), _cpu_flags(), platform.machine()]).encode())
+    key = hashlib.sha256("\n".join([SOURCE, cc, version, " ".join(FLAGS), cpu_flags(), platform.machine()]).encode())
     out = cache_dir() / f"mxq_cpu_{key.hexdigest()[:16]}.so"
     if out.exists():
         return out

@@ -510,6 +510,53 @@ def test_cli_real_model_dir(tmp_path, model, tok, monkeypatch):
     assert len(row) == 2 and "+0.00 %" in row[1]
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_cli_ppl_auto_dtype(tmp_path, model, tok, monkeypatch, native):
+    """--dtype auto (the default) computes in float32 on a CPU without bf16 matrix instructions and in
+    bfloat16 on one with them; the report and the perplexity follow the dtype that ran."""
+    import mxq.cli.eval as ce
+    import mxq.kernels.cpu as kc
+
+    monkeypatch.setattr(kc, "native_bf16_matmul", lambda flags=None: native)
+    d = tmp_path / "tiny"
+    m16 = copy.deepcopy(model).to(torch.bfloat16)
+    m16.save_pretrained(d)
+    tok.save_pretrained(d)
+    data = tmp_path / "c.txt"
+    data.write_text("\n\n".join(TEXT_DOCS))
+    app = typer.Typer()
+    app.add_typer(ce.eval_app, name="eval")
+    reps = {}
+    for given in ("auto", "float32", "bfloat16"):
+        out = tmp_path / f"{given}.json"
+        opts = [] if given == "auto" else ["--dtype", given]
+        res = CliRunner().invoke(app, ["eval", "ppl", str(d), "--dataset", str(data), "--seq-len", str(SEQ),
+                                       "--device", "cpu", "--no-cache", "--out", str(out), *opts])
+        assert res.exit_code == 0, res.output
+        reps[given] = json.loads(out.read_text())
+        if given == "auto":
+            said = res.stdout
+    ran = "bfloat16" if native else "float32"
+    assert reps["auto"]["dtype"] == ran
+    assert reps["auto"]["results"][0]["ppl"] == reps[ran]["results"][0]["ppl"]
+    assert reps["float32"]["results"][0]["ppl"] != reps["bfloat16"]["results"][0]["ppl"]
+    assert f"Computed in {ran}" in said and ("this CPU has no bf16 matrix instructions" in said) is not native
+    assert ce.compute_dtype("auto", torch.device("cuda")) == ("bfloat16", None)
+    assert ce.compute_dtype("float16", torch.device("cpu")) == ("float16", None)
+
+
+def test_native_bf16_matmul_reads_the_flags():
+    """The bf16 matrix instructions are read from the processor's flags: AMX-BF16 or AVX512-BF16 on x86,
+    BF16 on Arm; AVX2 or plain AVX512 alone are not enough."""
+    from mxq.kernels.cpu import native_bf16_matmul
+
+    assert not native_bf16_matmul("flags : fpu sse2 avx avx2 fma")
+    assert not native_bf16_matmul("flags : avx2 avx512f avx512bw avx512_vnni")
+    assert native_bf16_matmul("flags : avx2 avx512f avx512_bf16")
+    assert native_bf16_matmul("flags : avx512f amx_bf16 amx_tile")
+    assert native_bf16_matmul("Features : fp asimd bf16 i8mm")
+
+
 def test_cli_ppl_dtype(tmp_path, model, tok):
     """--dtype runs the model in that dtype (float32 here: what the CPU-vs-GPU check uses)."""
     import mxq.cli.eval as ce
@@ -580,7 +627,8 @@ def cached_run(tmp_path, model, tok, monkeypatch):
     def run(*extra, model_dir=None, baseline=None):
         out = tmp_path / "r.json"
         args = ["eval", "ppl", str(model_dir or dirs["quant"]), "--baseline", str(baseline or dirs["base"]),
-                "--dataset", str(data), "--seq-len", str(SEQ), "--device", "cpu", "--out", str(out), *extra]
+                "--dataset", str(data), "--seq-len", str(SEQ), "--device", "cpu", "--dtype", "bfloat16", "--out", str(out),
+                *extra]  # fmt: skip
         computed.clear()
         loaded.clear()
         res = CliRunner().invoke(_eval_app(), args)

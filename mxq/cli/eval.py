@@ -69,6 +69,18 @@ def _dtype(name: str, option: str = "--dtype"):
     return getattr(torch, DTYPES[name.lower()])
 
 
+def compute_dtype(name: str, device) -> tuple[str, str | None]:
+    """``--dtype`` as given, or for "auto" bfloat16, except float32 on a CPU that lacks bf16 matrix
+    instructions (``mxq.kernels.cpu.native_bf16_matmul``); with the reason where auto chose float32."""
+    if name.lower() != "auto":
+        return name, None
+    from mxq.kernels.cpu import native_bf16_matmul
+
+    if device.type == "cpu" and not native_bf16_matmul():
+        return "float32", "--dtype auto: this CPU has no bf16 matrix instructions; --dtype bfloat16 computes in bf16"
+    return "bfloat16", None
+
+
 KERNELS_HELP = (
     "Kernels that may run the MX layers: auto, reference (the torch reference, for A/B checks) or "
     "comma-separated path names (`mxq kernels` lists them)."
@@ -125,9 +137,10 @@ def ppl_cmd(
     batch_size: int = typer.Option(1, "--batch-size", help="Windows per forward pass."),
     device: str = typer.Option("auto", "--device", help="auto (cuda if available), cpu or cuda."),
     dtype: str = typer.Option(
-        "bfloat16",
+        "auto",
         "--dtype",
-        help="Activation/compute dtype of the non-quantized parts: bfloat16, float16, float32.",
+        help="Activation/compute dtype of the non-quantized parts: bfloat16, float16, float32, or auto "
+        "(bfloat16; float32 on a CPU without bf16 matrix instructions, where bf16 matmuls are slower).",
     ),
     kernels: str = typer.Option("auto", "--kernels", help=KERNELS_HELP),
     out: Path | None = typer.Option(None, "--out", help="Write the report as JSON here."),
@@ -159,6 +172,7 @@ def ppl_cmd(
             )
         require_matplotlib()
     dev = resolve_device(device)
+    dtype, dtype_note = compute_dtype(dtype, dev)
     torch_dtype = _dtype(dtype)
     kernels = _kernels(kernels)
     _check_windows(seq_len, stride, max_windows, batch_size)
@@ -179,7 +193,7 @@ def ppl_cmd(
         dev,
         cache,
     )
-    _report_perplexities(results, labels, dataset, DTYPES[dtype.lower()], out, plot)
+    _report_perplexities(results, labels, dataset, DTYPES[dtype.lower()], out, plot, dtype_note)
 
 
 def _check_windows(seq_len: int, stride: int | None, max_windows: int | None, batch_size: int) -> None:
@@ -265,7 +279,7 @@ def _perplexities(sources: dict[str, str], load, windows_of, batch_size: int, de
 
 
 def _report_perplexities(results: dict, labels: dict[str, str], dataset: str, dtype: str, out: Path | None,
-                         plot: Path | None) -> None:  # fmt: skip
+                         plot: Path | None, dtype_note: str | None = None) -> None:  # fmt: skip
     """The markdown table on stdout; the JSON report and the NLL-difference plot where asked."""
     from mxq.eval.report import plot_nll_diff, ppl_markdown, ppl_report, write_json
 
@@ -275,6 +289,8 @@ def _report_perplexities(results: dict, labels: dict[str, str], dataset: str, dt
         dataset=dataset,
     )
     report["dtype"] = dtype
+    if dtype_note:
+        report["dtype_note"] = dtype_note
     typer.echo(ppl_markdown(report))
     cached = [role for role, r in results.items() if r.extra.get("cache", {}).get("hit")]
     if cached:
