@@ -510,14 +510,11 @@ def test_cli_real_model_dir(tmp_path, model, tok, monkeypatch):
     assert len(row) == 2 and "+0.00 %" in row[1]
 
 
-@pytest.mark.parametrize("native", [False, True])
-def test_cli_ppl_auto_dtype(tmp_path, model, tok, monkeypatch, native):
-    """--dtype auto (the default) computes in float32 on a CPU without bf16 matrix instructions and in
-    bfloat16 on one with them; the report and the perplexity follow the dtype that ran."""
+def _bf16_dir_and_app(tmp_path, model, tok):
+    """The tiny model saved in bf16 with its tokenizer, the text file of TEXT_DOCS, and an app running
+    ``mxq eval``: (model, directory, text file, app)."""
     import mxq.cli.eval as ce
-    import mxq.kernels.cpu as kc
 
-    monkeypatch.setattr(kc, "native_bf16_matmul", lambda flags=None: native)
     d = tmp_path / "tiny"
     m16 = copy.deepcopy(model).to(torch.bfloat16)
     m16.save_pretrained(d)
@@ -526,6 +523,18 @@ def test_cli_ppl_auto_dtype(tmp_path, model, tok, monkeypatch, native):
     data.write_text("\n\n".join(TEXT_DOCS))
     app = typer.Typer()
     app.add_typer(ce.eval_app, name="eval")
+    return m16, d, data, app
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_cli_ppl_auto_dtype(tmp_path, model, tok, monkeypatch, native):
+    """--dtype auto (the default) computes in float32 on a CPU without bf16 matrix instructions and in
+    bfloat16 on one with them; the report and the perplexity follow the dtype that ran."""
+    import mxq.cli.eval as ce
+    import mxq.kernels.cpu as kc
+
+    monkeypatch.setattr(kc, "native_bf16_matmul", lambda flags=None: native)
+    m16, d, data, app = _bf16_dir_and_app(tmp_path, model, tok)
     reps = {}
     for given in ("auto", "float32", "bfloat16"):
         out = tmp_path / f"{given}.json"
@@ -559,16 +568,8 @@ def test_native_bf16_matmul_reads_the_flags():
 
 def test_cli_ppl_dtype(tmp_path, model, tok):
     """--dtype runs the model in that dtype (float32 here: what the CPU-vs-GPU check uses)."""
-    import mxq.cli.eval as ce
 
-    d = tmp_path / "tiny"
-    m16 = copy.deepcopy(model).to(torch.bfloat16)
-    m16.save_pretrained(d)
-    tok.save_pretrained(d)
-    data = tmp_path / "c.txt"
-    data.write_text("\n\n".join(TEXT_DOCS))
-    app = typer.Typer()
-    app.add_typer(ce.eval_app, name="eval")
+    m16, d, data, app = _bf16_dir_and_app(tmp_path, model, tok)
     out = tmp_path / "r.json"
     res = CliRunner().invoke(app, ["eval", "ppl", str(d), "--dataset", str(data), "--seq-len", str(SEQ),
                                    "--device", "cpu", "--dtype", "float32", "--out", str(out)])
