@@ -1,0 +1,101 @@
+"""AutoRound's MXFP8 recipe on mxq's calibration tokens, scored by mxq: the peer measured as mxq is.
+
+    python -m mxq.eval.peer_autoround --calib calib_ar.txt --heldout valid.txt --device cuda \\
+        --samples 128 --seq-len 512 --max-windows 12 --out autoround.json
+
+Loads the model (default: the embedded SmolLM2-135M) in bf16, cuts the calibration text into the
+same token windows ``mxq.eval.calibration_grid`` calibrates on (``calibration_batches``), and hands
+them to AutoRound as its dataset. The defaults are AutoRound's light recipe: scheme MXFP8 (W8A8), 50
+iterations, lr 5e-3, 8 samples a step. AutoRound writes its export in the llm-compressor format, and
+mxq loads that export through ``mxq.load``, with mxq's layers and kernels, and scores it beside bf16
+on the same held-out windows with mxq's perplexity. The table gives each perplexity against bf16;
+the JSON keeps the settings, times and versions. Needs ``auto-round`` and ``compressed-tensors``,
+which mxq does not depend on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import platform
+import tempfile
+import time
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="model reference (default: the embedded SmolLM2-135M)")
+    ap.add_argument("--calib", required=True, help="calibration text file")
+    ap.add_argument("--heldout", required=True, help="held-out text file (scored)")
+    ap.add_argument("--samples", type=int, default=128)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--iters", type=int, default=50, help="AutoRound's iterations per block (light recipe: 50)")
+    ap.add_argument("--lr", type=float, default=5e-3)
+    ap.add_argument("--batch-size", type=int, default=8, help="samples a step")
+    ap.add_argument("--scheme", default="MXFP8", help="AutoRound's scheme (MXFP8: W8A8)")
+    ap.add_argument("--eval-seq-len", type=int, default=2048)
+    ap.add_argument("--max-windows", type=int, default=None)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--save", default=None, help="keep AutoRound's export in this folder (default: a temporary one)")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    try:
+        import auto_round  # noqa: F401
+        import compressed_tensors  # noqa: F401
+    except ImportError as e:
+        raise SystemExit(f"peer_autoround: needs auto-round and compressed-tensors ({e}); "
+                         "pip install auto-round compressed-tensors") from None  # fmt: skip
+
+    import torch
+    from auto_round import AutoRound
+
+    from mxq.calib.calibrator import calibration_batches
+    from mxq.eval.data import load_texts
+    from mxq.eval.perplexity import make_windows, perplexity
+    from mxq.hf.models import load_model, runtime
+
+    model, tok = load_model(a.model, dtype=torch.bfloat16, fuse=False)
+    batches = calibration_batches(tok, load_texts(a.calib), a.samples, a.seq_len, a.batch_size)
+    windows = make_windows(tok, load_texts(a.heldout), a.eval_seq_len, max_windows=a.max_windows)
+    with tempfile.TemporaryDirectory() as tmp:
+        save = a.save or tmp
+        t0 = time.perf_counter()
+        ar = AutoRound(model, tok, scheme=a.scheme, iters=a.iters, lr=a.lr, nsamples=a.samples, seqlen=a.seq_len,
+                       batch_size=a.batch_size, dataset=batches, device_map=0 if a.device == "cuda" else "cpu")  # fmt: skip
+        ar.quantize_and_save(save, format="llm_compressor")
+        t_ar = time.perf_counter() - t0
+        del ar, model
+        found = glob.glob(os.path.join(save, "**", "config.json"), recursive=True)
+        if not found:
+            raise SystemExit(f"peer_autoround: AutoRound wrote no config.json under {save}")
+        base, _ = load_model(a.model, device=a.device, dtype=torch.bfloat16, tokenizer=False)
+        ppl_bf16 = perplexity(base, windows=windows, progress=False).ppl
+        del base
+        quant, _ = load_model(os.path.dirname(found[0]), device=a.device, dtype=torch.bfloat16, tokenizer=False)
+        ran = runtime(quant)
+        ppl_ar = perplexity(quant, windows=windows, progress=False).ppl
+    delta = (ppl_ar / ppl_bf16 - 1) * 100
+    print(f"\n| model ({windows.n_windows} held-out windows x {a.eval_seq_len}) | perplexity | vs bf16 | tuning s |")
+    print("|---|---:|---:|---:|")
+    print(f"| bf16 | {ppl_bf16:.4f} | — | |")
+    print(f"| AutoRound {a.scheme}, {a.iters} iterations, lr {a.lr} | {ppl_ar:.4f} | {delta:+.2f} % | {t_ar:.1f} |")
+    print(f"AutoRound's export ran on {ran}")
+    if a.out:
+        import auto_round as ar_pkg
+
+        rec = {"model": a.model or "default", "calib": a.calib, "heldout": a.heldout, "samples": a.samples,
+               "seq_len": a.seq_len, "batch_size": a.batch_size, "iters": a.iters, "lr": a.lr, "scheme": a.scheme,
+               "windows": windows.n_windows, "eval_seq_len": a.eval_seq_len, "bf16": ppl_bf16, "autoround": ppl_ar,
+               "delta_pct": delta, "autoround_s": t_ar, "runtime": ran,
+               "versions": {"auto_round": getattr(ar_pkg, "__version__", "?"), "torch": torch.__version__,
+                            "python": platform.python_version(),
+                            "device": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor()}}  # fmt: skip
+        with open(a.out, "w") as f:
+            json.dump(rec, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,21 @@
+"""The AutoRound peer bench (``mxq.eval.peer_autoround``): without its optional packages it says which
+ones it needs, in one line, before loading anything."""
+
+import sys
+import types
+
+import pytest
+
+
+@pytest.mark.parametrize("missing", ["auto_round", "compressed_tensors"])
+def test_peer_autoround_names_what_it_needs(monkeypatch, missing):
+    from mxq.eval import peer_autoround
+
+    for name in ("auto_round", "compressed_tensors"):  # the other one present (a stand-in), this one missing
+        monkeypatch.setitem(sys.modules, name, None if name == missing else types.ModuleType(name))
+    monkeypatch.setattr("mxq.hf.models.load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    with pytest.raises(SystemExit) as e:
+        peer_autoround.main(["--calib", "calib.txt", "--heldout", "heldout.txt"])
+    msg = str(e.value)
+    assert msg.startswith("peer_autoround: needs auto-round and compressed-tensors") and "\n" not in msg
+    assert missing in msg
