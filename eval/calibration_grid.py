@@ -69,18 +69,24 @@ def _bytes(model) -> int:
     return total
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def protocol_args(ap: argparse.ArgumentParser, *, samples: int, seq_len: int) -> None:
+    """The options of every calibrate-then-score bench: the model, the calibration text and its token
+    windows, the held-out text and its scoring windows, the device."""
     ap.add_argument("--model", default=None, help="model reference (default: the embedded SmolLM2-135M)")
     ap.add_argument("--calib", required=True, help="calibration text file")
     ap.add_argument("--heldout", required=True, help="held-out text file (scored)")
-    ap.add_argument("--samples", type=int, default=64)
-    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--samples", type=int, default=samples)
+    ap.add_argument("--seq-len", type=int, default=seq_len)
     ap.add_argument("--eval-seq-len", type=int, default=2048)
     ap.add_argument("--max-windows", type=int, default=None)
+    ap.add_argument("--device", default="cuda")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    protocol_args(ap, samples=64, seq_len=2048)
     ap.add_argument("--batch-size", type=int, default=4, help="calibration samples per batch: signround's samples per step (default 4)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of: " + ", ".join(VARIANTS))
-    ap.add_argument("--device", default="cuda")
     ap.add_argument("--iters", type=int, default=SIGNROUND_ITERS, help=f"signround's steps per layer (default {SIGNROUND_ITERS})")
     ap.add_argument("--lr", type=float, default=SIGNROUND_LR, help=f"signround's first step, in element steps (default {SIGNROUND_LR})")
     ap.add_argument("--out", default=None)

@@ -23,21 +23,16 @@ import platform
 import tempfile
 import time
 
+from mxq.eval.calibration_grid import protocol_args
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="model reference (default: the embedded SmolLM2-135M)")
-    ap.add_argument("--calib", required=True, help="calibration text file")
-    ap.add_argument("--heldout", required=True, help="held-out text file (scored)")
-    ap.add_argument("--samples", type=int, default=128)
-    ap.add_argument("--seq-len", type=int, default=512)
+    protocol_args(ap, samples=128, seq_len=512)
     ap.add_argument("--iters", type=int, default=50, help="AutoRound's iterations per block (light recipe: 50)")
     ap.add_argument("--lr", type=float, default=5e-3)
     ap.add_argument("--batch-size", type=int, default=8, help="samples a step")
     ap.add_argument("--scheme", default="MXFP8", help="AutoRound's scheme (MXFP8: W8A8)")
-    ap.add_argument("--eval-seq-len", type=int, default=2048)
-    ap.add_argument("--max-windows", type=int, default=None)
-    ap.add_argument("--device", default="cuda")
     ap.add_argument("--save", default=None, help="keep AutoRound's export in this folder (default: a temporary one)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
