@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     try:
-        import auto_round  # noqa: F401
+        import auto_round
         import compressed_tensors  # noqa: F401
     except ImportError as e:
         raise SystemExit(f"peer_autoround: needs auto-round and compressed-tensors ({e}); "
@@ -78,13 +78,11 @@ def main(argv=None) -> int:
     print(f"| AutoRound {a.scheme}, {a.iters} iterations, lr {a.lr} | {ppl_ar:.4f} | {delta:+.2f} % | {t_ar:.1f} |")
     print(f"AutoRound's export ran on {ran}")
     if a.out:
-        import auto_round as ar_pkg
-
         rec = {"model": a.model or "default", "calib": a.calib, "heldout": a.heldout, "samples": a.samples,
                "seq_len": a.seq_len, "batch_size": a.batch_size, "iters": a.iters, "lr": a.lr, "scheme": a.scheme,
                "windows": windows.n_windows, "eval_seq_len": a.eval_seq_len, "bf16": ppl_bf16, "autoround": ppl_ar,
                "delta_pct": delta, "autoround_s": t_ar, "runtime": ran,
-               "versions": {"auto_round": getattr(ar_pkg, "__version__", "?"), "torch": torch.__version__,
+               "versions": {"auto_round": getattr(auto_round, "__version__", "?"), "torch": torch.__version__,
                             "python": platform.python_version(),
                             "device": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor()}}  # fmt: skip
         with open(a.out, "w") as f:

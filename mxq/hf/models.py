@@ -264,7 +264,6 @@ def load_model(
     the returned model holds ``MXLinear`` modules in the fast structure of ``mxq.runtime.fuse`` (unless
     ``fuse=False``: the model as transformers builds it); ``kernels`` as in ``mxq.runtime.linear.set_kernels``.
     """
-
     import mxq.hf.quantizer  # registers quant_method "mxq" with transformers
 
     src = source if isinstance(source, ModelSource) else resolve_source(source)
