@@ -6,7 +6,8 @@
 Loads the model (default: the embedded SmolLM2-135M) in bf16, cuts the calibration text into the
 same token windows ``mxq.eval.calibration_grid`` calibrates on (``calibration_batches``), and hands
 them to AutoRound as its dataset. The defaults are AutoRound's light recipe: scheme MXFP8 (W8A8), 50
-iterations, lr 5e-3, 8 samples a step. AutoRound writes its export in the llm-compressor format, and
+iterations, lr 5e-3, 8 samples a step. ``--set KEY=VALUE`` (repeatable) passes any other argument of
+AutoRound's constructor, for ablations (``--set amp=False --set enable_minmax_tuning=False``). AutoRound writes its export in the llm-compressor format, and
 mxq loads that export through ``mxq.load``, with mxq's layers and kernels, and scores it beside bf16
 on the same held-out windows with mxq's perplexity. The table gives each perplexity against bf16;
 the JSON keeps the settings, times and versions. Needs ``auto-round`` and ``compressed-tensors``,
@@ -26,6 +27,24 @@ import time
 from mxq.eval.calibration_grid import protocol_args
 
 
+def autoround_kwargs(pairs: list[str]) -> dict:
+    """``--set KEY=VALUE`` pairs as keyword arguments: True/False, then int, then float, else the string."""
+    out = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key.isidentifier():
+            raise SystemExit(f"peer_autoround: --set {pair!r}: expected KEY=VALUE with KEY an argument name of AutoRound")
+        value: object = {"True": True, "False": False, "None": None}.get(text, text)
+        for cast in (int, float):
+            if isinstance(value, str):
+                try:
+                    value = cast(text)
+                except ValueError:
+                    pass
+        out[key] = value
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     protocol_args(ap, samples=128, seq_len=512)
@@ -33,9 +52,12 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=5e-3)
     ap.add_argument("--batch-size", type=int, default=8, help="samples a step")
     ap.add_argument("--scheme", default="MXFP8", help="AutoRound's scheme (MXFP8: W8A8)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="another argument of AutoRound's constructor (repeatable), e.g. amp=False")
     ap.add_argument("--save", default=None, help="keep AutoRound's export in this folder (default: a temporary one)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
+    knobs = autoround_kwargs(a.set)
     try:
         import auto_round
         import compressed_tensors  # noqa: F401
@@ -58,7 +80,7 @@ def main(argv=None) -> int:
         save = a.save or tmp
         t0 = time.perf_counter()
         ar = AutoRound(model, tok, scheme=a.scheme, iters=a.iters, lr=a.lr, nsamples=a.samples, seqlen=a.seq_len,
-                       batch_size=a.batch_size, dataset=batches, device_map=0 if a.device == "cuda" else "cpu")  # fmt: skip
+                       batch_size=a.batch_size, dataset=batches, device_map=0 if a.device == "cuda" else "cpu", **knobs)  # fmt: skip
         ar.quantize_and_save(save, format="llm_compressor")
         t_ar = time.perf_counter() - t0
         del ar, model
@@ -75,11 +97,12 @@ def main(argv=None) -> int:
     print(f"\n| model ({windows.n_windows} held-out windows x {a.eval_seq_len}) | perplexity | vs bf16 | tuning s |")
     print("|---|---:|---:|---:|")
     print(f"| bf16 | {ppl_bf16:.4f} | — | |")
-    print(f"| AutoRound {a.scheme}, {a.iters} iterations, lr {a.lr} | {ppl_ar:.4f} | {delta:+.2f} % | {t_ar:.1f} |")
+    extra = "".join(f", {k}={v}" for k, v in knobs.items())
+    print(f"| AutoRound {a.scheme}, {a.iters} iterations, lr {a.lr}{extra} | {ppl_ar:.4f} | {delta:+.2f} % | {t_ar:.1f} |")
     print(f"AutoRound's export ran on {ran}")
     if a.out:
         rec = {"model": a.model or "default", "calib": a.calib, "heldout": a.heldout, "samples": a.samples,
-               "seq_len": a.seq_len, "batch_size": a.batch_size, "iters": a.iters, "lr": a.lr, "scheme": a.scheme,
+               "seq_len": a.seq_len, "batch_size": a.batch_size, "iters": a.iters, "lr": a.lr, "scheme": a.scheme, "set": knobs,
                "windows": windows.n_windows, "eval_seq_len": a.eval_seq_len, "bf16": ppl_bf16, "autoround": ppl_ar,
                "delta_pct": delta, "autoround_s": t_ar, "runtime": ran,
                "versions": {"auto_round": getattr(auto_round, "__version__", "?"), "torch": torch.__version__,

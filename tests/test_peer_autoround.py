@@ -19,3 +19,20 @@ def test_peer_autoround_names_what_it_needs(monkeypatch, missing):
     msg = str(e.value)
     assert msg.startswith("peer_autoround: needs auto-round and compressed-tensors") and "\n" not in msg
     assert missing in msg
+
+
+def test_peer_autoround_set_parses_values():
+    from mxq.eval.peer_autoround import autoround_kwargs
+
+    got = autoround_kwargs(["amp=False", "iters=0", "minmax_lr=2.5e-3", "dynamic_max_gap=-1", "scheme=MXFP8_RCEIL", "x=None"])
+    assert got == {"amp": False, "iters": 0, "minmax_lr": 2.5e-3, "dynamic_max_gap": -1, "scheme": "MXFP8_RCEIL", "x": None}
+    assert type(got["iters"]) is int and type(got["minmax_lr"]) is float
+
+
+@pytest.mark.parametrize("bad", ["amp", "=1", "not a name=1"])
+def test_peer_autoround_set_refuses_malformed(bad):
+    from mxq.eval.peer_autoround import autoround_kwargs
+
+    with pytest.raises(SystemExit) as e:
+        autoround_kwargs([bad])
+    assert str(e.value).startswith(f"peer_autoround: --set {bad!r}") and "\n" not in str(e.value)
