@@ -7,8 +7,9 @@ Loads the model (default: the embedded SmolLM2-135M) in bf16, cuts the calibrati
 same token windows ``mxq.eval.calibration_grid`` calibrates on (``calibration_batches``), and hands
 them to AutoRound as its dataset. The defaults are AutoRound's light recipe: scheme MXFP8 (W8A8), 50
 iterations, lr 5e-3, 8 samples a step. ``--set KEY=VALUE`` (repeatable) passes any other argument of
-AutoRound's constructor, for ablations (``--set amp=False --set enable_minmax_tuning=False``). AutoRound writes its export in the llm-compressor format, and
-mxq loads that export through ``mxq.load``, with mxq's layers and kernels, and scores it beside bf16
+AutoRound's constructor, for ablations (``--set amp=False --set enable_minmax_tuning=False``); those
+with an option of their own (``--iters``, ``--lr``, ...) are set there. AutoRound writes its export in
+the llm-compressor format, and mxq loads that export through ``mxq.load``, with mxq's layers and kernels, and scores it beside bf16
 on the same held-out windows with mxq's perplexity. The table gives each perplexity against bf16;
 the JSON keeps the settings, times and versions. Needs ``auto-round`` and ``compressed-tensors``,
 which mxq does not depend on.
@@ -26,19 +27,26 @@ import time
 
 from mxq.eval.calibration_grid import protocol_args
 
+# AutoRound's arguments that this bench sets from its own options (``--set`` refuses them)
+OWN_OPTIONS = {"scheme": "--scheme", "iters": "--iters", "lr": "--lr", "nsamples": "--samples", "seqlen": "--seq-len",
+               "batch_size": "--batch-size", "dataset": "--calib", "device_map": "--device"}  # fmt: skip
+
 
 def autoround_kwargs(pairs: list[str]) -> dict:
-    """``--set KEY=VALUE`` pairs as keyword arguments: True/False, then int, then float, else the string."""
+    """``--set KEY=VALUE`` pairs as keyword arguments: True/False/None, then int, then float, else the string."""
     out = {}
     for pair in pairs:
         key, sep, text = pair.partition("=")
         if not sep or not key.isidentifier():
             raise SystemExit(f"peer_autoround: --set {pair!r}: expected KEY=VALUE with KEY an argument name of AutoRound")
+        if key in OWN_OPTIONS:
+            raise SystemExit(f"peer_autoround: --set {pair!r}: {key} has its own option, {OWN_OPTIONS[key]}")
         value: object = {"True": True, "False": False, "None": None}.get(text, text)
-        for cast in (int, float):
-            if isinstance(value, str):
+        if isinstance(value, str):
+            for cast in (int, float):
                 try:
                     value = cast(text)
+                    break
                 except ValueError:
                     pass
         out[key] = value

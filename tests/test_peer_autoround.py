@@ -24,12 +24,12 @@ def test_peer_autoround_names_what_it_needs(monkeypatch, missing):
 def test_peer_autoround_set_parses_values():
     from mxq.eval.peer_autoround import autoround_kwargs
 
-    got = autoround_kwargs(["amp=False", "iters=0", "minmax_lr=2.5e-3", "dynamic_max_gap=-1", "scheme=MXFP8_RCEIL", "x=None"])
-    assert got == {"amp": False, "iters": 0, "minmax_lr": 2.5e-3, "dynamic_max_gap": -1, "scheme": "MXFP8_RCEIL", "x": None}
-    assert type(got["iters"]) is int and type(got["minmax_lr"]) is float
+    got = autoround_kwargs(["amp=False", "seed=0", "minmax_lr=2.5e-3", "dynamic_max_gap=-1", "act_data_type=mx_fp_rceil", "x=None"])
+    assert got == {"amp": False, "seed": 0, "minmax_lr": 2.5e-3, "dynamic_max_gap": -1, "act_data_type": "mx_fp_rceil", "x": None}
+    assert type(got["seed"]) is int and type(got["minmax_lr"]) is float
 
 
-@pytest.mark.parametrize("bad", ["amp", "=1", "not a name=1"])
+@pytest.mark.parametrize("bad", ["amp", "=1", "not a name=1", "iters=0", "lr=1e-3"])
 def test_peer_autoround_set_refuses_malformed(bad):
     from mxq.eval.peer_autoround import autoround_kwargs
 
