@@ -52,6 +52,7 @@ from mxq.kernels.common import (
     gdc_launch_dependents,
     gdc_wait,
     hw_cvt,
+    l2_prefetch,
     mx_fast_exponent,
     mx_scaled,
     operands_and_output,
@@ -134,10 +135,21 @@ if gluon_api.HAVE_GLUON:
         return p0, p1, p2, p3
 
     @gluon.jit
-    def _loader(w_desc, x_desc, w_smem, x_smem, ready, empty, n0, k_lo, n_iter, STAGES: gl.constexpr, BOX: gl.constexpr,
-                FUSE_X: gl.constexpr):  # fmt: skip
+    def _prefetch_slice(w_ptr, stride_wn, N, n0, k0, nb, BLOCK_N: gl.constexpr):
+        """This program's weight rows n0 .. n0 + BLOCK_N, K bytes k0 .. k0 + nb, asked of L2 (one bulk
+        prefetch per row; rows past N fetch row N - 1 again)."""
+        pf_l: gl.constexpr = gl.BlockedLayout([BLOCK_N // 32], [32], [1], [0])
+        rows = gl.minimum(n0 + gl.arange(0, BLOCK_N, layout=pf_l), N - 1)
+        l2_prefetch(w_ptr + (rows.to(gl.int64) * stride_wn + k0), rows * 0 + nb)
+
+    @gluon.jit
+    def _loader(w_desc, x_desc, w_smem, x_smem, ready, empty, n0, k_lo, n_iter, w_ptr, stride_wn, N,
+                STAGES: gl.constexpr, BOX: gl.constexpr, FUSE_X: gl.constexpr, PREFETCH: gl.constexpr):  # fmt: skip
         """Loader warp: TMA tiles of W [BLOCK_N, BOX] and X [BLOCK_M, BOX], 128 K-columns per stage
-        (W only with FUSE_X: the math warpgroup quantizes X itself)."""
+        (W only with FUSE_X: the math warpgroup quantizes X itself). PREFETCH > 0: the weight
+        steps past the ring are asked of L2 PREFETCH at a time, from the start (right after the
+        first stages' tiles, before X is waited for) and then PREFETCH steps ahead of the ring:
+        between PREFETCH and 2 x PREFETCH steps are in flight beyond the ring's."""
         NBOX: gl.constexpr = 128 // BOX
         if FUSE_X:
             nbytes: gl.constexpr = NBOX * w_desc.block_type.nbytes
@@ -150,6 +162,11 @@ if gluon_api.HAVE_GLUON:
                 hopper.mbarrier.expect(ready.index(i), nbytes)
                 for j in gl.static_range(NBOX):
                     tma_load(w_desc, [n0, k_lo + i * 128 + j * BOX], ready.index(i), w_smem.index(i * NBOX + j))
+        BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+        if PREFETCH > 0:
+            if n_iter > STAGES:
+                last = gl.minimum(n_iter, STAGES + PREFETCH)
+                _prefetch_slice(w_ptr, stride_wn, N, n0, k_lo + STAGES * 128, (last - STAGES) * 128, BLOCK_N)
         if not FUSE_X:
             gdc_wait()
             for i in gl.static_range(STAGES):
@@ -157,6 +174,12 @@ if gluon_api.HAVE_GLUON:
                     for j in gl.static_range(NBOX):
                         tma_load(x_desc, [0, k_lo + i * 128 + j * BOX], ready.index(i), x_smem.index(i * NBOX + j))
         for i in range(STAGES, n_iter):
+            if PREFETCH > 0:
+                if (i - STAGES) % PREFETCH == 0:
+                    if i + PREFETCH < n_iter:
+                        last = gl.minimum(n_iter, i + 2 * PREFETCH)
+                        _prefetch_slice(w_ptr, stride_wn, N, n0, k_lo + (i + PREFETCH) * 128, (last - i - PREFETCH) * 128,
+                                        BLOCK_N)  # fmt: skip
             s = i % STAGES
             hopper.mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
             bar = ready.index(s)
@@ -285,17 +308,19 @@ if gluon_api.HAVE_GLUON:
     @gluon.jit
     def mx_decode_ws_kernel(
         w_desc, x_desc, x_ptr, s_ptr, xs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
-        M, N, K, K_SPLIT, stride_xm, stride_sn4, stride_xsm4, stride_ym,
+        M, N, K, K_SPLIT, stride_xm, stride_sn4, stride_xsm4, stride_ym, w_ptr, stride_wn,
         BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
         FUSED: gl.constexpr, HAS_BIAS: gl.constexpr, LOADER_REGS: gl.constexpr, BOX: gl.constexpr,
         FUSE_X: gl.constexpr = False, X_FP8: gl.constexpr = None, X_LAYOUT: gl.constexpr = None,
         EMAX: gl.constexpr = 0, MBITS: gl.constexpr = 0, MAXN: gl.constexpr = 0.0, RULE: gl.constexpr = 1,
-        PDL: gl.constexpr = False,
+        PDL: gl.constexpr = False, PREFETCH: gl.constexpr = 0,
     ):  # fmt: skip
         """Yᵀ tile [BLOCK_N, BLOCK_M] over this program's K range (4 warps of math + 1 loader warp).
         FUSE_X: X is the raw activations (x_ptr; x_desc unused), quantized by the math warpgroup;
         otherwise X is the quantizer's fp8 (x_desc) and scales (xs_ptr). PDL: the kernel launched
-        behind this one may start at once (it waits for this one before reading what it writes)."""
+        behind this one may start at once (it waits for this one before reading what it writes).
+        PREFETCH > 0: the loader asks L2 for the program's weight slice (``w_ptr``, rows ``stride_wn``
+        bytes apart) PREFETCH steps at a time ahead of its ring, the first before it waits for X."""
         if PDL:
             gdc_launch_dependents()
         pid_n = gl.program_id(0)
@@ -315,7 +340,8 @@ if gluon_api.HAVE_GLUON:
                     (_math_fuse_x, (w_smem, x_smem, xs_smem, ready, empty, x_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
                                     M, N, K, stride_xm, stride_sn4, stride_ym, pid_n, pid_k, k_lo, n_iter,
                                     BLOCK_N, BLOCK_M, STAGES, SPLIT, FUSED, HAS_BIAS, EMAX, MBITS, MAXN, RULE)),
-                    (_loader, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BLOCK_N, k_lo, n_iter, STAGES, BOX, FUSE_X)),
+                    (_loader, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BLOCK_N, k_lo, n_iter, w_ptr, stride_wn, N,
+                                 STAGES, BOX, FUSE_X, PREFETCH)),
                 ],
                 [1],
                 [LOADER_REGS],
@@ -326,7 +352,8 @@ if gluon_api.HAVE_GLUON:
                     (_math, (w_smem, x_smem, ready, empty, s_ptr, xs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
                              M, N, stride_sn4, stride_xsm4, stride_ym, pid_n, pid_k, k_lo, n_iter,
                              BLOCK_N, BLOCK_M, STAGES, SPLIT, FUSED, HAS_BIAS, BOX)),
-                    (_loader, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BLOCK_N, k_lo, n_iter, STAGES, BOX, FUSE_X)),
+                    (_loader, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BLOCK_N, k_lo, n_iter, w_ptr, stride_wn, N,
+                                 STAGES, BOX, FUSE_X, PREFETCH)),
                 ],
                 [1],
                 [LOADER_REGS],
@@ -365,6 +392,11 @@ class DecodeWSConfig:
     # Activation rows per tile (the wgmma's N): None = 8 for M <= 8 (half the block products and
     # rescale work of 16), else 16.
     block_m: int | None = None
+    # Weight steps asked of L2 ahead of the ring, this many at a time (0: none; one bulk prefetch
+    # per row): the first batch at the start, before X is waited for, so that in a model they stream
+    # while the kernel before this one still runs; then a batch ahead of the ring, so that
+    # between ``prefetch`` and twice as many steps are in flight beyond the ring's.
+    prefetch: int = 0
 
 
 def takes(m: int, k: int, block_size: int) -> bool:
@@ -412,7 +444,10 @@ _TILE_CANDIDATES = ((64, 80, 2), (64, 80, 3), (64, 64, 2), (64, 64, 3))
 
 def decode_ws_candidates(m: int, n: int, k: int, device: torch.device) -> list[DecodeWSConfig]:
     """The configs ``mxq tune`` times for this shape, the rule's first: the 64-row tiles above, the
-    rule with half its K split, and the rule with ``fuse_x`` flipped."""
+    rule with half its K split, the rule with ``fuse_x`` flipped; then with weight steps prefetched
+    into L2: the rule (4 and 16 steps ahead), the first 64-row tile, and half the rule's split (the
+    prefetch keeps more bytes in flight a program, so fewer programs may fill the memory system, with
+    a shorter split-K tail)."""
     base = rule_decode_ws_config(m, n, k, device)
     sms = sm_count(device)
     out = [base]
@@ -422,12 +457,17 @@ def decode_ws_candidates(m: int, n: int, k: int, device: torch.device) -> list[D
     if base.split_k > 1:
         out.append(dataclasses.replace(base, split_k=base.split_k // 2))
     out.append(dataclasses.replace(base, fuse_x=not base.fuse_x))
+    pf = dataclasses.replace(base, prefetch=4)
+    out += [pf, dataclasses.replace(base, prefetch=16), dataclasses.replace(out[1], prefetch=4)]
+    if base.split_k > 1:
+        out.append(dataclasses.replace(base, split_k=base.split_k // 2, prefetch=8))
     return list(dict.fromkeys(out))
 
 
 def describe(cfg: DecodeWSConfig) -> str:
     """A short name for tables: rows per tile, registers, stages, K split, X fused or not."""
-    return f"bn{cfg.block_n} r{cfg.maxnreg} s{cfg.stages} split{cfg.split_k}" + (" fused-x" if cfg.fuse_x else "")
+    return (f"bn{cfg.block_n} r{cfg.maxnreg} s{cfg.stages} split{cfg.split_k}" + (" fused-x" if cfg.fuse_x else "")
+            + (f" l2-prefetch{cfg.prefetch}" if cfg.prefetch else ""))  # fmt: skip
 
 
 @on_input_device
@@ -526,7 +566,7 @@ class _WSPlan:
         self.ws_off = cdiv(m * k + m * (k // BS), 16) * 16
         self.scratch = self.ws_off + (4 * split * m * n if split > 1 else 0)
         consts = dict(BLOCK_N=cfg.block_n, BLOCK_M=block_m, STAGES=cfg.stages, SPLIT=split, HAS_BIAS=bias is not None,
-                      LOADER_REGS=cfg.loader_regs, BOX=cfg.box)  # fmt: skip
+                      LOADER_REGS=cfg.loader_regs, BOX=cfg.box, PREFETCH=cfg.prefetch)  # fmt: skip
         self.pre = pre  # X arrives quantized (``x_mx``): no quantizer, nothing to fuse
         self.fuse_x = not pre and cfg.fuse_x and act_rule is not ScaleRule.MSE and cfg.box == 128 and hw_cvt(x.device)
         if self.fuse_x:
@@ -543,14 +583,15 @@ class _WSPlan:
         self.gemm = {f: Launch(mx_decode_ws_kernel, dict(consts, FUSED=f), opts) for f in (False, True)}
         self.has_bias = bias is not None
 
-    def args(self, x, s32, xs, bias, y, ws, counters, x_stride: int, xs_stride: int) -> tuple:
+    def args(self, x, weight, s32, xs, bias, y, ws, counters, x_stride: int, xs_stride: int) -> tuple:
         """The GEMM kernel's arguments after its two descriptors, in its order: the one list that
-        both this plan and a lane (``kernels/lanes.py``) launch with. ``s32``: the weight scales as
+        both this plan and a lane (``kernels/lanes.py``) launch with. ``weight``: the fp8 codes the
+        weight descriptor reads (their address for the L2 prefetch); ``s32``: the weight scales as
         int32; ``xs``: X's scales (read as int32 words, ``xs_stride`` of them a row); ``bias``,
         ``ws`` (split-K partials) and ``counters`` (fused split-K tickets) may be None."""
         return (x, s32, xs, bias if bias is not None else s32, y, ws if ws is not None else y,
                 counters if counters is not None else s32, self.m, self.n, self.k, self.k_split, x_stride,
-                s32.stride(0), xs_stride, self.n)  # fmt: skip
+                s32.stride(0), xs_stride, self.n, weight, weight.stride(0))  # fmt: skip
 
     def __call__(self, x, weight, weight_scale, bias, x_mx=None):
         m, n, k = self.m, self.n, self.k
@@ -585,7 +626,7 @@ class _WSPlan:
         counters = split_counters(dev, self.tiles) if self.want_fused else None
         fused = counters is not None
         self.gemm[fused]((self.tiles, self.split), w_desc, x_desc,
-                         *self.args(x, s32, xs32, bias, y, ws, counters, x.stride(0), xs32.stride(0)))  # fmt: skip
+                         *self.args(x, weight, s32, xs32, bias, y, ws, counters, x.stride(0), xs32.stride(0)))  # fmt: skip
         if self.split > 1 and not fused:
             split_k_finish(ws, y, bias, self.split)
         return y
