@@ -27,7 +27,6 @@ Triton helpers (``@triton.jit``; the Gluon kernels call them too)
 - ``mma``: acc + a @ b for bf16-exact operands, in fp32 under the interpreter;
 - ``gdc_wait``, ``gdc_launch_dependents``, ``gdc_follow`` (both, in that order): programmatic
   dependent launch (griddepcontrol);
-- ``l2_prefetch``: a bulk prefetch of device memory into L2 (sm_90), nothing waits for it;
 - ``fp8_bits_asm``: PTX that moves two fp8 codes into two bf16 bit patterns (no conversion
   instruction); the caller multiplies by the power of two that the move leaves out.
 
@@ -318,18 +317,6 @@ def gdc_wait():
 def gdc_launch_dependents():
     """Let the kernel launched behind this one with programmatic dependent launch start now."""
     tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def l2_prefetch(ptrs, nbytes):
-    """Ask L2 to fetch ``nbytes`` (a multiple of 16) from device memory at each address of ``ptrs``
-    (16-byte aligned): ``cp.async.bulk.prefetch.L2`` (sm_90). It holds no register or shared
-    memory and nothing waits for it; a later load of those bytes hits L2, or the request already on
-    its way. A decode GEMM issues it for its whole weight slice at its start, before
-    ``griddepcontrol.wait`` (weights are constants), so the slice streams while the kernel before
-    it still runs (kernels/NOTES.md, "GEMM: the weight slice prefetched into L2")."""
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; // $0", "=r,l,r", [ptrs, nbytes],
-                              dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
 
 
 @triton.jit

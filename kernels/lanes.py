@@ -110,7 +110,7 @@ class DecodeLane:
         dev = self.device
         y = torch.empty(self.out_shape, dtype=plan.out_dtype, device=dev)
         ws = torch.empty(self.ws_shape, dtype=torch.float32, device=dev) if plan.split > 1 else None
-        args = plan.args(x, self.weight, self.s32, xs_arg, self.bias, y, ws, counters, k, xs_stride)
+        args = plan.args(x, self.s32, xs_arg, self.bias, y, ws, counters, k, xs_stride)
         raw.go(plan.tiles, plan.split, 1, self.stream(self.dev_index), (*w_exp, *x_exp, *args, *go.tail))
         if plan.split > 1 and not fused:
             split_k_finish(ws, y.view(m, n), self.bias, plan.split)

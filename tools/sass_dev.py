@@ -125,17 +125,20 @@ def compile_decode_f8(block_m=16, block_n=128, kb=4, warps=4, stages=4, split=4,
 
 
 def compile_decode_ws(block_m=16, stages=2, split=4, box=128, maxnreg=128, loader_regs=24, fuse_x=False, block_n=128,
-                      prefetch=0):  # fmt: skip
+                      xw=False):  # fmt: skip
     """``gemm_decode_ws.mx_decode_ws_kernel`` (Gluon) for sm_90 as mx_decode_gemm_ws launches it
     (E4M3 W and X, bf16 out, no bias, programmatic dependent launch on); ``fuse_x``: bf16 X
-    quantized in the kernel (RCEIL); ``prefetch``: weight steps asked of L2 ahead of the ring, this many at a time."""
+    quantized in the kernel (RCEIL); ``xw``: the X-left schedule (X's 64-row tile as the left
+    operand, ``block_n`` weight rows as the right one, no K split)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from mxq.kernels import gemm_decode_ws as W
 
-    cons = dict(BLOCK_N=block_n, BLOCK_M=block_m, STAGES=stages, SPLIT=split, FUSED=True, HAS_BIAS=False,
-                LOADER_REGS=loader_regs, BOX=box, PDL=True, PREFETCH=prefetch)  # fmt: skip
+    if xw:
+        block_m, split = 64, 1
+    cons = dict(BLOCK_N=block_n, BLOCK_M=block_m, STAGES=stages, SPLIT=split, FUSED=split > 1, HAS_BIAS=False,
+                LOADER_REGS=loader_regs, BOX=box, PDL=True, XW=xw)  # fmt: skip
     lw = gl.NVMMASharedLayout.get_default_for([block_n, box], gl.float8e4nv)
     lx = gl.NVMMASharedLayout.get_default_for([block_m, box], gl.float8e4nv)
     w_desc = f"tensordesc<fp8e4nv[{block_n}, {box}],{lw!r}>"
@@ -143,7 +146,7 @@ def compile_decode_ws(block_m=16, stages=2, split=4, box=128, maxnreg=128, loade
     ptrs = {
         "w_desc": w_desc, "x_desc": w_desc if fuse_x else f"tensordesc<fp8e4nv[{block_m}, {box}],{lx!r}>",
         "x_ptr": "*bf16", "s_ptr": "*i32", "xs_ptr": "*i32", "b_ptr": "*i32", "y_ptr": "*bf16", "ws_ptr": "*fp32",
-        "cnt_ptr": "*i32", "w_ptr": "*fp8e4nv",
+        "cnt_ptr": "*i32",
     }  # fmt: skip
     # stages live in the kernel's own ring (STAGES); num_stages is unused by Gluon
     return _compile_sm90(W.mx_decode_ws_kernel, cons, ptrs, 4, 1, not_div16={"M", "stride_xsm4"},
@@ -302,7 +305,7 @@ def main():
     ap.add_argument("--maxnreg", type=int, default=None)
     ap.add_argument("--merge", choices=("fused", "kernel"), default="fused", help="decode: split merge in the kernel or not")
     ap.add_argument("--fuse-x", action="store_true", help="decode_ws: bf16 X quantized inside the kernel")
-    ap.add_argument("--prefetch", type=int, default=0, help="decode_ws: weight steps asked of L2 ahead of the ring, this many at a time")
+    ap.add_argument("--xw", action="store_true", help="decode_ws: the X-left schedule (--block-n 16 or 32, no K split)")
     ap.add_argument("--block-m", type=int, default=16, help="decode_ws: activation rows per tile (8 or 16)")
     ap.add_argument("--qk-fp8", action="store_true", help="attn_ws: Q·Kᵀ as fp8 wgmmas on the codes (DecodeAttnWSConfig.qk_fp8)")
     ap.add_argument("--ptxas", default=None, help="assemble with this ptxas instead of Triton's")
@@ -319,7 +322,7 @@ def main():
         unit = f"{args.block_n}-key tile"
     elif args.kernel == "decode_ws":
         k = compile_decode_ws(block_m=args.block_m, stages=args.stages, split=args.split_k, maxnreg=args.maxnreg, fuse_x=args.fuse_x,
-                              block_n=args.block_n or 128, prefetch=args.prefetch)
+                              block_n=args.block_n or 128, xw=args.xw)
         unit = "128-wide K step (the first backward branch may be the loader warp's loop)"
     elif args.kernel == "attn_ws":
         k = compile_decode_attn_ws(stages=args.stages if args.stages != 3 else 4, d=args.head_dim, maxnreg=args.maxnreg or 128,
