@@ -74,9 +74,6 @@ KB = 4  # blocks per step: one int32 scale word per row
 # Largest M: the math warpgroup holds 2 x KB block products [BLOCK_N, 16] (in flight + being rescaled)
 # and the accumulator, 144 of its ~232 registers at M <= 16; BLOCK_M 32 would spill.
 WS_MAX_M = 16
-# Weight rows per tile of the X-left schedule (``DecodeWSConfig.xw``): the wgmma's N; its block
-# products, 2 x KB x [64, BLOCK_N] fp32 over a warpgroup, fit the math warpgroup's registers up to 32.
-XW_BLOCK_N = (16, 32)
 
 
 if gluon_api.HAVE_GLUON:
@@ -286,62 +283,6 @@ if gluon_api.HAVE_GLUON:
                          mmask, SPLIT, FUSED, HAS_BIAS)  # fmt: skip
 
     @gluon.jit
-    def _issue_xw(w_smem, x_smem, slot, zero):
-        """``_issue`` with the operands swapped: X's 64-row tile (rows past M zero, TMA's fill) as
-        the left operand, W's [BLOCK_N, 32] block transposed as the right one."""
-        p0 = hopper.warpgroup_mma(_block(x_smem, slot, 0, 128), _block(w_smem, slot, 0, 128).permute((1, 0)), zero, use_acc=False, is_async=True)
-        p1 = hopper.warpgroup_mma(_block(x_smem, slot, 1, 128), _block(w_smem, slot, 1, 128).permute((1, 0)), zero, use_acc=False, is_async=True)
-        p2 = hopper.warpgroup_mma(_block(x_smem, slot, 2, 128), _block(w_smem, slot, 2, 128).permute((1, 0)), zero, use_acc=False, is_async=True)
-        p3 = hopper.warpgroup_mma(_block(x_smem, slot, 3, 128), _block(w_smem, slot, 3, 128).permute((1, 0)), zero, use_acc=False, is_async=True)
-        return p0, p1, p2, p3
-
-    @gluon.jit
-    def _math_xw(
-        w_smem, x_smem, ready, empty, s_ptr, xs_ptr, b_ptr, y_ptr, M, N, stride_sn4, stride_xsm4, stride_ym, pid_n, n_iter,
-        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
-    ):  # fmt: skip
-        """Math warpgroup of the X-left schedule (``XW``): Y tile [64 activation rows, BLOCK_N weight
-        rows] over all of K, block products of step i in flight while step i-1 is rescaled, then Y
-        stored straight from the accumulator: no K split, so no partials, ticket or second read."""
-        acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
-        row_l: gl.constexpr = gl.SliceLayout(1, acc_l)  # activation rows (M)
-        col_l: gl.constexpr = gl.SliceLayout(0, acc_l)  # weight rows (N)
-        offs_m = gl.arange(0, 64, layout=row_l)
-        offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_l)
-        nmask = offs_n < N
-        mmask = offs_m < M
-        s_ptrs = s_ptr + offs_n.to(gl.int64) * stride_sn4
-        xs_ptrs = xs_ptr + offs_m * stride_xsm4
-        zero = gl.zeros([64, BLOCK_N], gl.float32, acc_l)
-        acc = gl.zeros([64, BLOCK_N], gl.float32, acc_l)
-        sw = gl.load(s_ptrs, mask=nmask, other=0x7F7F7F7F)
-        sw1 = gl.load(s_ptrs + 1, mask=nmask & (n_iter > 1), other=0x7F7F7F7F)
-        gdc_wait()  # the X scales below come from the kernel this one was launched behind
-        sx = gl.load(xs_ptrs, mask=mmask, other=0x7F7F7F7F)
-        sx1 = gl.load(xs_ptrs + 1, mask=mmask & (n_iter > 1), other=0x7F7F7F7F)
-
-        hopper.mbarrier.wait(ready.index(0), 0)
-        q0, q1, q2, q3 = _issue_xw(w_smem, x_smem, 0, zero)
-        p0, p1, p2, p3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(q0, q1, q2, q3))
-        hopper.mbarrier.arrive(empty.index(0))
-        for i in range(1, n_iter):
-            s = i % STAGES
-            hopper.mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-            q0, q1, q2, q3 = _issue_xw(w_smem, x_smem, s, zero)
-            sw2 = gl.load(s_ptrs + (i + 1), mask=nmask & (i + 1 < n_iter), other=0x7F7F7F7F)
-            sx2 = gl.load(xs_ptrs + (i + 1), mask=mmask & (i + 1 < n_iter), other=0x7F7F7F7F)
-            acc = _rescale(acc, p0, p1, p2, p3, sx, sw)  # step i-1, while step i is on the tensor core
-            p0, p1, p2, p3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(q0, q1, q2, q3))
-            hopper.mbarrier.arrive(empty.index(s))
-            sw, sw1 = sw1, sw2
-            sx, sx1 = sx1, sx2
-        acc = _rescale(acc, p0, p1, p2, p3, sx, sw)
-        if HAS_BIAS:
-            acc += gl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(gl.float32)[None, :]
-        y_offs = offs_m.to(gl.int64)[:, None] * stride_ym + offs_n[None, :]
-        gl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
-
-    @gluon.jit
     def mx_decode_ws_kernel(
         w_desc, x_desc, x_ptr, s_ptr, xs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
         M, N, K, K_SPLIT, stride_xm, stride_sn4, stride_xsm4, stride_ym,
@@ -349,14 +290,12 @@ if gluon_api.HAVE_GLUON:
         FUSED: gl.constexpr, HAS_BIAS: gl.constexpr, LOADER_REGS: gl.constexpr, BOX: gl.constexpr,
         FUSE_X: gl.constexpr = False, X_FP8: gl.constexpr = None, X_LAYOUT: gl.constexpr = None,
         EMAX: gl.constexpr = 0, MBITS: gl.constexpr = 0, MAXN: gl.constexpr = 0.0, RULE: gl.constexpr = 1,
-        PDL: gl.constexpr = False, XW: gl.constexpr = False,
+        PDL: gl.constexpr = False,
     ):  # fmt: skip
         """Yᵀ tile [BLOCK_N, BLOCK_M] over this program's K range (4 warps of math + 1 loader warp).
         FUSE_X: X is the raw activations (x_ptr; x_desc unused), quantized by the math warpgroup;
         otherwise X is the quantizer's fp8 (x_desc) and scales (xs_ptr). PDL: the kernel launched
-        behind this one may start at once (it waits for this one before reading what it writes).
-        XW: X's tile (64 rows, TMA's zero fill past M) is the MMA's left operand and W's BLOCK_N
-        rows its right one (``_math_xw``), over the whole of K (SPLIT 1; not with FUSE_X)."""
+        behind this one may start at once (it waits for this one before reading what it writes)."""
         if PDL:
             gdc_launch_dependents()
         pid_n = gl.program_id(0)
@@ -370,17 +309,7 @@ if gluon_api.HAVE_GLUON:
         else:
             x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES * (128 // BOX), BLOCK_M, BOX], x_desc.layout)
         ready, empty = gluon_api.ring_barriers(STAGES)
-        if XW:
-            gl.warp_specialize(
-                [
-                    (_math_xw, (w_smem, x_smem, ready, empty, s_ptr, xs_ptr, b_ptr, y_ptr, M, N, stride_sn4, stride_xsm4,
-                                stride_ym, pid_n, n_iter, BLOCK_N, STAGES, HAS_BIAS)),
-                    (_loader, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BLOCK_N, k_lo, n_iter, STAGES, BOX, FUSE_X)),
-                ],
-                [1],
-                [LOADER_REGS],
-            )  # fmt: skip
-        elif FUSE_X:
+        if FUSE_X:
             gl.warp_specialize(
                 [
                     (_math_fuse_x, (w_smem, x_smem, xs_smem, ready, empty, x_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
@@ -436,11 +365,6 @@ class DecodeWSConfig:
     # Activation rows per tile (the wgmma's N): None = 8 for M <= 8 (half the block products and
     # rescale work of 16), else 16.
     block_m: int | None = None
-    # The X-left schedule: X's tile (64 rows, zero past M) is the wgmma's left operand and
-    # ``block_n`` (16 or 32) weight rows its right one, over the whole of K: as many programs as
-    # narrow N tiles, no K split and so no split-K tail (partials, ticket, second read). X comes
-    # from the quantizer or the producer (not ``fuse_x``).
-    xw: bool = False
 
 
 def takes(m: int, k: int, block_size: int) -> bool:
@@ -484,15 +408,11 @@ def pick_decode_ws_config(m: int, n: int, k: int, device: torch.device) -> Decod
 # registers (3 / 4 programs per SM: 65536 registers / (256 threads x maxnreg)), 2 or 3 stages, the
 # K split re-derived for that many programs per SM.
 _TILE_CANDIDATES = ((64, 80, 2), (64, 80, 3), (64, 64, 2), (64, 64, 3))
-# Ring depths of the X-left schedule's candidates: its steps are small (BLOCK_N x 128 bytes of W), so
-# a deeper ring keeps as many bytes in flight as the 128-row tiles' two stages.
-_XW_STAGES = (4, 8)
 
 
 def decode_ws_candidates(m: int, n: int, k: int, device: torch.device) -> list[DecodeWSConfig]:
     """The configs ``mxq tune`` times for this shape, the rule's first: the 64-row tiles above, the
-    rule with half its K split, the rule with ``fuse_x`` flipped, and the X-left schedule
-    (``DecodeWSConfig.xw``) at 16 and 32 weight rows a tile with a ring of 4 or 8 steps."""
+    rule with half its K split, and the rule with ``fuse_x`` flipped."""
     base = rule_decode_ws_config(m, n, k, device)
     sms = sm_count(device)
     out = [base]
@@ -502,16 +422,11 @@ def decode_ws_candidates(m: int, n: int, k: int, device: torch.device) -> list[D
     if base.split_k > 1:
         out.append(dataclasses.replace(base, split_k=base.split_k // 2))
     out.append(dataclasses.replace(base, fuse_x=not base.fuse_x))
-    for bn in XW_BLOCK_N:
-        for st in _XW_STAGES:
-            out.append(DecodeWSConfig(block_n=bn, stages=st, split_k=1, box=128, xw=True))
     return list(dict.fromkeys(out))
 
 
 def describe(cfg: DecodeWSConfig) -> str:
     """A short name for tables: rows per tile, registers, stages, K split, X fused or not."""
-    if cfg.xw:
-        return f"xw bn{cfg.block_n} r{cfg.maxnreg} s{cfg.stages}"
     return f"bn{cfg.block_n} r{cfg.maxnreg} s{cfg.stages} split{cfg.split_k}" + (" fused-x" if cfg.fuse_x else "")
 
 
@@ -593,10 +508,8 @@ class _WSPlan:
         self.copy_w = weight.stride(1) != 1 or weight.stride(0) % 16 or weight.data_ptr() % 16
         self.copy_s = weight_scale.stride(1) != 1 or weight_scale.stride(0) % 4 or weight_scale.data_ptr() % 4
         cfg = config or pick_decode_ws_config(m, n, k, x.device)
-        if cfg.xw and (cfg.block_n not in XW_BLOCK_N or cfg.box != 128):
-            raise ValueError(f"DecodeWSConfig(xw=True) takes block_n in {XW_BLOCK_N} and box 128; got {cfg}")
-        block_m = 64 if cfg.xw else cfg.block_m or (8 if m <= 8 else 16)
-        self.split, self.k_split, _ = split_k_sizes(k, 1 if cfg.xw else cfg.split_k, KB * BS)
+        block_m = cfg.block_m or (8 if m <= 8 else 16)
+        self.split, self.k_split, _ = split_k_sizes(k, cfg.split_k, KB * BS)
         split = self.split
         self.tiles = cdiv(n, cfg.block_n)
         self.want_fused = split > 1 and cfg.fused
@@ -613,9 +526,9 @@ class _WSPlan:
         self.ws_off = cdiv(m * k + m * (k // BS), 16) * 16
         self.scratch = self.ws_off + (4 * split * m * n if split > 1 else 0)
         consts = dict(BLOCK_N=cfg.block_n, BLOCK_M=block_m, STAGES=cfg.stages, SPLIT=split, HAS_BIAS=bias is not None,
-                      LOADER_REGS=cfg.loader_regs, BOX=cfg.box, XW=cfg.xw)  # fmt: skip
+                      LOADER_REGS=cfg.loader_regs, BOX=cfg.box)  # fmt: skip
         self.pre = pre  # X arrives quantized (``x_mx``): no quantizer, nothing to fuse
-        self.fuse_x = not pre and not cfg.xw and cfg.fuse_x and act_rule is not ScaleRule.MSE and cfg.box == 128 and hw_cvt(x.device)
+        self.fuse_x = not pre and cfg.fuse_x and act_rule is not ScaleRule.MSE and cfg.box == 128 and hw_cvt(x.device)
         if self.fuse_x:
             consts.update(FUSE_X=True, X_FP8=x_gl, X_LAYOUT=self.x_layout, EMAX=act_elem.emax, MBITS=act_elem.mbits,
                           MAXN=act_elem.max_normal, RULE=RULE_ID[act_rule])  # fmt: skip

@@ -54,14 +54,9 @@ def test_decode_ws_candidates(monkeypatch, n, k, sms):
     for c in cands:
         per_sm = 65536 // (256 * c.maxnreg)
         tiles = -(-n // c.block_n)
-        assert c.box == 128 and 1 <= c.split_k <= 16
-        if c.xw:  # the X-left schedule: narrow N tiles over the whole of K, X from the quantizer
-            assert c.block_n in WS.XW_BLOCK_N and c.split_k == 1 and not c.fuse_x
-            continue
-        assert c.block_n in (64, 128)
+        assert c.block_n in (64, 128) and c.box == 128 and 1 <= c.split_k <= 16
         assert c.split_k == 1 or ((k // 128) // c.split_k >= 4 and tiles * c.split_k <= per_sm * sms)
-    assert {(c.block_n, c.maxnreg, c.stages) for c in cands if not c.xw} >= {(64, 80, 2), (64, 80, 3), (64, 64, 2), (64, 64, 3)}
-    assert {(c.block_n, c.stages) for c in cands if c.xw} == {(16, 4), (16, 8), (32, 4), (32, 8)}
+    assert {(c.block_n, c.maxnreg, c.stages) for c in cands} >= {(64, 80, 2), (64, 80, 3), (64, 64, 2), (64, 64, 3)}
 
 
 def test_pick_decode_ws_config_reads_the_tuning_cache(monkeypatch, tmp_path):
@@ -158,46 +153,6 @@ def test_decode_ws_plan_arguments(monkeypatch, m, n, k, split):
 
 
 @needs_gluon
-@pytest.mark.skipif(CUDA and not INTERPRET, reason="the X quantizer runs on CPU tensors: the interpreter's job")
-@pytest.mark.parametrize("m,n,k,bn", [(1, 300, 256, 16), (13, 4100, 640, 32)])
-def test_decode_ws_plan_xw(monkeypatch, m, n, k, bn):
-    """The X-left schedule's plan: one program per ``block_n`` weight rows over the whole of K (no
-    split, no partials, no ticket, whatever ``split_k`` says), X's descriptor 64 rows tall (TMA fills
-    the rows past M with zeros), X from the quantizer even where ``fuse_x`` is asked; a block_n it
-    cannot take is refused in one line naming the option."""
-    monkeypatch.setattr(WS, "ws_supported", lambda *a: True)
-    monkeypatch.setattr(WS, "pdl_ok", lambda d: False)
-    monkeypatch.setattr(WS, "hw_cvt", lambda d: True)
-    monkeypatch.setattr(WS, "PLANS", WS.PlanCache())
-    calls = []
-
-    class Recorder:
-        def __init__(self, fn, consts, opts):
-            self.fn, self.consts = fn, consts
-
-        def __call__(self, grid, *args):
-            calls.append((self.fn, grid, args, self.consts))
-
-    monkeypatch.setattr(WS, "Launch", Recorder)
-    gen = torch.Generator().manual_seed(m + n + k + bn)
-    w, ws, _ = mx_weight(n, k, E4M3, gen)
-    w, ws = w.cpu(), ws.cpu()
-    x = activations(m, k, torch.bfloat16, gen, special=True).cpu()
-    cfg = WS.DecodeWSConfig(block_n=bn, stages=4, split_k=8, fuse_x=True, xw=True)
-    WS.mx_decode_gemm_ws(x, w, ws, None, act_elem=E4M3, config=cfg, out_dtype=torch.float32)
-    fn, grid, args, consts = calls[-1]
-    assert fn is WS.mx_decode_ws_kernel and grid == (-(-n // bn), 1)
-    assert consts["XW"] and consts["SPLIT"] == 1 and not consts["FUSED"] and "FUSE_X" not in consts and consts["BLOCK_M"] == 64
-    w_desc, x_desc = args[:2]
-    assert w_desc.block_shape == [bn, 128] and x_desc.shape == [m, k] and x_desc.block_shape == [64, 128]
-    ref = quantize_mx(x, -1, E4M3, 32, ScaleRule.RCEIL)
-    assert torch.equal(x_desc.base.view(torch.uint8), ref.data.view(torch.uint8))
-    assert args[7] is args[6]  # no partials: the partials' argument is Y itself
-    with pytest.raises(ValueError, match=r"xw=True\) takes block_n in \(16, 32\)"):
-        WS.mx_decode_gemm_ws(x, w, ws, None, config=WS.DecodeWSConfig(block_n=64, xw=True))
-
-
-@needs_gluon
 @pytest.mark.parametrize("rule,fused", [(ScaleRule.RCEIL, True), (ScaleRule.EVEN, True), (ScaleRule.MSE, False)])
 def test_decode_ws_plan_fuses_x(monkeypatch, rule, fused):
     """With the hardware fp8 conversion the plan launches one kernel that quantizes X itself
@@ -280,38 +235,6 @@ def test_gpu_decode_ws_candidates_agree(m, n, k):
         y = WS.mx_decode_gemm_ws(x, w, ws, bias, out_dtype=torch.float32, config=c)
         torch.testing.assert_close(y, y0, rtol=1e-5, atol=1e-5 * float(y0.abs().max()), msg=lambda s, c=c: f"{c}: {s}")
         assert_gemm_close(y, x, w64, bias, E4M3, ScaleRule.RCEIL, acc_rel=F8_ACC)
-
-
-@hopper
-@pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k", [(1, 1000, 640), (3, 257, 4224), (16, 4096, 4096), (9, 130, 128), (16, 4096, 14336)])
-@pytest.mark.parametrize("wel,act", [(E4M3, (E4M3, ScaleRule.RCEIL)), (E5M2, (E4M3, ScaleRule.MSE)), (E4M3, (E5M2, ScaleRule.FLOOR))])
-def test_gpu_decode_ws_xw_matches_reference(m, n, k, wel, act):
-    """The X-left schedule (X's zero-filled 64-row tile as the left operand, no K split) against
-    float64 and against the rule's config within the fp8-accumulation bound: 16 and 32 weight rows a
-    tile, rings of 2-8 steps, N not a multiple of the tile, bias, bf16/fp32 out, every operand format;
-    X from the quantizer and from the producer's codes (``x_mx``) give the same bits; every output
-    element written (Y poisoned first through the caching allocator)."""
-    from mxq.kernels.quantize import quantize_mx_rows
-
-    gen = torch.Generator().manual_seed(m * 3 + n + k)
-    w, ws, w64 = mx_weight(n, k, wel, gen)
-    x = activations(m, k, torch.bfloat16, gen, special=False, decades=(-2, 1))
-    bias = torch.randn(n, generator=gen).to(torch.bfloat16).to(DEV)
-    act_elem, rule = act
-    y_rule = WS.mx_decode_gemm_ws(x, w, ws, bias, act_elem=act_elem, act_rule=rule, out_dtype=torch.float32)
-    mag = x.double().abs() @ w64.abs().t()
-    for bn, st, out in ((16, 4, None), (32, 8, torch.float32), (16, 2, torch.float32), (32, 3, None)):
-        cfg = WS.DecodeWSConfig(block_n=bn, stages=st, xw=True)
-        torch.empty(m * n * 4, dtype=torch.uint8, device=DEV).fill_(0xFF)  # NaN in memory Y may reuse
-        y = WS.mx_decode_gemm_ws(x, w, ws, bias, act_elem=act_elem, act_rule=rule, out_dtype=out, config=cfg)
-        assert y.dtype == (out or torch.bfloat16) and y.shape == (m, n) and not torch.isnan(y).any()
-        assert_gemm_close(y, x, w64, bias, act_elem, rule, acc_rel=F8_ACC)
-        if out is torch.float32:
-            assert ((y.double() - y_rule.double()).abs() <= 2 * F8_ACC * mag + 1e-30).all()
-            xq, xs = quantize_mx_rows(x, act_elem, rule)
-            y_pre = WS.mx_decode_gemm_ws(x, w, ws, bias, act_elem=act_elem, act_rule=rule, out_dtype=out, config=cfg, x_mx=(xq, xs))
-            assert torch.equal(y_pre, y)
 
 
 @hopper

@@ -124,21 +124,17 @@ def compile_decode_f8(block_m=16, block_n=128, kb=4, warps=4, stages=4, split=4,
     return _compile_sm90(fn, cons, ptrs, warps, stages, not_div16={"M"})
 
 
-def compile_decode_ws(block_m=16, stages=2, split=4, box=128, maxnreg=128, loader_regs=24, fuse_x=False, block_n=128,
-                      xw=False):  # fmt: skip
+def compile_decode_ws(block_m=16, stages=2, split=4, box=128, maxnreg=128, loader_regs=24, fuse_x=False, block_n=128):
     """``gemm_decode_ws.mx_decode_ws_kernel`` (Gluon) for sm_90 as mx_decode_gemm_ws launches it
     (E4M3 W and X, bf16 out, no bias, programmatic dependent launch on); ``fuse_x``: bf16 X
-    quantized in the kernel (RCEIL); ``xw``: the X-left schedule (X's 64-row tile as the left
-    operand, ``block_n`` weight rows as the right one, no K split)."""
+    quantized in the kernel (RCEIL)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from mxq.kernels import gemm_decode_ws as W
 
-    if xw:
-        block_m, split = 64, 1
-    cons = dict(BLOCK_N=block_n, BLOCK_M=block_m, STAGES=stages, SPLIT=split, FUSED=split > 1, HAS_BIAS=False,
-                LOADER_REGS=loader_regs, BOX=box, PDL=True, XW=xw)  # fmt: skip
+    cons = dict(BLOCK_N=block_n, BLOCK_M=block_m, STAGES=stages, SPLIT=split, FUSED=True, HAS_BIAS=False,
+                LOADER_REGS=loader_regs, BOX=box, PDL=True)  # fmt: skip
     lw = gl.NVMMASharedLayout.get_default_for([block_n, box], gl.float8e4nv)
     lx = gl.NVMMASharedLayout.get_default_for([block_m, box], gl.float8e4nv)
     w_desc = f"tensordesc<fp8e4nv[{block_n}, {box}],{lw!r}>"
@@ -305,7 +301,6 @@ def main():
     ap.add_argument("--maxnreg", type=int, default=None)
     ap.add_argument("--merge", choices=("fused", "kernel"), default="fused", help="decode: split merge in the kernel or not")
     ap.add_argument("--fuse-x", action="store_true", help="decode_ws: bf16 X quantized inside the kernel")
-    ap.add_argument("--xw", action="store_true", help="decode_ws: the X-left schedule (--block-n 16 or 32, no K split)")
     ap.add_argument("--block-m", type=int, default=16, help="decode_ws: activation rows per tile (8 or 16)")
     ap.add_argument("--qk-fp8", action="store_true", help="attn_ws: Q·Kᵀ as fp8 wgmmas on the codes (DecodeAttnWSConfig.qk_fp8)")
     ap.add_argument("--ptxas", default=None, help="assemble with this ptxas instead of Triton's")
@@ -322,7 +317,7 @@ def main():
         unit = f"{args.block_n}-key tile"
     elif args.kernel == "decode_ws":
         k = compile_decode_ws(block_m=args.block_m, stages=args.stages, split=args.split_k, maxnreg=args.maxnreg, fuse_x=args.fuse_x,
-                              block_n=args.block_n or 128, xw=args.xw)
+                              block_n=args.block_n or 128)
         unit = "128-wide K step (the first backward branch may be the loader warp's loop)"
     elif args.kernel == "attn_ws":
         k = compile_decode_attn_ws(stages=args.stages if args.stages != 3 else 4, d=args.head_dim, maxnreg=args.maxnreg or 128,

@@ -487,61 +487,6 @@ def part_deq(ms=(16, 256, 2048), layers=None, variants_of=_deq_variants, key="de
     RES[key] = rows
 
 
-def part_dws(ms=(1, 8, 16)):
-    """The W8A8 decode GEMM (``gemm_decode_ws``): its X-left schedule (``DecodeWSConfig.xw``: no K
-    split) against the dispatched config and the rule, on the Llama-3-8B and 70B TP=2 shapes: each
-    variant checked against an fp32 product first, then timed interleaved alone (plain separator) and
-    chained (the producer's codes, the residual-add + RMSNorm producer between calls), beside a copy
-    of the same bytes."""
-    from mxq.eval.bench_gemm import LLAMA_SHAPES, producer_separator, read_bytes, same_bytes_copy
-    from mxq.kernels import gemm_decode_ws as WS
-    from mxq.kernels import tune
-    from mxq.kernels.quantize import fake_quantize_mx_rows, quantize_mx_rows
-
-    rows = []
-    dev = torch.device("cuda")
-    for model in ("8b", "70b-tp2"):
-        for layer, (n, k) in LLAMA_SHAPES[model].items():
-            w = torch.randn(n, k, device="cuda") * 0.02
-            t = quantize_mx(w, -1, E4M3, 32, ScaleRule.RCEIL)
-            w_deq = dequantize_mx(t, torch.float32)
-            packs = [(t.data.clone(), t.scales.clone()) for _ in range(weight_copies(n * k))]
-            for m in ms:
-                var = {"dispatched": WS.pick_decode_ws_config(m, n, k, dev), "rule": WS.rule_decode_ws_config(m, n, k, dev)}
-                for bn in (16, 32):
-                    for st in (4, 6, 8):
-                        var[f"xw{bn} s{st}"] = WS.DecodeWSConfig(block_n=bn, stages=st, xw=True)
-                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                xq, xs = quantize_mx_rows(x, E4M3, ScaleRule.RCEIL)
-                ref = fake_quantize_mx_rows(x, E4M3, out_dtype=torch.float32) @ w_deq.t()
-                row = dict(model=model, layer=layer, m=m, n=n, k=k, configs={kk: WS.describe(c) for kk, c in var.items()})
-                errs = {}
-                for kk, c in var.items():
-                    y = WS.mx_decode_gemm_ws(x, *packs[0], None, config=c, x_mx=(xq, xs), out_dtype=torch.float32)
-                    errs[kk] = ((y - ref).norm() / ref.norm()).item()
-                row["relerr"] = errs
-                alone = {kk: [lambda p=p, c=c: WS.mx_decode_gemm_ws(x, *p, None, config=c) for p in packs] for kk, c in var.items()}
-                chained = {kk: [lambda p=p, c=c: WS.mx_decode_gemm_ws(x, *p, None, config=c, x_mx=(xq, xs)) for p in packs]
-                           for kk, c in var.items()}  # fmt: skip
-                row["alone_us"] = tune.time_interleaved(alone, rounds=5, reps=5)
-                row["chained_us"] = tune.time_interleaved(chained, rounds=5, reps=5, sep=producer_separator(LLAMA_SHAPES[model]["o"][0]))
-                nbytes = read_bytes(m, n, k, 1 + 1 / 32)
-                row["bytes"] = nbytes
-                row["copy_us"], row["copy_gbs"] = same_bytes_copy(nbytes)
-                best_a = min(row["alone_us"], key=row["alone_us"].get)
-                best_c = min(row["chained_us"], key=row["chained_us"].get)
-                log("dws", model, layer, f"M={m}", f"copy {row['copy_us']:.1f}", "disp", f"{row['alone_us']['dispatched']:.1f}",
-                    f"/ {row['chained_us']['dispatched']:.1f}", "best alone", best_a, f"{row['alone_us'][best_a]:.1f}",
-                    "best chained", best_c, f"{row['chained_us'][best_c]:.1f}", "maxerr", f"{max(errs.values()):.1e}")  # fmt: skip
-                log("   alone", {kk: round(v, 2) for kk, v in row["alone_us"].items()})
-                log("   chain", {kk: round(v, 2) for kk, v in row["chained_us"].items()})
-                rows.append(row)
-                RES["dws"] = rows
-            del packs, w, w_deq, t
-            torch.cuda.empty_cache()
-    RES["dws"] = rows
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="sweep.json")
