@@ -125,11 +125,23 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     return gbs
 
 
+# The same-bytes copy's size is rounded up to a multiple of this: torch's byte copy ran a third slower
+# on some sizes that are not (H200, 2026-12-01: 12,986,368 B in 9.5 µs, 13,058,048 B in 7.2 µs, each
+# timed twice; BENCHMARKS.md, "Decode GEMMs against a copy of the same bytes"), which made the yardstick
+# depend on the batch size. The rounding adds less than 64 KiB to copies of megabytes.
+COPY_ROUND = 1 << 16
+
+
+def copy_half_bytes(nbytes: float) -> int:
+    """Bytes one same-bytes copy reads (and writes): half of ``nbytes``, rounded up to ``COPY_ROUND``."""
+    return -(-(int(nbytes) // 2) // COPY_ROUND) * COPY_ROUND
+
+
 def same_bytes_copy(nbytes: float) -> tuple[float, float]:
-    """(µs, GB/s) of a device-to-device copy whose bytes read + written equal ``nbytes``, timed as the
-    GEMMs are (``graph_us`` over copies from HBM): what a single launch moving that many bytes
-    reaches, launch and ramp included."""
-    half = int(nbytes) // 2
+    """(µs, GB/s) of a device-to-device copy whose bytes read + written equal ``nbytes`` (each half
+    rounded up to ``COPY_ROUND``: ``copy_half_bytes``), timed as the GEMMs are (``graph_us`` over copies
+    from HBM): what a single launch moving that many bytes reaches, launch and ramp included."""
+    half = copy_half_bytes(nbytes)
     srcs = [torch.empty(half, dtype=torch.uint8, device="cuda") for _ in range(weight_copies(half))]
     dst = torch.empty(half, dtype=torch.uint8, device="cuda")
     t = graph_us([lambda s=s: dst.copy_(s) for s in srcs])

@@ -346,3 +346,17 @@ def test_bench_gemm_tp2_shapes_are_one_ranks_shards():
 
     assert PRESETS["llama3-70b-tp2"] == list(LLAMA_SHAPES["70b-tp2"].values())
     assert PRESETS["llama3-70b"] == list(LLAMA_SHAPES["70b"].values())
+
+
+@pytest.mark.parametrize("m,layer", [(1, "qkv"), (8, "qkv"), (1, "down"), (16, "o"), (1, "gate_up")])
+def test_bench_gemm_same_bytes_copy_size(m, layer):
+    """The decode table's yardstick copies half the GEMM's bytes rounded up to a multiple of 64 KiB
+    (torch's byte copy ran a third slower at sizes of 2048 mod 4096 on an H200): never fewer bytes than
+    the GEMM moves, less than 64 KiB more."""
+    from mxq.eval.bench_gemm import COPY_ROUND, LLAMA_SHAPES, copy_half_bytes, read_bytes
+
+    n, k = LLAMA_SHAPES["8b"][layer]
+    nbytes = read_bytes(m, n, k, 1 + 1 / 32)
+    half = copy_half_bytes(nbytes)
+    assert half % 4096 == 0 and half % COPY_ROUND == 0 and COPY_ROUND == 1 << 16
+    assert nbytes / 2 - 1 <= half < nbytes / 2 + COPY_ROUND

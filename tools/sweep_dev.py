@@ -4,7 +4,8 @@
 
 Parts: q = activation quantizer (bit-exact vs mxq.formats on the GPU, then bandwidth, hardware
 fp8 rounding vs the integer route, tiles); gemv = CUDA-core decode kernel vs the MMA decode
-path and cuBLAS; m256 = tile shapes at M=256; tma = the 256x128x64 TMA-tile wrong-value matrix.
+path and cuBLAS; m256 = tile shapes at M=256; tma = the 256x128x64 TMA-tile wrong-value matrix;
+dws = the W8A8 decode GEMM's ring depths, alone and chained, beside a copy of the same bytes.
 Timing: CUDA graphs over weight copies (eval/bench_gemm.py), median.
 """
 
@@ -485,6 +486,67 @@ def part_deq(ms=(16, 256, 2048), layers=None, variants_of=_deq_variants, key="de
         del ws, wb, w64, wd
         torch.cuda.empty_cache()
     RES[key] = rows
+
+
+def part_dws(ms=(1, 8, 16), stages=(2, 3, 4, 6)):
+    """The W8A8 decode GEMM (``gemm_decode_ws``): ring depth against the dispatched config and the rule,
+    on the Llama-3-8B and 70B TP=2 shapes, each variant checked against an fp32 product first, then timed
+    interleaved alone (plain separator) and chained (the producer's codes, the residual-add + RMSNorm
+    producer between calls, as in a fused decode step), beside a copy of the same bytes. With PDL a
+    program's first ``stages`` weight tiles are requested before it waits for the kernel before it."""
+    from mxq.eval.bench_gemm import LLAMA_SHAPES, producer_separator, read_bytes, same_bytes_copy
+    from mxq.kernels import gemm_decode_ws as WS
+    from mxq.kernels import tune
+    from mxq.kernels.quantize import fake_quantize_mx_rows, quantize_mx_rows
+
+    R = dataclasses.replace
+    rows = []
+    dev = torch.device("cuda")
+    for model in ("8b", "70b-tp2"):
+        for layer, (n, k) in LLAMA_SHAPES[model].items():
+            w = torch.randn(n, k, device="cuda") * 0.02
+            t = quantize_mx(w, -1, E4M3, 32, ScaleRule.RCEIL)
+            w_deq = dequantize_mx(t, torch.float32)
+            packs = [(t.data.clone(), t.scales.clone()) for _ in range(weight_copies(n * k))]
+            for m in ms:
+                disp, rule = WS.pick_decode_ws_config(m, n, k, dev), WS.rule_decode_ws_config(m, n, k, dev)
+                var = {"dispatched": disp, "rule": rule}
+                for st in stages:
+                    for name, c in (("disp", disp), ("rule", rule)):
+                        rows_ = c.block_n * 128 + (8 if m <= 8 else 16) * 128
+                        if st != c.stages and st * rows_ * (65536 // (256 * c.maxnreg)) <= 220 * 1024:
+                            var[f"{name} s{st}"] = R(c, stages=st)
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                xq, xs = quantize_mx_rows(x, E4M3, ScaleRule.RCEIL)
+                ref = fake_quantize_mx_rows(x, E4M3, out_dtype=torch.float32) @ w_deq.t()
+                row = dict(model=model, layer=layer, m=m, n=n, k=k, configs={kk: WS.describe(c) for kk, c in var.items()})
+                errs = {}
+                for kk, c in var.items():
+                    y = WS.mx_decode_gemm_ws(x, *packs[0], None, config=c, x_mx=(xq, xs), out_dtype=torch.float32)
+                    errs[kk] = ((y - ref).norm() / ref.norm()).item()
+                row["relerr"] = errs
+                alone = {kk: [lambda p=p, c=c: WS.mx_decode_gemm_ws(x, *p, None, config=c) for p in packs] for kk, c in var.items()}
+                chained = {kk: [lambda p=p, c=c: WS.mx_decode_gemm_ws(x, *p, None, config=c, x_mx=(xq, xs)) for p in packs]
+                           for kk, c in var.items()}  # fmt: skip
+                row["alone_us"] = tune.time_interleaved(alone, rounds=5, reps=5)
+                row["chained_us"] = tune.time_interleaved(chained, rounds=5, reps=5, sep=producer_separator(LLAMA_SHAPES[model]["o"][0]))
+                nbytes = read_bytes(m, n, k, 1 + 1 / 32)
+                row["bytes"] = nbytes
+                row["copy_us"], row["copy_gbs"] = same_bytes_copy(nbytes)
+                row["copy_again_us"], _ = same_bytes_copy(nbytes)
+                best_a = min(row["alone_us"], key=row["alone_us"].get)
+                best_c = min(row["chained_us"], key=row["chained_us"].get)
+                log("dws", model, layer, f"M={m}", f"copy {row['copy_us']:.1f}/{row['copy_again_us']:.1f}", "disp",
+                    f"{row['alone_us']['dispatched']:.1f} / {row['chained_us']['dispatched']:.1f}", "best alone", best_a,
+                    f"{row['alone_us'][best_a]:.1f}", "best chained", best_c, f"{row['chained_us'][best_c]:.1f}",
+                    "maxerr", f"{max(errs.values()):.1e}")  # fmt: skip
+                log("   alone", {kk: round(v, 2) for kk, v in row["alone_us"].items()})
+                log("   chain", {kk: round(v, 2) for kk, v in row["chained_us"].items()})
+                rows.append(row)
+                RES["dws"] = rows
+            del packs, w, w_deq, t
+            torch.cuda.empty_cache()
+    RES["dws"] = rows
 
 
 def main():
