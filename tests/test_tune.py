@@ -192,6 +192,24 @@ def test_cli_without_gpu_says_so(tmp_path):
     assert not (tmp_path / "c.json").exists()
 
 
+@pytest.mark.parametrize("gluon,cap", [(True, (8, 0)), (False, (9, 0))])
+def test_tune_decode_ws_refuses_what_cannot_run_it(monkeypatch, gluon, cap):
+    """Past the GPU check (faked on a CPU machine), the tuner asks the kernel module whether its Gluon
+    kernel is usable and the device whether it is Hopper, and says in one line which GPU it got; no
+    weight is made before that."""
+    import torch
+
+    from mxq.cli.tune import tune_decode_ws
+    from mxq.kernels import gemm_decode_ws as WS
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    monkeypatch.setattr(WS.gluon_api, "usable", lambda name: gluon)
+    with pytest.raises(RuntimeError, match=r"runs on Hopper \(sm_90\) with Triton Gluon; Fake GPU is sm_" + "".join(map(str, cap))):
+        tune_decode_ws([(4096, 4096)], (1,))
+
+
 def test_shipped_entries_are_candidates(monkeypatch):
     """kernels/tuned.json (the H100 and H200 tunings written by `mxq tune`): every entry is a config the
     tuner could have chosen for its shape and bucket on a 132-SM Hopper, timed at an M of that bucket."""

@@ -158,7 +158,7 @@ def tune_decode_ws(shapes, ms=(1, 8, 16), device=None, *, log=print, progress=No
     device = torch.device(device or "cuda")
     if not (device.type == "cuda" and torch.cuda.is_available()):
         raise RuntimeError("mxq tune needs a CUDA GPU")
-    if not WS.HAVE_GLUON or torch.cuda.get_device_capability(device)[0] != 9:
+    if not WS.gluon_api.usable("gemm_decode_ws") or torch.cuda.get_device_capability(device)[0] != 9:
         raise RuntimeError(
             f"mxq tune: the tuned kernel (gemm_decode_ws) runs on Hopper (sm_90) with Triton Gluon; "
             f"{torch.cuda.get_device_name(device)} is sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}"
