@@ -12,8 +12,8 @@ move it -- and writes it to a JSON cache that the dispatch reads when it builds 
 
 - where: ``tune.json`` in mxq's cache folder (``mxq.settings``: ``$MXQ_CACHE``, else
   ``$XDG_CACHE_HOME/mxq``, else ``~/.cache/mxq``), or the file ``mxq tune --cache`` names (``PATH``);
-- shipped entries (``kernels/tuned.json``: the Llama-3 8B/70B shapes, and on the H100 70B's TP=2 rank
-  shapes, tuned on the GPUs named in it;
+- shipped entries (``kernels/tuned.json``: the Llama-3 8B/70B shapes and 70B's TP=2 rank shapes, tuned
+  on the GPUs named in it;
   each entry records its date and versions) answer where the user's cache has no entry for the
   device, shape and bucket;
 - ``MXQ_CACHE=off``: neither is read (the rules alone), unless ``PATH`` names a file; the variable is
