@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from mxq.kernels import gemm_decode_ws as WS
-from mxq.kernels import launch
+from mxq.kernels import gluon_api, launch
 from mxq.kernels.buffers import split_counters
 from mxq.kernels.launch import descriptor
 from mxq.kernels.splitk import split_k_finish
@@ -70,7 +70,7 @@ class DecodeLane:
         (iw, mw), (ix, mx) = raw.descs
         if (iw, ix) != (0, 1) or mw is None or mx is None or mx.get("fp4_padded"):
             return None
-        w_desc = descriptor(WS.TensorDescriptor, self.weight, [plan.n, plan.k], [self.weight.stride(0), 1], plan.w_block,
+        w_desc = descriptor(gluon_api.TensorDescriptor, self.weight, [plan.n, plan.k], [self.weight.stride(0), 1], plan.w_block,
                             plan.w_layout)  # fmt: skip
         w_exp = tuple(launch.nv_tensordesc_arg(w_desc, mw))
         x_exp = tuple(launch.nv_tensordesc_arg(w_desc, mx)) if not plan.pre else None
