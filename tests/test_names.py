@@ -6,7 +6,8 @@ nothing: ``kernels/lanes.py`` read ``gemm_decode_ws.TensorDescriptor`` and ``mxq
 ``gemm_decode_ws.HAVE_GLUON`` after both had moved to ``gluon_api``, and each failed at its first GPU
 call. This test resolves, in every source file, each attribute loaded off a name bound by
 ``import mxq...`` / ``from mxq... import module`` against the imported module itself, scope by scope
-(a function's own imports shadow the file's; a name the scope also assigns is left alone).
+(a function's own imports shadow the file's; a name the scope also assigns is left alone), and each
+``from mxq... import name`` at any depth. The tests are checked too: their GPU half runs only on a GPU.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = sorted(
     p
-    for folder in ("mxq", "kernels", "eval", "recipes", "tools")
+    for folder in ("mxq", "kernels", "eval", "recipes", "tools", "tests")
     for p in (ROOT / folder).rglob("*.py")
     if "__pycache__" not in p.parts
 )
@@ -111,7 +112,28 @@ def test_the_check_finds_a_missing_name():
     assert sorted(_missing(ast.parse(src))) == [(3, "G.no_such_name"), (8, "G.TensorDescriptor")]
 
 
+def _unimportable(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, 'module.name') for each ``from mxq.module import name`` (at any depth: a function's own
+    imports run only when it is called) whose module lacks the name and has no such submodule."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "mxq" and not node.level:
+            m = _module(node.module)
+            if m is None:
+                out.append((node.lineno, node.module))
+                continue
+            out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names
+                    if a.name != "*" and not hasattr(m, a.name) and _module(f"{node.module}.{a.name}") is None]  # fmt: skip
+    return out
+
+
+def test_the_import_check_finds_a_missing_name():
+    src = "def f():\n    from mxq.kernels.gluon_api import TensorDescriptor, no_such_name\n    from mxq.kernels import tune\n"
+    assert _unimportable(ast.parse(src)) == [(2, "mxq.kernels.gluon_api.no_such_name")]
+
+
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_name_read_off_an_mxq_module_exists(path):
-    missing = _missing(ast.parse(path.read_text(), filename=str(path)))
+    tree = ast.parse(path.read_text(), filename=str(path))
+    missing = _missing(tree) + _unimportable(tree)
     assert not missing, f"{path.relative_to(ROOT)}: " + ", ".join(f"line {n}: {what}" for n, what in missing)
