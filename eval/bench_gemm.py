@@ -125,10 +125,10 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     return gbs
 
 
-# The same-bytes copy's size is rounded up to a multiple of this: torch's byte copy ran a third slower
-# on some sizes that are not (H200, 2026-12-01: 12,986,368 B in 9.5 µs, 13,058,048 B in 7.2 µs, each
-# timed twice; BENCHMARKS.md, "Decode GEMMs against a copy of the same bytes"), which made the yardstick
-# depend on the batch size. The rounding adds less than 64 KiB to copies of megabytes.
+# The same-bytes copy's size is rounded up to a multiple of this: torch's byte copy is much slower at
+# sizes that are not a multiple of 4 KiB, which made the yardstick depend on the batch size rather than
+# on the bytes (figures: BENCHMARKS.md, "Decode GEMMs against a copy of the same bytes"). The rounding
+# adds less than 64 KiB to copies of megabytes.
 COPY_ROUND = 1 << 16
 
 

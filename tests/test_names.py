@@ -36,14 +36,21 @@ def _module(name: str) -> types.ModuleType | None:
     return m if isinstance(m, types.ModuleType) else None
 
 
-def _imports(body: list[ast.stmt]) -> dict[str, types.ModuleType]:
-    """Names this block binds to mxq modules by its own import statements (not nested functions')."""
-    out: dict[str, types.ModuleType] = {}
+def _own_nodes(body: list[ast.stmt]):
+    """Every node of this block, not descending into the functions and classes defined in it (their
+    def and class statements themselves are yielded)."""
     todo = list(body)
     while todo:
         node = todo.pop()
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
-            continue
+        yield node
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            todo.extend(ast.iter_child_nodes(node))
+
+
+def _imports(body: list[ast.stmt]) -> dict[str, types.ModuleType]:
+    """Names this block binds to mxq modules by its own import statements."""
+    out: dict[str, types.ModuleType] = {}
+    for node in _own_nodes(body):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "mxq" and not node.level:
             for a in node.names:
                 m = _module(f"{node.module}.{a.name}")
@@ -55,24 +62,17 @@ def _imports(body: list[ast.stmt]) -> dict[str, types.ModuleType]:
                     m = _module(a.name if a.asname else "mxq")
                     if m is not None:
                         out[a.asname or "mxq"] = m
-        todo.extend(ast.iter_child_nodes(node))
     return out
 
 
 def _stored(body: list[ast.stmt]) -> set[str]:
-    """Names this block assigns other than by import (not those of the functions nested in it)."""
+    """Names this block assigns other than by import, the functions and classes it defines included."""
     names = set()
-    todo = list(body)
-    while todo:
-        node = todo.pop()
+    for node in _own_nodes(body):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
-            continue
-        if isinstance(node, ast.Lambda):
-            continue
-        if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
             names.add(node.id)
-        todo.extend(ast.iter_child_nodes(node))
     return names
 
 
@@ -84,17 +84,15 @@ def _missing(tree: ast.Module) -> list[tuple[int, str]]:
         aliases = {**outer, **_imports(body)}
         for name in _stored(body) | scope_args:
             aliases.pop(name, None)
-        todo = list(body)
-        while todo:
-            node = todo.pop()
+        for node in _own_nodes(body):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 visit(node.body, {a.arg for a in ast.walk(node.args) if isinstance(a, ast.arg)}, aliases)
-                continue
-            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and isinstance(node.value, ast.Name):
+            elif isinstance(node, ast.ClassDef):
+                visit(node.body, set(), aliases)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and isinstance(node.value, ast.Name):
                 m = aliases.get(node.value.id)
                 if m is not None and not hasattr(m, node.attr):
                     out.append((node.lineno, f"{node.value.id}.{node.attr}"))
-            todo.extend(ast.iter_child_nodes(node))
 
     visit(tree.body, set(), {})
     return out

@@ -513,8 +513,8 @@ def part_dws(ms=(1, 8, 16), stages=(2, 3, 4, 6)):
                 var = {"dispatched": disp, "rule": rule}
                 for st in stages:
                     for name, c in (("disp", disp), ("rule", rule)):
-                        rows_ = c.block_n * 128 + (8 if m <= 8 else 16) * 128
-                        if st != c.stages and st * rows_ * (65536 // (256 * c.maxnreg)) <= 220 * 1024:
+                        stage_bytes = (c.block_n + (8 if m <= 8 else 16)) * 128  # W and X tiles of one step
+                        if st != c.stages and st * stage_bytes * (65536 // (256 * c.maxnreg)) <= 220 * 1024:
                             var[f"{name} s{st}"] = R(c, stages=st)
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 xq, xs = quantize_mx_rows(x, E4M3, ScaleRule.RCEIL)
@@ -543,7 +543,6 @@ def part_dws(ms=(1, 8, 16), stages=(2, 3, 4, 6)):
                 log("   alone", {kk: round(v, 2) for kk, v in row["alone_us"].items()})
                 log("   chain", {kk: round(v, 2) for kk, v in row["chained_us"].items()})
                 rows.append(row)
-                RES["dws"] = rows
             del packs, w, w_deq, t
             torch.cuda.empty_cache()
     RES["dws"] = rows
